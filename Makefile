@@ -1,0 +1,18 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test verify clean
+
+$(STAMP): pyproject.toml scripts/setup_venv.sh
+	scripts/setup_venv.sh $(VENV)
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/sparse-mla demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,55 @@
+"""Argument checking shared by every public entry point.
+
+Each check raises ``ValueError`` (``TypeError`` for non-tensors) naming the argument and what was
+expected, so a bad call never reaches a kernel.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Check ``t`` is a tensor with the given dtype(s), rank, shape (``None`` = any size) and device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            want = " or ".join(str(d) for d in allowed)
+            raise ValueError(f"{name} must have dtype {want}, got {t.dtype}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for axis, (want, got) in enumerate(zip(shape, t.shape)):
+            if want is not None and want != got:
+                expected = tuple("*" if s is None else s for s in shape)
+                raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)} (axis {axis})")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    return t
+
+
+def check_index_range(name: str, idx: torch.Tensor, upper: int, valid: torch.Tensor | None = None) -> None:
+    """Check every entry of ``idx`` (where ``valid``) is ``-1`` or in ``[0, upper)``."""
+    vals = idx if valid is None else idx[valid]
+    bad = (vals < -1) | (vals >= upper)
+    if bool(bad.any()):
+        first = int(vals[bad][0])
+        raise ValueError(f"{name} holds {first}, out of range: entries must be -1 or in [0, {upper})")
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} must be finite (no NaN or inf)")

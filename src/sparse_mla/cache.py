@@ -1,0 +1,90 @@
+"""Paged KV cache pools: one buffer of blocks in one format, a block allocator, insertion by slot."""
+from __future__ import annotations
+
+import torch
+
+from .formats import KVFormat, allocate_cache, get_format
+from .ops import dequantize_and_gather, quantize_and_insert
+
+
+class CacheFullError(RuntimeError):
+    """Raised when a pool has fewer free blocks than requested."""
+
+
+class BlockAllocator:
+    """Hands out physical block numbers ``0 … num_blocks-1``; never gives one block out twice."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` free blocks, lowest numbers first; :class:`CacheFullError` if fewer are free."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > len(self._free):
+            raise CacheFullError(f"asked for {n} blocks, only {len(self._free)} of {self.num_blocks} free")
+        got = [self._free.pop() for _ in range(n)]
+        self._used.update(got)
+        return got
+
+    def free(self, blocks: list[int]) -> None:
+        """Return blocks to the pool; freeing a block that is not allocated is an error."""
+        for b in blocks:
+            if b not in self._used:
+                raise ValueError(f"block {b} is not allocated")
+            self._used.remove(b)
+            self._free.append(b)
+        self._free.sort(reverse=True)
+
+
+class PagedCache:
+    """A pool of ``num_blocks`` blocks of ``block_size`` tokens in one :class:`KVFormat`.
+
+    ``data`` is the cache tensor the ops take: ``(num_blocks, block_size, token_bytes)``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, fmt: str | KVFormat = "fp8_v4", dim: int = 512,
+                 device: torch.device | str = "cpu") -> None:
+        self.fmt = get_format(fmt, dim)
+        self.block_size = block_size
+        self.data = allocate_cache(self.fmt, num_blocks, block_size, device, self.fmt.dim)
+        self.allocator = BlockAllocator(num_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def poison(self) -> None:
+        """Fill every byte with 0xFF (NaN in bf16, e4m3 and ue8m0), so unwritten slots read as NaN."""
+        if self.fmt.name == "bf16":
+            self.data.fill_(float("nan"))
+        else:
+            self._storage().fill_(0xFF)
+
+    def _storage(self) -> torch.Tensor:
+        nbytes = (self.num_blocks - 1) * self.data.stride(0) + self.block_size * self.fmt.token_bytes
+        return torch.as_strided(self.data, (nbytes,), (1,), self.data.storage_offset())
+
+    def write(self, kv_new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Quantise and store ``kv_new (n, d)`` bf16 at ``slot_mapping (n,)``; ``-1`` entries skipped."""
+        quantize_and_insert(kv_new, self.data, slot_mapping, self.fmt)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """Dequantised tokens at ``slots``: ``slots.shape + (d,)`` bf16 (zeros for ``-1``)."""
+        return dequantize_and_gather(self.data, slots, self.fmt)

@@ -1,0 +1,254 @@
+"""KV cache storage formats (DESIGN §2): byte layouts, quantisation and dequantisation in torch.
+
+A paged cache is a tensor ``(num_blocks, block_size, token_bytes)``:
+
+* ``bf16``: a ``torch.bfloat16`` tensor ``(num_blocks, block_size, d)``, d = 512 (V4) or 576 (V3.2).
+* ``fp8_v4`` (FlashMLA "MODEL1"): ``torch.uint8`` ``(num_blocks, block_size, 584)`` whose
+  ``stride(0)`` is the padded block size. Inside a block, token ``t``'s 448 e4m3 nope bytes and
+  128 bytes of bf16 rope sit at ``t * 576``; its 7 ue8m0 tile scales (and one pad byte) sit at
+  ``block_size * 576 + t * 8``. The ``(block_size, 584)`` shape is a view only: row ``t`` of it
+  is *not* token ``t``'s bytes.
+* ``fp8_v32`` (vLLM ``fp8_ds_mla`` for V3.2): ``torch.uint8`` ``(num_blocks, block_size, 656)``,
+  each token ``[512 e4m3][4 x fp32 scale][64 x bf16 rope]``.
+
+The fp8 formats use one power-of-two scale per tile of nope values:
+``scale = 2 ** ceil(log2(max(amax / 448, 1e-4)))``, stored value ``e4m3(x / scale)``.
+
+A *record* is one token's bytes in the canonical order ``[fields of the layout]`` used by
+:func:`encode_records` / :func:`decode_records`; :func:`field_views` says where each slice of the
+record lives inside a block, so the record never needs to be contiguous in the cache.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_finite, check_tensor
+
+E4M3_MAX = 448.0
+MIN_SCALE = 1e-4  # floor of amax / 448, so an all-zero tile still gets a finite scale
+UE8M0_BIAS = 127
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One storage format. ``token_bytes`` is the size of the cache tensor's last axis."""
+
+    name: str
+    dim: int  # latent width per token
+    token_bytes: int
+    nope_dim: int  # dims stored as fp8 (0 for bf16)
+    rope_dim: int  # trailing dims kept in bf16
+    tile: int  # nope values sharing one scale (0 for bf16)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.nope_dim > 0
+
+    @property
+    def num_tiles(self) -> int:
+        return self.nope_dim // self.tile if self.is_fp8 else 0
+
+
+FP8_V4 = KVFormat("fp8_v4", dim=512, token_bytes=584, nope_dim=448, rope_dim=64, tile=64)
+FP8_V32 = KVFormat("fp8_v32", dim=576, token_bytes=656, nope_dim=512, rope_dim=64, tile=128)
+V4_BODY_BYTES = 576  # fp8_v4: nope bytes + rope bytes of one token, packed at the block's start
+V4_SCALE_BYTES = 8  # fp8_v4: 7 ue8m0 scales + 1 pad byte per token, after all tokens' bodies
+FORMAT_NAMES = ("bf16", "fp8_v4", "fp8_v32")
+
+
+def get_format(fmt: str | KVFormat, dim: int = 512) -> KVFormat:
+    """The :class:`KVFormat` named ``fmt``; ``dim`` picks the width of ``bf16`` (512 or 576)."""
+    if isinstance(fmt, KVFormat):
+        return fmt
+    if fmt == "fp8_v4":
+        return FP8_V4
+    if fmt == "fp8_v32":
+        return FP8_V32
+    if fmt == "bf16":
+        if dim not in (512, 576):
+            raise ValueError(f"dim must be 512 (V4) or 576 (V3.2) for bf16, got {dim}")
+        return KVFormat("bf16", dim=dim, token_bytes=2 * dim, nope_dim=0, rope_dim=dim, tile=0)
+    raise ValueError(f"fmt must be one of {FORMAT_NAMES}, got {fmt!r}")
+
+
+def bytes_per_token(fmt: str | KVFormat, dim: int = 512) -> int:
+    """Bytes one token takes in the cache's last axis (584 for fp8_v4, 656 for fp8_v32, 2·d for bf16)."""
+    return get_format(fmt, dim).token_bytes
+
+
+def block_bytes(fmt: str | KVFormat, block_size: int, dim: int = 512) -> int:
+    """Bytes of one cache block, i.e. the cache tensor's ``stride(0)`` in bytes.
+
+    fp8_v4 pads each block up to a multiple of 576 bytes, as FlashMLA does.
+    """
+    f = get_format(fmt, dim)
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    raw = block_size * f.token_bytes
+    if f.name == "fp8_v4":
+        return math.ceil(raw / V4_BODY_BYTES) * V4_BODY_BYTES
+    return raw
+
+
+def infer_format(cache: torch.Tensor, name: str = "cache") -> KVFormat:
+    """The format of a cache tensor from its dtype and last axis (bf16, or uint8 with 584 / 656)."""
+    check_tensor(name, cache, dtype=(torch.bfloat16, torch.uint8))
+    if cache.dtype == torch.bfloat16:
+        return get_format("bf16", cache.shape[-1])
+    for f in (FP8_V4, FP8_V32):
+        if cache.shape[-1] == f.token_bytes:
+            return f
+    raise ValueError(
+        f"{name} is uint8 with {cache.shape[-1]} bytes per token: expected 584 (fp8_v4) or 656 (fp8_v32)"
+    )
+
+
+def as_paged(cache: torch.Tensor, fmt: KVFormat, name: str = "cache") -> torch.Tensor:
+    """Validate a paged cache of ``fmt`` and return it as ``(num_blocks, block_size, token_bytes)``.
+
+    Also accepts FlashMLA's 4-D ``(num_blocks, block_size, 1, token_bytes)``.
+    """
+    if cache.dim() == 4 and cache.shape[2] == 1:
+        cache = cache.squeeze(2)
+    want_dtype = torch.bfloat16 if fmt.name == "bf16" else torch.uint8
+    last = fmt.dim if fmt.name == "bf16" else fmt.token_bytes
+    check_tensor(name, cache, dtype=want_dtype, shape=(None, None, last))
+    if cache.stride(2) != 1 or cache.stride(1) != last:
+        raise ValueError(f"{name} must have contiguous tokens (stride (*, {last}, 1)), got {cache.stride()}")
+    if cache.shape[0] > 1 and cache.stride(0) < block_bytes(fmt, cache.shape[1], fmt.dim) // cache.element_size():
+        raise ValueError(
+            f"{name} stride(0) = {cache.stride(0)} is smaller than one {fmt.name} block "
+            f"({block_bytes(fmt, cache.shape[1], fmt.dim)} bytes)"
+        )
+    return cache
+
+
+def resolve_cache(cache: torch.Tensor, fmt: str | KVFormat | None = None,
+                  name: str = "cache") -> tuple[torch.Tensor, KVFormat]:
+    """Infer a cache's format, check it against ``fmt`` when given, and validate its layout."""
+    found = infer_format(cache, name)
+    if fmt is not None and get_format(fmt, found.dim).name != found.name:
+        want = fmt.name if isinstance(fmt, KVFormat) else fmt
+        raise ValueError(f"{name} holds {found.name} data ({cache.dtype}, last axis {cache.shape[-1]}) but fmt is {want!r}")
+    return as_paged(cache, found, name), found
+
+
+def field_views(cache: torch.Tensor, fmt: KVFormat) -> list[tuple[torch.Tensor, int, int]]:
+    """Where each slice of a token's record lives: ``[(view, start, end)]``.
+
+    ``view[block, offset]`` holds ``record[start:end]`` of the token at ``(block, offset)``.
+    Views alias ``cache``'s storage, so writing through them writes the cache.
+    """
+    if fmt.name != "fp8_v4":
+        return [(cache, 0, cache.shape[-1])]
+    nb, bs, _ = cache.shape
+    s0, base = cache.stride(0), cache.storage_offset()
+    body = torch.as_strided(cache, (nb, bs, V4_BODY_BYTES), (s0, V4_BODY_BYTES, 1), base)
+    scales = torch.as_strided(cache, (nb, bs, V4_SCALE_BYTES), (s0, V4_SCALE_BYTES, 1), base + bs * V4_BODY_BYTES)
+    return [(body, 0, V4_BODY_BYTES), (scales, V4_BODY_BYTES, V4_BODY_BYTES + V4_SCALE_BYTES)]
+
+
+def tile_scale_exponents(nope: torch.Tensor, tile: int) -> torch.Tensor:
+    """``ceil(log2(max(amax / 448, 1e-4)))`` per tile: ``(n, nope_dim)`` float32 -> ``(n, tiles)`` int32."""
+    amax = nope.view(nope.shape[0], -1, tile).abs().amax(-1)
+    return torch.ceil(torch.log2(torch.clamp_min(amax / E4M3_MAX, MIN_SCALE))).to(torch.int32)
+
+
+def encode_records(kv: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """Quantise tokens: ``kv (n, d)`` bf16 -> ``(n, token_bytes)`` uint8 records (fp8 formats only)."""
+    n = kv.shape[0]
+    x = kv.float()
+    nope, rope = x[:, : fmt.nope_dim], kv[:, fmt.nope_dim :]
+    exps = tile_scale_exponents(nope, fmt.tile)
+    scale = torch.exp2(exps.float())
+    q = (nope.view(n, fmt.num_tiles, fmt.tile) / scale[..., None]).view(n, fmt.nope_dim)
+    q_bytes = q.to(torch.float8_e4m3fn).view(torch.uint8)
+    rope_bytes = rope.contiguous().view(torch.uint8)
+    if fmt.name == "fp8_v4":
+        scale_bytes = torch.zeros(n, V4_SCALE_BYTES, dtype=torch.uint8, device=kv.device)
+        scale_bytes[:, : fmt.num_tiles] = (exps + UE8M0_BIAS).to(torch.uint8)
+        return torch.cat([q_bytes, rope_bytes, scale_bytes], dim=1)
+    return torch.cat([q_bytes, scale.contiguous().view(torch.uint8), rope_bytes], dim=1)
+
+
+def record_scales(records: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """Per-tile scales of records: ``(n, token_bytes)`` uint8 -> ``(n, tiles)`` float32."""
+    if fmt.name == "fp8_v4":
+        exps = records[:, V4_BODY_BYTES : V4_BODY_BYTES + fmt.num_tiles].to(torch.int32) - UE8M0_BIAS
+        return torch.exp2(exps.float())
+    return records[:, fmt.nope_dim : fmt.nope_dim + 4 * fmt.num_tiles].contiguous().view(torch.float32)
+
+
+def decode_records(records: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """Dequantise records: ``(n, token_bytes)`` uint8 -> ``(n, d)`` float32 (exact: e4m3 · 2^k)."""
+    n = records.shape[0]
+    q = records[:, : fmt.nope_dim].contiguous().view(torch.float8_e4m3fn).float()
+    nope = (q.view(n, fmt.num_tiles, fmt.tile) * record_scales(records, fmt)[..., None]).view(n, fmt.nope_dim)
+    rope_start = fmt.nope_dim if fmt.name == "fp8_v4" else fmt.nope_dim + 4 * fmt.num_tiles
+    rope = records[:, rope_start : rope_start + 2 * fmt.rope_dim].contiguous().view(torch.bfloat16).float()
+    return torch.cat([nope, rope], dim=1)
+
+
+def write_tokens(cache: torch.Tensor, fmt: KVFormat, blocks: torch.Tensor, offsets: torch.Tensor, kv: torch.Tensor) -> None:
+    """Store ``kv (n, d)`` bf16 at ``(blocks[i], offsets[i])`` of a validated paged cache."""
+    if fmt.name == "bf16":
+        cache[blocks, offsets] = kv
+        return
+    records = encode_records(kv, fmt)
+    for view, start, end in field_views(cache, fmt):
+        view[blocks, offsets] = records[:, start:end]
+
+
+def read_tokens(cache: torch.Tensor, fmt: KVFormat, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Dequantised tokens at ``(blocks[i], offsets[i])``: ``(n, d)`` float32."""
+    if fmt.name == "bf16":
+        return cache[blocks, offsets].float()
+    records = torch.cat([view[blocks, offsets] for view, _, _ in field_views(cache, fmt)], dim=-1)
+    return decode_records(records, fmt)
+
+
+def allocate_cache(fmt: str | KVFormat, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
+                   dim: int = 512) -> torch.Tensor:
+    """A zeroed paged cache ``(num_blocks, block_size, token_bytes)``, a view of one contiguous buffer."""
+    f = get_format(fmt, dim)
+    if num_blocks <= 0:
+        raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+    if f.name == "bf16":
+        return torch.zeros(num_blocks, block_size, f.dim, dtype=torch.bfloat16, device=device)
+    stride0 = block_bytes(f, block_size)
+    raw = torch.zeros(num_blocks * stride0, dtype=torch.uint8, device=device)
+    return torch.as_strided(raw, (num_blocks, block_size, f.token_bytes), (stride0, f.token_bytes, 1))
+
+
+def _block_grid(num_blocks: int, block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = torch.arange(num_blocks, device=device).repeat_interleave(block_size)
+    offsets = torch.arange(block_size, device=device).repeat(num_blocks)
+    return blocks, offsets
+
+
+def quantize_blocks(kv: torch.Tensor, fmt: str | KVFormat) -> torch.Tensor:
+    """Build a paged cache from ``kv (num_blocks, block_size, d)`` bf16 (every slot filled).
+
+    Returns a ``(num_blocks, block_size, token_bytes)`` uint8 tensor (bf16 for ``fmt="bf16"``)
+    whose ``stride(0)`` is :func:`block_bytes`: byte-identical to FlashMLA's / vLLM's caches.
+    """
+    check_tensor("kv", kv, dtype=torch.bfloat16, ndim=3)
+    f = get_format(fmt, kv.shape[-1])
+    check_tensor("kv", kv, shape=(None, None, f.dim))
+    check_finite("kv", kv)
+    nb, bs, _ = kv.shape
+    cache = allocate_cache(f, nb, bs, kv.device, f.dim)
+    blocks, offsets = _block_grid(nb, bs, kv.device)
+    write_tokens(cache, f, blocks, offsets, kv.reshape(nb * bs, f.dim))
+    return cache
+
+
+def dequantize_blocks(cache: torch.Tensor, fmt: str | KVFormat | None = None) -> torch.Tensor:
+    """Every slot of a paged cache, dequantised: ``(num_blocks, block_size, d)`` bf16."""
+    cache, f = resolve_cache(cache, fmt)
+    nb, bs, _ = cache.shape
+    blocks, offsets = _block_grid(nb, bs, cache.device)
+    return read_tokens(cache, f, blocks, offsets).to(torch.bfloat16).view(nb, bs, f.dim)

@@ -1,0 +1,70 @@
+"""Sparse attention ops (DESIGN §4) with backend selection.
+
+``backend="auto"`` picks the fastest implementation available for the inputs' device; any
+backend can be forced by name. All backends share the argument checks of :mod:`.validate`.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .reference import dequantize_and_gather, quantize_and_insert
+
+BACKENDS = ("reference",)
+
+
+def _backend(name: str, device: torch.device):
+    if name == "auto":
+        name = "reference"
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {name!r}")
+    return reference
+
+
+def sparse_attention_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    indices: torch.Tensor,
+    lens: torch.Tensor | None = None,
+    extra_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_lens: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    scale: float | None = None,
+    fmt: str | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA attention of each query token over two index scopes of paged caches.
+
+    q: ``(T, H, d)`` bf16, d = 512 (V4) or 576 (V3.2). cache / extra_cache: paged caches
+    ``(num_blocks, block_size, token_bytes)`` in any format of :mod:`sparse_mla.formats`.
+    indices / extra_indices: ``(T, width)`` int32 slots, ``-1`` invalid; token ``t`` attends to the
+    first ``lens[t]`` entries of each (``lens``: ``(T,)`` int32, default the full width).
+    sink: ``(H,)`` float32 logits joining the softmax denominator only. scale defaults to d**-0.5.
+    Returns out ``(T, H, 512)`` bf16 and lse ``(T, H)`` float32 (natural log over real keys,
+    ``+inf`` for a row with no valid key, whose output is 0).
+    """
+    impl = _backend(backend, q.device)
+    return impl.sparse_attention_decode(q, cache, indices, lens, extra_cache, extra_indices, extra_lens,
+                                        sink, scale, fmt)
+
+
+def sparse_attention_prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    lens: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse attention over a bf16 workspace ``kv (S, d)``: ``indices (T, width)`` int32 rows of kv.
+
+    Same semantics and returns as :func:`sparse_attention_decode`.
+    """
+    impl = _backend(backend, q.device)
+    return impl.sparse_attention_prefill(q, kv, indices, lens, sink, scale)
+
+
+__all__ = ["sparse_attention_decode", "sparse_attention_prefill", "quantize_and_insert", "dequantize_and_gather",
+           "BACKENDS"]

@@ -1,0 +1,107 @@
+"""Plain-PyTorch sparse attention (the reference every other backend is tested against).
+
+Exact up to float32 rounding, any device. It gathers each token's keys from the paged caches,
+dequantises them, and runs a masked softmax with the attention sink (DESIGN §1).
+"""
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_finite, check_index_range, check_tensor
+from ..formats import read_tokens, resolve_cache, write_tokens
+from .validate import D_V, AttentionArgs, Scope, decode_args, prefill_args
+
+_CHUNK_ELEMS = 1 << 25  # gathered key floats per chunk of tokens: bounds the memory of one call
+
+
+def gather_scope(scope: Scope, tokens: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys of ``tokens`` in one scope: ``(n, width, d)`` float32 (zero where invalid) and validity ``(n, width)``."""
+    idx = scope.indices[tokens].long()
+    n, width = idx.shape
+    bs = scope.cache.shape[1]
+    within = torch.arange(width, device=idx.device)[None, :] < scope.lens[tokens, None]
+    valid = within & (idx >= 0) & (idx < scope.num_slots)
+    safe = torch.where(valid, idx, 0).reshape(-1)
+    keys = read_tokens(scope.cache, scope.fmt, safe // bs, safe % bs).view(n, width, -1)
+    keys = torch.where(valid[..., None], keys, 0.0)  # unused slots may hold NaN: never let them in
+    return keys, valid
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor | None,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax attention with sink.
+
+    q: ``(n, H, d)``; keys: ``(n, K, d)`` float32, zero where invalid; valid: ``(n, K)`` bool.
+    Returns out ``(n, H, 512)`` float32 and lse ``(n, H)`` (``+inf`` where a row has no key).
+    """
+    scores = torch.einsum("nhd,nkd->nhk", q.float(), keys) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    empty = ~valid.any(dim=-1)[:, None].expand_as(lse)
+    probs = torch.exp(scores - torch.where(empty, 0.0, lse)[..., None])
+    out = torch.einsum("nhk,nkd->nhd", probs, keys[..., :D_V])
+    if sink is not None:
+        out = out / (1.0 + torch.exp(sink[None, :] - lse))[..., None]
+    out = torch.where(empty[..., None], 0.0, out)
+    return out, torch.where(empty, float("inf"), lse)
+
+
+def run(args: AttentionArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over all scopes of ``args``: out ``(T, H, 512)`` bf16, lse ``(T, H)`` float32."""
+    q = args.q
+    num_tokens, num_heads, dim = q.shape
+    out = torch.empty(num_tokens, num_heads, D_V, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    width = sum(s.indices.shape[1] for s in args.scopes)
+    step = max(1, _CHUNK_ELEMS // max(1, width * dim))
+    for start in range(0, num_tokens, step):
+        rows = slice(start, min(start + step, num_tokens))
+        gathered = [gather_scope(s, rows) for s in args.scopes]
+        keys = torch.cat([k for k, _ in gathered], dim=1)
+        valid = torch.cat([v for _, v in gathered], dim=1)
+        o, l = attend(q[rows], keys, valid, args.sink, args.scale)
+        out[rows], lse[rows] = o.to(torch.bfloat16), l
+    return out, lse
+
+
+def sparse_attention_decode(q, cache, indices, lens=None, extra_cache=None, extra_indices=None, extra_lens=None,
+                            sink=None, scale=None, fmt=None):
+    """Reference decode; see :func:`sparse_mla.ops.sparse_attention_decode`."""
+    return run(decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, scale, fmt))
+
+
+def sparse_attention_prefill(q, kv, indices, lens=None, sink=None, scale=None):
+    """Reference prefill; see :func:`sparse_mla.ops.sparse_attention_prefill`."""
+    return run(prefill_args(q, kv, indices, lens, sink, scale))
+
+
+def split_slots(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots ``(n,)`` -> (block, offset) int64 pairs for a paged cache."""
+    bs = cache.shape[1]
+    slots = slots.long()
+    return slots // bs, slots % bs
+
+
+def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        fmt: str | None = None) -> None:
+    """Quantise ``kv_new (n, d)`` bf16 into ``cache`` at ``slot_mapping (n,)`` (``-1`` skipped)."""
+    cache, f = resolve_cache(cache, fmt)
+    check_tensor("kv_new", kv_new, dtype=torch.bfloat16, shape=(None, f.dim), device=cache.device)
+    check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(kv_new.shape[0],),
+                 device=cache.device)
+    check_index_range("slot_mapping", slot_mapping, cache.shape[0] * cache.shape[1])
+    keep = slot_mapping >= 0
+    check_finite("kv_new", kv_new[keep])
+    blocks, offsets = split_slots(cache, slot_mapping[keep])
+    write_tokens(cache, f, blocks, offsets, kv_new[keep])
+
+
+def dequantize_and_gather(cache: torch.Tensor, slots: torch.Tensor, fmt: str | None = None) -> torch.Tensor:
+    """Tokens at ``slots`` (any shape, ``-1`` -> zeros), dequantised: ``slots.shape + (d,)`` bf16."""
+    cache, f = resolve_cache(cache, fmt)
+    check_tensor("slots", slots, dtype=(torch.int32, torch.int64), device=cache.device)
+    check_index_range("slots", slots, cache.shape[0] * cache.shape[1])
+    flat = slots.reshape(-1)
+    blocks, offsets = split_slots(cache, flat.clamp_min(0))
+    rows = torch.where((flat >= 0)[:, None], read_tokens(cache, f, blocks, offsets), 0.0)
+    return rows.to(torch.bfloat16).view(*slots.shape, f.dim)

@@ -1,0 +1,108 @@
+"""Entry checks shared by every backend of the attention ops (DESIGN §4).
+
+Every backend calls :func:`decode_args` / :func:`prefill_args` first, so all of them reject the
+same bad inputs with the same ``ValueError`` and see the same normalised arguments.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .._checks import check_index_range, check_tensor
+from ..formats import KVFormat, resolve_cache
+
+D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part of 576)
+
+
+def debug_checks_enabled() -> bool:
+    """Whether fast kernels also check index ranges on entry (``SPARSE_MLA_DEBUG=1``)."""
+    return os.environ.get("SPARSE_MLA_DEBUG", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Scope:
+    """One index scope: the first ``lens[t]`` entries of ``indices[t]`` are slots of ``cache``.
+
+    cache: ``(num_blocks, block_size, token_bytes)`` paged cache of format ``fmt``.
+    indices: ``(T, width)`` int32 slots (``block * block_size + offset``), ``-1`` = invalid.
+    lens: ``(T,)`` int32 in ``[0, width]``.
+    """
+
+    cache: torch.Tensor
+    fmt: KVFormat
+    indices: torch.Tensor
+    lens: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return self.cache.shape[0] * self.cache.shape[1]
+
+
+@dataclass(frozen=True)
+class AttentionArgs:
+    """Normalised arguments: q ``(T, H, d)`` bf16, one or two scopes, sink ``(H,)`` f32 or None."""
+
+    q: torch.Tensor
+    scopes: tuple[Scope, ...]
+    sink: torch.Tensor | None
+    scale: float
+
+
+def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None,
+           fmt: str | KVFormat | None, check_ranges: bool) -> Scope:
+    cache_name = f"{prefix}cache" if prefix else "cache"
+    cache, f = resolve_cache(cache, fmt, cache_name)
+    if f.dim != q.shape[-1]:
+        raise ValueError(f"q has head dim {q.shape[-1]} but {cache_name} holds {f.name} tokens of dim {f.dim}")
+    num_tokens = q.shape[0]
+    check_tensor(f"{prefix}indices", indices, dtype=torch.int32, shape=(num_tokens, None), device=q.device)
+    check_tensor(cache_name, cache, device=q.device)
+    width = indices.shape[1]
+    if lens is None:
+        lens = torch.full((num_tokens,), width, dtype=torch.int32, device=q.device)
+    check_tensor(f"{prefix}lens", lens, dtype=torch.int32, shape=(num_tokens,), device=q.device)
+    if check_ranges:
+        if num_tokens and bool(((lens < 0) | (lens > width)).any()):
+            raise ValueError(f"{prefix}lens must lie in [0, {width}] (the width of {prefix}indices)")
+        within = torch.arange(width, device=q.device)[None, :] < lens[:, None]
+        check_index_range(f"{prefix}indices", indices, cache.shape[0] * cache.shape[1], within)
+    return Scope(cache, f, indices, lens)
+
+
+def _sink_and_scale(q: torch.Tensor, sink: torch.Tensor | None, scale: float | None) -> tuple[torch.Tensor | None, float]:
+    if sink is not None:
+        check_tensor("sink", sink, dtype=torch.float32, shape=(q.shape[1],), device=q.device)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if not (isinstance(scale, (int, float)) and scale > 0 and scale != float("inf")):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return sink, float(scale)
+
+
+def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=None, extra_lens=None,
+                sink=None, scale=None, fmt=None, check_ranges: bool = True) -> AttentionArgs:
+    """Check and normalise the arguments of ``sparse_attention_decode``."""
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    if q.shape[-1] not in (512, 576):
+        raise ValueError(f"q must have head dim 512 (V4) or 576 (V3.2), got {q.shape[-1]}")
+    scopes = [_scope("", q, cache, indices, lens, fmt, check_ranges)]
+    if (extra_cache is None) != (extra_indices is None):
+        raise ValueError("extra_cache and extra_indices must be given together")
+    if extra_cache is not None:
+        scopes.append(_scope("extra_", q, extra_cache, extra_indices, extra_lens, fmt, check_ranges))
+    elif extra_lens is not None:
+        raise ValueError("extra_lens given without extra_cache / extra_indices")
+    sink, scale = _sink_and_scale(q, sink, scale)
+    return AttentionArgs(q, tuple(scopes), sink, scale)
+
+
+def prefill_args(q, kv, indices, lens=None, sink=None, scale=None, check_ranges: bool = True) -> AttentionArgs:
+    """Check and normalise ``sparse_attention_prefill``'s arguments; ``kv (S, d)`` becomes a
+    one-token-per-block bf16 cache so every backend reads it like a paged scope."""
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, q.shape[-1]), device=q.device)
+    if kv.stride(-1) != 1:
+        raise ValueError("kv must have contiguous rows (stride(-1) == 1)")
+    return decode_args(q, kv.unsqueeze(1), indices, lens, sink=sink, scale=scale, check_ranges=check_ranges)

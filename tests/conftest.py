@@ -1,0 +1,10 @@
+"""Test set-up: without a CUDA device, Triton kernels run in Triton's CPU interpreter.
+
+The variable must be set before any module defining a ``@triton.jit`` kernel is imported.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
