@@ -9,16 +9,24 @@ import torch
 
 from . import reference
 from .reference import dequantize_and_gather, quantize_and_insert
+from .validate import debug_checks_enabled, decode_args, prefill_args
 
-BACKENDS = ("reference",)
+try:
+    from . import triton_attention
+except ImportError:  # no Triton on this platform: the reference backend still works
+    triton_attention = None
+
+BACKENDS = ("reference", "triton")
 
 
-def _backend(name: str, device: torch.device):
+def _backend(name: str, device: torch.device) -> str:
     if name == "auto":
-        name = "reference"
+        return "triton" if device.type == "cuda" and triton_attention is not None else "reference"
     if name not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {name!r}")
-    return reference
+    if name == "triton" and triton_attention is None:
+        raise ValueError("backend 'triton' needs the triton package, which is not installed")
+    return name
 
 
 def sparse_attention_decode(
@@ -44,9 +52,12 @@ def sparse_attention_decode(
     Returns out ``(T, H, 512)`` bf16 and lse ``(T, H)`` float32 (natural log over real keys,
     ``+inf`` for a row with no valid key, whose output is 0).
     """
-    impl = _backend(backend, q.device)
-    return impl.sparse_attention_decode(q, cache, indices, lens, extra_cache, extra_indices, extra_lens,
-                                        sink, scale, fmt)
+    if _backend(backend, q.device) == "reference":
+        return reference.run(decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink,
+                                         scale, fmt))
+    args = decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, scale, fmt,
+                       check_ranges=debug_checks_enabled())
+    return triton_attention.run(args)
 
 
 def sparse_attention_prefill(
@@ -62,8 +73,9 @@ def sparse_attention_prefill(
 
     Same semantics and returns as :func:`sparse_attention_decode`.
     """
-    impl = _backend(backend, q.device)
-    return impl.sparse_attention_prefill(q, kv, indices, lens, sink, scale)
+    if _backend(backend, q.device) == "reference":
+        return reference.run(prefill_args(q, kv, indices, lens, sink, scale))
+    return triton_attention.run(prefill_args(q, kv, indices, lens, sink, scale, check_ranges=debug_checks_enabled()))
 
 
 __all__ = ["sparse_attention_decode", "sparse_attention_prefill", "quantize_and_insert", "dequantize_and_gather",

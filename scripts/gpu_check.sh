@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Everything a GPU session checks, in one call (device tool: carry .whl; run from the repo root):
+#   bash scripts/gpu_check.sh [bench_decode.py args...]
+# Installs the carried FlashMLA wheel, runs the GPU tests (kernels vs reference, FlashMLA interop),
+# then the decode benchmark. Logs and JSON go to $OUT (default results/); the table prints last.
+set -uo pipefail
+OUT=${OUT:-results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_triton_attention.py tests/test_flashmla_interop.py} \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+python3 benchmarks/bench_decode.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_decode.log" | grep -v '^{'

@@ -1,0 +1,290 @@
+"""Triton sparse MLA attention over paged caches: the kernel behind decode and prefill.
+
+One program handles one query token, a block of up to 64 heads and one split of the token's key
+list; it gathers ``BLOCK_N`` keys at a time from one or two index scopes (SWA + compressed),
+dequantises them once for all its heads, and runs an online softmax. When a token's key list is
+split across programs, a second kernel merges the partial results by their LSE and applies the
+sink; otherwise the first kernel finishes the row itself. So every call is at most two launches.
+
+The 512 (V4) or 576 (V3.2) latent dims are handled as four pieces of power-of-two width,
+``[256][128][64 or 128] nope + [64] rope``, so no dot is padded. fp8 tiles are dequantised with
+their power-of-two scale in one exact multiply (``e4m3 · 2^k`` is exact in bf16).
+
+Out-of-range and ``-1`` indices are never read: the kernel masks them out, whatever the input.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .validate import D_V, AttentionArgs, Scope
+
+FMT_BF16, FMT_FP8_V4, FMT_FP8_V32 = 0, 1, 2
+_FMT_CODE = {"bf16": FMT_BF16, "fp8_v4": FMT_FP8_V4, "fp8_v32": FMT_FP8_V32}
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_piece(cache_ptr, row_base, scale_base, valid, START: tl.constexpr, WIDTH: tl.constexpr,
+                FMT: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Dequantised dims ``[START, START+WIDTH)`` of ``BLOCK_N`` gathered tokens: ``(BLOCK_N, WIDTH)``.
+
+    row_base: per token, offset of its first element (bf16: in elements; fp8: in bytes).
+    scale_base: fp8_v4 only, byte offset of its 8 scale bytes.
+    """
+    if FMT == 0:
+        cols = tl.arange(0, WIDTH)
+        vals = tl.load(cache_ptr + row_base[:, None] + START + cols[None, :], mask=valid[:, None], other=0.0)
+        return vals.to(DOT)
+    else:
+        TILE: tl.constexpr = 64 if FMT == 1 else 128
+        NT: tl.constexpr = WIDTH // TILE
+        t = tl.arange(0, NT)
+        c = tl.arange(0, TILE)
+        byte_off = row_base[:, None, None] + START + t[None, :, None] * TILE + c[None, None, :]
+        raw = tl.load(cache_ptr + byte_off, mask=valid[:, None, None], other=0)
+        vals = raw.to(tl.float8e4nv, bitcast=True).to(DOT)
+        if FMT == 1:
+            exps = tl.load(cache_ptr + scale_base[:, None] + START // TILE + t[None, :], mask=valid[:, None], other=127)
+            scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # ue8m0 -> 2^(e-127)
+        else:
+            sp = (cache_ptr + row_base[:, None] + 512 + 4 * (START // TILE + t[None, :])).to(tl.pointer_type(tl.float32))
+            scale = tl.load(sp, mask=valid[:, None], other=1.0)
+        vals = vals * scale.to(DOT)[:, :, None]
+        return tl.reshape(vals, (BLOCK_N, WIDTH))
+
+
+@triton.jit
+def _load_rope(cache_ptr, row_base, valid, FMT: tl.constexpr, ROPE_OFF: tl.constexpr, DOT: tl.constexpr):
+    """The 64 bf16 rope dims of the gathered tokens: ``(BLOCK_N, 64)``."""
+    cols = tl.arange(0, 64)
+    if FMT == 0:
+        ptrs = cache_ptr + row_base[:, None] + ROPE_OFF + cols[None, :]
+    else:
+        start = ROPE_OFF if FMT == 1 else 528  # fp8_v32: after 512 e4m3 bytes and 16 scale bytes
+        ptrs = (cache_ptr + row_base[:, None] + start).to(tl.pointer_type(tl.bfloat16)) + cols[None, :]
+    return tl.load(ptrs, mask=valid[:, None], other=0.0).to(DOT)
+
+
+@triton.jit
+def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
+                cache_ptr, stride0, stride1, block_size, num_slots, idx_row, length, blk_lo, blk_hi, qk_scale,
+                FMT: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr,
+                BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+    """Online-softmax update over key blocks ``[blk_lo, blk_hi)`` of one scope (base-2 logits)."""
+    ROPE_OFF: tl.constexpr = PA + PB + PC
+    offs = tl.arange(0, BLOCK_N)
+    for blk in range(blk_lo, blk_hi):
+        j = blk * BLOCK_N + offs
+        idx = tl.load(idx_row + j, mask=j < length, other=-1)
+        valid = (idx >= 0) & (idx < num_slots)
+        slot = tl.where(valid, idx, 0).to(tl.int64)
+        block = slot // block_size
+        off = slot - block * block_size
+        if FMT == 1:
+            row_base = block * stride0 + off * 576
+        else:
+            row_base = block * stride0 + off * stride1
+        scale_base = block * stride0 + block_size * 576 + off * 8
+        k_a = _load_piece(cache_ptr, row_base, scale_base, valid, 0, PA, FMT, DOT, BLOCK_N)
+        k_b = _load_piece(cache_ptr, row_base, scale_base, valid, PA, PB, FMT, DOT, BLOCK_N)
+        k_c = _load_piece(cache_ptr, row_base, scale_base, valid, PA + PB, PC, FMT, DOT, BLOCK_N)
+        k_r = _load_rope(cache_ptr, row_base, valid, FMT, ROPE_OFF, DOT)
+        s = tl.dot(q_a, tl.trans(k_a))
+        s += tl.dot(q_b, tl.trans(k_b))
+        s += tl.dot(q_c, tl.trans(k_c))
+        s += tl.dot(q_r, tl.trans(k_r))
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p_dot = p.to(DOT)
+        acc_a = acc_a * alpha[:, None] + tl.dot(p_dot, k_a)
+        acc_b = acc_b * alpha[:, None] + tl.dot(p_dot, k_b)
+        acc_c = acc_c * alpha[:, None] + tl.dot(p_dot, k_c)
+        acc_r = acc_r * alpha[:, None] + tl.dot(p_dot, k_r)
+        m_i = m_new
+    return acc_a, acc_b, acc_c, acc_r, m_i, l_i
+
+
+@triton.jit
+def _store_piece(ptr, heads, head_mask, acc, factor, START: tl.constexpr, WIDTH: tl.constexpr, stride_h):
+    cols = tl.arange(0, WIDTH)
+    vals = acc * factor[:, None]
+    tl.store(ptr + heads[:, None] * stride_h + START + cols[None, :], vals.to(ptr.dtype.element_ty),
+             mask=head_mask[:, None])
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    q_ptr, stride_qt, stride_qh,
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+    c0_ptr, c0_stride0, c0_stride1, c0_bs, c0_slots, i0_ptr, i0_stride, l0_ptr, w0,
+    c1_ptr, c1_stride0, c1_stride1, c1_bs, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
+    num_tokens, num_heads, qk_scale,
+    FMT0: tl.constexpr, FMT1: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr,
+    PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr, V_HAS_ROPE: tl.constexpr,
+    H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    heads = hb * H_BLOCK + tl.arange(0, H_BLOCK)
+    head_mask = heads < num_heads
+    ROPE_OFF: tl.constexpr = PA + PB + PC
+
+    q_row = q_ptr + tok.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    q_a = tl.load(q_row + tl.arange(0, PA)[None, :], mask=head_mask[:, None], other=0.0).to(DOT)
+    q_b = tl.load(q_row + PA + tl.arange(0, PB)[None, :], mask=head_mask[:, None], other=0.0).to(DOT)
+    q_c = tl.load(q_row + PA + PB + tl.arange(0, PC)[None, :], mask=head_mask[:, None], other=0.0).to(DOT)
+    q_r = tl.load(q_row + ROPE_OFF + tl.arange(0, 64)[None, :], mask=head_mask[:, None], other=0.0).to(DOT)
+
+    len0 = tl.minimum(tl.maximum(tl.load(l0_ptr + tok), 0), w0)
+    nblk0 = tl.cdiv(len0, BLOCK_N)
+    len1 = 0
+    if HAS_EXTRA:
+        len1 = tl.minimum(tl.maximum(tl.load(l1_ptr + tok), 0), w1)
+    nblk1 = tl.cdiv(len1, BLOCK_N)
+    per_split = tl.cdiv(nblk0 + nblk1, SPLITS)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, nblk0 + nblk1)
+
+    acc_a = tl.zeros((H_BLOCK, PA), tl.float32)
+    acc_b = tl.zeros((H_BLOCK, PB), tl.float32)
+    acc_c = tl.zeros((H_BLOCK, PC), tl.float32)
+    acc_r = tl.zeros((H_BLOCK, 64), tl.float32)
+    m_i = tl.full((H_BLOCK,), float("-inf"), tl.float32)
+    l_i = tl.zeros((H_BLOCK,), tl.float32)
+    acc_a, acc_b, acc_c, acc_r, m_i, l_i = _scope_pass(
+        acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
+        c0_ptr, c0_stride0, c0_stride1, c0_bs, c0_slots, i0_ptr + tok.to(tl.int64) * i0_stride, len0,
+        tl.minimum(lo, nblk0), tl.minimum(hi, nblk0), qk_scale, FMT0, PA, PB, PC, BLOCK_N, DOT)
+    if HAS_EXTRA:
+        acc_a, acc_b, acc_c, acc_r, m_i, l_i = _scope_pass(
+            acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
+            c1_ptr, c1_stride0, c1_stride1, c1_bs, c1_slots, i1_ptr + tok.to(tl.int64) * i1_stride, len1,
+            tl.maximum(lo, nblk0) - nblk0, hi - nblk0, qk_scale, FMT1, PA, PB, PC, BLOCK_N, DOT)
+
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
+    # natural-log LSE of the real keys; -inf marks an empty partial, +inf an empty final row
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+    if SPLITS == 1:
+        factor = inv_l
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + heads, mask=head_mask, other=float("-inf"))
+            factor = factor / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse)))
+        row = out_ptr + tok.to(tl.int64) * num_heads * 512
+        tl.store(lse_ptr + tok * num_heads + heads, tl.where(empty, float("inf"), lse), mask=head_mask)
+    else:
+        factor = inv_l
+        part = (split * num_tokens + tok).to(tl.int64) * num_heads
+        row = part_o_ptr + part * 512
+        tl.store(part_lse_ptr + part + heads, lse, mask=head_mask)
+    _store_piece(row, heads, head_mask, acc_a, factor, 0, PA, 512)
+    _store_piece(row, heads, head_mask, acc_b, factor, PA, PB, 512)
+    _store_piece(row, heads, head_mask, acc_c, factor, PA + PB, PC, 512)
+    if V_HAS_ROPE:
+        _store_piece(row, heads, head_mask, acc_r, factor, ROPE_OFF, 64, 512)
+
+
+@triton.jit
+def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, sink_ptr, num_rows, num_heads,
+                    SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HAS_SINK: tl.constexpr):
+    """Merge ``SPLITS`` partial rows (normalised outputs + LSE) of one (token, head) and apply the sink."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SPLITS_P2)
+    smask = s < SPLITS
+    lse_s = tl.load(part_lse_ptr + s * num_rows + row, mask=smask, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe)
+    total = tl.sum(w, 0)
+    empty = total == 0.0
+    lse = m_safe + tl.log(tl.where(empty, 1.0, total))
+    factor = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + row % num_heads)
+        factor = factor / (1.0 + tl.exp(sink - lse))
+    cols = tl.arange(0, 512)
+    parts = tl.load(part_o_ptr + (s[:, None] * num_rows + row) * 512 + cols[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(parts * (w * factor)[:, None], 0)
+    tl.store(out_ptr + row * 512 + cols, out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + row, tl.where(empty, float("inf"), lse))
+
+
+def _pieces(dim: int) -> tuple[int, int, int, bool]:
+    """(PA, PB, PC, V_HAS_ROPE): nope split into power-of-two pieces; V4's V includes the rope dims."""
+    return (256, 128, 64, True) if dim == 512 else (256, 128, 128, False)
+
+
+def _scope_args(scope: Scope) -> list:
+    cache = scope.cache
+    if scope.fmt.name == "bf16":
+        stride0, stride1 = cache.stride(0), cache.stride(1)
+    else:
+        stride0, stride1 = cache.stride(0), scope.fmt.token_bytes
+    return [cache, stride0, stride1, cache.shape[1], scope.num_slots, scope.indices, scope.indices.stride(0),
+            scope.lens, scope.indices.shape[1]]
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_splits(num_tokens: int, head_blocks: int, max_blocks: int, device: torch.device) -> int:
+    """Split each key list when the token×head-block grid alone cannot fill the GPU."""
+    programs = num_tokens * head_blocks
+    sms = num_sms(device)
+    if programs >= sms or max_blocks <= 1:
+        return 1
+    return int(max(1, min(max_blocks // 2 or 1, -(-2 * sms // max(programs, 1)), 32)))
+
+
+def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
+        num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the attention kernel (and the combine kernel when the key lists are split)."""
+    q = args.q
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    num_tokens, num_heads, dim = q.shape
+    device = q.device
+    out = torch.empty(num_tokens, num_heads, D_V, dtype=torch.bfloat16, device=device)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
+    if num_tokens == 0 or num_heads == 0:
+        return out, lse
+    interpret = device.type != "cuda"
+    dot_dtype = tl.float32 if interpret else tl.bfloat16  # the CPU interpreter computes bf16 dots wrongly
+    h_block = min(64, max(16, triton.next_power_of_2(num_heads)))
+    head_blocks = triton.cdiv(num_heads, h_block)
+    block_n = block_n or (16 if interpret else 64)
+    max_blocks = sum(triton.cdiv(s.indices.shape[1], block_n) for s in args.scopes)
+    splits = splits or choose_splits(num_tokens, head_blocks, max_blocks, device)
+    s0 = args.scopes[0]
+    s1 = args.scopes[1] if len(args.scopes) > 1 else s0
+    part_o = part_lse = out
+    if splits > 1:
+        part_o = torch.empty(splits, num_tokens, num_heads, D_V, dtype=torch.float32, device=device)
+        part_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32, device=device)
+    sink = args.sink if args.sink is not None else lse
+    pa, pb, pc, v_has_rope = _pieces(dim)
+    launch = {} if interpret else {"num_warps": num_warps or 8, "num_stages": num_stages or 2}
+    _sparse_mla_kernel[(num_tokens, head_blocks, splits)](
+        q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
+        *_scope_args(s0), *_scope_args(s1),
+        num_tokens, num_heads, args.scale * LOG2E,
+        FMT0=_FMT_CODE[s0.fmt.name], FMT1=_FMT_CODE[s1.fmt.name], HAS_EXTRA=len(args.scopes) > 1,
+        HAS_SINK=args.sink is not None, PA=pa, PB=pb, PC=pc, V_HAS_ROPE=v_has_rope,
+        H_BLOCK=h_block, BLOCK_N=block_n, SPLITS=splits, DOT=dot_dtype, **launch,
+    )
+    if splits > 1:
+        _combine_kernel[(num_tokens * num_heads,)](
+            part_o, part_lse, out, lse, sink, num_tokens * num_heads, num_heads,
+            SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), HAS_SINK=args.sink is not None,
+        )
+    return out, lse
