@@ -47,7 +47,7 @@ def make_scope(b, s_q, seqlen, topk, block_size, gen, ragged):
     lens = torch.full((b,), topk, dtype=torch.int32, device="cuda")
     if ragged:
         lens = torch.randint(0, topk + 1, (b,), generator=gen, device="cuda").int()
-        slots[torch.arange(topk, device="cuda").view(1, 1, topk) >= lens.view(b, 1, 1)] = -1
+        slots[(torch.arange(topk, device="cuda").view(1, 1, topk) >= lens.view(b, 1, 1)).expand(b, s_q, topk)] = -1
     return cache, slots, lens
 
 
@@ -79,7 +79,10 @@ def run_case(c, gen, args, flash_mla, configs):
         out, _ = ours()
         err = rel(out, ref)
         assert err < 1e-2 and not out.isnan().any(), f"ours wrong on {c} {cfg}: rel err {err}"
+        k = triton_attention.LAST_COMPILED["attention"]
         results[json.dumps(cfg)] = (timed(ours, args.rep), err)
+        print(f"  {cfg}: {results[json.dumps(cfg)][0]:.1f} us, regs {k.n_regs}, spills {k.n_spills}, "
+              f"smem {k.metadata.shared}, wgmma {'wgmma' in k.asm['ptx']}", flush=True)
     best_cfg = min(results, key=lambda k: results[k][0])
     row.update(ours_us=results[best_cfg][0], ours_err=results[best_cfg][1], cfg=best_cfg,
                sweep={k: v[0] for k, v in results.items()})

@@ -26,88 +26,105 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_piece(cache_ptr, row_base, scale_base, valid, START: tl.constexpr, WIDTH: tl.constexpr,
-                FMT: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr):
+def _load_piece(row_ptr, scale_ptr, valid, START: tl.constexpr, WIDTH: tl.constexpr, FMT: tl.constexpr,
+                DOT: tl.constexpr, BLOCK_N: tl.constexpr):
     """Dequantised dims ``[START, START+WIDTH)`` of ``BLOCK_N`` gathered tokens: ``(BLOCK_N, WIDTH)``.
 
-    row_base: per token, offset of its first element (bf16: in elements; fp8: in bytes).
-    scale_base: fp8_v4 only, byte offset of its 8 scale bytes.
+    row_ptr: ``(BLOCK_N,)`` pointers to each token's first element (bf16 caches) or byte (fp8 caches).
+    scale_ptr: fp8_v4 only, pointers to each token's 8 scale bytes.
     """
     if FMT == 0:
-        cols = tl.arange(0, WIDTH)
-        vals = tl.load(cache_ptr + row_base[:, None] + START + cols[None, :], mask=valid[:, None], other=0.0)
-        return vals.to(DOT)
+        vals = tl.load(row_ptr[:, None] + (START + tl.arange(0, WIDTH))[None, :], mask=valid[:, None], other=0.0)
+        out = vals.to(DOT)
     else:
         TILE: tl.constexpr = 64 if FMT == 1 else 128
         NT: tl.constexpr = WIDTH // TILE
         t = tl.arange(0, NT)
-        c = tl.arange(0, TILE)
-        byte_off = row_base[:, None, None] + START + t[None, :, None] * TILE + c[None, None, :]
-        raw = tl.load(cache_ptr + byte_off, mask=valid[:, None, None], other=0)
-        vals = raw.to(tl.float8e4nv, bitcast=True).to(DOT)
+        cols = START + t[:, None] * TILE + tl.arange(0, TILE)[None, :]
+        raw = tl.load(row_ptr[:, None, None] + cols[None, :, :], mask=valid[:, None, None], other=0)
         if FMT == 1:
-            exps = tl.load(cache_ptr + scale_base[:, None] + START // TILE + t[None, :], mask=valid[:, None], other=127)
+            exps = tl.load(scale_ptr[:, None] + (START // TILE + t)[None, :], mask=valid[:, None], other=127)
             scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # ue8m0 -> 2^(e-127)
         else:
-            sp = (cache_ptr + row_base[:, None] + 512 + 4 * (START // TILE + t[None, :])).to(tl.pointer_type(tl.float32))
+            sp = (row_ptr[:, None] + (512 + 4 * (START // TILE + t))[None, :]).to(tl.pointer_type(tl.float32))
             scale = tl.load(sp, mask=valid[:, None], other=1.0)
-        vals = vals * scale.to(DOT)[:, :, None]
-        return tl.reshape(vals, (BLOCK_N, WIDTH))
+        vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+        out = tl.reshape(vals, (BLOCK_N, WIDTH)).to(DOT)
+    return out
 
 
 @triton.jit
-def _load_rope(cache_ptr, row_base, valid, FMT: tl.constexpr, ROPE_OFF: tl.constexpr, DOT: tl.constexpr):
+def _load_rope(row_ptr, valid, FMT: tl.constexpr, ROPE_OFF: tl.constexpr, DOT: tl.constexpr):
     """The 64 bf16 rope dims of the gathered tokens: ``(BLOCK_N, 64)``."""
     cols = tl.arange(0, 64)
     if FMT == 0:
-        ptrs = cache_ptr + row_base[:, None] + ROPE_OFF + cols[None, :]
+        ptrs = row_ptr[:, None] + ROPE_OFF + cols[None, :]
     else:
-        start = ROPE_OFF if FMT == 1 else 528  # fp8_v32: after 512 e4m3 bytes and 16 scale bytes
-        ptrs = (cache_ptr + row_base[:, None] + start).to(tl.pointer_type(tl.bfloat16)) + cols[None, :]
+        start: tl.constexpr = ROPE_OFF if FMT == 1 else 528  # fp8_v32: after 512 e4m3 and 16 scale bytes
+        ptrs = (row_ptr + start).to(tl.pointer_type(tl.bfloat16))[:, None] + cols[None, :]
     return tl.load(ptrs, mask=valid[:, None], other=0.0).to(DOT)
 
 
 @triton.jit
 def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
-                cache_ptr, stride0, stride1, block_size, num_slots, idx_row, length, blk_lo, blk_hi, qk_scale,
-                FMT: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr,
+                cache_ptr, stride0, num_slots, idx_row, length, blk_lo, blk_hi, qk_scale,
+                FMT: tl.constexpr, BS: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr,
                 BLOCK_N: tl.constexpr, DOT: tl.constexpr):
-    """Online-softmax update over key blocks ``[blk_lo, blk_hi)`` of one scope (base-2 logits)."""
+    """Online-softmax update over key blocks ``[blk_lo, blk_hi)`` of one scope (base-2 logits).
+
+    The running max is raised only when a block's max exceeds it by more than ``RESCALE_SLACK``
+    (then probabilities stay below 2^8), so the accumulators are rescaled on few blocks only.
+    """
     ROPE_OFF: tl.constexpr = PA + PB + PC
+    # bytes (fp8) or elements (bf16) from a token's first byte to the next token's in its block
+    ROW: tl.constexpr = 576 if FMT == 1 else (656 if FMT == 2 else ROPE_OFF + 64)
+    RESCALE_SLACK: tl.constexpr = 8.0
     offs = tl.arange(0, BLOCK_N)
     for blk in range(blk_lo, blk_hi):
         j = blk * BLOCK_N + offs
         idx = tl.load(idx_row + j, mask=j < length, other=-1)
         valid = (idx >= 0) & (idx < num_slots)
-        slot = tl.where(valid, idx, 0).to(tl.int64)
-        block = slot // block_size
-        off = slot - block * block_size
-        if FMT == 1:
-            row_base = block * stride0 + off * 576
-        else:
-            row_base = block * stride0 + off * stride1
-        scale_base = block * stride0 + block_size * 576 + off * 8
-        k_a = _load_piece(cache_ptr, row_base, scale_base, valid, 0, PA, FMT, DOT, BLOCK_N)
-        k_b = _load_piece(cache_ptr, row_base, scale_base, valid, PA, PB, FMT, DOT, BLOCK_N)
-        k_c = _load_piece(cache_ptr, row_base, scale_base, valid, PA + PB, PC, FMT, DOT, BLOCK_N)
-        k_r = _load_rope(cache_ptr, row_base, valid, FMT, ROPE_OFF, DOT)
+        slot = tl.where(valid, idx, 0)
+        block = slot // BS
+        off = slot - block * BS
+        block_ptr = cache_ptr + block.to(tl.int64) * stride0
+        row_ptr = block_ptr + off * ROW
+        scale_ptr = block_ptr + BS * 576 + off * 8
+        k_a = _load_piece(row_ptr, scale_ptr, valid, 0, PA, FMT, DOT, BLOCK_N)
+        k_b = _load_piece(row_ptr, scale_ptr, valid, PA, PB, FMT, DOT, BLOCK_N)
+        k_c = _load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, DOT, BLOCK_N)
+        k_r = _load_rope(row_ptr, valid, FMT, ROPE_OFF, DOT)
         s = tl.dot(q_a, tl.trans(k_a))
         s += tl.dot(q_b, tl.trans(k_b))
         s += tl.dot(q_c, tl.trans(k_c))
         s += tl.dot(q_r, tl.trans(k_r))
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_blk = tl.max(s, 1)
+        grow = m_blk > m_i + RESCALE_SLACK
+        if tl.max(grow.to(tl.int32), 0) > 0:
+            m_new = tl.where(grow, m_blk, m_i)
+            alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
+            l_i = l_i * alpha
+            acc_a = acc_a * alpha[:, None]
+            acc_b = acc_b * alpha[:, None]
+            acc_c = acc_c * alpha[:, None]
+            acc_r = acc_r * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+        l_i += tl.sum(p, 1)
         p_dot = p.to(DOT)
-        acc_a = acc_a * alpha[:, None] + tl.dot(p_dot, k_a)
-        acc_b = acc_b * alpha[:, None] + tl.dot(p_dot, k_b)
-        acc_c = acc_c * alpha[:, None] + tl.dot(p_dot, k_c)
-        acc_r = acc_r * alpha[:, None] + tl.dot(p_dot, k_r)
-        m_i = m_new
+        acc_a = tl.dot(p_dot, k_a, acc_a)
+        acc_b = tl.dot(p_dot, k_b, acc_b)
+        acc_c = tl.dot(p_dot, k_c, acc_c)
+        acc_r = tl.dot(p_dot, k_r, acc_r)
     return acc_a, acc_b, acc_c, acc_r, m_i, l_i
+
+
+@triton.jit
+def _load_q(q_tok, heads, head_mask, stride_qh, START: tl.constexpr, WIDTH: tl.constexpr, DOT: tl.constexpr):
+    """Dims ``[START, START+WIDTH)`` of the token's query heads: ``(H_BLOCK, WIDTH)``."""
+    cols = START + tl.arange(0, WIDTH)
+    return tl.load(q_tok + heads[:, None] * stride_qh + cols[None, :], mask=head_mask[:, None], other=0.0).to(DOT)
 
 
 @triton.jit
@@ -122,10 +139,10 @@ def _store_piece(ptr, heads, head_mask, acc, factor, START: tl.constexpr, WIDTH:
 def _sparse_mla_kernel(
     q_ptr, stride_qt, stride_qh,
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-    c0_ptr, c0_stride0, c0_stride1, c0_bs, c0_slots, i0_ptr, i0_stride, l0_ptr, w0,
-    c1_ptr, c1_stride0, c1_stride1, c1_bs, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
+    c0_ptr, c0_stride0, c0_slots, i0_ptr, i0_stride, l0_ptr, w0,
+    c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
     num_tokens, num_heads, qk_scale,
-    FMT0: tl.constexpr, FMT1: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr,
+    FMT0: tl.constexpr, FMT1: tl.constexpr, BS0: tl.constexpr, BS1: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr,
     PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr, V_HAS_ROPE: tl.constexpr,
     H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr,
 ):
@@ -136,11 +153,11 @@ def _sparse_mla_kernel(
     head_mask = heads < num_heads
     ROPE_OFF: tl.constexpr = PA + PB + PC
 
-    q_row = q_ptr + tok.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-    q_a = tl.load(q_row + tl.arange(0, PA)[None, :], mask=head_mask[:, None], other=0.0).to(DOT)
-    q_b = tl.load(q_row + PA + tl.arange(0, PB)[None, :], mask=head_mask[:, None], other=0.0).to(DOT)
-    q_c = tl.load(q_row + PA + PB + tl.arange(0, PC)[None, :], mask=head_mask[:, None], other=0.0).to(DOT)
-    q_r = tl.load(q_row + ROPE_OFF + tl.arange(0, 64)[None, :], mask=head_mask[:, None], other=0.0).to(DOT)
+    q_tok = q_ptr + tok.to(tl.int64) * stride_qt
+    q_a = _load_q(q_tok, heads, head_mask, stride_qh, 0, PA, DOT)
+    q_b = _load_q(q_tok, heads, head_mask, stride_qh, PA, PB, DOT)
+    q_c = _load_q(q_tok, heads, head_mask, stride_qh, PA + PB, PC, DOT)
+    q_r = _load_q(q_tok, heads, head_mask, stride_qh, ROPE_OFF, 64, DOT)
 
     len0 = tl.minimum(tl.maximum(tl.load(l0_ptr + tok), 0), w0)
     nblk0 = tl.cdiv(len0, BLOCK_N)
@@ -160,13 +177,13 @@ def _sparse_mla_kernel(
     l_i = tl.zeros((H_BLOCK,), tl.float32)
     acc_a, acc_b, acc_c, acc_r, m_i, l_i = _scope_pass(
         acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
-        c0_ptr, c0_stride0, c0_stride1, c0_bs, c0_slots, i0_ptr + tok.to(tl.int64) * i0_stride, len0,
-        tl.minimum(lo, nblk0), tl.minimum(hi, nblk0), qk_scale, FMT0, PA, PB, PC, BLOCK_N, DOT)
+        c0_ptr, c0_stride0, c0_slots, i0_ptr + tok.to(tl.int64) * i0_stride, len0,
+        tl.minimum(lo, nblk0), tl.minimum(hi, nblk0), qk_scale, FMT0, BS0, PA, PB, PC, BLOCK_N, DOT)
     if HAS_EXTRA:
         acc_a, acc_b, acc_c, acc_r, m_i, l_i = _scope_pass(
             acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
-            c1_ptr, c1_stride0, c1_stride1, c1_bs, c1_slots, i1_ptr + tok.to(tl.int64) * i1_stride, len1,
-            tl.maximum(lo, nblk0) - nblk0, hi - nblk0, qk_scale, FMT1, PA, PB, PC, BLOCK_N, DOT)
+            c1_ptr, c1_stride0, c1_slots, i1_ptr + tok.to(tl.int64) * i1_stride, len1,
+            tl.maximum(lo, nblk0) - nblk0, hi - nblk0, qk_scale, FMT1, BS1, PA, PB, PC, BLOCK_N, DOT)
 
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
@@ -223,12 +240,8 @@ def _pieces(dim: int) -> tuple[int, int, int, bool]:
 
 def _scope_args(scope: Scope) -> list:
     cache = scope.cache
-    if scope.fmt.name == "bf16":
-        stride0, stride1 = cache.stride(0), cache.stride(1)
-    else:
-        stride0, stride1 = cache.stride(0), scope.fmt.token_bytes
-    return [cache, stride0, stride1, cache.shape[1], scope.num_slots, scope.indices, scope.indices.stride(0),
-            scope.lens, scope.indices.shape[1]]
+    return [cache, cache.stride(0), scope.num_slots, scope.indices, scope.indices.stride(0), scope.lens,
+            scope.indices.shape[1]]
 
 
 def num_sms(device: torch.device) -> int:
@@ -238,17 +251,27 @@ def num_sms(device: torch.device) -> int:
 
 
 def choose_splits(num_tokens: int, head_blocks: int, max_blocks: int, device: torch.device) -> int:
-    """Split each key list when the token×head-block grid alone cannot fill the GPU."""
+    """Split each key list only when the token × head-block grid leaves over half the SMs idle.
+
+    A program holds a whole SM (its accumulators fill the register file), so splitting a grid
+    that already covers the GPU only adds waves and a combine pass.
+    """
     programs = num_tokens * head_blocks
     sms = num_sms(device)
-    if programs >= sms or max_blocks <= 1:
+    if 2 * programs > sms or max_blocks <= 1:
         return 1
-    return int(max(1, min(max_blocks // 2 or 1, -(-2 * sms // max(programs, 1)), 32)))
+    return int(max(1, min(sms // programs, max_blocks // 2, 32)))
+
+
+LAST_COMPILED: dict[str, object] = {}  # the last launch's compiled kernel, for register/spill reports
 
 
 def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
-        num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the attention kernel (and the combine kernel when the key lists are split)."""
+        num_stages: int | None = None, h_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the attention kernel (and the combine kernel when the key lists are split).
+
+    The keyword arguments override the tuned launch choices (benchmarks sweep them).
+    """
     q = args.q
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -260,7 +283,7 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
         return out, lse
     interpret = device.type != "cuda"
     dot_dtype = tl.float32 if interpret else tl.bfloat16  # the CPU interpreter computes bf16 dots wrongly
-    h_block = min(64, max(16, triton.next_power_of_2(num_heads)))
+    h_block = h_block or min(64, max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, h_block)
     block_n = block_n or (16 if interpret else 64)
     max_blocks = sum(triton.cdiv(s.indices.shape[1], block_n) for s in args.scopes)
@@ -273,12 +296,13 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
         part_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32, device=device)
     sink = args.sink if args.sink is not None else lse
     pa, pb, pc, v_has_rope = _pieces(dim)
-    launch = {} if interpret else {"num_warps": num_warps or 8, "num_stages": num_stages or 2}
-    _sparse_mla_kernel[(num_tokens, head_blocks, splits)](
+    launch = {} if interpret else {"num_warps": num_warps or 8, "num_stages": num_stages or 1}
+    LAST_COMPILED["attention"] = _sparse_mla_kernel[(num_tokens, head_blocks, splits)](
         q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
         *_scope_args(s0), *_scope_args(s1),
         num_tokens, num_heads, args.scale * LOG2E,
-        FMT0=_FMT_CODE[s0.fmt.name], FMT1=_FMT_CODE[s1.fmt.name], HAS_EXTRA=len(args.scopes) > 1,
+        FMT0=_FMT_CODE[s0.fmt.name], FMT1=_FMT_CODE[s1.fmt.name],
+        BS0=s0.cache.shape[1], BS1=s1.cache.shape[1], HAS_EXTRA=len(args.scopes) > 1,
         HAS_SINK=args.sink is not None, PA=pa, PB=pb, PC=pc, V_HAS_ROPE=v_has_rope,
         H_BLOCK=h_block, BLOCK_N=block_n, SPLITS=splits, DOT=dot_dtype, **launch,
     )
