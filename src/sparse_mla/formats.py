@@ -153,7 +153,7 @@ def field_views(cache: torch.Tensor, fmt: KVFormat) -> list[tuple[torch.Tensor, 
 
 def tile_scale_exponents(nope: torch.Tensor, tile: int) -> torch.Tensor:
     """``ceil(log2(max(amax / 448, 1e-4)))`` per tile: ``(n, nope_dim)`` float32 -> ``(n, tiles)`` int32."""
-    amax = nope.view(nope.shape[0], -1, tile).abs().amax(-1)
+    amax = nope.view(nope.shape[0], nope.shape[1] // tile, tile).abs().amax(-1)
     return torch.ceil(torch.log2(torch.clamp_min(amax / E4M3_MAX, MIN_SCALE))).to(torch.int32)
 
 

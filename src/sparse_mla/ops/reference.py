@@ -9,7 +9,7 @@ import torch
 
 from .._checks import check_finite, check_index_range, check_tensor
 from ..formats import read_tokens, resolve_cache, write_tokens
-from .validate import D_V, AttentionArgs, Scope, decode_args, prefill_args
+from .validate import D_V, AttentionArgs, Scope
 
 _CHUNK_ELEMS = 1 << 25  # gathered key floats per chunk of tokens: bounds the memory of one call
 
@@ -62,17 +62,6 @@ def run(args: AttentionArgs) -> tuple[torch.Tensor, torch.Tensor]:
         o, l = attend(q[rows], keys, valid, args.sink, args.scale)
         out[rows], lse[rows] = o.to(torch.bfloat16), l
     return out, lse
-
-
-def sparse_attention_decode(q, cache, indices, lens=None, extra_cache=None, extra_indices=None, extra_lens=None,
-                            sink=None, scale=None, fmt=None):
-    """Reference decode; see :func:`sparse_mla.ops.sparse_attention_decode`."""
-    return run(decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, scale, fmt))
-
-
-def sparse_attention_prefill(q, kv, indices, lens=None, sink=None, scale=None):
-    """Reference prefill; see :func:`sparse_mla.ops.sparse_attention_prefill`."""
-    return run(prefill_args(q, kv, indices, lens, sink, scale))
 
 
 def split_slots(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
