@@ -12,6 +12,7 @@ from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.scenario import make_scenario
 
 WINDOW, TOPK, HEADS = 8, 12, 3
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @st.composite
@@ -33,15 +34,16 @@ def step_lengths(draw):
 def test_layer_matches_dense_oracle(case, kind, fmt, mode, padding, seed, backend):
     lengths, threshold = case
     sc = make_scenario(lengths, window=WINDOW, topk=TOPK, fmt=fmt, decode_threshold=threshold, padding=padding,
-                       seed=seed, block_sizes={"swa": 4, "c4a": 4, "c128a": 2})
+                       seed=seed, block_sizes={"swa": 4, "c4a": 4, "c128a": 2}, device=DEVICE)
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(sc.batch.token_capacity, HEADS, 512, generator=gen).to(torch.bfloat16)
-    sink = torch.randn(HEADS, generator=gen)
+    q = torch.randn(sc.batch.token_capacity, HEADS, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    sink = torch.randn(HEADS, generator=gen).to(DEVICE)
     layer = SparseMLAAttention(kind, HEADS, window=WINDOW, topk=TOPK if kind == "c4a" else None, sink=sink,
                                backend=backend, prefill_mode=mode, workspace_rows=300)
     out = layer(q, sc.meta, sc.caches, sc.topk_local if kind == "c4a" else None)
     ref = sc.expected(q, kind, list(range(sc.batch.token_capacity)), sink, layer.scale)
     assert not out.isnan().any()
+    out = out.cpu()
     err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     assert err < 1e-2
     assert (out[sc.batch.num_tokens:] == 0).all(), "padding tokens get zeros"

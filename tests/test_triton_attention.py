@@ -148,3 +148,12 @@ def test_prefill_workspace_matches_reference(num_heads):
     got = sparse_attention_prefill(q, kv, idx, lens, sink, backend="triton")
     ref = sparse_attention_prefill(q, kv, idx, lens, sink, backend="reference")
     check_close(got, ref)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU-only behaviour")
+def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cache = PagedCache(1, 4, "bf16")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        sparse_attention_decode(torch.zeros(1, 1, 512, dtype=torch.bfloat16), cache.data,
+                                torch.zeros(1, 2, dtype=torch.int32), backend="triton")

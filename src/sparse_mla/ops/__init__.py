@@ -5,6 +5,8 @@ backend can be forced by name. All backends share the argument checks of :mod:`.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import reference
@@ -26,6 +28,8 @@ def _backend(name: str, device: torch.device) -> str:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {name!r}")
     if name == "triton" and triton_attention is None:
         raise ValueError("backend 'triton' needs the triton package, which is not installed")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ValueError(f"backend 'triton' needs CUDA tensors (got {device}), or TRITON_INTERPRET=1 on the CPU")
     return name
 
 
