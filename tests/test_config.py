@@ -1,0 +1,17 @@
+"""Model presets."""
+import pytest
+
+from sparse_mla.config import get_config
+
+
+def test_v4_flash_preset():
+    cfg = get_config("deepseek-v4-flash")
+    assert (cfg.num_heads, cfg.head_dim, cfg.nope_dim, cfg.window, cfg.index_topk) == (64, 512, 448, 128, 512)
+    assert cfg.num_layers == 44  # 43 layers + the MTP layer of the recipe
+    assert [cfg.layer_kind(i) for i in range(5)] == ["swa", "swa", "c4a", "c128a", "c4a"]
+    assert cfg.layer_kind(cfg.num_layers - 1) == "swa"
+
+
+def test_unknown_preset_is_a_value_error():
+    with pytest.raises(ValueError, match="name must be one of"):
+        get_config("deepseek-v5")
