@@ -15,3 +15,11 @@ def test_v4_flash_preset():
 def test_unknown_preset_is_a_value_error():
     with pytest.raises(ValueError, match="name must be one of"):
         get_config("deepseek-v5")
+
+
+def test_v4_pro_and_v32_presets():
+    pro = get_config("deepseek-v4-pro")
+    assert (pro.num_heads, pro.index_topk, pro.num_layers) == (128, 1024, 62)
+    assert [pro.layer_kind(i) for i in range(4)] == ["c128a", "c128a", "c4a", "c128a"]
+    v32 = get_config("deepseek-v3.2")
+    assert v32.head_dim == 576 and abs(v32.softmax_scale - 0.13523) < 1e-4

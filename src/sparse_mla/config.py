@@ -5,6 +5,7 @@ Layer kinds (DESIGN §1): ``swa`` (compress ratio 1), ``c4a`` (ratio 4, indexer 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 LAYER_KINDS = ("swa", "c4a", "c128a")
@@ -40,33 +41,30 @@ class ModelConfig:
         return KIND_OF_RATIO[self.compress_ratios[layer]]
 
 
-def _v4_ratios(num_layers: int) -> tuple[int, ...]:
-    """Ratios of ``num_layers`` layers plus the MTP layer.
-
-    Megatron-LM's DeepSeek-V4-Flash recipe (``csa_compress_ratios``) is ``[0, 0, 4] + [128, 4] * 20 + [0]``
-    for 43 layers + 1 MTP layer, 0 marking a window-only layer (ratio 1 here); the same alternation is
-    assumed for V4-Pro (not confirmed from a public config).
-    """
-    body = [128, 4] * ((num_layers - 3) // 2)
-    return tuple(1 if r == 0 else r for r in [0, 0, 4] + body + [0])
+def _ratios(pattern: list[int]) -> tuple[int, ...]:
+    """A public ``compress_ratios`` list (0 = window-only layer, last entry = the MTP layer) as ratios 1/4/128."""
+    return tuple(1 if r == 0 else r for r in pattern)
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # DeepSeek-V4-Flash: 43 layers, MQA over a 512-d latent (448 nope + 64 rope), 128-token window,
-    # indexer top-k 512 (HF config: head_dim 512, qk_rope_head_dim 64, sliding_window 128, index_topk 512).
+    # DeepSeek-V4-Flash config.json (HF deepseek-ai/DeepSeek-V4-Flash; transformers
+    # models/deepseek_v4/configuration_deepseek_v4.py defaults): 43 layers + 1 MTP, 64 heads, 1 KV head,
+    # head_dim 512 (rope = last 64), sliding_window 128, index_topk 512,
+    # compress_ratios [0, 0] + [4, 128] * 20 + [4] + [0]. vLLM models/deepseek_v4.py: scale head_dim ** -0.5.
     "deepseek-v4-flash": ModelConfig("deepseek-v4-flash", num_heads=64, head_dim=512, rope_dim=64, window=128,
-                                     index_topk=512, compress_ratios=_v4_ratios(43), softmax_scale=512 ** -0.5,
-                                     kv_format="fp8_v4"),
-    # DeepSeek-V4-Pro: same attention geometry with 128 query heads and top-k 1024 (DESIGN §1; FlashMLA's
-    # MODEL1 decode cases use h_q 128 with 1024-wide compressed lists). Layer count 61 as in the V3 family.
+                                     index_topk=512, compress_ratios=_ratios([0, 0] + [4, 128] * 20 + [4] + [0]),
+                                     softmax_scale=512 ** -0.5, kv_format="fp8_v4"),
+    # DeepSeek-V4-Pro config.json: 61 layers + 1 MTP, 128 heads, head_dim 512, sliding_window 128,
+    # index_topk 1024, compress_ratios [128] + [128, 4] * 30 + [0] (no window-only layer).
     "deepseek-v4-pro": ModelConfig("deepseek-v4-pro", num_heads=128, head_dim=512, rope_dim=64, window=128,
-                                   index_topk=1024, compress_ratios=_v4_ratios(61), softmax_scale=512 ** -0.5,
-                                   kv_format="fp8_v4"),
-    # DeepSeek-V3.2(-Exp) DSA: 61 layers, 128 heads, kv_lora_rank 512 + rope 64 = 576-d latent, index_topk 2048,
-    # every layer sparse over raw tokens (no window, no compression); scale from qk_head_dim 192 (128 + 64).
+                                   index_topk=1024, compress_ratios=_ratios([128] + [128, 4] * 30 + [0]),
+                                   softmax_scale=512 ** -0.5, kv_format="fp8_v4"),
+    # DeepSeek-V3.2 config.json / DeepSeek-V3.2-Exp inference/model.py: 61 layers + 1 MTP, 128 heads,
+    # kv_lora_rank 512 + rope 64 = 576-d latent, index_topk 2048, every layer sparse over raw tokens.
+    # Scale: qk_head_dim (192) ** -0.5 * mscale ** 2, mscale = 0.1 * ln(yarn factor 40) + 1.
     "deepseek-v3.2": ModelConfig("deepseek-v3.2", num_heads=128, head_dim=576, rope_dim=64, window=0,
-                                 index_topk=2048, compress_ratios=(1,) * 61, softmax_scale=192 ** -0.5,
-                                 kv_format="fp8_v32"),
+                                 index_topk=2048, compress_ratios=(1,) * 62,
+                                 softmax_scale=192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2, kv_format="fp8_v32"),
 }
 
 
