@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
-from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE
+from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, LAYER_KINDS
 
 
 @dataclass
@@ -19,21 +20,25 @@ class Request:
     """One request of a step.
 
     seq_len: tokens cached after this step (prefix + new); query_len: new tokens this step.
-    block_tables: physical block numbers per cache kind (``"swa"``, ``"c4a"``, ``"c128a"``).
+    block_tables: physical block numbers per cache kind (``"swa"``, ``"c4a"``, ``"c128a"``); each
+    must cover the request's ``seq_len`` tokens (:func:`blocks_needed`).
     """
 
     seq_len: int
     query_len: int
-    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    block_tables: dict[str, Sequence[int]] = field(default_factory=dict)
 
 
 @dataclass
 class StepBatch:
-    """One step's batch. Token tensors have ``token_capacity`` rows; rows past ``num_tokens`` are padding.
+    """One step's batch. Token tensors have ``token_capacity`` rows; rows from ``num_tokens`` on are padding.
 
+    Device tensors (views of the builder's buffers):
     seq_lens, query_lens: ``(num_reqs,)``; query_start_loc: ``(num_reqs + 1,)``;
-    positions, token_to_req, slot_mapping: ``(token_capacity,)`` (``-1`` on padding rows; slot_mapping
-    is the SWA slot of each new token); block_tables[kind]: ``(num_reqs, max_blocks)`` (``-1`` padded).
+    positions, token_to_req, slot_mapping: ``(token_capacity,)``, ``-1`` on padding rows (slot_mapping
+    is the SWA-cache slot of each new token, where the engine writes its latent);
+    block_tables[kind]: ``(num_reqs, max_blocks)``, ``-1`` padded.
+    Host copies (``*_host``, Python lists) let planners avoid a device sync.
     """
 
     num_reqs: int
@@ -49,6 +54,10 @@ class StepBatch:
     block_tables: dict[str, torch.Tensor]
     block_sizes: dict[str, int]
     max_model_len: int
+    decode_threshold: int
+    seq_lens_host: list[int]
+    query_lens_host: list[int]
+    query_start_loc_host: list[int]
 
     @property
     def token_capacity(self) -> int:
@@ -58,20 +67,73 @@ class StepBatch:
     def device(self) -> torch.device:
         return self.positions.device
 
+    @property
+    def num_prefills(self) -> int:
+        return self.num_reqs - self.num_decodes
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self.block_tables)
+
+    def entry_slots(self, kind: str, req: int | torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Slots in the ``kind`` cache of entries (positions for ``swa``) of request(s) ``req``; ``-1`` stays ``-1``."""
+        if kind not in self.block_tables:
+            raise ValueError(f"kind {kind!r} has no block table in this batch (has {self.kinds})")
+        req_t = torch.as_tensor(req, dtype=torch.int32, device=self.device)
+        return slots_of(self.block_tables[kind], req_t, entries.to(device=self.device, dtype=torch.int32),
+                        self.block_sizes[kind])
+
+    def new_entries(self, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Compressed entries that become complete this step, where the engine's compressor writes them.
+
+        Request ``r`` completes entries ``prefix_len // ratio … seq_len // ratio - 1`` (``ratio`` of
+        ``kind``; for ``"swa"`` these are the new tokens themselves). Returns ``(req, entry, slot)``,
+        three ``(n,)`` int32 tensors ordered by request then entry.
+        """
+        ratio = COMPRESS_RATIO[kind]
+        first = (self.seq_lens - self.query_lens) // ratio
+        count = self.seq_lens // ratio - first
+        n = sum(s // ratio - (s - q) // ratio for s, q in zip(self.seq_lens_host, self.query_lens_host))
+        req = torch.repeat_interleave(torch.arange(self.num_reqs, dtype=torch.int32, device=self.device),
+                                      count.long(), output_size=n)
+        start = torch.cumsum(count, 0) - count  # first output row of each request
+        entry = first[req.long()] + torch.arange(n, dtype=torch.int32, device=self.device) - start[req.long()]
+        return req, entry.to(torch.int32), self.entry_slots(kind, req, entry)
+
 
 def entries_needed(seq_len: int, kind: str) -> int:
     """Cache entries a request of ``seq_len`` tokens occupies in the cache of ``kind``."""
     return seq_len if kind == "swa" else seq_len // COMPRESS_RATIO[kind]
 
 
-class StepBatchBuilder:
-    """Owns the fixed-size buffers of :class:`StepBatch` and fills them from a list of requests."""
+def blocks_needed(seq_len: int, kind: str, block_size: int | None = None) -> int:
+    """Blocks of the ``kind`` cache a request of ``seq_len`` tokens needs (its block table's minimum length)."""
+    bs = block_size or DEFAULT_BLOCK_SIZE[kind]
+    return math.ceil(entries_needed(seq_len, kind) / bs)
 
-    def __init__(self, max_tokens: int, max_reqs: int, max_model_len: int, kinds=("swa", "c4a", "c128a"),
-                 block_sizes: dict[str, int] | None = None, decode_threshold: int = 1,
-                 device: torch.device | str = "cpu") -> None:
+
+class StepBatchBuilder:
+    """Owns the fixed-size buffers of :class:`StepBatch` and fills them from a list of requests.
+
+    max_tokens: token capacity (new tokens per step, incl. room for padding); max_reqs: requests per
+    step; max_model_len: the longest ``seq_len``. decode_threshold: ``1 + speculative tokens``; a
+    request with ``query_len <= decode_threshold`` is a decode.
+    """
+
+    def __init__(self, max_tokens: int, max_reqs: int, max_model_len: int,
+                 kinds: Sequence[str] = LAYER_KINDS, block_sizes: dict[str, int] | None = None,
+                 decode_threshold: int = 1, device: torch.device | str = "cpu") -> None:
         if decode_threshold < 1:
             raise ValueError(f"decode_threshold must be >= 1 (1 + speculative tokens), got {decode_threshold}")
+        if min(max_tokens, max_reqs, max_model_len) < 1:
+            raise ValueError(f"max_tokens, max_reqs and max_model_len must be positive, got "
+                             f"{max_tokens}, {max_reqs}, {max_model_len}")
+        if "swa" not in kinds or any(k not in LAYER_KINDS for k in kinds):
+            raise ValueError(f"kinds must include 'swa' and be among {LAYER_KINDS}, got {tuple(kinds)}")
         self.max_tokens, self.max_reqs, self.max_model_len = max_tokens, max_reqs, max_model_len
         self.kinds = tuple(kinds)
         self.block_sizes = {k: (block_sizes or {}).get(k, DEFAULT_BLOCK_SIZE[k]) for k in self.kinds}
@@ -84,10 +146,10 @@ class StepBatchBuilder:
         self._positions = torch.full((max_tokens,), -1, **i32)
         self._token_to_req = torch.full((max_tokens,), -1, **i32)
         self._slot_mapping = torch.full((max_tokens,), -1, **i32)
-        self._tables = {k: torch.full((max_reqs, math.ceil(entries_needed(max_model_len, k) / self.block_sizes[k])
-                                       + 1), -1, **i32) for k in self.kinds}
+        self.max_blocks = {k: blocks_needed(max_model_len, k, self.block_sizes[k]) for k in self.kinds}
+        self._tables = {k: torch.full((max_reqs, max(1, self.max_blocks[k])), -1, **i32) for k in self.kinds}
 
-    def _check(self, requests: list[Request]) -> int:
+    def _check(self, requests: Sequence[Request]) -> int:
         if not 0 < len(requests) <= self.max_reqs:
             raise ValueError(f"requests must hold 1 to {self.max_reqs} requests, got {len(requests)}")
         num_decodes, seen_prefill = 0, False
@@ -98,68 +160,75 @@ class StepBatchBuilder:
                 raise ValueError(f"request {r}: seq_len {req.seq_len} exceeds max_model_len {self.max_model_len}")
             is_decode = req.query_len <= self.decode_threshold
             if is_decode and seen_prefill:
-                raise ValueError(f"request {r} is a decode after a prefill: decodes must come first")
+                raise ValueError(f"request {r} is a decode (query_len {req.query_len} <= decode_threshold "
+                                 f"{self.decode_threshold}) after a prefill: decodes must come first")
             seen_prefill |= not is_decode
             num_decodes += is_decode
             for kind in self.kinds:
                 table = req.block_tables.get(kind)
-                need = math.ceil(entries_needed(req.seq_len, kind) / self.block_sizes[kind])
+                need = blocks_needed(req.seq_len, kind, self.block_sizes[kind])
                 if table is None or len(table) < need:
                     raise ValueError(f"request {r}: block table for {kind!r} has {0 if table is None else len(table)} "
                                      f"blocks, seq_len {req.seq_len} needs {need}")
                 if len(table) > self._tables[kind].shape[1]:
-                    raise ValueError(f"request {r}: block table for {kind!r} is longer than max_model_len allows")
-        if sum(req.query_len for req in requests) > self.max_tokens:
-            raise ValueError(f"requests hold more than max_tokens={self.max_tokens} new tokens")
+                    raise ValueError(f"request {r}: block table for {kind!r} has {len(table)} blocks, more than "
+                                     f"max_model_len {self.max_model_len} needs ({self._tables[kind].shape[1]})")
+                if any(int(b) < 0 for b in table[:need]):
+                    raise ValueError(f"request {r}: block table for {kind!r} holds a negative block number")
+        total = sum(req.query_len for req in requests)
+        if total > self.max_tokens:
+            raise ValueError(f"requests hold {total} new tokens, more than max_tokens={self.max_tokens}")
         return num_decodes
 
-    def build(self, requests: list[Request]) -> StepBatch:
+    def build(self, requests: Sequence[Request]) -> StepBatch:
         """Fill the buffers from ``requests`` (decodes first) and return views of them."""
         num_decodes = self._check(requests)
         n = len(requests)
-        cpu = dict(dtype=torch.int32)
-        seq_lens = torch.tensor([r.seq_len for r in requests], **cpu)
-        query_lens = torch.tensor([r.query_len for r in requests], **cpu)
-        qsl = torch.zeros(n + 1, **cpu)
-        qsl[1:] = torch.cumsum(query_lens, 0)
-        num_tokens = int(qsl[-1])
-        self._seq_lens[:n].copy_(seq_lens)
-        self._query_lens[:n].copy_(query_lens)
-        self._query_start_loc[: n + 1].copy_(qsl)
+        seq_host = [int(r.seq_len) for r in requests]
+        qlen_host = [int(r.query_len) for r in requests]
+        qsl_host = [0]
+        for q in qlen_host:
+            qsl_host.append(qsl_host[-1] + q)
+        num_tokens = qsl_host[-1]
+        self._seq_lens[:n].copy_(torch.tensor(seq_host, dtype=torch.int32))
+        self._query_lens[:n].copy_(torch.tensor(qlen_host, dtype=torch.int32))
+        self._query_start_loc[: n + 1].copy_(torch.tensor(qsl_host, dtype=torch.int32))
         for kind in self.kinds:
-            rows = torch.full((n, self._tables[kind].shape[1]), -1, **cpu)
-            for r, req in enumerate(requests):
-                rows[r, : len(req.block_tables[kind])] = torch.tensor(req.block_tables[kind], **cpu)
-            self._tables[kind][:n].copy_(rows)
+            width = self._tables[kind].shape[1]
+            rows = [list(map(int, r.block_tables[kind])) + [-1] * (width - len(r.block_tables[kind]))
+                    for r in requests]
+            self._tables[kind][:n].copy_(torch.tensor(rows, dtype=torch.int32))
         dev_qsl, dev_seq, dev_q = self._query_start_loc[: n + 1], self._seq_lens[:n], self._query_lens[:n]
         tok = torch.arange(num_tokens, device=self.device, dtype=torch.int32)
         req_of_tok = torch.repeat_interleave(torch.arange(n, device=self.device, dtype=torch.int32), dev_q.long(),
                                              output_size=num_tokens)
-        pos = (dev_seq - dev_q)[req_of_tok.long()] + tok - dev_qsl[req_of_tok.long()]
-        self._positions.fill_(-1)
-        self._token_to_req.fill_(-1)
-        self._slot_mapping.fill_(-1)
+        r64 = req_of_tok.long()
+        pos = (dev_seq - dev_q)[r64] + tok - dev_qsl[r64]
+        for buf in (self._positions, self._token_to_req, self._slot_mapping):
+            buf[num_tokens:].fill_(-1)
         self._positions[:num_tokens] = pos
         self._token_to_req[:num_tokens] = req_of_tok
-        self._slot_mapping[:num_tokens] = slots_of(self._tables["swa"], req_of_tok, pos, self.block_sizes["swa"]) \
-            if "swa" in self.kinds else -1
+        self._slot_mapping[:num_tokens] = slots_of(self._tables["swa"], req_of_tok, pos, self.block_sizes["swa"])
         return StepBatch(
-            num_reqs=n, num_decodes=num_decodes, num_decode_tokens=int(qsl[num_decodes]), num_tokens=num_tokens,
+            num_reqs=n, num_decodes=num_decodes, num_decode_tokens=qsl_host[num_decodes], num_tokens=num_tokens,
             seq_lens=dev_seq, query_lens=dev_q, query_start_loc=dev_qsl, positions=self._positions,
             token_to_req=self._token_to_req, slot_mapping=self._slot_mapping,
             block_tables={k: self._tables[k][:n] for k in self.kinds}, block_sizes=dict(self.block_sizes),
-            max_model_len=self.max_model_len)
+            max_model_len=self.max_model_len, decode_threshold=self.decode_threshold,
+            seq_lens_host=seq_host, query_lens_host=qlen_host, query_start_loc_host=qsl_host)
 
 
 def slots_of(table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Slots of cache entries: ``table[req, entry // bs] * bs + entry % bs``, ``-1`` where ``entry < 0``.
+    """Slots of cache entries: ``table[req, entry // bs] * bs + entry % bs``; ``-1`` where ``entry < 0``,
+    where the entry lies past the table, or where the table holds ``-1``.
 
-    table: ``(num_reqs, max_blocks)`` int32; req, entry: int32 tensors of one shape (req broadcastable).
+    table: ``(num_reqs, max_blocks)`` int32; req, entry: int32 tensors (req broadcastable to entry).
     """
     ok = entry >= 0
     e = torch.where(ok, entry, 0).long()
     r = req.long().expand_as(e)
-    col = (e // block_size).clamp_max(table.shape[1] - 1)
-    phys = table[r, col]
+    col = e // block_size
+    inside = col < table.shape[1]
+    phys = table[r, col.clamp_max(table.shape[1] - 1)]
     slot = phys * block_size + (e % block_size).to(torch.int32)
-    return torch.where(ok & (phys >= 0), slot, -1).to(torch.int32)
+    return torch.where(ok & inside & (phys >= 0), slot, -1).to(torch.int32)

@@ -96,7 +96,11 @@ def block_bytes(fmt: str | KVFormat, block_size: int, dim: int = 512) -> int:
 def infer_format(cache: torch.Tensor, name: str = "cache") -> KVFormat:
     """The format of a cache tensor from its dtype and last axis (bf16, or uint8 with 584 / 656)."""
     check_tensor(name, cache, dtype=(torch.bfloat16, torch.uint8))
+    if cache.dim() == 0:
+        raise ValueError(f"{name} must be a paged cache (num_blocks, block_size, token_bytes), got a scalar")
     if cache.dtype == torch.bfloat16:
+        if cache.shape[-1] not in (512, 576):
+            raise ValueError(f"{name} is bf16 with last axis {cache.shape[-1]}: expected 512 (V4) or 576 (V3.2)")
         return get_format("bf16", cache.shape[-1])
     for f in (FP8_V4, FP8_V32):
         if cache.shape[-1] == f.token_bytes:
@@ -130,9 +134,10 @@ def resolve_cache(cache: torch.Tensor, fmt: str | KVFormat | None = None,
                   name: str = "cache") -> tuple[torch.Tensor, KVFormat]:
     """Infer a cache's format, check it against ``fmt`` when given, and validate its layout."""
     found = infer_format(cache, name)
-    if fmt is not None and get_format(fmt, found.dim).name != found.name:
+    if fmt is not None and get_format(fmt, found.dim) != found:
         want = fmt.name if isinstance(fmt, KVFormat) else fmt
-        raise ValueError(f"{name} holds {found.name} data ({cache.dtype}, last axis {cache.shape[-1]}) but fmt is {want!r}")
+        raise ValueError(f"{name} holds {found.name} data ({cache.dtype}, last axis {cache.shape[-1]}) but fmt is {want!r}"
+                         + (f" (dim {fmt.dim})" if isinstance(fmt, KVFormat) else ""))
     return as_paged(cache, found, name), found
 
 
@@ -216,6 +221,8 @@ def allocate_cache(fmt: str | KVFormat, num_blocks: int, block_size: int, device
     f = get_format(fmt, dim)
     if num_blocks <= 0:
         raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
     if f.name == "bf16":
         return torch.zeros(num_blocks, block_size, f.dim, dtype=torch.bfloat16, device=device)
     stride0 = block_bytes(f, block_size)
