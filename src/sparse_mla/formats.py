@@ -157,9 +157,15 @@ def field_views(cache: torch.Tensor, fmt: KVFormat) -> list[tuple[torch.Tensor, 
 
 
 def tile_scale_exponents(nope: torch.Tensor, tile: int) -> torch.Tensor:
-    """``ceil(log2(max(amax / 448, 1e-4)))`` per tile: ``(n, nope_dim)`` float32 -> ``(n, tiles)`` int32."""
+    """``ceil(log2(max(amax / 448, 1e-4)))`` per tile: ``(n, nope_dim)`` float32 -> ``(n, tiles)`` int32.
+
+    Computed exactly from the float's exponent and mantissa bits (a float32 ``log2`` can round
+    ``2^e·(1+2^-23)`` down to ``e``), so every implementation can reproduce it bit for bit.
+    """
     amax = nope.view(nope.shape[0], nope.shape[1] // tile, tile).abs().amax(-1)
-    return torch.ceil(torch.log2(torch.clamp_min(amax / E4M3_MAX, MIN_SCALE))).to(torch.int32)
+    ratio = torch.clamp_min(amax / E4M3_MAX, MIN_SCALE)
+    mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return (exponent - (mantissa == 0.5).to(torch.int32)).to(torch.int32)
 
 
 def encode_records(kv: torch.Tensor, fmt: KVFormat) -> torch.Tensor:

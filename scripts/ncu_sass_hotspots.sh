@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Where the decode kernel's warps stall, per SASS instruction (Nsight Compute source page):
+#   bash scripts/ncu_sass_hotspots.sh   ->  top instructions and opcodes by stall samples ($OUT/sass.csv)
+set -uo pipefail
+OUT=${OUT:-results}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+ncu --kernel-name regex:_sparse_mla_kernel --launch-skip 2 --launch-count 1 --section SourceCounters \
+    --section WarpStateStats -o /tmp/decode -f \
+    python3 benchmarks/bench_decode.py --families c4a --batches 128 --rep 5 --skip-torch --out /tmp/ncu >/dev/null 2>&1
+ncu -i /tmp/decode.ncu-rep --page source --print-source sass --csv > "$OUT/sass.csv" 2>/dev/null
+python3 - "$OUT/sass.csv" <<'PY'
+import csv, sys, collections
+rows = list(csv.DictReader(open(sys.argv[1])))
+if not rows:
+    sys.exit("no rows")
+cols = rows[0].keys()
+samp = next(c for c in cols if "Warp Stall Sampling (All" in c)
+src = next(c for c in cols if c.strip() in ("Source", "# Source"))
+ex = next((c for c in cols if c.startswith("Instructions Executed")), None)
+val = lambda r, c: float((r.get(c) or "0").replace(",", "") or 0)
+total = sum(val(r, samp) for r in rows)
+print(f"{len(rows)} SASS instructions, {total:.0f} stall samples; executed column: {ex}")
+by_op = collections.Counter(); ex_op = collections.Counter()
+for r in rows:
+    op = r[src].split()[0] if r[src].split() else "?"
+    if op.startswith("@"):
+        op = r[src].split()[1]
+    op = op.split(".")[0]
+    by_op[op] += val(r, samp)
+    if ex: ex_op[op] += val(r, ex)
+print("opcode            stall%   executed")
+for op, v in by_op.most_common(25):
+    print(f"{op:16s} {100*v/total:6.1f} {ex_op[op]:12.0f}")
+print("top instructions:")
+for r in sorted(rows, key=lambda r: -val(r, samp))[:25]:
+    print(f"{100*val(r, samp)/total:5.1f}%  {r[src][:90]}")
+PY
