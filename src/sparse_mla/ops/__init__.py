@@ -10,13 +10,12 @@ import os
 import torch
 
 from . import reference
-from .reference import dequantize_and_gather, quantize_and_insert
-from .validate import debug_checks_enabled, decode_args, prefill_args
+from .validate import debug_checks_enabled, decode_args, gather_args, insert_args, prefill_args
 
 try:
-    from . import triton_attention
+    from . import triton_attention, triton_cache
 except ImportError:  # no Triton on this platform: the reference backend still works
-    triton_attention = None
+    triton_attention = triton_cache = None
 
 BACKENDS = ("reference", "triton")
 
@@ -80,6 +79,28 @@ def sparse_attention_prefill(
     if _backend(backend, q.device) == "reference":
         return reference.run(prefill_args(q, kv, indices, lens, sink, scale))
     return triton_attention.run(prefill_args(q, kv, indices, lens, sink, scale, check_ranges=debug_checks_enabled()))
+
+
+def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        fmt: str | None = None, backend: str = "auto") -> None:
+    """Quantise ``kv_new (n, d)`` bf16 into the paged ``cache`` at ``slot_mapping (n,)``; ``-1`` is skipped.
+
+    The reference checks slot ranges and finiteness (``ValueError``); the Triton kernel does so under
+    ``SPARSE_MLA_DEBUG=1`` and otherwise skips out-of-range slots.
+    """
+    if _backend(backend, kv_new.device) == "reference":
+        reference.quantize_and_insert(kv_new, *insert_args(kv_new, cache, slot_mapping, fmt), slot_mapping)
+    else:
+        triton_cache.quantize_and_insert(
+            kv_new, *insert_args(kv_new, cache, slot_mapping, fmt, check_values=debug_checks_enabled()), slot_mapping)
+
+
+def dequantize_and_gather(cache: torch.Tensor, slots: torch.Tensor, fmt: str | None = None,
+                          backend: str = "auto") -> torch.Tensor:
+    """Dequantised tokens at ``slots`` (any shape; ``-1`` reads as zeros): ``slots.shape + (d,)`` bf16."""
+    if _backend(backend, cache.device) == "reference":
+        return reference.dequantize_and_gather(*gather_args(cache, slots, fmt), slots)
+    return triton_cache.dequantize_and_gather(*gather_args(cache, slots, fmt, debug_checks_enabled()), slots)
 
 
 __all__ = ["sparse_attention_decode", "sparse_attention_prefill", "quantize_and_insert", "dequantize_and_gather",

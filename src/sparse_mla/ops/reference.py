@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_finite, check_index_range, check_tensor
-from ..formats import read_tokens, resolve_cache, write_tokens
+from ..formats import KVFormat, read_tokens, write_tokens
 from .validate import D_V, AttentionArgs, Scope
 
 _CHUNK_ELEMS = 1 << 25  # gathered key floats per chunk of tokens: bounds the memory of one call
@@ -22,7 +21,7 @@ def gather_scope(scope: Scope, tokens: slice) -> tuple[torch.Tensor, torch.Tenso
     within = torch.arange(width, device=idx.device)[None, :] < scope.lens[tokens, None]
     valid = within & (idx >= 0) & (idx < scope.num_slots)
     safe = torch.where(valid, idx, 0).reshape(-1)
-    keys = read_tokens(scope.cache, scope.fmt, safe // bs, safe % bs).view(n, width, -1)
+    keys = read_tokens(scope.cache, scope.fmt, safe // bs, safe % bs).view(n, width, scope.fmt.dim)
     keys = torch.where(valid[..., None], keys, 0.0)  # unused slots may hold NaN: never let them in
     return keys, valid
 
@@ -71,26 +70,16 @@ def split_slots(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor,
     return slots // bs, slots % bs
 
 
-def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
-                        fmt: str | None = None) -> None:
-    """Quantise ``kv_new (n, d)`` bf16 into ``cache`` at ``slot_mapping (n,)`` (``-1`` skipped)."""
-    cache, f = resolve_cache(cache, fmt)
-    check_tensor("kv_new", kv_new, dtype=torch.bfloat16, shape=(None, f.dim), device=cache.device)
-    check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(kv_new.shape[0],),
-                 device=cache.device)
-    check_index_range("slot_mapping", slot_mapping, cache.shape[0] * cache.shape[1])
+def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, fmt: KVFormat, slot_mapping: torch.Tensor) -> None:
+    """Quantise ``kv_new (n, d)`` bf16 into a validated ``cache`` at ``slot_mapping (n,)`` (``-1`` skipped)."""
     keep = slot_mapping >= 0
-    check_finite("kv_new", kv_new[keep])
     blocks, offsets = split_slots(cache, slot_mapping[keep])
-    write_tokens(cache, f, blocks, offsets, kv_new[keep])
+    write_tokens(cache, fmt, blocks, offsets, kv_new[keep])
 
 
-def dequantize_and_gather(cache: torch.Tensor, slots: torch.Tensor, fmt: str | None = None) -> torch.Tensor:
-    """Tokens at ``slots`` (any shape, ``-1`` -> zeros), dequantised: ``slots.shape + (d,)`` bf16."""
-    cache, f = resolve_cache(cache, fmt)
-    check_tensor("slots", slots, dtype=(torch.int32, torch.int64), device=cache.device)
-    check_index_range("slots", slots, cache.shape[0] * cache.shape[1])
+def dequantize_and_gather(cache: torch.Tensor, fmt: KVFormat, slots: torch.Tensor) -> torch.Tensor:
+    """Tokens at ``slots`` (any shape, ``-1`` -> zeros) of a validated cache: ``slots.shape + (d,)`` bf16."""
     flat = slots.reshape(-1)
     blocks, offsets = split_slots(cache, flat.clamp_min(0))
-    rows = torch.where((flat >= 0)[:, None], read_tokens(cache, f, blocks, offsets), 0.0)
-    return rows.to(torch.bfloat16).view(*slots.shape, f.dim)
+    rows = torch.where((flat >= 0)[:, None], read_tokens(cache, fmt, blocks, offsets), 0.0)
+    return rows.to(torch.bfloat16).view(*slots.shape, fmt.dim)

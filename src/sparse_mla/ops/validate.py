@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_index_range, check_tensor
+from .._checks import check_finite, check_index_range, check_tensor
 from ..formats import KVFormat, resolve_cache
 
 D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part of 576)
@@ -106,3 +106,27 @@ def prefill_args(q, kv, indices, lens=None, sink=None, scale=None, check_ranges:
     if kv.stride(-1) != 1:
         raise ValueError("kv must have contiguous rows (stride(-1) == 1)")
     return decode_args(q, kv.unsqueeze(1), indices, lens, sink=sink, scale=scale, check_ranges=check_ranges)
+
+
+def insert_args(kv_new, cache, slot_mapping, fmt=None, check_values: bool = True) -> tuple[torch.Tensor, KVFormat]:
+    """Check ``quantize_and_insert``'s arguments; returns the paged cache view and its format.
+
+    With ``check_values`` (the reference, or ``SPARSE_MLA_DEBUG=1``) also slot ranges and finiteness.
+    """
+    cache, f = resolve_cache(cache, fmt)
+    check_tensor("kv_new", kv_new, dtype=torch.bfloat16, shape=(None, f.dim), device=cache.device)
+    check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(kv_new.shape[0],),
+                 device=cache.device)
+    if check_values:
+        check_index_range("slot_mapping", slot_mapping, cache.shape[0] * cache.shape[1])
+        check_finite("kv_new", kv_new[slot_mapping >= 0])
+    return cache, f
+
+
+def gather_args(cache, slots, fmt=None, check_ranges: bool = True) -> tuple[torch.Tensor, KVFormat]:
+    """Check ``dequantize_and_gather``'s arguments; returns the paged cache view and its format."""
+    cache, f = resolve_cache(cache, fmt)
+    check_tensor("slots", slots, dtype=(torch.int32, torch.int64), device=cache.device)
+    if check_ranges:
+        check_index_range("slots", slots, cache.shape[0] * cache.shape[1])
+    return cache, f

@@ -1,0 +1,148 @@
+"""Triton cache kernels: quantise-and-insert new tokens, dequantise-and-gather rows (DESIGN §4).
+
+Bit-identical to the reference formats (:mod:`sparse_mla.formats`): the tile scale exponent is
+computed exactly from the float bits of ``max(amax / 448, 1e-4)``, and e4m3 rounding is to nearest
+even. One program handles one token. A slot of ``-1`` (or out of range) is skipped on insert and
+reads as zeros on gather, so neither kernel touches memory outside the cache.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_attention import _FMT_CODE, _load_piece, _load_rope
+
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def _tile_exponents(x, MIN_RATIO: tl.constexpr):
+    """ceil(log2(max(amax / 448, 1e-4))) of each row of ``x`` (tiles, TILE) float32, from the float bits."""
+    amax = tl.max(tl.abs(x), 1)
+    ratio = tl.maximum(tl.math.div_rn(amax, 448.0), MIN_RATIO)
+    bits = ratio.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _round_half_even(y):
+    f = tl.floor(y)
+    r = y - f
+    odd = (f.to(tl.int32) & 1) == 1
+    return tl.where((r > 0.5) | ((r == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit
+def _e4m3_bits(x):
+    """float32 ``|x| <= 448`` -> e4m3fn byte, round half to even, saturating at 448.
+
+    Written with integer arithmetic instead of a cast so that the CPU interpreter (whose float8
+    cast rounds wrongly) and the GPU produce the same bytes as torch's ``.to(torch.float8_e4m3fn)``.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    sign = ((bits >> 24) & 0x80).to(tl.int32)
+    a = tl.abs(x)
+    e = ((bits >> 23) & 0xFF) - 127
+    mant = bits & 0x7FFFFF
+    m3 = mant >> 20
+    rem = mant & 0xFFFFF
+    up = (rem > 0x80000) | ((rem == 0x80000) & ((m3 & 1) == 1))
+    normal = ((e + 7) << 3) + m3 + up.to(tl.int32)  # a carry out of the mantissa bumps the exponent
+    normal = tl.minimum(normal, 0x7E)  # 448: the largest finite e4m3fn
+    sub = _round_half_even(a * 512.0).to(tl.int32)  # subnormals step by 2^-9; 8 is the smallest normal
+    code = tl.where(a < 0.015625, sub, normal)
+    return (sign | code).to(tl.uint8)
+
+
+@triton.jit
+def _insert_kernel(kv_ptr, kv_stride, slot_ptr, cache_ptr, stride0, num_slots,
+                   FMT: tl.constexpr, BS: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if (slot >= 0) & (slot < num_slots):
+        block = slot // BS
+        off = slot - block * BS
+        src = kv_ptr + tok.to(tl.int64) * kv_stride
+        block_ptr = cache_ptr + block * stride0
+        if FMT == 0:
+            cols = tl.arange(0, DIM_P2)
+            tl.store(block_ptr + off * DIM + cols, tl.load(src + cols, mask=cols < DIM), mask=cols < DIM)
+        else:
+            TILE: tl.constexpr = 64 if FMT == 1 else 128
+            NT: tl.constexpr = 8 if FMT == 1 else 4  # fp8_v4: 7 nope tiles + 1 masked; fp8_v32: 4 tiles
+            NOPE: tl.constexpr = 448 if FMT == 1 else 512
+            ROW: tl.constexpr = 576 if FMT == 1 else 656
+            t = tl.arange(0, NT)
+            cols = t[:, None] * TILE + tl.arange(0, TILE)[None, :]
+            in_nope = cols < NOPE
+            x = tl.load(src + cols, mask=in_nope, other=0.0).to(tl.float32)
+            exps = _tile_exponents(x, 1e-4)
+            inv_scale = ((127 - exps) << 23).to(tl.float32, bitcast=True)  # exact 2^-e
+            q = _e4m3_bits(x * inv_scale[:, None])
+            row = block_ptr + off * ROW
+            tl.store(row + cols, q, mask=in_nope)
+            rope_cols = tl.arange(0, 64)
+            rope = tl.load(src + NOPE + rope_cols)
+            if FMT == 1:
+                tl.store((row + NOPE).to(tl.pointer_type(tl.bfloat16)) + rope_cols, rope)
+                scale_bytes = tl.where(t < 7, exps + 127, 0).to(tl.uint8)  # 7 ue8m0 bytes + 1 zero pad
+                tl.store(block_ptr + BS * 576 + off * 8 + t, scale_bytes)
+            else:
+                scale = ((exps + 127) << 23).to(tl.float32, bitcast=True)
+                tl.store((row + 512).to(tl.pointer_type(tl.float32)) + t, scale)
+                tl.store((row + 528).to(tl.pointer_type(tl.bfloat16)) + rope_cols, rope)
+
+
+@triton.jit
+def _gather_kernel(cache_ptr, stride0, num_slots, slot_ptr, out_ptr,
+                   FMT: tl.constexpr, BS: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr):
+    """One output row per program: the dequantised token at ``slots[row]`` (zeros when invalid)."""
+    row_id = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + row_id + tl.arange(0, 1)).to(tl.int64)  # a (1,) tensor: a block of one token
+    valid = (slot >= 0) & (slot < num_slots)
+    safe = tl.where(valid, slot, 0).to(tl.int64)
+    block = safe // BS
+    off = safe - block * BS
+    block_ptr = cache_ptr + block * stride0
+    ROPE_OFF: tl.constexpr = PA + PB + PC
+    ROW: tl.constexpr = 576 if FMT == 1 else (656 if FMT == 2 else ROPE_OFF + 64)
+    row_ptr = block_ptr + off * ROW
+    scale_ptr = block_ptr + BS * 576 + off * 8
+    dst = out_ptr + row_id * (ROPE_OFF + 64)
+    a = _load_piece(row_ptr, scale_ptr, valid, 0, PA, FMT, tl.float32, 1)
+    tl.store(dst + tl.arange(0, PA)[None, :], a.to(tl.bfloat16))
+    b = _load_piece(row_ptr, scale_ptr, valid, PA, PB, FMT, tl.float32, 1)
+    tl.store(dst + PA + tl.arange(0, PB)[None, :], b.to(tl.bfloat16))
+    c = _load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, tl.float32, 1)
+    tl.store(dst + PA + PB + tl.arange(0, PC)[None, :], c.to(tl.bfloat16))
+    r = _load_rope(row_ptr, valid, FMT, ROPE_OFF, tl.float32)
+    tl.store(dst + ROPE_OFF + tl.arange(0, 64)[None, :], r.to(tl.bfloat16))
+
+
+def _pieces(dim: int) -> tuple[int, int, int]:
+    return (256, 128, 64) if dim == 512 else (256, 128, 128)
+
+
+def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, fmt, slot_mapping: torch.Tensor) -> None:
+    """Launch the insert kernel on validated arguments (see :func:`sparse_mla.ops.quantize_and_insert`)."""
+    n = kv_new.shape[0]
+    if n == 0:
+        return
+    if kv_new.stride(-1) != 1:
+        kv_new = kv_new.contiguous()
+    stride0 = cache.stride(0)
+    _insert_kernel[(n,)](kv_new, kv_new.stride(0), slot_mapping, cache, stride0, cache.shape[0] * cache.shape[1],
+                         FMT=_FMT_CODE[fmt.name], BS=cache.shape[1], DIM=fmt.dim,
+                         DIM_P2=triton.next_power_of_2(fmt.dim))
+
+
+def dequantize_and_gather(cache: torch.Tensor, fmt, slots: torch.Tensor) -> torch.Tensor:
+    """Launch the gather kernel: ``slots`` (any shape) -> ``slots.shape + (d,)`` bf16."""
+    flat = slots.reshape(-1).contiguous()
+    out = torch.empty(flat.numel(), fmt.dim, dtype=torch.bfloat16, device=cache.device)
+    if flat.numel():
+        pa, pb, pc = _pieces(fmt.dim)
+        _gather_kernel[(flat.numel(),)](cache, cache.stride(0), cache.shape[0] * cache.shape[1], flat, out,
+                                        FMT=_FMT_CODE[fmt.name], BS=cache.shape[1], PA=pa, PB=pb, PC=pc)
+    return out.view(*slots.shape, fmt.dim)
