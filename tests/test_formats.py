@@ -19,8 +19,8 @@ from sparse_mla.formats import (allocate_cache, block_bytes, bytes_per_token, de
 
 def storage_bytes(cache: torch.Tensor) -> torch.Tensor:
     """Every byte of the cache's allocation, flat, as uint8 (independent of the cache's shape)."""
-    return torch.empty(0, dtype=torch.uint8).set_(cache.cpu().untyped_storage() if cache.device.type != "cpu"
-                                                 else cache.untyped_storage())
+    assert cache.device.type == "cpu"
+    return torch.empty(0, dtype=torch.uint8).set_(cache.untyped_storage())
 
 
 def block_raw(cache: torch.Tensor, block: int) -> torch.Tensor:

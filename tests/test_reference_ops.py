@@ -1,145 +1,424 @@
-"""The reference ops against the independent dense attention of tests/dense.py."""
+"""The reference backend of the ops (DESIGN §4) against the independent float64 attention of tests/dense.py.
+
+Keys on the dense side are built per token, in plain Python, from a table of slot values: the bf16
+tokens written, or for fp8 caches their dequantised values from the independent fp8 model
+(``dense.fake_quant``). Unused slots are poisoned with NaN and must never leak into the output.
+"""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dense import dense_attention
+from dense import dense_attention, fake_quant
 from sparse_mla.cache import PagedCache
-from sparse_mla.ops import dequantize_and_gather, sparse_attention_decode, sparse_attention_prefill
+from sparse_mla.formats import allocate_cache, quantize_blocks
+from sparse_mla.ops import (dequantize_and_gather, quantize_and_insert, sparse_attention_decode,
+                            sparse_attention_prefill)
+
+FORMATS = [("bf16", 512), ("fp8_v4", 512), ("fp8_v32", 576), ("bf16", 576)]
+SINKS = ["none", "finite", "+inf", "-inf", "mixed"]
 
 
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def make_scope(gen, fmt, dim, num_tokens, width, num_blocks, block_size):
-    cache = PagedCache(num_blocks, block_size, fmt, dim)
-    cache.poison()
-    n = num_blocks * block_size
-    used = torch.randperm(n, generator=gen)[: max(1, n // 2)]
-    cache.write(torch.randn(used.numel(), dim, generator=gen).to(torch.bfloat16), used.int())
-    idx = used[torch.randint(0, used.numel(), (num_tokens, width), generator=gen)].int()
-    idx[torch.rand(num_tokens, width, generator=gen) < 0.2] = -1
-    lens = torch.randint(0, width + 1, (num_tokens,), generator=gen).int()
-    return cache, idx, lens
-
-
-def keys_of(scopes, t):
-    rows = []
-    for cache, idx, lens in scopes:
-        picked = idx[t, : int(lens[t])]
-        picked = picked[picked >= 0]
-        rows.append(cache.read(picked).float())
-    return torch.cat(rows)
-
-
-SINKS = st.sampled_from(["none", "finite", "+inf", "-inf", "mixed"])
-
-
-def make_sink(kind, num_heads, gen):
+def make_sink(kind: str, num_heads: int, gen: torch.Generator) -> torch.Tensor | None:
     if kind == "none":
         return None
-    sink = torch.randn(num_heads, generator=gen) * 2
+    sink = torch.randn(num_heads, generator=gen) * 3
     if kind == "+inf":
-        sink[:] = float("inf")
+        sink[:] = math.inf
     elif kind == "-inf":
-        sink[:] = -float("inf")
+        sink[:] = -math.inf
     elif kind == "mixed":
-        sink[::2] = float("inf")
-        sink[1::3] = -float("inf")
+        sink[0::3] = math.inf
+        sink[1::3] = -math.inf
     return sink
 
 
+def make_indices(gen, choices: torch.Tensor, num_tokens: int, width: int, feats: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """indices (T, width) drawn from ``choices``, with -1 holes, duplicates, empty rows and garbage beyond lens."""
+    idx = choices[torch.randint(0, choices.numel(), (num_tokens, width), generator=gen)].int()
+    idx[torch.rand(num_tokens, width, generator=gen) < feats["p_invalid"]] = -1
+    lens = torch.randint(0, width + 1, (num_tokens,), generator=gen).int()
+    if feats["full_lens"]:
+        lens[:] = width
+    t = int(torch.randint(0, num_tokens, (1,), generator=gen))
+    if feats["dup"]:  # duplicates count once per occurrence
+        idx[t, : width] = idx[t, 0] if idx[t, 0] >= 0 else choices[0]
+        if width > 2:
+            idx[t, 1] = choices[-1]
+    if feats["empty_row"]:  # a row whose entries within lens are all -1
+        idx[(t + 1) % num_tokens] = -1
+    if feats["garbage"]:  # beyond lens anything goes, out of range included: never checked, never read
+        beyond = torch.arange(width)[None, :] >= lens[:, None]
+        junk = torch.randint(-(10**6), 10**6, (num_tokens, width), generator=gen).int()
+        idx = torch.where(beyond, junk, idx)
+    return idx, lens
+
+
+def keys_from_tables(scopes, num_tokens: int):
+    """Per token: the key vectors its first lens[t] entries name (NaN placeholders for -1) and validity."""
+    keys, valid = [], []
+    for t in range(num_tokens):
+        kt, vt = [], []
+        for table, idx, lens in scopes:
+            for j in range(int(lens[t])):
+                i = int(idx[t, j])
+                kt.append(table[i] if i >= 0 else torch.full((table.shape[1],), math.nan, dtype=torch.float64))
+                vt.append(i >= 0)
+        keys.append(kt)
+        valid.append(vt)
+    return keys, valid
+
+
+def check_against_dense(out, lse, ref_out, ref_lse):
+    num_tokens, num_heads = ref_lse.shape
+    assert out.shape == (num_tokens, num_heads, 512) and out.dtype == torch.bfloat16
+    assert lse.shape == (num_tokens, num_heads) and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any()
+    o, r = out.double(), ref_out
+    assert ((o - r).norm() <= 1e-2 * r.norm()) or (r.norm() == 0 and (o == 0).all())
+    # row by row too, so one bad row cannot hide in a large tensor
+    row_err = (o - r).norm(dim=-1)
+    row_ref = r.norm(dim=-1)
+    zero = row_ref == 0
+    assert bool((o[zero] == 0).all()), "rows with no valid key or a +inf sink must be exactly 0"
+    assert bool((row_err[~zero] <= 1e-2 * row_ref[~zero]).all())
+    assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse)), "+inf exactly where no key is valid"
+    finite = torch.isfinite(ref_lse)
+    assert bool(((lse.double()[finite] - ref_lse[finite]).abs() < 1e-3).all())
+
+
+# --------------------------------------------------------------------------------- decode (paged)
+
+
+FEATURES = st.fixed_dictionaries({
+    "p_invalid": st.sampled_from([0.0, 0.2, 0.6]),
+    "full_lens": st.booleans(),
+    "dup": st.booleans(),
+    "empty_row": st.booleans(),
+    "garbage": st.booleans(),
+})
+
+
 @settings(max_examples=40, deadline=None)
-@given(fmt_dim=st.sampled_from([("bf16", 512), ("fp8_v4", 512), ("fp8_v32", 576), ("bf16", 576)]),
-       num_tokens=st.integers(1, 6), num_heads=st.integers(1, 9), w0=st.integers(1, 24), w1=st.integers(0, 30),
-       block_size=st.sampled_from([1, 2, 4, 16]), sink_kind=SINKS, scale=st.sampled_from([None, 0.01, 0.1]),
-       seed=st.integers(0, 2**31 - 1))
-def test_decode_matches_dense(fmt_dim, num_tokens, num_heads, w0, w1, block_size, sink_kind, scale, seed):
+@given(fmt_dim=st.sampled_from(FORMATS), num_tokens=st.integers(1, 8), num_heads=st.integers(1, 16),
+       widths=st.lists(st.integers(1, 40), min_size=1, max_size=2), block_size=st.sampled_from([1, 2, 4, 16, 64]),
+       sink_kind=st.sampled_from(SINKS), scale=st.sampled_from([None, 0.02, 0.2]),
+       log_mag=st.integers(-3, 3), use_slot0=st.booleans(), four_d=st.booleans(),
+       feats=st.lists(FEATURES, min_size=2, max_size=2), seed=st.integers(0, 2**31 - 1))
+def test_decode_matches_dense(fmt_dim, num_tokens, num_heads, widths, block_size, sink_kind, scale, log_mag,
+                              use_slot0, four_d, feats, seed):
     fmt, dim = fmt_dim
     gen = torch.Generator().manual_seed(seed)
-    scopes = [make_scope(gen, fmt, dim, num_tokens, w0, 4, block_size)]
-    if w1:
-        scopes.append(make_scope(gen, fmt, dim, num_tokens, w1, 3, block_size * 2))
-    if num_tokens > 1:  # duplicate picks count once per occurrence
-        scopes[0][1][1, :] = scopes[0][1][1, 0]
+    caches, scopes = [], []
+    for s, width in enumerate(widths):
+        num_blocks = max(1, 48 // block_size) if block_size < 64 else 1
+        cache = PagedCache(num_blocks, block_size, fmt, dim)
+        cache.poison()  # every slot not written below reads as NaN
+        n = cache.num_slots
+        first = 0 if use_slot0 or n == 1 else 1  # slot 0 unused: -1 entries must not read it
+        perm = first + torch.randperm(n - first, generator=gen)
+        used = perm[: int(torch.randint(1, n - first + 1, (1,), generator=gen))]
+        kv = (torch.randn(used.numel(), dim, generator=gen) * 2.0**log_mag).to(torch.bfloat16)
+        # write with a padding row in the middle (-1: written nowhere)
+        cache.write(torch.cat([kv[:1], torch.full((1, dim), math.nan, dtype=torch.bfloat16), kv[1:]]),
+                    torch.cat([used[:1], torch.tensor([-1]), used[1:]]).int())
+        table = torch.full((n, dim), math.nan, dtype=torch.float64)
+        table[used] = fake_quant(kv, fmt)
+        idx, lens = make_indices(gen, used, num_tokens, width, feats[s])
+        caches.append(cache.data.unsqueeze(2) if four_d else cache.data)
+        scopes.append((table, idx, lens))
     q = torch.randn(num_tokens, num_heads, dim, generator=gen).to(torch.bfloat16)
     sink = make_sink(sink_kind, num_heads, gen)
-    (c0, i0, l0), *rest = scopes
-    extra = dict(extra_cache=rest[0][0].data, extra_indices=rest[0][1], extra_lens=rest[0][2]) if rest else {}
-    out, lse = sparse_attention_decode(q, c0.data, i0, l0, sink=sink, scale=scale, backend="reference", **extra)
-    ref_out, ref_lse = dense_attention(q.float(), [keys_of(scopes, t) for t in range(num_tokens)], sink,
-                                       scale if scale is not None else dim ** -0.5)
-    assert out.shape == (num_tokens, num_heads, 512) and out.dtype == torch.bfloat16
-    assert not out.isnan().any()
-    if ref_out.norm() > 0:
-        assert rel_err(out, ref_out) < 1e-2
-    else:
-        assert (out == 0).all()
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
-    finite = torch.isfinite(ref_lse)
-    assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=1e-4, rtol=1e-5)
+    extra = {}
+    if len(scopes) == 2:
+        extra = dict(extra_cache=caches[1], extra_indices=scopes[1][1], extra_lens=scopes[1][2])
+
+    out, lse = sparse_attention_decode(q, caches[0], scopes[0][1], scopes[0][2], sink=sink, scale=scale,
+                                       backend="reference", **extra)
+    keys, valid = keys_from_tables(scopes, num_tokens)
+    ref_out, ref_lse = dense_attention(q, keys, valid, sink, scale)
+    check_against_dense(out, lse, ref_out, ref_lse)
 
 
-def test_prefill_matches_dense_and_ignores_unindexed_nan_rows():
-    gen = torch.Generator().manual_seed(5)
-    kv = torch.randn(40, 512, generator=gen).to(torch.bfloat16)
-    kv[20:] = float("nan")
-    idx = torch.randint(0, 20, (5, 12), generator=gen).int()
-    idx[0, :] = -1
-    lens = torch.tensor([12, 0, 7, 12, 3], dtype=torch.int32)
-    q = torch.randn(5, 3, 512, generator=gen).to(torch.bfloat16)
-    sink = torch.tensor([0.3, -float("inf"), float("inf")])
-    out, lse = sparse_attention_prefill(q, kv, idx, lens, sink, backend="reference")
-    keys = [kv[idx[t, : lens[t]][idx[t, : lens[t]] >= 0].long()].float() for t in range(5)]
-    ref, ref_lse = dense_attention(q.float(), keys, sink, 512 ** -0.5)
-    assert rel_err(out, ref) < 1e-2 and not out.isnan().any()
-    assert torch.isinf(lse[0]).all() and torch.isinf(lse[1]).all() and (out[:2] == 0).all()
-    assert (out[:, 2] == 0).all(), "+inf sink zeroes the head"
+def test_decode_small_hand_checkable_case():
+    """Two keys, one head, no sink: softmax of two scores, checked with math.exp by hand."""
+    cache = PagedCache(1, 4, "bf16")
+    k0 = torch.zeros(512)
+    k0[0] = 1.0
+    k1 = torch.zeros(512)
+    k1[1] = 2.0
+    cache.write(torch.stack([k0, k1]).to(torch.bfloat16), torch.tensor([3, 1], dtype=torch.int32))
+    q = torch.zeros(1, 1, 512)
+    q[0, 0, 0], q[0, 0, 1] = 1.0, 0.5
+    idx = torch.tensor([[3, 1, 1]], dtype=torch.int32)  # key 1 twice
+    out, lse = sparse_attention_decode(q.to(torch.bfloat16), cache.data, idx, scale=1.0, backend="reference")
+    s0, s1 = 1.0, 1.0  # q·k0 = 1, q·k1 = 0.5 * 2
+    z = math.exp(s0) + 2 * math.exp(s1)
+    assert lse[0, 0].item() == pytest.approx(math.log(z), abs=1e-6)
+    assert out[0, 0, 0].item() == pytest.approx(math.exp(s0) / z, rel=1e-2)
+    assert out[0, 0, 1].item() == pytest.approx(2 * 2 * math.exp(s1) / z, rel=1e-2)
+    sink = torch.tensor([0.7])
+    out_s, lse_s = sparse_attention_decode(q.to(torch.bfloat16), cache.data, idx, sink=sink, scale=1.0,
+                                           backend="reference")
+    assert lse_s[0, 0].item() == pytest.approx(math.log(z), abs=1e-6), "lse ignores the sink"
+    assert out_s[0, 0, 0].item() == pytest.approx(math.exp(s0) / (z + math.exp(0.7)), rel=1e-2)
+
+
+def test_decode_default_scale_is_head_dim_power():
+    gen = torch.Generator().manual_seed(3)
+    for fmt, dim in (("bf16", 512), ("fp8_v32", 576)):
+        cache = PagedCache(2, 4, fmt, dim)
+        kv = torch.randn(8, dim, generator=gen).to(torch.bfloat16)
+        cache.write(kv, torch.arange(8, dtype=torch.int32))
+        q = (torch.randn(2, 4, dim, generator=gen) * 3).to(torch.bfloat16)
+        idx = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, -1, 2]], dtype=torch.int32)
+        out, lse = sparse_attention_decode(q, cache.data, idx, backend="reference")
+        table = fake_quant(kv, fmt)
+        keys = [[table[i] for i in row if i >= 0] for row in idx.tolist()]
+        ref_out, ref_lse = dense_attention(q, keys, scale=dim ** -0.5)
+        check_against_dense(out, lse, ref_out, ref_lse)
+        wrong_out, _ = dense_attention(q, keys, scale=512 ** -0.5 if dim == 576 else 576 ** -0.5)
+        assert (out.double() - wrong_out).norm() > 1e-2 * wrong_out.norm()  # the check can tell them apart
+
+
+def test_auto_backend_on_cpu_is_the_reference():
+    gen = torch.Generator().manual_seed(11)
+    cache = PagedCache(2, 4, "fp8_v4")
+    cache.write(torch.randn(8, 512, generator=gen).to(torch.bfloat16), torch.arange(8, dtype=torch.int32))
+    q = torch.randn(3, 2, 512, generator=gen).to(torch.bfloat16)
+    idx = torch.randint(0, 8, (3, 6), generator=gen).int()
+    a = sparse_attention_decode(q, cache.data, idx, backend="reference")
+    b = sparse_attention_decode(q, cache.data, idx)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_zero_tokens_and_zero_width():
+    cache = PagedCache(2, 4, "fp8_v4")
+    cache.poison()
+    out, lse = sparse_attention_decode(torch.zeros(0, 3, 512, dtype=torch.bfloat16), cache.data,
+                                       torch.zeros(0, 5, dtype=torch.int32), backend="reference")
+    assert out.shape == (0, 3, 512) and lse.shape == (0, 3)
+    out, lse = sparse_attention_decode(torch.ones(2, 3, 512, dtype=torch.bfloat16), cache.data,
+                                       torch.zeros(2, 0, dtype=torch.int32), sink=torch.zeros(3),
+                                       backend="reference")
+    assert (out == 0).all() and torch.isposinf(lse).all()
+
+
+def test_entries_beyond_lens_are_ignored_even_out_of_range():
+    gen = torch.Generator().manual_seed(2)
+    cache = PagedCache(2, 4, "fp8_v4")
+    cache.poison()
+    cache.write(torch.randn(4, 512, generator=gen).to(torch.bfloat16), torch.tensor([0, 1, 2, 5], dtype=torch.int32))
+    q = torch.randn(2, 3, 512, generator=gen).to(torch.bfloat16)
+    lens = torch.tensor([1, 3], dtype=torch.int32)
+    clean = torch.tensor([[5, -1, -1, -1], [1, 2, 0, -1]], dtype=torch.int32)
+    junk = torch.tensor([[5, 999, -7, 3], [1, 2, 0, 8]], dtype=torch.int32)  # 3 is an unwritten (NaN) slot
+    a = sparse_attention_decode(q, cache.data, clean, lens, backend="reference")
+    b = sparse_attention_decode(q, cache.data, junk, lens, backend="reference")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and not b[0].isnan().any()
+    # the same entries inside lens are rejected
+    with pytest.raises(ValueError, match="^indices holds 999"):
+        sparse_attention_decode(q, cache.data, junk, torch.tensor([2, 3], dtype=torch.int32), backend="reference")
+
+
+# ------------------------------------------------------------------------------ prefill (workspace)
+
+
+@settings(max_examples=30, deadline=None)
+@given(dim=st.sampled_from([512, 576]), num_tokens=st.integers(1, 8), num_heads=st.integers(1, 16),
+       num_rows=st.integers(1, 40), width=st.integers(1, 40), sink_kind=st.sampled_from(SINKS),
+       scale=st.sampled_from([None, 0.05]), feats=FEATURES, seed=st.integers(0, 2**31 - 1))
+def test_prefill_matches_dense(dim, num_tokens, num_heads, num_rows, width, sink_kind, scale, feats, seed):
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(num_rows, dim, generator=gen).to(torch.bfloat16)
+    rows = torch.randperm(num_rows, generator=gen)
+    live = rows[: max(1, num_rows // 2)]
+    kv[rows[max(1, num_rows // 2):]] = math.nan  # workspace rows no token indexes may hold anything
+    idx, lens = make_indices(gen, live, num_tokens, width, feats)
+    q = torch.randn(num_tokens, num_heads, dim, generator=gen).to(torch.bfloat16)
+    sink = make_sink(sink_kind, num_heads, gen)
+    out, lse = sparse_attention_prefill(q, kv, idx, lens, sink, scale, backend="reference")
+    keys, valid = keys_from_tables([(kv.double(), idx, lens)], num_tokens)
+    ref_out, ref_lse = dense_attention(q, keys, valid, sink, scale)
+    check_against_dense(out, lse, ref_out, ref_lse)
+
+
+def test_prefill_agrees_with_decode_on_the_same_keys():
+    gen = torch.Generator().manual_seed(9)
+    kv = torch.randn(10, 512, generator=gen).to(torch.bfloat16)
+    cache = PagedCache(3, 4, "bf16")
+    cache.write(kv, torch.arange(10, dtype=torch.int32))
+    q = torch.randn(4, 5, 512, generator=gen).to(torch.bfloat16)
+    idx = torch.randint(-1, 10, (4, 7), generator=gen).int()
+    sink = torch.randn(5, generator=gen)
+    a = sparse_attention_prefill(q, kv, idx, sink=sink, backend="reference")
+    b = sparse_attention_decode(q, cache.data, idx, sink=sink, backend="reference")
+    assert torch.equal(a[0], b[0]) and torch.allclose(a[1], b[1])
+
+
+def test_prefill_input_checks():
+    q = torch.zeros(2, 3, 512, dtype=torch.bfloat16)
+    kv = torch.zeros(6, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(2, 4, dtype=torch.int32)
+    for kwargs, match in [
+        (dict(kv=torch.zeros(6, 512)), "^kv must have dtype"),
+        (dict(kv=torch.zeros(6, 576, dtype=torch.bfloat16)), "^kv must have shape"),
+        (dict(kv=torch.zeros(6, 1024, dtype=torch.bfloat16)[:, ::2]), "^kv must have contiguous rows"),
+        (dict(idx=torch.full((2, 4), 6, dtype=torch.int32)), "^indices holds 6"),
+        (dict(idx=torch.zeros(2, 4, dtype=torch.int64)), "^indices must have dtype"),
+        (dict(q=torch.zeros(2, 3, 512)), "^q must have dtype"),
+        (dict(lens=torch.tensor([5, 0], dtype=torch.int32)), "^lens must lie"),
+        (dict(sink=torch.zeros(2)), "^sink must have shape"),
+    ]:
+        args = dict(q=q, kv=kv, idx=idx, lens=None, sink=None) | kwargs
+        with pytest.raises(ValueError, match=match):
+            sparse_attention_prefill(args["q"], args["kv"], args["idx"], args["lens"], args["sink"],
+                                     backend="reference")
+
+
+# ------------------------------------------------------------------------------------ input checks
 
 
 def call(q=None, cache=None, idx=None, lens=None, **kw):
-    c = PagedCache(2, 4, "fp8_v4")
+    c = allocate_cache("fp8_v4", 2, 4)
     q = torch.zeros(2, 3, 512, dtype=torch.bfloat16) if q is None else q
     idx = torch.zeros(2, 5, dtype=torch.int32) if idx is None else idx
-    return sparse_attention_decode(q, c.data if cache is None else cache, idx, lens, backend="reference", **kw)
+    return sparse_attention_decode(q, c if cache is None else cache, idx, lens, backend="reference", **kw)
+
+
+I32 = dict(dtype=torch.int32)
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(q=torch.zeros(2, 3, 512)), "q must have dtype"),
-    (dict(q=torch.zeros(2, 512, dtype=torch.bfloat16)), "q must be 3-D"),
-    (dict(q=torch.zeros(2, 3, 576, dtype=torch.bfloat16)), "head dim 576 .* fp8_v4 tokens of dim 512"),
-    (dict(idx=torch.zeros(2, 5, dtype=torch.int64)), "indices must have dtype torch.int32"),
-    (dict(idx=torch.zeros(3, 5, dtype=torch.int32)), "indices must have shape"),
-    (dict(idx=torch.full((2, 5), 8, dtype=torch.int32)), "indices holds 8, out of range"),
-    (dict(idx=torch.full((2, 5), -2, dtype=torch.int32)), "indices holds -2"),
-    (dict(lens=torch.tensor([6, 1], dtype=torch.int32)), "lens must lie in"),
-    (dict(lens=torch.tensor([1, 1])), "lens must have dtype"),
-    (dict(sink=torch.zeros(3, dtype=torch.float64)), "sink must have dtype"),
-    (dict(sink=torch.zeros(4)), "sink must have shape"),
-    (dict(scale=-1.0), "scale must be a positive"),
-    (dict(fmt="fp8_v32"), "cache holds fp8_v4 .* fmt is 'fp8_v32'"),
-    (dict(cache=torch.zeros(2, 4, 100, dtype=torch.uint8)), "584 .*656"),
-    (dict(extra_indices=torch.zeros(2, 1, dtype=torch.int32)), "extra_cache and extra_indices"),
+    (dict(q=torch.zeros(2, 3, 512)), "^q must have dtype"),
+    (dict(q=torch.zeros(2, 3, 512, dtype=torch.float16)), "^q must have dtype"),
+    (dict(q=torch.zeros(2, 512, dtype=torch.bfloat16)), "^q must be 3-D"),
+    (dict(q=torch.zeros(2, 3, 500, dtype=torch.bfloat16)), "^q must have head dim"),
+    (dict(q=torch.zeros(2, 3, 576, dtype=torch.bfloat16)), "^q has head dim 576 .* fp8_v4 tokens of dim 512"),
+    (dict(q=torch.zeros(2, 3, 512, dtype=torch.bfloat16), cache=allocate_cache("fp8_v32", 2, 4)),
+     "^q has head dim 512 .* fp8_v32"),
+    (dict(cache=torch.zeros(2, 4, 576, dtype=torch.bfloat16)), "^q has head dim 512 .* bf16 tokens of dim 576"),
+    (dict(idx=torch.zeros(2, 5, dtype=torch.int64)), "^indices must have dtype torch.int32"),
+    (dict(idx=torch.zeros(2, 5)), "^indices must have dtype"),
+    (dict(idx=torch.zeros(10, **I32)), "^indices must be 2-D"),
+    (dict(idx=torch.zeros(3, 5, **I32)), "^indices must have shape"),
+    (dict(idx=torch.full((2, 5), 8, **I32)), "^indices holds 8, out of range"),
+    (dict(idx=torch.full((2, 5), -2, **I32)), "^indices holds -2"),
+    (dict(idx=torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 0]], **I32)), "^indices holds 8"),
+    (dict(lens=torch.tensor([6, 1], **I32)), "^lens must lie in"),
+    (dict(lens=torch.tensor([-1, 1], **I32)), "^lens must lie in"),
+    (dict(lens=torch.tensor([1, 1])), "^lens must have dtype"),
+    (dict(lens=torch.tensor([1, 1, 1], **I32)), "^lens must have shape"),
+    (dict(sink=torch.zeros(3, dtype=torch.float64)), "^sink must have dtype"),
+    (dict(sink=torch.zeros(3, dtype=torch.bfloat16)), "^sink must have dtype"),
+    (dict(sink=torch.zeros(4)), "^sink must have shape"),
+    (dict(sink=torch.zeros(1, 3)), "^sink must be 1-D"),
+    (dict(scale=-1.0), "^scale must be a positive"),
+    (dict(scale=0.0), "^scale must be a positive"),
+    (dict(scale=math.inf), "^scale must be a positive"),
+    (dict(scale=math.nan), "^scale must be a positive"),
+    (dict(fmt="fp8_v32"), "^cache holds fp8_v4 .* fmt is 'fp8_v32'"),
+    (dict(fmt="bf16"), "^cache holds fp8_v4"),
+    (dict(cache=torch.zeros(2, 4, 100, dtype=torch.uint8)), "^cache .*584 .*656"),
+    (dict(cache=torch.zeros(2, 4, 512)), "^cache must have dtype"),
+    (dict(cache=torch.zeros(2, 4, 584, dtype=torch.uint8)), "^cache stride"),
+    (dict(extra_indices=torch.zeros(2, 1, **I32)), "extra_cache and extra_indices"),
+    (dict(extra_cache=allocate_cache("fp8_v4", 1, 4)), "extra_cache and extra_indices"),
+    (dict(extra_lens=torch.zeros(2, **I32)), "extra_lens"),
+    (dict(extra_cache=allocate_cache("fp8_v4", 1, 4), extra_indices=torch.full((2, 3), 4, **I32)),
+     "^extra_indices holds 4"),
+    (dict(extra_cache=allocate_cache("fp8_v4", 1, 4), extra_indices=torch.zeros(2, 3, dtype=torch.int64)),
+     "^extra_indices must have dtype"),
+    (dict(extra_cache=allocate_cache("fp8_v4", 1, 4), extra_indices=torch.zeros(2, 3, **I32),
+          extra_lens=torch.tensor([4, 0], **I32)), "^extra_lens must lie"),
+    (dict(extra_cache=allocate_cache("fp8_v4", 1, 4), extra_indices=torch.zeros(2, 3, **I32),
+          extra_lens=torch.tensor([1, 0])), "^extra_lens must have dtype"),
+    (dict(extra_cache=allocate_cache("fp8_v32", 1, 4), extra_indices=torch.zeros(2, 3, **I32)),
+     "^q has head dim 512 but extra_cache"),
+    (dict(extra_cache=torch.zeros(1, 4, 600, dtype=torch.uint8), extra_indices=torch.zeros(2, 3, **I32)),
+     "^extra_cache"),
+    (dict(extra_cache=allocate_cache("bf16", 1, 4), extra_indices=torch.zeros(2, 3, **I32), fmt="fp8_v4"),
+     "^extra_cache holds bf16"),
 ])
 def test_bad_inputs_raise_value_error_naming_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         call(**kwargs)
 
 
-def test_entries_beyond_lens_are_not_checked_or_read():
-    idx = torch.tensor([[0, 999, -7], [1, 2, 3]], dtype=torch.int32)
-    out, _ = call(idx=idx, lens=torch.tensor([1, 3], dtype=torch.int32))
-    assert out.shape == (2, 3, 512)
+def test_non_tensor_arguments_raise_type_error():
+    with pytest.raises(TypeError, match="^indices must be a torch.Tensor"):
+        call(idx=[[0, 1]])
 
 
-def test_dequantize_and_gather_shapes_and_invalid_rows():
-    c = PagedCache(2, 4, "fp8_v4")
-    kv = torch.randn(8, 512).to(torch.bfloat16)
-    c.write(kv, torch.arange(8, dtype=torch.int32))
-    got = dequantize_and_gather(c.data, torch.tensor([[7, -1], [0, 3]], dtype=torch.int32))
-    assert got.shape == (2, 2, 512) and (got[0, 1] == 0).all()
-    assert rel_err(got[1, 0], kv[0]) < 0.04 and rel_err(got[0, 0], kv[7]) < 0.04
+def test_valid_inputs_of_the_check_table_pass():
+    """The defaults of ``call`` and the legal corner values are accepted (so the rejections above are specific)."""
+    call()
+    call(lens=torch.tensor([5, 0], **I32), idx=torch.tensor([[7, -1, 0, 7, 3], [9, 9, 9, 9, 9]], **I32))
+    call(sink=torch.tensor([math.inf, -math.inf, 0.0]), scale=3)
+    call(fmt="fp8_v4", extra_cache=allocate_cache("fp8_v4", 1, 4), extra_indices=torch.full((2, 3), 3, **I32))
+    call(extra_cache=allocate_cache("bf16", 1, 4), extra_indices=torch.full((2, 3), -1, **I32),
+         extra_lens=torch.tensor([3, 0], **I32))
+    call(cache=allocate_cache("fp8_v4", 2, 4).unsqueeze(2))
+
+
+# ------------------------------------------------------------- quantize_and_insert / dequantize_and_gather
+
+
+@pytest.mark.parametrize("fmt,dim", FORMATS)
+def test_insert_then_gather(fmt, dim):
+    gen = torch.Generator().manual_seed(dim)
+    cache = allocate_cache(fmt, 3, 4, dim=dim)
+    kv = torch.randn(5, dim, generator=gen).to(torch.bfloat16)
+    slots = torch.tensor([11, -1, 0, 6, 5], dtype=torch.int64)
+    quantize_and_insert(kv, cache, slots)
+    want = fake_quant(kv, fmt)
+    got = dequantize_and_gather(cache, torch.tensor([[[11, 0], [6, -1]], [[5, 5], [-1, 0]]], dtype=torch.int32))
+    assert got.shape == (2, 2, 2, dim) and got.dtype == torch.bfloat16
+    assert torch.equal(got[0, 0, 0].double(), want[0]) and torch.equal(got[0, 0, 1].double(), want[2])
+    assert torch.equal(got[0, 1, 0].double(), want[3]) and torch.equal(got[1, 0, 1].double(), want[4])
+    assert (got[0, 1, 1] == 0).all() and (got[1, 1, 0] == 0).all()
+    untouched = dequantize_and_gather(cache, torch.tensor([1, 2, 3, 4, 7, 8, 9, 10]))
+    assert (untouched == 0).all(), "only the named slots were written"
+    # the same bytes as building the cache in one go
+    if fmt != "bf16":
+        full = torch.zeros(3 * 4, dim, dtype=torch.bfloat16)
+        full[slots[slots >= 0]] = kv[slots >= 0]
+        ref = quantize_blocks(full.view(3, 4, dim), fmt)
+        written = [0, 5, 6, 11]
+        assert torch.equal(dequantize_and_gather(cache, torch.tensor(written)),
+                           dequantize_and_gather(ref, torch.tensor(written)))
+
+
+def test_insert_into_a_flashmla_4d_cache_writes_the_same_storage():
+    cache = allocate_cache("fp8_v4", 2, 3)
+    kv = torch.randn(2, 512).to(torch.bfloat16)
+    quantize_and_insert(kv, cache.unsqueeze(2), torch.tensor([4, 1], dtype=torch.int32))
+    assert torch.equal(dequantize_and_gather(cache, torch.tensor([4, 1])).double(), fake_quant(kv, "fp8_v4"))
+
+
+def test_insert_and_gather_checks():
+    cache = allocate_cache("fp8_v4", 2, 4)
+    kv = torch.zeros(2, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="^cache holds fp8_v4 .* fmt is 'fp8_v32'"):
+        quantize_and_insert(kv, cache, torch.tensor([0, 1]), "fp8_v32")
+    with pytest.raises(ValueError, match="^slot_mapping holds 8"):
+        quantize_and_insert(kv, cache, torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="^kv_new must have shape"):
+        quantize_and_insert(torch.zeros(2, 576, dtype=torch.bfloat16), cache, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="^slot_mapping must have shape"):
+        quantize_and_insert(kv, cache, torch.tensor([0]))
+    with pytest.raises(ValueError, match="^slots holds 8"):
+        dequantize_and_gather(cache, torch.tensor([[0, 8]]))
+    with pytest.raises(ValueError, match="^slots must have dtype"):
+        dequantize_and_gather(cache, torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="^cache holds fp8_v4"):
+        dequantize_and_gather(cache, torch.tensor([0]), "bf16")
+    # a padding row may hold NaN: it is not written, so it is not checked
+    bad = kv.clone()
+    bad[1] = math.nan
+    quantize_and_insert(bad, cache, torch.tensor([3, -1]))
+    assert not dequantize_and_gather(cache, torch.arange(8)).isnan().any()
