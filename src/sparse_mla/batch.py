@@ -160,8 +160,8 @@ class StepBatchBuilder:
                 raise ValueError(f"request {r}: seq_len {req.seq_len} exceeds max_model_len {self.max_model_len}")
             is_decode = req.query_len <= self.decode_threshold
             if is_decode and seen_prefill:
-                raise ValueError(f"request {r} is a decode (query_len {req.query_len} <= decode_threshold "
-                                 f"{self.decode_threshold}) after a prefill: decodes must come first")
+                raise ValueError(f"request {r} (query_len {req.query_len} <= decode_threshold {self.decode_threshold}) "
+                                 f"is a decode after a prefill: decodes must come first")
             seen_prefill |= not is_decode
             num_decodes += is_decode
             for kind in self.kinds:

@@ -1,13 +1,21 @@
 """Step metadata (DESIGN §3): per-token index lists into the paged caches, built once per step.
 
 Every list is a *valid prefix*: valid slots first, ``-1`` after, ``lens`` = their count. Built with
-vectorised torch on the batch's device, into tensors that a caller may pass back (``out=``) to
-reuse across steps.
+vectorised torch on the batch's device (no loop over tokens), into fixed-size int32 buffers that
+the next step refills (``build_step_metadata(batch, spec, out=last_step_meta)``), so the decode
+path can be captured in a CUDA graph.
+
+* SWA: token at position ``p`` sees raw tokens ``max(0, p-W+1) … p``.
+* C128A: every compressed entry ``w`` with ``(w+1)·128 <= p+1``, i.e. entries ``0 … (p+1)//128 - 1``.
+* C4A: the indexer's picks (local entry numbers) that are visible, ``(w+1)·4 <= p+1``, converted to
+  global slots per layer by :meth:`StepMetadata.c4a_indices`; an invisible pick is dropped, not an error.
+* Prefill workspace plan (:meth:`StepMetadata.workspace_plan`): for backends that gather the keys of
+  prefill tokens into a bf16 workspace, chunks of prefill tokens whose keys fit a byte budget.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,19 +26,37 @@ from .config import COMPRESS_RATIO
 
 @dataclass(frozen=True)
 class MetadataSpec:
-    """What the step's layers need: SWA window, C4A indexer width (top-k)."""
+    """What the step's layers need: the SWA window ``W`` and the C4A indexer width (top-k)."""
 
     window: int = 128
     topk: int = 512
 
 
+def compact_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each row's entries ``>= 0`` to its front, keeping their order; ``-1`` fills the rest.
+
+    rows: ``(n, width)`` int32. Returns (compacted ``(n, width)`` int32, counts ``(n,)`` int32).
+    Vectorised (a cumulative sum and one scatter), so it is also CUDA-graph capturable.
+    """
+    keep = rows >= 0
+    lens = keep.sum(1, dtype=torch.int32)
+    kept_before = torch.cumsum(keep, 1, dtype=torch.int32)
+    dropped_before = torch.cumsum(~keep, 1, dtype=torch.int32)
+    dest = torch.where(keep, kept_before - 1, lens[:, None] + dropped_before - 1).long()
+    if out is None:
+        out = torch.empty_like(rows)
+    out.scatter_(1, dest, torch.where(keep, rows, -1))
+    return out, lens
+
+
 @dataclass
 class StepMetadata:
-    """Index lists of one step, shared by all layers. Row ``t`` belongs to token ``t`` of the batch.
+    """Index lists of one step, shared by all layers. Row ``t`` belongs to token ``t`` of the batch
+    (``token_capacity`` rows; padding rows have length 0).
 
-    swa_indices: ``(T, window)`` slots of positions ``max(0, pos-W+1) … pos``; swa_lens ``(T,)``.
-    c128a_indices: ``(T, ceil(max_model_len / 128))`` slots of entries ``0 … (pos+1)//128 - 1``.
-    c4a buffers are filled per layer by :meth:`c4a_indices` from the indexer's picks.
+    swa_indices ``(T, W)`` + swa_lens ``(T,)``; c128a_indices ``(T, ceil(max_model_len/128))`` +
+    c128a_lens (``None`` when the batch has no c128a block table). The c4a buffers ``(T, topk)`` are
+    filled per layer by :meth:`c4a_indices` from the indexer's picks.
     """
 
     batch: StepBatch
@@ -42,15 +68,27 @@ class StepMetadata:
     c128a_lens: torch.Tensor | None
     c4a_buffer: torch.Tensor | None
     c4a_lens_buffer: torch.Tensor | None
+    c4a_local_buffer: torch.Tensor | None
+    _plans: dict = field(default_factory=dict, repr=False)
 
     def c4a_indices(self, topk_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global C4A slots from the indexer's local picks, compacted to a valid prefix.
 
         topk_local: ``(T, topk)`` int32 local entry numbers (``-1`` none). A pick ``w`` is kept only if
-        entry ``w`` is complete before the token (``(w+1)·4 <= pos+1``); others are dropped, never attended.
-        Returns (indices ``(T, topk)`` int32, lens ``(T,)`` int32), views of this step's buffers.
+        entry ``w`` is complete before the token (``(w+1)·4 <= pos+1``); others are dropped, never
+        attended. Kept picks keep their order. Picks are expected to be distinct (a top-k): an entry
+        picked twice is attended twice, as FlashMLA's sparse kernels do. Returns (indices ``(T, topk)``
+        int32, lens ``(T,)`` int32), views of this step's buffers: the next call overwrites them.
         """
         return convert_compressed_picks(self, topk_local, "c4a")[:2]
+
+    def workspace_plan(self, kind: str, budget_bytes: int, head_dim: int = 512) -> list["WorkspaceChunk"]:
+        """The prefill workspace plan of layers of ``kind`` (see :func:`plan_prefill_workspace`),
+        built on first use and shared by every layer of the step that asks for the same budget."""
+        key = (kind, budget_bytes, head_dim)
+        if key not in self._plans:
+            self._plans[key] = plan_prefill_workspace(self, kind, budget_bytes, head_dim)
+        return self._plans[key]
 
 
 def _visible_entries(batch: StepBatch, ratio: int) -> torch.Tensor:
@@ -58,138 +96,240 @@ def _visible_entries(batch: StepBatch, ratio: int) -> torch.Tensor:
     return torch.where(batch.positions >= 0, (batch.positions + 1) // ratio, 0)
 
 
-def convert_compressed_picks(meta: StepMetadata, local: torch.Tensor, kind: str
+def convert_compressed_picks(meta: StepMetadata, local: torch.Tensor, kind: str = "c4a"
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Local picks -> (global slots, lens, the kept local numbers), each row a valid prefix."""
+    """Local picks -> (global slots, lens, the kept local numbers), each row a valid prefix.
+
+    Written into the step's c4a buffers, which the returned tensors are views of.
+    """
     batch = meta.batch
+    if meta.c4a_buffer is None:
+        raise ValueError("the step's metadata was built from a batch without a 'c4a' block table")
     check_tensor("topk_indices", local, dtype=torch.int32, shape=(batch.token_capacity, meta.spec.topk),
                  device=batch.device)
     ratio = COMPRESS_RATIO[kind]
     visible = _visible_entries(batch, ratio)[:, None]
-    keep = (local >= 0) & (local < visible)
-    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
-    kept_local = torch.where(keep, local, -1).gather(1, order)
+    kept = torch.where((local >= 0) & (local < visible), local, -1)
+    _, lens = compact_rows(kept, out=meta.c4a_local_buffer)
     req = batch.token_to_req.clamp_min(0)[:, None]
-    meta.c4a_buffer.copy_(slots_of(batch.block_tables[kind], req, kept_local, batch.block_sizes[kind]))
-    torch.sum(keep, dim=1, dtype=torch.int32, out=meta.c4a_lens_buffer)
-    return meta.c4a_buffer, meta.c4a_lens_buffer, kept_local
+    meta.c4a_buffer.copy_(slots_of(batch.block_tables[kind], req, meta.c4a_local_buffer, batch.block_sizes[kind]))
+    meta.c4a_lens_buffer.copy_(lens)
+    return meta.c4a_buffer, meta.c4a_lens_buffer, meta.c4a_local_buffer
+
+
+def allocate_metadata(batch: StepBatch, spec: MetadataSpec) -> StepMetadata:
+    """Fresh buffers sized for ``batch``'s token capacity, ``spec`` and its cache kinds."""
+    cap, dev = batch.token_capacity, batch.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    has_c4a, has_c128a = "c4a" in batch.block_tables, "c128a" in batch.block_tables
+    n128 = math.ceil(batch.max_model_len / COMPRESS_RATIO["c128a"])
+    return StepMetadata(
+        batch, spec, torch.empty(cap, **i32), torch.empty(cap, spec.window, **i32), torch.empty(cap, **i32),
+        torch.empty(cap, n128, **i32) if has_c128a else None, torch.empty(cap, **i32) if has_c128a else None,
+        torch.empty(cap, spec.topk, **i32) if has_c4a else None, torch.empty(cap, **i32) if has_c4a else None,
+        torch.empty(cap, spec.topk, **i32) if has_c4a else None)
+
+
+def _check_reusable(out: StepMetadata, batch: StepBatch, spec: MetadataSpec) -> None:
+    fresh_shapes = {
+        "swa_indices": (batch.token_capacity, spec.window),
+        "c128a_indices": (batch.token_capacity, math.ceil(batch.max_model_len / 128))
+        if "c128a" in batch.block_tables else None,
+        "c4a_buffer": (batch.token_capacity, spec.topk) if "c4a" in batch.block_tables else None,
+    }
+    for name, shape in fresh_shapes.items():
+        buf = getattr(out, name)
+        got = None if buf is None else tuple(buf.shape)
+        if got != shape or (buf is not None and buf.device != batch.device):
+            raise ValueError(f"out's {name} has shape {got} on {None if buf is None else buf.device}, this step needs "
+                             f"{shape} on {batch.device}: build without out= when the capacities change")
 
 
 def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),
                         out: StepMetadata | None = None) -> StepMetadata:
-    """Build the step's metadata; with ``out`` (last step's metadata), refill its tensors in place."""
+    """Build the step's metadata; with ``out`` (an earlier step's metadata of the same capacities),
+    refill its buffers in place and return it."""
     if spec.window < 1 or spec.topk < 1:
         raise ValueError(f"spec.window and spec.topk must be positive, got {spec}")
-    dev, cap = batch.device, batch.token_capacity
+    if out is None:
+        out = allocate_metadata(batch, spec)
+    else:
+        _check_reusable(out, batch, spec)
+    out.batch, out.spec, out._plans = batch, spec, {}
+    dev = batch.device
     pos = batch.positions
     valid = pos >= 0
-    req = batch.token_to_req.clamp_min(0)
-    if out is None or out.swa_indices.shape != (cap, spec.window) or out.swa_indices.device != dev:
-        i32 = dict(dtype=torch.int32, device=dev)
-        has_c4a, has_c128a = "c4a" in batch.block_tables, "c128a" in batch.block_tables
-        n128 = math.ceil(batch.max_model_len / 128)
-        out = StepMetadata(
-            batch, spec, torch.empty(cap, **i32), torch.empty(cap, spec.window, **i32), torch.empty(cap, **i32),
-            torch.empty(cap, n128, **i32) if has_c128a else None, torch.empty(cap, **i32) if has_c128a else None,
-            torch.empty(cap, spec.topk, **i32) if has_c4a else None, torch.empty(cap, **i32) if has_c4a else None)
-    out.batch, out.spec = batch, spec
+    req = batch.token_to_req.clamp_min(0)[:, None]
     out.is_valid_token.copy_(valid)
     start = (pos - spec.window + 1).clamp_min(0)
     count = torch.where(valid, pos - start + 1, 0)
     j = torch.arange(spec.window, device=dev, dtype=torch.int32)[None, :]
     swa_pos = torch.where(j < count[:, None], start[:, None] + j, -1)
-    out.swa_indices.copy_(slots_of(batch.block_tables["swa"], req[:, None], swa_pos, batch.block_sizes["swa"]))
+    out.swa_indices.copy_(slots_of(batch.block_tables["swa"], req, swa_pos, batch.block_sizes["swa"]))
     out.swa_lens.copy_(count)
     if out.c128a_indices is not None:
-        n = _visible_entries(batch, 128)
+        n = _visible_entries(batch, COMPRESS_RATIO["c128a"])
         e = torch.arange(out.c128a_indices.shape[1], device=dev, dtype=torch.int32)[None, :]
         entries = torch.where(e < n[:, None], e, -1)
-        out.c128a_indices.copy_(slots_of(batch.block_tables["c128a"], req[:, None], entries,
-                                         batch.block_sizes["c128a"]))
+        out.c128a_indices.copy_(slots_of(batch.block_tables["c128a"], req, entries, batch.block_sizes["c128a"]))
         out.c128a_lens.copy_(n)
+    if out.c4a_buffer is not None:  # until a layer converts its picks: nothing visible
+        out.c4a_buffer.fill_(-1)
+        out.c4a_local_buffer.fill_(-1)
+        out.c4a_lens_buffer.zero_()
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# Prefill workspace plan
+# ----------------------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class WorkspaceChunk:
-    """One chunk of prefill tokens whose keys are gathered into a bf16 workspace.
+    """A run of prefill tokens whose keys are gathered into one bf16 workspace ``(num_rows, head_dim)``.
 
-    tokens: the chunk's token rows. swa_slots / compressed_slots: cache slots copied into workspace
-    rows (each request's rows: ``[its compressed entries][its SWA tokens]``, compressed part first).
-    indices / lens: ``(n_tokens, width)`` int32 workspace rows per token, a valid prefix.
+    Workspace layout: rows ``[0, n_c)`` hold ``compressed_slots`` of the compressed cache (each
+    segment's entries ``0 … N-1``, N = the entries complete before its last token), rows
+    ``[n_c, n_c + n_s)`` hold ``swa_slots`` of the SWA cache (each segment's raw tokens from its first
+    token's window start to its last token). A segment is the part of one request inside the chunk;
+    a long prefill is split over several chunks.
+
+    Per token (rows ``tokens`` of the batch): ``swa_rows`` ``(n, W)`` workspace rows of its window
+    (valid prefix, ``swa_lens``) and ``comp_base`` ``(n,)``, the workspace row of its segment's entry 0.
+    ``indices`` / ``lens``: the token's full workspace index list, valid prefix — precomputed for swa
+    and c128a; for c4a it depends on the layer's picks (:func:`workspace_indices`).
     """
 
+    kind: str
     tokens: slice
+    num_rows: int
     compressed_slots: torch.Tensor
     swa_slots: torch.Tensor
-    row_is_swa: torch.Tensor
-    indices: torch.Tensor
-    lens: torch.Tensor
+    swa_rows: torch.Tensor
+    swa_lens: torch.Tensor
+    comp_base: torch.Tensor
+    indices: torch.Tensor | None
+    lens: torch.Tensor | None
 
 
-def plan_prefill_workspace(meta: StepMetadata, kind: str, budget_rows: int,
-                           compressed_local: torch.Tensor | None = None) -> list[WorkspaceChunk]:
-    """Chunk the prefill requests so each chunk's workspace holds at most ``budget_rows`` rows.
+def _segment_rows(p0: int, p1: int, window: int, ratio: int) -> int:
+    """Workspace rows of a segment whose tokens sit at positions ``p0 … p1``."""
+    return p1 - max(0, p0 - window + 1) + 1 + ((p1 + 1) // ratio if ratio > 1 else 0)
 
-    Per request: ``gather_len = query_len + min(prefix_len, W-1)`` SWA tokens and ``seq_len // ratio``
-    compressed entries. ``compressed_local``: for C4A, the kept local picks of every token
-    (from :func:`convert_compressed_picks`); C128A sees every complete entry.
+
+def plan_prefill_workspace(meta: StepMetadata, kind: str, budget_bytes: int,
+                           head_dim: int = 512) -> list[WorkspaceChunk]:
+    """Chunk the step's prefill tokens so each chunk's bf16 workspace fits ``budget_bytes``.
+
+    A request's segment needs ``gather_len = n_tokens + min(prefix, W-1)`` SWA rows (prefix = the
+    positions before the segment) plus, for c4a / c128a, the ``(p_last+1) // ratio`` compressed entries
+    its last token can see. Chunks are filled greedily in token order; a request that does not fit
+    is split between chunks. Planning runs on the host from the batch's host copies (no device sync);
+    only the per-chunk index tensors are built on the device, vectorised.
     """
-    batch, spec = meta.batch, meta.spec
-    seq = batch.seq_lens.tolist()
-    qlen = batch.query_lens.tolist()
-    qsl = batch.query_start_loc.tolist()
+    if kind not in COMPRESS_RATIO:
+        raise ValueError(f"kind must be one of {tuple(COMPRESS_RATIO)}, got {kind!r}")
+    batch, window = meta.batch, meta.spec.window
     ratio = COMPRESS_RATIO[kind]
-    chunks, r = [], batch.num_decodes
-    while r < batch.num_reqs:
-        rows, first = 0, r
-        while r < batch.num_reqs:
-            prefix = seq[r] - qlen[r]
-            need = qlen[r] + min(prefix, spec.window - 1) + (seq[r] // ratio if ratio > 1 else 0)
-            if rows and rows + need > budget_rows:
-                break
-            if need > budget_rows:
-                raise ValueError(f"budget_rows={budget_rows} cannot hold request {r}'s {need} workspace rows")
-            rows += need
-            r += 1
-        chunks.append(_chunk(meta, kind, range(first, r), seq, qlen, qsl, compressed_local))
-    return chunks
+    budget = budget_bytes // (2 * head_dim)
+    chunks: list[list[tuple[int, int, int]]] = []  # per chunk: (request, first position, last position)
+    current: list[tuple[int, int, int]] = []
+    used = 0
+    for r in range(batch.num_decodes, batch.num_reqs):
+        seq, qlen = batch.seq_lens_host[r], batch.query_lens_host[r]
+        p0 = seq - qlen
+        while p0 < seq:
+            if _segment_rows(p0, p0, window, ratio) > budget - used:
+                if not current:
+                    raise ValueError(f"budget_bytes={budget_bytes} ({budget} workspace rows of {head_dim} bf16) cannot "
+                                     f"hold the {_segment_rows(p0, p0, window, ratio)} keys of request {r}'s token "
+                                     f"at position {p0}")
+                chunks.append(current)
+                current, used = [], 0
+                continue
+            lo, hi = p0, seq - 1  # largest p1 whose segment still fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if _segment_rows(p0, mid, window, ratio) <= budget - used:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            current.append((r, p0, lo))
+            used += _segment_rows(p0, lo, window, ratio)
+            p0 = lo + 1
+            if p0 < seq:
+                chunks.append(current)
+                current, used = [], 0
+    if current:
+        chunks.append(current)
+    return [_build_chunk(meta, kind, segs) for segs in chunks]
 
 
-def _chunk(meta, kind, reqs, seq, qlen, qsl, compressed_local) -> WorkspaceChunk:
-    batch, spec, dev = meta.batch, meta.spec, meta.batch.device
+def _build_chunk(meta: StepMetadata, kind: str, segs: list[tuple[int, int, int]]) -> WorkspaceChunk:
+    batch, window, dev = meta.batch, meta.spec.window, meta.batch.device
     ratio = COMPRESS_RATIO[kind]
-    comp_slots, swa_slots, is_swa, idx_rows, len_rows = [], [], [], [], []
-    base = 0
     i32 = dict(dtype=torch.int32, device=dev)
-    for r in reqs:
-        n_comp = seq[r] // ratio if ratio > 1 else 0
-        swa_start = max(0, seq[r] - qlen[r] - (spec.window - 1))
-        n_swa = seq[r] - swa_start
-        table_c = batch.block_tables[kind][r] if ratio > 1 else None
-        if n_comp:
-            comp_slots.append(slots_of(table_c[None], torch.zeros((), **i32),
-                                       torch.arange(n_comp, **i32), batch.block_sizes[kind]))
-        swa_slots.append(slots_of(batch.block_tables["swa"][r][None], torch.zeros((), **i32),
-                                  torch.arange(swa_start, seq[r], **i32), batch.block_sizes["swa"]))
-        is_swa.append(torch.cat([torch.zeros(n_comp, dtype=torch.bool, device=dev),
-                                 torch.ones(n_swa, dtype=torch.bool, device=dev)]))
-        toks = slice(qsl[r], qsl[r + 1])
-        swa_rows = torch.where(meta.swa_indices[toks] >= 0,
-                               base + n_comp + (meta.batch.positions[toks, None] - meta.swa_lens[toks, None] + 1
-                                                - swa_start + torch.arange(spec.window, **i32)[None]), -1)
-        if ratio == 1:
-            comp = torch.empty(toks.stop - toks.start, 0, **i32)
-        elif ratio == 128:
-            comp = torch.where(meta.c128a_indices[toks] >= 0,
-                               base + torch.arange(meta.c128a_indices.shape[1], **i32)[None], -1)
-        else:
-            comp = torch.where(compressed_local[toks] >= 0, base + compressed_local[toks], -1)
-        rows = torch.cat([swa_rows, comp], dim=1)
-        order = torch.argsort((rows < 0).to(torch.int8), dim=1, stable=True)
-        idx_rows.append(rows.gather(1, order))
-        len_rows.append((rows >= 0).sum(1, dtype=torch.int32))
-        base += n_comp + n_swa
-    empty = torch.empty(0, **i32)
-    return WorkspaceChunk(slice(qsl[reqs[0]], qsl[reqs[-1] + 1]), torch.cat(comp_slots) if comp_slots else empty,
-                          torch.cat(swa_slots), torch.cat(is_swa), torch.cat(idx_rows), torch.cat(len_rows))
+    qsl, seq, qlen = batch.query_start_loc_host, batch.seq_lens_host, batch.query_lens_host
+    n_comp = [(p1 + 1) // ratio if ratio > 1 else 0 for _, _, p1 in segs]
+    swa_start = [max(0, p0 - window + 1) for _, p0, _ in segs]
+    n_swa = [p1 - s + 1 for (_, _, p1), s in zip(segs, swa_start)]
+    n_tok = [p1 - p0 + 1 for _, p0, p1 in segs]
+    total_c = sum(n_comp)
+    comp_base = [sum(n_comp[:i]) for i in range(len(segs))]
+    swa_base = [total_c + sum(n_swa[:i]) for i in range(len(segs))]
+    reqs = [r for r, _, _ in segs]
+    first_row = qsl[segs[0][0]] + segs[0][1] - (seq[segs[0][0]] - qlen[segs[0][0]])
+    last = segs[-1]
+    last_row = qsl[last[0]] + last[2] - (seq[last[0]] - qlen[last[0]])
+
+    def per_item(values: list[int], counts: list[int]) -> torch.Tensor:
+        return torch.repeat_interleave(torch.tensor(values, **i32), torch.tensor(counts, dtype=torch.long, device=dev),
+                                       output_size=sum(counts))
+
+    def ramp(counts: list[int]) -> torch.Tensor:  # 0 … counts[i]-1 for each item, concatenated
+        total = sum(counts)
+        starts = per_item([sum(counts[:i]) for i in range(len(counts))], counts)
+        return torch.arange(total, **i32) - starts
+
+    comp_req = per_item(reqs, n_comp)
+    compressed_slots = (slots_of(batch.block_tables[kind], comp_req, ramp(n_comp), batch.block_sizes[kind])
+                        if total_c else torch.empty(0, **i32))
+    swa_req = per_item(reqs, n_swa)
+    swa_pos = per_item(swa_start, n_swa) + ramp(n_swa)
+    swa_slots = slots_of(batch.block_tables["swa"], swa_req, swa_pos, batch.block_sizes["swa"])
+    tokens = slice(first_row, last_row + 1)
+    pos = batch.positions[tokens]
+    lens = meta.swa_lens[tokens]
+    # token at p: window keys at positions p-lens+1 … p -> rows swa_base + (position - swa_start)
+    first_key_row = per_item(swa_base, n_tok) + pos - lens + 1 - per_item(swa_start, n_tok)
+    j = torch.arange(window, **i32)[None, :]
+    swa_rows = torch.where(j < lens[:, None], first_key_row[:, None] + j, -1)
+    chunk = WorkspaceChunk(kind, tokens, total_c + sum(n_swa), compressed_slots, swa_slots, swa_rows, lens,
+                           per_item(comp_base, n_tok), None, None)
+    if kind == "c4a":
+        return chunk
+    idx, lens = workspace_indices(meta, chunk)
+    return WorkspaceChunk(kind, tokens, chunk.num_rows, compressed_slots, swa_slots, swa_rows, chunk.swa_lens,
+                          chunk.comp_base, idx, lens)
+
+
+def workspace_indices(meta: StepMetadata, chunk: WorkspaceChunk,
+                      kept_local: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each chunk token's workspace rows: ``[its window][its visible compressed entries]``, compacted.
+
+    kept_local: c4a only, ``(T, topk)`` the kept local picks of every batch token (the third result of
+    :func:`convert_compressed_picks`). Returns (indices ``(n, width)`` int32, lens ``(n,)`` int32).
+    """
+    if chunk.kind == "swa":
+        return chunk.swa_rows, chunk.swa_lens
+    base = chunk.comp_base[:, None]
+    if chunk.kind == "c128a":
+        n = _visible_entries(meta.batch, COMPRESS_RATIO["c128a"])[chunk.tokens]
+        e = torch.arange(meta.c128a_indices.shape[1], dtype=torch.int32, device=base.device)[None, :]
+        comp = torch.where(e < n[:, None], base + e, -1)
+    else:
+        if kept_local is None:
+            raise ValueError("a c4a workspace chunk needs the layer's kept local picks (kept_local)")
+        local = kept_local[chunk.tokens]
+        comp = torch.where(local >= 0, base + local, -1)
+    return compact_rows(torch.cat([chunk.swa_rows, comp], dim=1))

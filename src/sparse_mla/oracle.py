@@ -1,40 +1,126 @@
 """Dense oracle (DESIGN §7.1): attention rebuilt from token positions alone, in float64.
 
 It keeps each request's raw latents and compressed entries as plain tensors (the values the caches
-hold, dequantised), builds each token's visible keys from its position — the window, the
-compressed visibility ``(w+1)·r <= p+1`` and the indexer's picks — and runs a masked softmax with
-the sink. It shares no index code with :mod:`sparse_mla.metadata` or :mod:`sparse_mla.ops`.
+hold, dequantised), builds a visibility mask over all of a request's keys from each token's position
+— the window ``max(0, p-W+1) … p``, compressed visibility ``(w+1)·r <= p+1`` and, for c4a, the
+indexer's picks — and runs a dense masked softmax with the sink. It shares no index code with
+:mod:`sparse_mla.metadata` or :mod:`sparse_mla.ops`: no slots, no block tables, no index lists.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+
+from .config import COMPRESS_RATIO, LAYER_KINDS
+
+D_OUT = 512
 
 
 class DenseOracle:
-    """raw[r]: ``(seq_len_r, d)`` latents of request r by position; compressed[kind][r]: ``(n, d)`` entries."""
+    """Keys per request: raw latents by position and compressed entries by entry number.
 
-    def __init__(self) -> None:
-        self.raw: dict[int, torch.Tensor] = {}
+    ``set_raw(r, latents, start)``: latents of positions ``start …`` (a request's oldest tokens may be
+    omitted when no token of interest can see them); rows that are NaN are unknown keys. A key that
+    some token sees but the oracle does not know is an error, never a silent zero.
+    """
+
+    def __init__(self, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"window must be positive, got {window}")
+        self.window = window
+        self.raw: dict[int, tuple[int, torch.Tensor]] = {}
         self.compressed: dict[str, dict[int, torch.Tensor]] = {"c4a": {}, "c128a": {}}
 
-    def visible_keys(self, r: int, pos: int, kind: str, window: int, picks: list[int] | None = None) -> torch.Tensor:
-        """Keys of the token at ``pos`` of request r: ``(n, d)`` float64, in no particular order."""
-        keys = [self.raw[r][max(0, pos - window + 1): pos + 1]]
-        if kind == "c128a":
-            keys.append(self.compressed[kind][r][: (pos + 1) // 128])
-        elif kind == "c4a":
-            ok = [w for w in (picks or []) if w >= 0 and (w + 1) * 4 <= pos + 1]
-            keys.append(self.compressed[kind][r][ok])
-        return torch.cat(keys).double()
+    def set_raw(self, r: int, latents: torch.Tensor, start: int = 0) -> None:
+        """Request ``r``'s raw latents ``(n, d)`` for positions ``start … start+n-1``."""
+        self.raw[r] = (start, latents.detach().cpu())
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, sink: torch.Tensor | None, scale: float) -> torch.Tensor:
-        """q: ``(H, d)``; keys: ``(n, d)``. Returns ``(H, 512)`` float64 (zeros when n = 0)."""
-        if keys.shape[0] == 0:
-            return torch.zeros(q.shape[0], 512, dtype=torch.float64)
-        s = q.double() @ keys.T * scale
-        m = s.amax(dim=1, keepdim=True)
-        w = torch.exp(s - m)
-        denom = w.sum(dim=1, keepdim=True)
-        if sink is not None:
-            denom = denom + torch.exp(sink.double()[:, None] - m)
-        return (w @ keys[:, :512]) / denom
+    def set_compressed(self, kind: str, r: int, entries: torch.Tensor) -> None:
+        """Request ``r``'s compressed entries ``(n, d)`` of ``kind`` (``"c4a"`` or ``"c128a"``), entry ``w`` in row ``w``."""
+        if kind not in self.compressed:
+            raise ValueError(f"kind must be 'c4a' or 'c128a', got {kind!r}")
+        self.compressed[kind][r] = entries.detach().cpu()
+
+    def visibility(self, r: int, positions: torch.Tensor, kind: str,
+                   picks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys of request ``r`` and which of them each token sees.
+
+        positions: ``(n,)`` token positions; picks: c4a only, ``(n, k)`` local entry numbers (``-1``
+        none, any value allowed: invisible or out-of-range picks are simply not visible).
+        Returns keys ``(K, d)`` float64 (raw latents, then compressed entries) and mask ``(n, K)`` bool.
+        """
+        if kind not in LAYER_KINDS:
+            raise ValueError(f"kind must be one of {LAYER_KINDS}, got {kind!r}")
+        start, raw = self.raw[r]
+        p = positions.detach().cpu().long()[:, None]
+        key_pos = torch.arange(start, start + raw.shape[0])[None, :]
+        lo = (p - self.window + 1).clamp_min(0)
+        if p.numel() and (bool((lo < start).any()) or bool((p >= start + raw.shape[0]).any())):
+            raise ValueError(f"request {r}: a token sees raw positions the oracle was not given "
+                             f"(it holds {start} … {start + raw.shape[0] - 1})")
+        masks = [(key_pos >= lo) & (key_pos <= p)]
+        keys = [raw]
+        if kind != "swa":
+            ratio = COMPRESS_RATIO[kind]
+            comp = self.compressed[kind].get(r, raw.new_zeros(0, raw.shape[1]))
+            w = torch.arange(comp.shape[0])[None, :]
+            visible = (w + 1) * ratio <= p + 1
+            if kind == "c4a":
+                picked = torch.zeros(p.shape[0], comp.shape[0] + 1, dtype=torch.bool)
+                if picks is not None:
+                    pk = picks.detach().cpu().long()
+                    pk = torch.where((pk >= 0) & (pk < comp.shape[0]), pk, comp.shape[0])  # others -> dump column
+                    picked.scatter_(1, pk, True)
+                visible &= picked[:, : comp.shape[0]]
+            masks.append(visible)
+            keys.append(comp)
+        keys, mask = torch.cat(keys).double(), torch.cat(masks, dim=1)
+        unknown = keys.isnan().any(dim=1)  # entries the caller never filled in: fine while nobody sees them
+        if bool((mask & unknown[None, :]).any()):
+            raise ValueError(f"request {r}: a token sees a {kind} key the oracle holds as unknown (NaN)")
+        return torch.where(unknown[:, None], 0.0, keys), mask
+
+    def attend(self, q: torch.Tensor, token_to_req: torch.Tensor, positions: torch.Tensor, kind: str,
+               sink: torch.Tensor | None = None, scale: float | None = None,
+               picks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense float64 attention for tokens ``q (n, H, d)`` of requests ``token_to_req (n,)`` (``-1``:
+        padding, output 0) at ``positions (n,)``. picks: ``(n, k)`` (c4a). sink: ``(H,)`` or None.
+
+        Returns out ``(n, H, 512)`` and lse ``(n, H)`` (natural log over real keys; ``+inf`` and out 0
+        for a token with no visible key), both float64 on the CPU.
+        """
+        q = q.detach().cpu().double()
+        n, num_heads, dim = q.shape
+        scale = dim ** -0.5 if scale is None else scale
+        reqs = token_to_req.detach().cpu().long()
+        positions = positions.detach().cpu()
+        picks = None if picks is None else picks.detach().cpu()
+        out = torch.zeros(n, num_heads, D_OUT, dtype=torch.float64)
+        lse = torch.full((n, num_heads), math.inf, dtype=torch.float64)
+        for r in sorted(set(reqs.tolist()) - {-1}):
+            rows = (reqs == r).nonzero().squeeze(1)
+            keys, mask = self.visibility(r, positions[rows], kind, None if picks is None else picks[rows])
+            o, l = masked_attention(q[rows], keys, mask, sink, scale)
+            out[rows], lse[rows] = o, l
+        return out, lse
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor | None,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 softmax attention of ``q (n, H, d)`` over ``keys (K, d)`` where ``mask (n, K)``, K = V.
+
+    The sink joins the denominator only: ``out = Σ e^{s_k} v_k / (e^{sink} + Σ e^{s_k})``.
+    """
+    s = torch.einsum("nhd,kd->nhk", q.double(), keys.double()) * scale
+    s = s.masked_fill(~mask[:, None, :], -math.inf)
+    any_key = mask.any(dim=1)[:, None]
+    lse = torch.logsumexp(s, dim=-1)
+    m = torch.where(any_key, s.amax(dim=-1), 0.0)
+    w = torch.exp(s - m[..., None])
+    denom = w.sum(-1)
+    if sink is not None:
+        denom = denom + torch.exp(sink.detach().cpu().double()[None, :] - m)
+    out = torch.einsum("nhk,kd->nhd", w, keys[:, :D_OUT].double()) / denom[..., None]
+    out = torch.where(any_key[..., None], out, 0.0)
+    return out, torch.where(any_key, lse, math.inf)

@@ -1,8 +1,10 @@
 """A synthetic serving step, as an engine would set it up: requests, paged caches filled with random
 latents, indexer picks, the step's metadata, and the dense oracle holding the same values.
 
-Used by the demo and the tests. Only SWA positions that some token of this step can see are written;
-every other cache slot stays poisoned with NaN, so a kernel that reads outside its keys shows it.
+Used by the demo and the tests. Caches are poisoned first (every byte 0xFF = NaN) and only the keys
+some token of this step may see are written: the SWA tokens inside a window of this step's tokens,
+every complete c128a entry, and the c4a entries some token picked. A kernel that reads any other
+slot turns its output NaN.
 """
 from __future__ import annotations
 
@@ -11,49 +13,84 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import Request, StepBatch, StepBatchBuilder, entries_needed, slots_of
+from .batch import Request, StepBatch, StepBatchBuilder, blocks_needed, slots_of
 from .cache import PagedCache
 from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE
+from .formats import KVFormat, decode_records, encode_records
 from .metadata import MetadataSpec, StepMetadata, build_step_metadata
 from .oracle import DenseOracle
-from .ops.validate import D_V
 
 
 @dataclass
 class Scenario:
+    lengths: list[tuple[int, int]]
     batch: StepBatch
     meta: StepMetadata
     caches: dict[str, PagedCache]
     oracle: DenseOracle
-    topk_local: torch.Tensor  # (token_capacity, topk) int32 indexer picks, some invisible, some -1
+    topk_local: torch.Tensor  # (token_capacity, topk) int32 indexer picks: distinct, some invisible, some -1
 
-    def expected(self, q: torch.Tensor, kind: str, tokens: list[int], sink: torch.Tensor | None,
-                 scale: float) -> torch.Tensor:
-        """Oracle outputs ``(len(tokens), H, 512)`` float64 for the given token rows (padding -> 0)."""
-        b = self.batch
-        rows = []
-        for t in tokens:
-            r, pos = int(b.token_to_req[t]), int(b.positions[t])
-            if r < 0:
-                rows.append(torch.zeros(q.shape[1], D_V, dtype=torch.float64))
-                continue
-            keys = self.oracle.visible_keys(r, pos, kind, self.meta.spec.window, self.topk_local[t].tolist())
-            rows.append(self.oracle.attend(q[t].cpu(), keys, None if sink is None else sink.cpu(), scale))
-        return torch.stack(rows)
+    def token_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(request, position) of every token row, from ``lengths`` alone (``-1`` for padding rows)."""
+        req, pos = [], []
+        for r, (seq_len, q_len) in enumerate(self.lengths):
+            req += [r] * q_len
+            pos += range(seq_len - q_len, seq_len)
+        pad = self.batch.token_capacity - len(req)
+        return torch.tensor(req + [-1] * pad), torch.tensor(pos + [-1] * pad)
+
+    def expected(self, q: torch.Tensor, kind: str, tokens: list[int] | None = None, sink: torch.Tensor | None = None,
+                 scale: float | None = None) -> torch.Tensor:
+        """Oracle outputs ``(len(tokens), H, 512)`` float64 for the given token rows (all by default;
+        padding rows -> 0)."""
+        req, pos = self.token_positions()
+        rows = torch.arange(self.batch.token_capacity) if tokens is None else torch.as_tensor(tokens, dtype=torch.long)
+        picks = self.topk_local.cpu()[rows] if kind == "c4a" else None
+        out, _ = self.oracle.attend(q.cpu()[rows], req[rows], pos[rows], kind, sink, scale, picks)
+        return out
+
+
+def dequantized(kv: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """``kv (n, d)`` bf16 as a cache of ``fmt`` stores it, dequantised to float32 (the format's codec, no paging)."""
+    return decode_records(encode_records(kv, fmt), fmt) if fmt.is_fp8 else kv.float()
+
+
+def random_picks(positions: torch.Tensor, topk: int, gen: torch.Generator, num_entries: int,
+                 invisible: int = 3, drop: float = 0.1) -> torch.Tensor:
+    """Indexer-like picks: per token, ``topk`` distinct entries among ``0 … (pos+1)//4 - 1 + invisible``
+    (so a few are not visible yet), a fraction ``drop`` replaced by ``-1``; ``-1`` rows for padding."""
+    n = positions.shape[0]
+    width = max(1, num_entries + invisible)
+    limit = torch.where(positions >= 0, (positions + 1) // 4 + invisible, 0)
+    scores = torch.rand(n, width, generator=gen)
+    scores = scores.masked_fill(torch.arange(width)[None, :] >= limit[:, None], -1.0)
+    k = min(topk, width)
+    vals, idx = scores.topk(k, dim=1)
+    idx = torch.where(vals >= 0, idx, -1)
+    idx = torch.where(torch.rand(n, k, generator=gen) < drop, -1, idx)
+    if k < topk:
+        idx = torch.cat([idx, torch.full((n, topk - k), -1, dtype=idx.dtype)], dim=1)
+    return idx.to(torch.int32)
 
 
 def make_scenario(lengths: list[tuple[int, int]], *, window: int = 128, topk: int = 512, fmt: str = "fp8_v4",
                   dim: int = 512, decode_threshold: int = 1, padding: int = 0, seed: int = 0,
-                  device: torch.device | str = "cpu", block_sizes: dict[str, int] | None = None) -> Scenario:
-    """lengths: ``(seq_len, query_len)`` per request, decodes first; ``padding`` extra token rows."""
+                  device: torch.device | str = "cpu", block_sizes: dict[str, int] | None = None,
+                  picks: torch.Tensor | None = None) -> Scenario:
+    """lengths: ``(seq_len, query_len)`` per request, decodes first; ``padding`` extra token rows.
+
+    picks: the indexer's ``(token_capacity, topk)`` int32 local c4a picks (default: :func:`random_picks`);
+    only picked entries are written to the c4a cache.
+    """
     gen = torch.Generator().manual_seed(seed)
     sizes = {k: (block_sizes or {}).get(k, DEFAULT_BLOCK_SIZE[k]) for k in COMPRESS_RATIO}
     caches, tables = {}, {k: [] for k in COMPRESS_RATIO}
     for kind, bs in sizes.items():
-        need = [max(1, math.ceil(entries_needed(s, kind) / bs)) for s, _ in lengths]
+        need = [blocks_needed(s, kind, bs) for s, _ in lengths]
         caches[kind] = PagedCache(sum(need) + 2, bs, fmt, dim, device)
         caches[kind].poison()
-        blocks = torch.tensor(caches[kind].allocator.allocate(sum(need)))[torch.randperm(sum(need), generator=gen)]
+        blocks = torch.tensor(caches[kind].allocator.allocate(sum(need)), dtype=torch.long)
+        blocks = blocks[torch.randperm(sum(need), generator=gen)]
         for n in need:
             tables[kind].append(blocks[:n].tolist())
             blocks = blocks[n:]
@@ -63,27 +100,35 @@ def make_scenario(lengths: list[tuple[int, int]], *, window: int = 128, topk: in
     builder = StepBatchBuilder(num_tokens + padding, len(lengths), max_len, block_sizes=sizes,
                                decode_threshold=decode_threshold, device=device)
     batch = builder.build(requests)
-    oracle = DenseOracle()
+    oracle = DenseOracle(window)
+    if picks is None:
+        picks = random_picks(batch.positions.cpu(), topk, gen, max_len // 4)
+    picks = picks.cpu()
+    token_req = batch.token_to_req.cpu()
     i32 = dict(dtype=torch.int32, device=device)
+    writes: dict[str, list[tuple[int, torch.Tensor]]] = {k: [] for k in COMPRESS_RATIO}  # (request, entries)
     for r, (seq_len, q_len) in enumerate(lengths):
         first = max(0, seq_len - q_len - (window - 1))  # earliest position any token of this step sees
-        latents = torch.full((seq_len, dim), float("nan"), dtype=torch.float64)
-        pos = torch.arange(first, seq_len, **i32)
-        slots = slots_of(batch.block_tables["swa"][r][None], torch.zeros((), **i32), pos, sizes["swa"])
-        caches["swa"].write(_random_latents(gen, len(pos), dim, device), slots)
-        latents[first:] = caches["swa"].read(slots).double().cpu()
-        oracle.raw[r] = latents
-        for kind in ("c4a", "c128a"):
-            n = seq_len // COMPRESS_RATIO[kind]
-            entries = slots_of(batch.block_tables[kind][r][None], torch.zeros((), **i32), torch.arange(n, **i32),
-                               sizes[kind])
-            caches[kind].write(_random_latents(gen, n, dim, device), entries)
-            oracle.compressed[kind][r] = caches[kind].read(entries).double().cpu()
-    hi = max(1, max_len // 4 + 3)
-    picks = torch.randint(-1, hi, (batch.token_capacity, topk), generator=gen, dtype=torch.int32)
+        writes["swa"].append((r, torch.arange(first, seq_len)))
+        writes["c128a"].append((r, torch.arange(seq_len // 128)))
+        mine = picks[token_req == r]
+        writes["c4a"].append((r, torch.unique(mine[(mine >= 0) & (mine < seq_len // 4)])))
+    for kind, items in writes.items():
+        req = torch.cat([torch.full((len(e),), r) for r, e in items]).to(**i32)
+        entries = torch.cat([e for _, e in items]).to(**i32)
+        slots = slots_of(batch.block_tables[kind], req, entries, sizes[kind])
+        kv = (torch.randn(len(entries), dim, generator=gen) * 0.5).to(torch.bfloat16)
+        caches[kind].write(kv.to(device), slots)
+        values = dequantized(kv, caches[kind].fmt)  # what the cache holds, computed without the cache
+        start = 0
+        for r, e in items:
+            mine = values[start:start + len(e)]
+            start += len(e)
+            if kind == "swa":
+                oracle.set_raw(r, mine, int(e[0]) if len(e) else 0)
+            else:
+                full = torch.full((lengths[r][0] // COMPRESS_RATIO[kind], dim), math.nan)
+                full[e.long()] = mine  # entries nobody sees stay unknown (NaN) to the oracle too
+                oracle.set_compressed(kind, r, full)
     meta = build_step_metadata(batch, MetadataSpec(window=window, topk=topk))
-    return Scenario(batch, meta, caches, oracle, picks.to(device))
-
-
-def _random_latents(gen: torch.Generator, n: int, dim: int, device) -> torch.Tensor:
-    return (torch.randn(n, dim, generator=gen) * 0.5).to(torch.bfloat16).to(device)
+    return Scenario(list(lengths), batch, meta, caches, oracle, picks.to(device))

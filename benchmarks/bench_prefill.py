@@ -1,0 +1,188 @@
+"""Prefill benchmark on a CUDA GPU (issue 5): three parts, one table each, JSON to --out.
+
+    python benchmarks/bench_prefill.py --out results/
+
+1. Workspace prefill (bf16 kv, FlashMLA's four anchor cases): our Triton kernel vs
+   ``flash_mla.flash_mla_sparse_fwd`` on the same inputs, both checked against the reference first.
+2. Layer level: a 16K-token prompt prefilled 4096 tokens at a time into a C4A and a C128A layer
+   over fp8_v4 caches, (a) gather into a bf16 workspace + workspace prefill vs (b) paged-direct:
+   time and peak extra memory.
+3. Step metadata: the Triton index builders and the insert kernel for a 148-request decode step
+   and a 4096-token prefill chunk, next to the attention time of the same step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+
+from sparse_mla.layer import SparseMLAAttention
+from sparse_mla.ops import quantize_and_insert, sparse_attention_prefill, triton_attention
+from sparse_mla.ops.triton_index import compressed_picks, window_indices
+from sparse_mla.ops.validate import prefill_args
+from sparse_mla.scenario import make_scenario
+
+D = 512
+
+
+def timed(fn, rep_ms=100):
+    return triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median") * 1e3
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def workspace_cases(flash_mla, rep):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rows = []
+    for h in (64, 128):
+        for topk in (640, 1152):
+            s_q, s_kv = 4096, 32768
+            q = (torch.randn(s_q, h, D, generator=gen, device="cuda") / 10).to(torch.bfloat16)
+            kv = (torch.randn(s_kv, D, generator=gen, device="cuda") / 10).to(torch.bfloat16)
+            idx = torch.rand(s_q, s_kv, generator=gen, device="cuda").topk(topk, -1).indices.int()
+            sink = torch.randn(h, generator=gen, device="cuda")
+            scale = D ** -0.5
+            args = prefill_args(q, kv, idx, None, sink, scale, check_ranges=False)
+            ours = lambda: triton_attention.run(args)
+            out = ours()[0]
+            sub = slice(0, 256)
+            ref = sparse_attention_prefill(q[sub], kv, idx[sub], None, sink, scale, backend="reference")[0]
+            row = dict(h=h, topk=topk, ours_err=rel(out[sub], ref), ours_us=timed(ours, rep))
+            row["tflops"] = 2 * s_q * topk * h * (D + D) / (row["ours_us"] * 1e-6) / 1e12
+            if flash_mla is not None:
+                fm = lambda: flash_mla.flash_mla_sparse_fwd(q, kv.view(s_kv, 1, D), idx.view(s_q, 1, topk), scale, 512,
+                                                            sink, None, use_legacy=True)
+                fout = fm()[0]
+                row.update(flashmla_err=rel(fout[sub], ref), ours_vs_flashmla=rel(out, fout), flashmla_us=timed(fm, rep))
+                row["ratio"] = row["ours_us"] / row["flashmla_us"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def layer_cases(rep):
+    rows = []
+    num_heads, chunk, prompt = 64, 4096, 16384
+    for kind in ("c4a", "c128a"):
+        for done in range(0, prompt, chunk):
+            sc = make_scenario([(done + chunk, chunk)], window=128, topk=512, fmt="fp8_v4", seed=done,
+                               device="cuda")
+            q = (torch.randn(chunk, num_heads, D, device="cuda") * 0.5).to(torch.bfloat16)
+            sink = torch.randn(num_heads, device="cuda")
+            picks = sc.topk_local if kind == "c4a" else None
+            row = dict(kind=kind, prefix=done, tokens=chunk)
+            outs = {}
+            for mode in ("workspace", "paged"):
+                layer = SparseMLAAttention(kind, num_heads, topk=512 if kind == "c4a" else None, sink=sink,
+                                           prefill_mode=mode)
+                run = lambda: layer(q, sc.meta, sc.caches, picks)
+                outs[mode] = run()
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                run()
+                torch.cuda.synchronize()
+                row[f"{mode}_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                row[f"{mode}_us"] = timed(run, rep)
+            row["paged_vs_workspace_err"] = rel(outs["paged"], outs["workspace"])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del sc
+            torch.cuda.empty_cache()
+    return rows
+
+
+def metadata_cases(rep):
+    rows = []
+    for name, lengths in (("decode 148 x 2 tokens", [(8192, 2)] * 148), ("prefill chunk 4096", [(16384, 4096)])):
+        sc = make_scenario(lengths, window=128, topk=512, fmt="fp8_v4", decode_threshold=2, seed=3, device="cuda")
+        b, m = sc.batch, sc.meta
+        i32 = dict(dtype=torch.int32, device="cuda")
+        T = b.token_capacity
+        swa_idx, swa_len = torch.empty(T, 128, **i32), torch.empty(T, **i32)
+        c128_idx, c128_len = torch.empty_like(m.c128a_indices), torch.empty(T, **i32)
+        c4_idx, c4_len = torch.empty(T, 512, **i32), torch.empty(T, **i32)
+        kv_new = torch.randn(T, D, device="cuda").to(torch.bfloat16)
+
+        def builders():
+            window_indices(b.positions, b.token_to_req, b.block_tables["swa"], b.block_sizes["swa"], 1, swa_idx, swa_len)
+            window_indices(b.positions, b.token_to_req, b.block_tables["c128a"], b.block_sizes["c128a"], 128,
+                           c128_idx, c128_len)
+            compressed_picks(b.positions, b.token_to_req, b.block_tables["c4a"], b.block_sizes["c4a"], 4,
+                             sc.topk_local, c4_idx, c4_len)
+
+        builders()
+        assert torch.equal(swa_idx, m.swa_indices) and torch.equal(c128_idx, m.c128a_indices)
+        insert = lambda: quantize_and_insert(kv_new, sc.caches["swa"].data, b.slot_mapping)
+        layer = SparseMLAAttention("c4a", 64, topk=512, sink=torch.zeros(64, device="cuda"))
+        q = torch.randn(T, 64, D, device="cuda").to(torch.bfloat16)
+        attend = lambda: layer(q, m, sc.caches, sc.topk_local)
+        row = dict(step=name, tokens=T, builders_us=timed(builders, rep), insert_us=timed(insert, rep),
+                   c4a_attention_us=timed(attend, rep))
+        row["share"] = (row["builders_us"] + row["insert_us"]) / row["c4a_attention_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del sc
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", nargs="+", default=["workspace", "layer", "metadata"])
+    ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time per timing, ms")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    try:
+        import flash_mla
+    except ImportError:
+        flash_mla = None
+        print("flash_mla not importable: timing ours only", file=sys.stderr)
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    os.makedirs(args.out, exist_ok=True)
+    parts = dict(workspace=lambda: workspace_cases(flash_mla, args.rep), layer=lambda: layer_cases(args.rep),
+                 metadata=lambda: metadata_cases(args.rep))
+    for part in args.parts:
+        result[part] = parts[part]()
+        with open(os.path.join(args.out, "bench_prefill.json"), "w") as f:  # after each part: keep what ran
+            json.dump(result, f, indent=1)
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=150)
+    if "workspace" in result:
+        t = Table(title="workspace prefill, s_q 4096, bf16 kv")
+        for c in ("h_q", "keys", "ours us", "FlashMLA us", "ours/FM", "TFLOP/s", "err vs ref", "err vs FM"):
+            t.add_column(c, justify="right")
+        for r in result["workspace"]:
+            fm = r.get("flashmla_us")
+            t.add_row(str(r["h"]), str(r["topk"]), f"{r['ours_us']:.0f}", f"{fm:.0f}" if fm else "-",
+                      f"{r['ratio']:.2f}" if fm else "-", f"{r['tflops']:.0f}", f"{r['ours_err']:.1e}",
+                      f"{r['ours_vs_flashmla']:.1e}" if fm else "-")
+        con.print(t)
+    if "layer" in result:
+        t = Table(title="layer prefill, 16K prompt in 4096-token chunks, fp8_v4, h_q 64")
+        for c in ("kind", "prefix", "workspace us", "workspace extra MB", "paged us", "paged extra MB", "diff"):
+            t.add_column(c, justify="right")
+        for r in result["layer"]:
+            t.add_row(r["kind"], str(r["prefix"]), f"{r['workspace_us']:.0f}", f"{r['workspace_extra_mb']:.0f}",
+                      f"{r['paged_us']:.0f}", f"{r['paged_extra_mb']:.0f}", f"{r['paged_vs_workspace_err']:.1e}")
+        con.print(t)
+    if "metadata" in result:
+        t = Table(title="index builders + insert vs attention of the same step")
+        for c in ("step", "tokens", "builders us", "insert us", "c4a attention us", "share"):
+            t.add_column(c, justify="right")
+        for r in result["metadata"]:
+            t.add_row(r["step"], str(r["tokens"]), f"{r['builders_us']:.1f}", f"{r['insert_us']:.1f}",
+                      f"{r['c4a_attention_us']:.0f}", f"{100 * r['share']:.1f} %")
+        con.print(t)
+
+
+if __name__ == "__main__":
+    main()

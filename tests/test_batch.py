@@ -1,0 +1,161 @@
+"""StepBatch: requests -> query_start_loc, positions, token_to_req, slot mapping, block tables (DESIGN §3)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed, slots_of
+
+SIZES = {"swa": 4, "c4a": 4, "c128a": 2}  # small blocks: contexts cross many block boundaries
+
+
+def tables_for(seq_len: int, start: int = 0, reverse: bool = True) -> dict[str, list[int]]:
+    """Block tables of distinct, non-consecutive physical blocks (reversed), for every kind."""
+    out = {}
+    for kind, bs in SIZES.items():
+        n = blocks_needed(seq_len, kind, bs)
+        blocks = [start + 2 * i for i in range(n)]
+        out[kind] = blocks[::-1] if reverse else blocks
+    return out
+
+
+def expected_tokens(requests, block_size=4):
+    """(positions, token_to_req, slot_mapping) by a plain loop over tokens."""
+    pos, req, slot = [], [], []
+    for r, rq in enumerate(requests):
+        for i in range(rq.query_len):
+            p = rq.seq_len - rq.query_len + i
+            pos.append(p)
+            req.append(r)
+            slot.append(rq.block_tables["swa"][p // block_size] * block_size + p % block_size)
+    return pos, req, slot
+
+
+def test_hand_checked_batch():
+    requests = [Request(10, 1, tables_for(10)), Request(7, 2, tables_for(7, 1)), Request(20, 5, tables_for(20, 3))]
+    b = StepBatchBuilder(16, 4, 64, block_sizes=SIZES, decode_threshold=2).build(requests)
+    assert (b.num_reqs, b.num_decodes, b.num_decode_tokens, b.num_tokens, b.token_capacity) == (3, 2, 3, 8, 16)
+    assert (b.num_prefills, b.num_prefill_tokens) == (1, 5)
+    assert b.query_start_loc.tolist() == [0, 1, 3, 8]
+    assert b.seq_lens.tolist() == [10, 7, 20] and b.query_lens.tolist() == [1, 2, 5]
+    assert b.positions.tolist() == [9, 5, 6, 15, 16, 17, 18, 19] + [-1] * 8
+    assert b.token_to_req.tolist() == [0, 1, 1, 2, 2, 2, 2, 2] + [-1] * 8
+    # request 0's swa table is [4, 2, 0] (3 blocks of 4 for 10 tokens): position 9 -> block 0, offset 1
+    assert b.block_tables["swa"][0].tolist()[:3] == [4, 2, 0]
+    assert b.slot_mapping[0] == 0 * 4 + 1
+    # request 1: table [3, 1]; positions 5, 6 -> logical block 1 = physical 1, offsets 1, 2
+    assert b.block_tables["swa"][1].tolist()[:2] == [3, 1]
+    assert b.slot_mapping[1:3].tolist() == [5, 6]
+    assert b.slot_mapping[8:].tolist() == [-1] * 8
+    assert b.block_tables["swa"].shape == (3, 16) and b.block_tables["swa"][0, 3:].eq(-1).all()
+    for t in (b.positions, b.token_to_req, b.slot_mapping, b.query_start_loc, b.block_tables["c4a"]):
+        assert t.dtype == torch.int32
+
+
+@st.composite
+def request_lists(draw):
+    threshold = draw(st.integers(1, 4))
+    decodes = draw(st.lists(st.tuples(st.integers(1, 300), st.integers(1, threshold)), max_size=4))
+    prefills = draw(st.lists(st.tuples(st.integers(0, 300), st.integers(threshold + 1, 30)), max_size=3))
+    lengths = [(max(s, q), q) for s, q in decodes] + [(p + q, q) for p, q in prefills]
+    return (lengths or [(1, 1)]), threshold, draw(st.integers(0, 5))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=request_lists())
+def test_tokens_match_a_loop_over_tokens(case):
+    lengths, threshold, padding = case
+    requests = [Request(s, q, tables_for(s, start=r, reverse=r % 2 == 0)) for r, (s, q) in enumerate(lengths)]
+    n_tok = sum(q for _, q in lengths)
+    b = StepBatchBuilder(n_tok + padding, len(lengths), 330, block_sizes=SIZES,
+                         decode_threshold=threshold).build(requests)
+    pos, req, slot = expected_tokens(requests)
+    pad = [-1] * padding
+    assert b.positions.tolist() == pos + pad
+    assert b.token_to_req.tolist() == req + pad
+    assert b.slot_mapping.tolist() == slot + pad
+    num_decodes = sum(q <= threshold for _, q in lengths)
+    assert b.num_decodes == num_decodes
+    assert b.num_decode_tokens == sum(q for _, q in lengths[:num_decodes])
+    assert b.query_start_loc.tolist() == [sum(q for _, q in lengths[:i]) for i in range(len(lengths) + 1)]
+    for kind in SIZES:
+        for r, rq in enumerate(requests):
+            row = b.block_tables[kind][r].tolist()
+            assert row[: len(rq.block_tables[kind])] == rq.block_tables[kind]
+            assert all(x == -1 for x in row[len(rq.block_tables[kind]):])
+
+
+def test_mtp_decodes_of_two_to_four_tokens():
+    """decode_threshold = 1 + speculative tokens: query_len 2-4 are decodes with 3 draft tokens, 5 is a prefill."""
+    lengths = [(50, 4), (60, 2), (70, 3), (80, 1), (90, 5)]
+    requests = [Request(s, q, tables_for(s)) for s, q in lengths]
+    b = StepBatchBuilder(32, 8, 128, block_sizes=SIZES, decode_threshold=4).build(requests)
+    assert (b.num_decodes, b.num_decode_tokens, b.num_tokens) == (4, 10, 15)
+    assert b.positions[:4].tolist() == [46, 47, 48, 49]
+    with pytest.raises(ValueError, match="decode after a prefill"):
+        StepBatchBuilder(32, 8, 128, block_sizes=SIZES, decode_threshold=3).build(requests)
+
+
+def test_buffers_are_reused_and_stale_rows_cleared():
+    builder = StepBatchBuilder(16, 4, 64, block_sizes=SIZES)
+    big = builder.build([Request(20, 10, tables_for(20)), Request(9, 3, tables_for(9))])
+    ptrs = [t.data_ptr() for t in (big.positions, big.token_to_req, big.slot_mapping, big.block_tables["swa"])]
+    small = builder.build([Request(5, 1, tables_for(5))])
+    assert [t.data_ptr() for t in (small.positions, small.token_to_req, small.slot_mapping,
+                                   small.block_tables["swa"])] == ptrs
+    assert small.positions.tolist() == [4] + [-1] * 15
+    assert small.slot_mapping[1:].eq(-1).all() and small.token_to_req[1:].eq(-1).all()
+    assert small.block_tables["swa"].shape[0] == 1
+
+
+def test_new_entries_are_those_completed_this_step():
+    # request 0: prefix 6, 8 new -> seq 14: c4a entries 1, 2 (6//4 = 1, 14//4 = 3); no c128a entry
+    # request 1: prefix 250, 10 new -> seq 260: c4a entries 62..64, c128a entry 1 (250//128 = 1, 260//128 = 2)
+    requests = [Request(14, 8, tables_for(14)), Request(260, 10, tables_for(260, 1))]
+    b = StepBatchBuilder(32, 4, 300, block_sizes=SIZES).build(requests)
+    req, entry, slots = b.new_entries("c4a")
+    assert req.tolist() == [0, 0, 1, 1, 1] and entry.tolist() == [1, 2, 62, 63, 64]
+    table = [requests[r].block_tables["c4a"] for r in req.tolist()]
+    assert slots.tolist() == [t[e // 4] * 4 + e % 4 for t, e in zip(table, entry.tolist())]
+    req, entry, slots = b.new_entries("c128a")
+    assert req.tolist() == [1] and entry.tolist() == [1]
+    assert slots.tolist() == [requests[1].block_tables["c128a"][0] * 2 + 1]
+    req, entry, slots = b.new_entries("swa")  # the new tokens themselves
+    assert slots.tolist() == b.slot_mapping[: b.num_tokens].tolist()
+
+
+def test_slots_of_marks_invalid_entries():
+    table = torch.tensor([[3, 1, -1]], dtype=torch.int32)
+    entries = torch.tensor([0, 5, -1, 9, 12], dtype=torch.int32)  # 9: block 2 is -1; 12: past the table
+    assert slots_of(table, torch.zeros((), dtype=torch.int32), entries, 4).tolist() == [12, 5, -1, -1, -1]
+
+
+def table(n):
+    return {"swa": list(range(n)), "c4a": [0], "c128a": [0]}
+
+
+@pytest.mark.parametrize("requests,match", [
+    ([Request(200, 1, table(2))], r"request 0: block table for 'swa' has 2 blocks, seq_len 200 needs 4"),
+    ([Request(5, 6, table(1))], r"request 0: query_len 6 must be in \[1, seq_len=5\]"),
+    ([Request(5, 0, table(1))], r"query_len 0 must be in"),
+    ([Request(70, 5, table(2)), Request(70, 1, table(2))], r"request 1 .* is a decode after a prefill"),
+    ([Request(70, 1, {"swa": [0, 1]})], r"block table for 'c4a' has 0 blocks"),
+    ([Request(300, 1, table(5))], r"seq_len 300 exceeds max_model_len 256"),
+    ([Request(70, 1, {"swa": [0, -1], "c4a": [0], "c128a": [0]})], r"negative block number"),
+    ([Request(64, 12, table(1)), Request(64, 12, table(1))], r"24 new tokens, more than max_tokens=16"),
+    ([Request(8, 1, table(1))] * 5, r"1 to 4 requests, got 5"),
+    ([], r"1 to 4 requests, got 0"),
+])
+def test_bad_batches_raise_value_error(requests, match):
+    builder = StepBatchBuilder(16, 4, 256)
+    with pytest.raises(ValueError, match=match):
+        builder.build(requests)
+
+
+def test_bad_builder_arguments():
+    with pytest.raises(ValueError, match="decode_threshold must be >= 1"):
+        StepBatchBuilder(16, 4, 256, decode_threshold=0)
+    with pytest.raises(ValueError, match="kinds must include 'swa'"):
+        StepBatchBuilder(16, 4, 256, kinds=("c4a",))

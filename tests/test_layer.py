@@ -1,0 +1,245 @@
+"""SparseMLAAttention end to end: StepBatch -> metadata -> layer, against the dense oracle (DESIGN §5, §7.1).
+
+Caches are poisoned (NaN) everywhere no token may look, so reading a wrong slot shows as NaN.
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+import random
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+from sparse_mla.cache import PagedCache
+from sparse_mla.formats import decode_records, encode_records, get_format
+from sparse_mla import layer as layer_module
+from sparse_mla.layer import SparseMLAAttention
+from sparse_mla.metadata import MetadataSpec, build_step_metadata
+from sparse_mla.oracle import DenseOracle
+from sparse_mla.scenario import make_scenario, random_picks
+
+SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
+HEADS = 3
+TOL = 1e-2  # relative Frobenius error, bf16 output (DESIGN §7.1)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # backend "auto": Triton on a GPU, the reference here
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@st.composite
+def steps(draw):
+    """Decodes first (1 token, or MTP: up to 4 with decode_threshold 4), then prefills on prefixes shorter
+    or longer than the window; contexts long enough that c128a entries exist."""
+    threshold = draw(st.integers(1, 4))
+    decodes = draw(st.lists(st.tuples(st.integers(1, 420), st.integers(1, threshold)), max_size=3))
+    prefills = draw(st.lists(st.tuples(st.sampled_from([0, 3, 7, 130, 260]), st.integers(threshold + 1, 24)),
+                             max_size=2))
+    lengths = [(max(s, q), q) for s, q in decodes] + [(p + q, q) for p, q in prefills]
+    return (lengths or [(1, 1)]), threshold
+
+
+@settings(max_examples=45, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=steps(), kind=st.sampled_from(["swa", "c4a", "c128a"]), fmt=st.sampled_from(["bf16", "fp8_v4"]),
+       mode=st.sampled_from(["paged", "workspace"]), window=st.sampled_from([4, 8, 16]),
+       padding=st.integers(0, 3), slack=st.integers(0, 40), seed=st.integers(0, 2**31 - 1))
+def test_layer_matches_dense_oracle(case, kind, fmt, mode, window, padding, slack, seed):
+    lengths, threshold = case
+    topk = 10
+    sc = make_scenario(lengths, window=window, topk=topk, fmt=fmt, decode_threshold=threshold, padding=padding,
+                       seed=seed, block_sizes=SIZES, device=DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sc.batch.token_capacity, HEADS, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    sink = torch.randn(HEADS, generator=gen).to(DEVICE)
+    # workspace: just enough for the neediest token plus `slack` rows, so long prefills get split
+    rows = window + max(s for s, _ in lengths) // 4 + slack
+    layer = SparseMLAAttention(kind, HEADS, window=window, topk=topk if kind == "c4a" else None, sink=sink,
+                               prefill_mode=mode, workspace_bytes=rows * 1024)
+    out = torch.full((sc.batch.token_capacity, HEADS, 512), math.nan, dtype=torch.bfloat16, device=DEVICE)
+    got = layer(q, sc.meta, sc.caches, sc.topk_local if kind == "c4a" else None, out=out)
+    assert got is out
+    assert not out.isnan().any()
+    assert (out[sc.batch.num_tokens:] == 0).all(), "padding tokens get zeros"
+    assert rel_err(out, sc.expected(q, kind, sink=sink, scale=layer.scale)) < TOL
+
+
+def test_invisible_indexer_picks_are_dropped_never_attended():
+    # tokens at positions 38, 39 of a 40-token request (W = 4): position 39 sees entries 0..9, 38 sees 0..8
+    picks = torch.tensor([[9, 2, 500, -1, 10], [2, 10, 9, 10**6, 5]], dtype=torch.int32)
+    sc = make_scenario([(40, 2)], window=4, topk=5, block_sizes=SIZES, decode_threshold=2, picks=picks)
+    q = torch.randn(2, 2, 512).to(torch.bfloat16)
+    layer = SparseMLAAttention("c4a", 2, window=4, topk=5, backend="reference")
+    out = layer(q, sc.meta, sc.caches, picks).clone()
+    idx, lens = sc.meta.c4a_indices(picks)
+    assert lens.tolist() == [1, 3]  # token 0 (p=38): 2 only (9 needs p >= 39); token 1: 2, 9, 5 (10 needs p >= 43)
+    visible_only = torch.tensor([[2, -1, -1, -1, -1], [2, 9, 5, -1, -1]], dtype=torch.int32)
+    assert torch.equal(layer(q, sc.meta, sc.caches, visible_only), out)
+    assert rel_err(out, sc.expected(q, "c4a", scale=layer.scale)) < TOL
+    # the picked-but-invisible entries 9 and 10 hold real values: attending them would change the output
+    assert not torch.isnan(sc.caches["c4a"].read(torch.tensor([int(sc.batch.block_tables["c4a"][0, 2]) * 4 + 1],
+                                                              dtype=torch.int32))).any()
+
+
+def test_sink_semantics():
+    sc = make_scenario([(30, 1), (20, 6)], window=8, topk=4, block_sizes=SIZES)
+    q = torch.randn(sc.batch.token_capacity, 2, 512).to(torch.bfloat16)
+    run = lambda sink: SparseMLAAttention("swa", 2, window=8, sink=sink, backend="reference")(q, sc.meta, sc.caches)
+    assert (run(torch.full((2,), math.inf)) == 0).all()  # +inf sink zeroes the rows
+    assert torch.equal(run(None), run(torch.full((2,), -math.inf)))  # -inf = no sink
+    sink = torch.tensor([0.0, 3.0])
+    assert rel_err(run(sink), sc.expected(q, "swa", sink=sink, scale=512 ** -0.5)) < TOL
+
+
+class Engine:
+    """A toy engine over several steps: grows block tables, writes each step's new latents and completed
+    compressed entries into poisoned caches, and keeps every value in a DenseOracle."""
+
+    def __init__(self, fmt: str, window: int, topk: int, max_tokens: int = 72, max_len: int = 400):
+        self.fmt, self.window, self.topk = get_format(fmt), window, topk
+        self.caches = {k: PagedCache(blocks_needed(max_len, k, SIZES[k]) * 3, SIZES[k], fmt, device=DEVICE)
+                       for k in SIZES}
+        for c in self.caches.values():
+            c.poison()
+        self.builder = StepBatchBuilder(max_tokens, 4, max_len, block_sizes=SIZES, decode_threshold=3, device=DEVICE)
+        self.tables: dict[int, dict[str, list[int]]] = {}
+        self.values: dict[str, dict[int, torch.Tensor]] = {k: {} for k in SIZES}
+        self.meta = None
+        self.gen = torch.Generator().manual_seed(0)
+
+    def _store(self, kind, req, entry, slots):
+        kv = torch.randn(len(slots), 512, generator=self.gen).to(torch.bfloat16)
+        self.caches[kind].write(kv.to(DEVICE), slots)
+        vals = decode_records(encode_records(kv, self.fmt), self.fmt) if self.fmt.is_fp8 else kv.float()
+        for r, e, v in zip(req.tolist(), entry.tolist(), vals):
+            self.values[kind].setdefault(r, {})[e] = v
+
+    def step(self, work: list[tuple[int, int, int]]):
+        """work: (request id, seq_len after the step, new tokens), decodes first."""
+        requests = []
+        for rid, seq_len, q_len in work:
+            t = self.tables.setdefault(rid, {k: [] for k in SIZES})
+            for kind, cache in self.caches.items():
+                t[kind] += cache.allocator.allocate(blocks_needed(seq_len, kind, SIZES[kind]) - len(t[kind]))
+            requests.append(Request(seq_len, q_len, t))
+        batch = self.builder.build(requests)
+        rid_of = torch.tensor([w[0] for w in work])
+        for kind in SIZES:  # the model: new tokens' latents and the compressed entries they complete
+            req, entry, slots = batch.new_entries(kind)
+            self._store(kind, rid_of[req.long().cpu()], entry.cpu(), slots)
+        self.meta = build_step_metadata(batch, MetadataSpec(self.window, self.topk), out=self.meta)
+        oracle = DenseOracle(self.window)
+        for r, (rid, seq_len, _) in enumerate(work):
+            oracle.set_raw(r, torch.stack([self.values["swa"][rid][p] for p in range(seq_len)]))
+            for kind, ratio in (("c4a", 4), ("c128a", 128)):
+                n = seq_len // ratio
+                oracle.set_compressed(kind, r, torch.stack([self.values[kind][rid][w] for w in range(n)])
+                                      if n else torch.zeros(0, 512))
+        return batch, oracle
+
+
+@pytest.mark.parametrize("fmt,mode", [("fp8_v4", "paged"), ("bf16", "workspace")])
+def test_an_engine_loop_reuses_its_buffers_over_steps(fmt, mode):
+    eng = Engine(fmt, window=8, topk=6)
+    layers = {k: SparseMLAAttention(k, HEADS, window=8, topk=6 if k == "c4a" else None, sink=torch.randn(HEADS),
+                                    prefill_mode=mode, workspace_bytes=200 * 1024).to(DEVICE)
+              for k in SIZES}
+    schedule = [
+        [(0, 70, 70)],                               # a prefill from scratch
+        [(0, 130, 60), (1, 12, 12)],                 # a chunk after a 70-token prefix (crosses 128), a new one
+        [(1, 13, 1), (0, 150, 20), (2, 9, 9)],       # a decode, a prefill chunk, a new request
+        [(0, 153, 3), (1, 15, 2), (2, 10, 1)],       # decodes with 2 MTP draft tokens, with 1, plain
+    ]
+    out = torch.empty(eng.builder.max_tokens, HEADS, 512, dtype=torch.bfloat16, device=DEVICE)
+    ptr = None
+    for work in schedule:
+        batch, oracle = eng.step(work)
+        if ptr is None:
+            ptr = eng.meta.swa_indices.data_ptr()
+        assert eng.meta.swa_indices.data_ptr() == ptr
+        gen = torch.Generator().manual_seed(len(work))
+        q = torch.randn(batch.token_capacity, HEADS, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+        picks = random_picks(batch.positions.cpu(), 6, gen, num_entries=45).to(DEVICE)  # distinct, like a top-k
+        for kind, layer in layers.items():
+            p = picks if kind == "c4a" else None
+            layer(q, eng.meta, eng.caches, p, out=out)
+            ref, _ = oracle.attend(q, batch.token_to_req, batch.positions, kind, layer.sink, layer.scale, p)
+            assert not out.isnan().any()
+            assert rel_err(out, ref) < TOL, (work, kind)
+
+
+def test_warm_up_without_metadata_writes_zeros_and_reserves_the_workspace():
+    out = torch.full((5, 2, 512), 7.0, dtype=torch.bfloat16)
+    layer = SparseMLAAttention("c4a", 2, topk=8, prefill_mode="workspace", workspace_bytes=10 * 1024)
+    got = layer(torch.zeros(5, 2, 512, dtype=torch.bfloat16), None, {}, out=out)
+    assert got is out and (out == 0).all()
+    assert layer_module._WORKSPACES[(torch.device("cpu"), 512)].shape[0] >= 10  # reserved by the warm-up
+    other = SparseMLAAttention("swa", 2, prefill_mode="workspace", workspace_bytes=10 * 1024)
+    assert layer._workspace_buffer(out.device).shape == (10, 512)
+    assert other._workspace_buffer(out.device).data_ptr() == layer._workspace_buffer(out.device).data_ptr()
+    assert (SparseMLAAttention("swa", 2)(torch.ones(3, 2, 512, dtype=torch.bfloat16)) == 0).all()
+
+
+def test_layer_is_a_module_with_its_sink_as_a_buffer():
+    layer = SparseMLAAttention("c128a", 4, compress_ratio=128, sink=torch.arange(4.0))
+    assert isinstance(layer, torch.nn.Module) and torch.equal(dict(layer.named_buffers())["sink"], torch.arange(4.0))
+    assert layer.scale == 512 ** -0.5 and "c128a" in repr(layer)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return make_scenario([(40, 1), (20, 5)], window=4, topk=3, block_sizes=SIZES, padding=1)
+
+
+def call(small, kind="swa", topk=None, caches=None, picks=None, q=None, **kw):
+    layer = SparseMLAAttention(kind, 2, window=kw.pop("window", 4), topk=topk, backend="reference", **kw)
+    q = torch.zeros(small.batch.token_capacity, 2, 512, dtype=torch.bfloat16) if q is None else q
+    return layer(q, small.meta, small.caches if caches is None else caches, picks)
+
+
+def i32(*shape):
+    return torch.zeros(*shape, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda s: call(s, "c4a", 3), r"topk_indices must be given to a c4a layer"),
+    (lambda s: call(s, "swa", picks=i32(7, 3)), r"topk_indices must be given only to a c4a layer, not to this swa"),
+    (lambda s: call(s, "c128a", picks=i32(7, 3)), r"only to a c4a layer"),
+    (lambda s: call(s, "c4a", 3, picks=i32(7, 3).long()), r"topk_indices must have dtype torch.int32, got torch.int64"),
+    (lambda s: call(s, "c4a", 3, picks=i32(6, 3)), r"topk_indices must have shape \(7, 3\)"),
+    (lambda s: call(s, "c4a", 5, picks=i32(7, 5)), r"the step's metadata has topk 3, this layer 5"),
+    (lambda s: call(s, "swa", window=8), r"the step's metadata has window 4, this layer 8"),
+    (lambda s: call(s, "c128a", caches={"swa": s.caches["swa"]}), r"caches has no 'c128a' cache"),
+    (lambda s: call(s, "swa", caches={}), r"caches has no 'swa' cache"),
+    (lambda s: call(s, "swa", kv_format="bf16"), r"caches\['swa'\] holds fp8_v4 data, but the layer's kv_format is 'bf16'"),
+    (lambda s: call(s, "c4a", 3, picks=i32(7, 3),
+                    caches=dict(s.caches, c4a=PagedCache(4, 4, "bf16"))), r"cache format mismatch"),
+    (lambda s: call(s, "c128a", caches=dict(s.caches, c128a=PagedCache(4, 4, "fp8_v4"))),
+     r"caches\['c128a'\] has blocks of 4 entries, the step's block tables use 2"),
+    (lambda s: call(s, "swa", caches={"swa": s.caches["swa"].data[..., :500].contiguous()}),
+     r"caches\['swa'\] is uint8 with 500 bytes per token"),
+    (lambda s: call(s, "swa", caches={"swa": PagedCache(4, 4, "bf16", dim=576)}), r"holds 576-d tokens"),
+    (lambda s: call(s, "swa", q=torch.zeros(6, 2, 512, dtype=torch.bfloat16)), r"q has 6 tokens, the step's token capacity is 7"),
+    (lambda s: call(s, "swa", q=torch.zeros(7, 2, 512)), r"q must have dtype torch.bfloat16"),
+    (lambda s: SparseMLAAttention("c4", 2), r"kind must be one of"),
+    (lambda s: SparseMLAAttention("c4a", 2), r"topk \(the indexer width\) is required"),
+    (lambda s: SparseMLAAttention("c4a", 2, topk=4, compress_ratio=128), r"compress_ratio 128 does not match kind 'c4a'"),
+    (lambda s: SparseMLAAttention("swa", 2, prefill_mode="chunked"), r"prefill_mode must be one of"),
+    (lambda s: SparseMLAAttention("swa", 2, sink=torch.zeros(3)), r"sink must have shape \(2,\)"),
+])
+def test_mismatched_inputs_raise_value_errors_that_name_the_problem(small, make, match):
+    with pytest.raises(ValueError, match=match):
+        make(small)
+
+
+def test_the_step_api_doc_runs_as_written():
+    doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "step_api.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
+    assert len(blocks) >= 2
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/step_api.md block {i}", "exec"), {})

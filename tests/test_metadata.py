@@ -1,0 +1,195 @@
+"""Step metadata (DESIGN §3) against a plain loop over tokens, and the prefill workspace plan."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+from sparse_mla.metadata import (MetadataSpec, build_step_metadata, compact_rows, convert_compressed_picks,
+                                 plan_prefill_workspace, workspace_indices)
+
+SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
+RATIO = {"swa": 1, "c4a": 4, "c128a": 128}
+
+
+def make_batch(lengths, threshold=1, padding=0, seed=0, max_model_len=None):
+    """A batch whose block tables are random distinct physical blocks."""
+    rng = random.Random(seed)
+    requests = []
+    for s, q in lengths:
+        tables = {k: rng.sample(range(1000), blocks_needed(s, k, SIZES[k])) for k in SIZES}
+        requests.append(Request(s, q, tables))
+    n_tok = sum(q for _, q in lengths)
+    builder = StepBatchBuilder(n_tok + padding, len(lengths), max_model_len or max(s for s, _ in lengths),
+                               block_sizes=SIZES, decode_threshold=threshold)
+    return builder.build(requests), requests
+
+
+def slot(req: Request, kind: str, entry: int) -> int:
+    bs = SIZES[kind]
+    return req.block_tables[kind][entry // bs] * bs + entry % bs
+
+
+def token_list(lengths):
+    return [(r, s - q + i) for r, (s, q) in enumerate(lengths) for i in range(q)]
+
+
+@st.composite
+def steps(draw):
+    threshold = draw(st.integers(1, 4))
+    decodes = draw(st.lists(st.tuples(st.integers(1, 400), st.integers(1, threshold)), max_size=3))
+    prefills = draw(st.lists(st.tuples(st.integers(0, 300), st.integers(threshold + 1, 20)), max_size=2))
+    lengths = [(max(s, q), q) for s, q in decodes] + [(p + q, q) for p, q in prefills]
+    return (lengths or [(1, 1)]), threshold, draw(st.integers(0, 4)), draw(st.integers(1, 12)), draw(st.integers(0, 99))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=steps())
+def test_swa_and_c128a_lists_match_a_loop_over_tokens(case):
+    lengths, threshold, padding, window, seed = case
+    batch, requests = make_batch(lengths, threshold, padding, seed)
+    meta = build_step_metadata(batch, MetadataSpec(window=window, topk=5))
+    n128 = -(-batch.max_model_len // 128)
+    assert meta.swa_indices.shape == (batch.token_capacity, window)
+    assert meta.c128a_indices.shape == (batch.token_capacity, n128)
+    for t, (r, p) in enumerate(token_list(lengths)):
+        want = [slot(requests[r], "swa", x) for x in range(max(0, p - window + 1), p + 1)]
+        assert meta.swa_indices[t].tolist() == want + [-1] * (window - len(want))
+        assert int(meta.swa_lens[t]) == len(want)
+        n = (p + 1) // 128
+        assert meta.c128a_indices[t].tolist() == [slot(requests[r], "c128a", w) for w in range(n)] + [-1] * (n128 - n)
+        assert int(meta.c128a_lens[t]) == n
+    pad = slice(batch.num_tokens, None)
+    assert meta.swa_lens[pad].eq(0).all() and meta.swa_indices[pad].eq(-1).all()
+    assert meta.c128a_lens[pad].eq(0).all() and meta.c128a_indices[pad].eq(-1).all()
+    assert meta.is_valid_token.tolist() == [1] * batch.num_tokens + [0] * padding
+    for t in (meta.swa_indices, meta.swa_lens, meta.c128a_indices, meta.c128a_lens, meta.is_valid_token):
+        assert t.dtype == torch.int32
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=steps(), topk=st.integers(1, 10))
+def test_c4a_picks_become_a_valid_prefix_of_visible_global_slots(case, topk):
+    lengths, threshold, padding, window, seed = case
+    batch, requests = make_batch(lengths, threshold, padding, seed)
+    meta = build_step_metadata(batch, MetadataSpec(window=window, topk=topk))
+    gen = torch.Generator().manual_seed(seed)
+    # local picks: -1, visible, just invisible, far beyond the request's entries
+    picks = torch.randint(-1, max(s for s, _ in lengths) // 4 + 3, (batch.token_capacity, topk), generator=gen)
+    picks[:, 0] = 10**6
+    picks = picks.to(torch.int32)
+    idx, lens, kept = convert_compressed_picks(meta, picks, "c4a")
+    for t, (r, p) in enumerate(token_list(lengths)):
+        visible = [w for w in picks[t].tolist() if w >= 0 and (w + 1) * 4 <= p + 1]  # order kept
+        assert kept[t].tolist() == visible + [-1] * (topk - len(visible))
+        assert idx[t].tolist() == [slot(requests[r], "c4a", w) for w in visible] + [-1] * (topk - len(visible))
+        assert int(lens[t]) == len(visible)
+    assert lens[batch.num_tokens:].eq(0).all() and idx[batch.num_tokens:].eq(-1).all()
+    again, lens2 = meta.c4a_indices(picks)  # the layer-facing method: same buffers, same answer
+    assert again.data_ptr() == idx.data_ptr() and torch.equal(lens2, lens)
+
+
+def test_hand_checked_lists():
+    # request 0: decode at position 129; request 1: prefill of positions 0..5
+    batch, req = make_batch([(130, 1), (6, 6)], padding=1)
+    m = build_step_metadata(batch, MetadataSpec(window=8, topk=3))
+    assert m.swa_lens.tolist() == [8, 1, 2, 3, 4, 5, 6, 0]
+    assert m.swa_indices[0].tolist() == [slot(req[0], "swa", p) for p in range(122, 130)]
+    assert m.swa_indices[1].tolist() == [slot(req[1], "swa", 0)] + [-1] * 7
+    assert m.c128a_lens.tolist() == [1, 0, 0, 0, 0, 0, 0, 0]  # (129+1)//128 = 1 complete entry
+    # position 129 sees c4a entries 0..31 ((31+1)*4 = 128 <= 130), not 32 ((32+1)*4 = 132 > 130)
+    picks = torch.full((8, 3), -1, dtype=torch.int32)
+    picks[0] = torch.tensor([32, 31, 0])
+    idx, lens = m.c4a_indices(picks)
+    assert lens[0] == 2 and idx[0].tolist() == [slot(req[0], "c4a", 31), slot(req[0], "c4a", 0), -1]
+
+
+def test_compact_rows():
+    rows = torch.tensor([[-1, 5, -1, 7], [1, 2, 3, 4], [-1, -1, -1, -1]], dtype=torch.int32)
+    out, lens = compact_rows(rows)
+    assert out.tolist() == [[5, 7, -1, -1], [1, 2, 3, 4], [-1, -1, -1, -1]] and lens.tolist() == [2, 4, 0]
+
+
+def test_buffers_are_refilled_in_place_across_steps():
+    spec = MetadataSpec(window=8, topk=4)
+    builder = StepBatchBuilder(16, 4, 512, block_sizes=SIZES)
+    rng = random.Random(0)
+
+    def step(lengths):
+        return builder.build([Request(s, q, {k: rng.sample(range(500), blocks_needed(s, k, SIZES[k])) for k in SIZES})
+                              for s, q in lengths])
+
+    first = build_step_metadata(step([(300, 10), (40, 5)]), spec)
+    ptrs = [t.data_ptr() for t in (first.swa_indices, first.swa_lens, first.c128a_indices, first.c4a_buffer)]
+    second = build_step_metadata(step([(301, 1)]), spec, out=first)
+    assert second is first
+    assert [t.data_ptr() for t in (second.swa_indices, second.swa_lens, second.c128a_indices,
+                                   second.c4a_buffer)] == ptrs
+    assert second.swa_lens.tolist() == [8] + [0] * 15 and second.c128a_lens.tolist() == [2] + [0] * 15
+    with pytest.raises(ValueError, match="out's swa_indices has shape"):
+        build_step_metadata(step([(301, 1)]), MetadataSpec(window=16, topk=4), out=first)
+
+
+def test_bad_picks_and_specs_raise_value_error():
+    batch, _ = make_batch([(40, 1)], padding=1)
+    meta = build_step_metadata(batch, MetadataSpec(window=4, topk=3))
+    with pytest.raises(ValueError, match="topk_indices must have dtype torch.int32"):
+        meta.c4a_indices(torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"topk_indices must have shape \(2, 3\)"):
+        meta.c4a_indices(torch.zeros(2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="spec.window and spec.topk must be positive"):
+        build_step_metadata(batch, MetadataSpec(window=0, topk=3))
+
+
+# ----------------------------------------------------------------------------------- workspace plan
+
+@settings(max_examples=30, deadline=None)
+@given(case=steps(), kind=st.sampled_from(["swa", "c4a", "c128a"]), budget_rows=st.integers(0, 200))
+def test_workspace_plan_covers_every_prefill_token_with_the_same_keys(case, kind, budget_rows):
+    lengths, threshold, padding, window, seed = case
+    batch, requests = make_batch(lengths, threshold, padding, seed)
+    topk = 6
+    meta = build_step_metadata(batch, MetadataSpec(window=window, topk=topk))
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.randint(-1, 80, (batch.token_capacity, topk), generator=gen, dtype=torch.int32)
+    _, _, kept = convert_compressed_picks(meta, picks, "c4a")
+    tokens = token_list(lengths)
+    need = max([min(window, p + 1) + (p + 1) // RATIO[kind] * (RATIO[kind] > 1)
+                for t, (_, p) in enumerate(tokens) if t >= batch.num_decode_tokens], default=0)
+    budget_rows = need + budget_rows  # from just enough for the neediest token to plenty
+    chunks = plan_prefill_workspace(meta, kind, budget_rows * 1024, head_dim=512)
+    covered = []
+    for c in chunks:
+        assert 0 < c.num_rows <= budget_rows
+        assert c.compressed_slots.shape[0] + c.swa_slots.shape[0] == c.num_rows
+        covered += range(c.tokens.start, c.tokens.stop)
+        idx, lens = workspace_indices(meta, c, kept)
+        row_slot = [("c", s) for s in c.compressed_slots.tolist()] + [("s", s) for s in c.swa_slots.tolist()]
+        for i, t in enumerate(range(c.tokens.start, c.tokens.stop)):
+            n = int(lens[i])
+            assert (idx[i, :n] >= 0).all() and (idx[i, n:] == -1).all()
+            got = sorted(row_slot[j] for j in idx[i, :n].tolist())
+            want = [("s", s) for s in meta.swa_indices[t, : meta.swa_lens[t]].tolist()]
+            if kind == "c128a":
+                want += [("c", s) for s in meta.c128a_indices[t, : meta.c128a_lens[t]].tolist()]
+            elif kind == "c4a":
+                want += [("c", s) for s in meta.c4a_buffer[t, : meta.c4a_lens_buffer[t]].tolist()]
+            assert got == sorted(want), f"token {t}"
+    assert covered == list(range(batch.num_decode_tokens, batch.num_tokens))
+
+
+def test_workspace_plan_splits_a_long_prefill_and_names_a_budget_too_small():
+    batch, _ = make_batch([(50, 1), (1000, 300)], padding=2)
+    meta = build_step_metadata(batch, MetadataSpec(window=16, topk=4))
+    chunks = plan_prefill_workspace(meta, "c128a", 200 * 1024)  # 200 rows of 512 bf16
+    assert [c.tokens for c in chunks][0].start == 1 and chunks[-1].tokens.stop == 301
+    assert len(chunks) == 2 and all(c.num_rows <= 200 for c in chunks)
+    # first chunk: positions 700..878: 15 earlier window tokens + 179 tokens + (878+1)//128 = 6 entries = 200
+    assert chunks[0].tokens == slice(1, 180) and chunks[0].num_rows == 15 + 179 + 6
+    assert meta.workspace_plan("c128a", 200 * 1024) is meta.workspace_plan("c128a", 200 * 1024)  # built once
+    with pytest.raises(ValueError, match=r"cannot hold the 16 keys of request 1's token at position 700"):
+        plan_prefill_workspace(meta, "swa", 15 * 1024)
