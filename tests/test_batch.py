@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from strategies import step_lengths
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed, slots_of
 
 SIZES = {"swa": 4, "c4a": 4, "c128a": 2}  # small blocks: contexts cross many block boundaries
@@ -56,14 +57,10 @@ def test_hand_checked_batch():
 
 @st.composite
 def request_lists(draw):
-    threshold = draw(st.integers(1, 4))
-    decodes = draw(st.lists(st.tuples(st.integers(1, 300), st.integers(1, threshold)), max_size=4))
-    prefills = draw(st.lists(st.tuples(st.integers(0, 300), st.integers(threshold + 1, 30)), max_size=3))
-    lengths = [(max(s, q), q) for s, q in decodes] + [(p + q, q) for p, q in prefills]
-    return (lengths or [(1, 1)]), threshold, draw(st.integers(0, 5))
+    lengths, threshold = draw(step_lengths(max_context=300, max_query=30))
+    return lengths, threshold, draw(st.integers(0, 5))
 
 
-@settings(max_examples=40, deadline=None)
 @given(case=request_lists())
 def test_tokens_match_a_loop_over_tokens(case):
     lengths, threshold, padding = case

@@ -22,6 +22,7 @@ from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.oracle import DenseOracle
 from sparse_mla.scenario import make_scenario, random_picks
+from strategies import step_lengths
 
 SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
 HEADS = 3
@@ -33,23 +34,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-@st.composite
-def steps(draw):
-    """Decodes first (1 token, or MTP: up to 4 with decode_threshold 4), then prefills on prefixes shorter
-    or longer than the window; contexts long enough that c128a entries exist."""
-    threshold = draw(st.integers(1, 4))
-    decodes = draw(st.lists(st.tuples(st.integers(1, 420), st.integers(1, threshold)), max_size=3))
-    prefills = draw(st.lists(st.tuples(st.sampled_from([0, 3, 7, 130, 260]), st.integers(threshold + 1, 24)),
-                             max_size=2))
-    lengths = [(max(s, q), q) for s, q in decodes] + [(p + q, q) for p, q in prefills]
-    return (lengths or [(1, 1)]), threshold
+def steps():
+    return step_lengths(prefixes=st.sampled_from([0, 3, 7, 130, 260]))
 
 
 @settings(max_examples=45, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=steps(), kind=st.sampled_from(["swa", "c4a", "c128a"]), fmt=st.sampled_from(["bf16", "fp8_v4"]),
        mode=st.sampled_from(["paged", "workspace"]), window=st.sampled_from([4, 8, 16]),
-       padding=st.integers(0, 3), slack=st.integers(0, 40), seed=st.integers(0, 2**31 - 1))
-def test_layer_matches_dense_oracle(case, kind, fmt, mode, window, padding, slack, seed):
+       padding=st.integers(0, 3), slack=st.integers(0, 40), seed=st.integers(0, 2**31 - 1),
+       backend=st.sampled_from(["auto", "triton"]))
+def test_layer_matches_dense_oracle(case, kind, fmt, mode, window, padding, slack, seed, backend):
     lengths, threshold = case
     topk = 10
     sc = make_scenario(lengths, window=window, topk=topk, fmt=fmt, decode_threshold=threshold, padding=padding,
@@ -60,7 +54,7 @@ def test_layer_matches_dense_oracle(case, kind, fmt, mode, window, padding, slac
     # workspace: just enough for the neediest token plus `slack` rows, so long prefills get split
     rows = window + max(s for s, _ in lengths) // 4 + slack
     layer = SparseMLAAttention(kind, HEADS, window=window, topk=topk if kind == "c4a" else None, sink=sink,
-                               prefill_mode=mode, workspace_bytes=rows * 1024)
+                               prefill_mode=mode, workspace_bytes=rows * 1024, backend=backend)
     out = torch.full((sc.batch.token_capacity, HEADS, 512), math.nan, dtype=torch.bfloat16, device=DEVICE)
     got = layer(q, sc.meta, sc.caches, sc.topk_local if kind == "c4a" else None, out=out)
     assert got is out

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+from strategies import step_lengths
 from sparse_mla.metadata import (MetadataSpec, build_step_metadata, compact_rows, convert_compressed_picks,
                                  plan_prefill_workspace, workspace_indices)
 
@@ -40,11 +41,8 @@ def token_list(lengths):
 
 @st.composite
 def steps(draw):
-    threshold = draw(st.integers(1, 4))
-    decodes = draw(st.lists(st.tuples(st.integers(1, 400), st.integers(1, threshold)), max_size=3))
-    prefills = draw(st.lists(st.tuples(st.integers(0, 300), st.integers(threshold + 1, 20)), max_size=2))
-    lengths = [(max(s, q), q) for s, q in decodes] + [(p + q, q) for p, q in prefills]
-    return (lengths or [(1, 1)]), threshold, draw(st.integers(0, 4)), draw(st.integers(1, 12)), draw(st.integers(0, 99))
+    lengths, threshold = draw(step_lengths(max_context=400, max_query=20))
+    return lengths, threshold, draw(st.integers(0, 4)), draw(st.integers(1, 12)), draw(st.integers(0, 99))
 
 
 @settings(max_examples=40, deadline=None)
