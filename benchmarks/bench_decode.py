@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 import triton
+from common import load_flash_mla, rel, timed
 
 from sparse_mla.formats import dequantize_blocks, quantize_blocks
 from sparse_mla.ops import sparse_attention_decode, triton_attention
@@ -49,14 +49,6 @@ def make_scope(b, s_q, seqlen, topk, block_size, gen, ragged):
         lens = torch.randint(0, topk + 1, (b,), generator=gen, device="cuda").int()
         slots[(torch.arange(topk, device="cuda").view(1, 1, topk) >= lens.view(b, 1, 1)).expand(b, s_q, topk)] = -1
     return cache, slots, lens
-
-
-def timed(fn, rep_ms):
-    return triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median") * 1e3
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def run_case(c, gen, args, flash_mla, configs):
@@ -130,11 +122,7 @@ def main():
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    try:
-        import flash_mla
-    except ImportError:
-        flash_mla = None
-        print("flash_mla not importable: timing ours only", file=sys.stderr)
+    flash_mla = load_flash_mla()
     configs = [{}]
     if args.sweep:
         configs = [{k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))} for spec in args.sweep.split(";")]

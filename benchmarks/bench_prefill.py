@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 import triton
+from common import load_flash_mla, rel, timed
 
 from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.ops import quantize_and_insert, sparse_attention_prefill, triton_attention
@@ -27,14 +27,6 @@ from sparse_mla.ops.validate import prefill_args
 from sparse_mla.scenario import make_scenario
 
 D = 512
-
-
-def timed(fn, rep_ms=100):
-    return triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median") * 1e3
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def workspace_cases(flash_mla, rep):
@@ -139,11 +131,7 @@ def main():
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time per timing, ms")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    try:
-        import flash_mla
-    except ImportError:
-        flash_mla = None
-        print("flash_mla not importable: timing ours only", file=sys.stderr)
+    flash_mla = load_flash_mla()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     os.makedirs(args.out, exist_ok=True)
     parts = dict(workspace=lambda: workspace_cases(flash_mla, args.rep), layer=lambda: layer_cases(args.rep),

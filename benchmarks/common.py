@@ -1,0 +1,27 @@
+"""Helpers shared by the benchmark scripts (run them as ``python benchmarks/<name>.py``)."""
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+
+
+def timed(fn, rep_ms: int = 100) -> float:
+    """Median time of ``fn`` in microseconds (``triton.testing.do_bench``: CUDA events, after warm-up)."""
+    return triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median") * 1e3
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error of ``a`` against ``b``."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def load_flash_mla():
+    """The ``flash_mla`` module (sgl-flash-mla wheel), or None with a note on stderr."""
+    try:
+        import flash_mla
+    except ImportError:
+        print("flash_mla not importable: timing ours only", file=sys.stderr)
+        return None
+    return flash_mla
