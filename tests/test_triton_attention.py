@@ -159,3 +159,17 @@ def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error(monkeypatch)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         sparse_attention_decode(torch.zeros(1, 1, 512, dtype=torch.bfloat16), cache.data,
                                 torch.zeros(1, 2, dtype=torch.int32), backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_out_is_written_in_place(backend):
+    gen = torch.Generator().manual_seed(21)
+    cache, idx, lens = random_scope(gen, "fp8_v4", 512, 3, 10, 2, 8)
+    q = torch.randn(3, 2, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    buf = torch.full((5, 2, 512), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got, _ = sparse_attention_decode(q, cache.data, idx, lens, backend=backend, out=buf[1:4])
+    assert got.data_ptr() == buf[1:4].data_ptr()
+    assert buf[[0, 4]].isnan().all() and not buf[1:4].isnan().any()
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        sparse_attention_decode(q, cache.data, idx, lens, backend=backend, out=buf[1:4].transpose(0, 1).contiguous()
+                                .transpose(0, 1))

@@ -121,10 +121,10 @@ class SparseMLAAttention(torch.nn.Module):
             scopes.append((data["c128a"], meta.c128a_indices, meta.c128a_lens))
         n_dec, n_tok = batch.num_decode_tokens, batch.num_tokens
         if n_dec:
-            out[:n_dec] = self._paged(q, scopes, slice(0, n_dec))
+            self._paged(q, scopes, slice(0, n_dec), out)
         if n_tok > n_dec:
             if self.prefill_mode == "paged":
-                out[n_dec:n_tok] = self._paged(q, scopes, slice(n_dec, n_tok))
+                self._paged(q, scopes, slice(n_dec, n_tok), out)
             else:
                 self._prefill_workspace(q, meta, data, local, out)
         out[n_tok:].zero_()
@@ -160,14 +160,13 @@ class SparseMLAAttention(torch.nn.Module):
             raise ValueError(f"cache format mismatch: the layer's caches hold different formats {formats}")
         return data
 
-    def _paged(self, q: torch.Tensor, scopes, rows: slice) -> torch.Tensor:
+    def _paged(self, q: torch.Tensor, scopes, rows: slice, out: torch.Tensor) -> None:
         (cache, idx, lens), *rest = scopes
         extra = {}
         if rest:
             extra = dict(extra_cache=rest[0][0], extra_indices=rest[0][1][rows], extra_lens=rest[0][2][rows])
-        o, _ = sparse_attention_decode(q[rows], cache, idx[rows], lens[rows], sink=self.sink, scale=self.scale,
-                                       backend=self.backend, **extra)
-        return o
+        sparse_attention_decode(q[rows], cache, idx[rows], lens[rows], sink=self.sink, scale=self.scale,
+                                backend=self.backend, out=out[rows], **extra)
 
     def _workspace_buffer(self, device: torch.device) -> torch.Tensor:
         return shared_workspace(device, self.workspace_bytes // (2 * self.head_dim), self.head_dim)
@@ -181,6 +180,5 @@ class SparseMLAAttention(torch.nn.Module):
                 ws[:n_c] = dequantize_and_gather(data[self.kind], chunk.compressed_slots)
             ws[n_c:] = dequantize_and_gather(data["swa"], chunk.swa_slots)
             idx, lens = workspace_indices(meta, chunk, local)
-            o, _ = sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, self.sink, self.scale,
-                                            backend=self.backend)
-            out[chunk.tokens] = o
+            sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, self.sink, self.scale, backend=self.backend,
+                                     out=out[chunk.tokens])

@@ -44,6 +44,7 @@ def sparse_attention_decode(
     scale: float | None = None,
     fmt: str | None = None,
     backend: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention of each query token over two index scopes of paged caches.
 
@@ -52,14 +53,15 @@ def sparse_attention_decode(
     indices / extra_indices: ``(T, width)`` int32 slots, ``-1`` invalid; token ``t`` attends to the
     first ``lens[t]`` entries of each (``lens``: ``(T,)`` int32, default the full width).
     sink: ``(H,)`` float32 logits joining the softmax denominator only. scale defaults to d**-0.5.
-    Returns out ``(T, H, 512)`` bf16 and lse ``(T, H)`` float32 (natural log over real keys,
-    ``+inf`` for a row with no valid key, whose output is 0).
+    Returns out ``(T, H, 512)`` bf16 (written into ``out`` when given: contiguous, that shape) and
+    lse ``(T, H)`` float32 (natural log over real keys, ``+inf`` for a row with no valid key, whose
+    output is 0).
     """
     if _backend(backend, q.device) == "reference":
         return reference.run(decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink,
-                                         scale, fmt))
+                                         scale, fmt, out=out))
     args = decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, scale, fmt,
-                       check_ranges=debug_checks_enabled())
+                       check_ranges=debug_checks_enabled(), out=out)
     return triton_attention.run(args)
 
 
@@ -71,14 +73,16 @@ def sparse_attention_prefill(
     sink: torch.Tensor | None = None,
     scale: float | None = None,
     backend: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention over a bf16 workspace ``kv (S, d)``: ``indices (T, width)`` int32 rows of kv.
 
     Same semantics and returns as :func:`sparse_attention_decode`.
     """
     if _backend(backend, q.device) == "reference":
-        return reference.run(prefill_args(q, kv, indices, lens, sink, scale))
-    return triton_attention.run(prefill_args(q, kv, indices, lens, sink, scale, check_ranges=debug_checks_enabled()))
+        return reference.run(prefill_args(q, kv, indices, lens, sink, scale, out=out))
+    return triton_attention.run(prefill_args(q, kv, indices, lens, sink, scale, check_ranges=debug_checks_enabled(),
+                                             out=out))
 
 
 def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,

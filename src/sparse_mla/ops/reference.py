@@ -49,7 +49,8 @@ def run(args: AttentionArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over all scopes of ``args``: out ``(T, H, 512)`` bf16, lse ``(T, H)`` float32."""
     q = args.q
     num_tokens, num_heads, dim = q.shape
-    out = torch.empty(num_tokens, num_heads, D_V, dtype=torch.bfloat16, device=q.device)
+    out = args.out if args.out is not None else torch.empty(num_tokens, num_heads, D_V, dtype=torch.bfloat16,
+                                                                device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     width = sum(s.indices.shape[1] for s in args.scopes)
     step = max(1, _CHUNK_ELEMS // max(1, width * dim))

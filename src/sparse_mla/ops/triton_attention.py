@@ -287,7 +287,8 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
         q = q.contiguous()
     num_tokens, num_heads, dim = q.shape
     device = q.device
-    out = torch.empty(num_tokens, num_heads, D_V, dtype=torch.bfloat16, device=device)
+    out = args.out if args.out is not None else torch.empty(num_tokens, num_heads, D_V, dtype=torch.bfloat16,
+                                                                device=device)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
     if num_tokens == 0 or num_heads == 0:
         return out, lse

@@ -48,6 +48,7 @@ class AttentionArgs:
     scopes: tuple[Scope, ...]
     sink: torch.Tensor | None
     scale: float
+    out: torch.Tensor | None = None  # (T, H, 512) bf16, contiguous: written in place when given
 
 
 def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None,
@@ -82,7 +83,7 @@ def _sink_and_scale(q: torch.Tensor, sink: torch.Tensor | None, scale: float | N
 
 
 def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=None, extra_lens=None,
-                sink=None, scale=None, fmt=None, check_ranges: bool = True) -> AttentionArgs:
+                sink=None, scale=None, fmt=None, check_ranges: bool = True, out=None) -> AttentionArgs:
     """Check and normalise the arguments of ``sparse_attention_decode``."""
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
     if q.shape[-1] not in (512, 576):
@@ -95,17 +96,23 @@ def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=No
     elif extra_lens is not None:
         raise ValueError("extra_lens given without extra_cache / extra_indices")
     sink, scale = _sink_and_scale(q, sink, scale)
-    return AttentionArgs(q, tuple(scopes), sink, scale)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(q.shape[0], q.shape[1], D_V), device=q.device)
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+    return AttentionArgs(q, tuple(scopes), sink, scale, out)
 
 
-def prefill_args(q, kv, indices, lens=None, sink=None, scale=None, check_ranges: bool = True) -> AttentionArgs:
+def prefill_args(q, kv, indices, lens=None, sink=None, scale=None, check_ranges: bool = True,
+                 out=None) -> AttentionArgs:
     """Check and normalise ``sparse_attention_prefill``'s arguments; ``kv (S, d)`` becomes a
     one-token-per-block bf16 cache so every backend reads it like a paged scope."""
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, q.shape[-1]), device=q.device)
     if kv.stride(-1) != 1:
         raise ValueError("kv must have contiguous rows (stride(-1) == 1)")
-    return decode_args(q, kv.unsqueeze(1), indices, lens, sink=sink, scale=scale, check_ranges=check_ranges)
+    return decode_args(q, kv.unsqueeze(1), indices, lens, sink=sink, scale=scale, check_ranges=check_ranges,
+                       out=out)
 
 
 def insert_args(kv_new, cache, slot_mapping, fmt=None, check_values: bool = True) -> tuple[torch.Tensor, KVFormat]:
