@@ -229,3 +229,13 @@ def test_write_rejects_bad_slots_and_values(fmt, dim):
     assert torch.equal(cache.data, raw), "a rejected write changes nothing"
     with pytest.raises(ValueError, match="slots holds 8"):
         cache.read(torch.tensor([8]))
+
+
+def test_failed_free_changes_nothing():
+    alloc = BlockAllocator(4)
+    got = alloc.allocate(2)
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free([got[0], 3])
+    assert alloc.num_free == 2
+    alloc.free(got)
+    assert alloc.num_free == 4

@@ -422,3 +422,13 @@ def test_insert_and_gather_checks():
     bad[1] = math.nan
     quantize_and_insert(bad, cache, torch.tensor([3, -1]))
     assert not dequantize_and_gather(cache, torch.arange(8)).isnan().any()
+
+
+def test_nan_sink_and_boolean_scale_are_rejected():
+    c = PagedCache(1, 4, "bf16")
+    q = torch.zeros(1, 2, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="sink must not be NaN"):
+        sparse_attention_decode(q, c.data, idx, sink=torch.tensor([0.0, float("nan")]), backend="reference")
+    with pytest.raises(ValueError, match="scale must be a positive"):
+        sparse_attention_decode(q, c.data, idx, scale=True, backend="reference")

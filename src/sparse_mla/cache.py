@@ -36,10 +36,12 @@ class BlockAllocator:
         return got
 
     def free(self, blocks: list[int]) -> None:
-        """Return blocks to the pool; freeing a block that is not allocated is an error."""
+        """Return blocks to the pool; freeing a block that is not allocated (or twice) is an error,
+        and then no block of the call is freed."""
+        if len(set(blocks)) != len(blocks) or any(b not in self._used for b in blocks):
+            bad = next(b for i, b in enumerate(blocks) if b not in self._used or b in blocks[:i])
+            raise ValueError(f"block {bad} is not allocated")
         for b in blocks:
-            if b not in self._used:
-                raise ValueError(f"block {b} is not allocated")
             self._used.remove(b)
             self._free.append(b)
         self._free.sort(reverse=True)

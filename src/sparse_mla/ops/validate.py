@@ -72,12 +72,15 @@ def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Ten
     return Scope(cache, f, indices, lens)
 
 
-def _sink_and_scale(q: torch.Tensor, sink: torch.Tensor | None, scale: float | None) -> tuple[torch.Tensor | None, float]:
+def _sink_and_scale(q: torch.Tensor, sink: torch.Tensor | None, scale: float | None,
+                    check_values: bool) -> tuple[torch.Tensor | None, float]:
     if sink is not None:
         check_tensor("sink", sink, dtype=torch.float32, shape=(q.shape[1],), device=q.device)
+        if check_values and bool(torch.isnan(sink).any()):  # a value check syncs: reference / debug mode only
+            raise ValueError("sink must not be NaN (-inf means no sink, +inf zeroes the head)")
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if not (isinstance(scale, (int, float)) and scale > 0 and scale != float("inf")):
+    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     return sink, float(scale)
 
@@ -95,7 +98,7 @@ def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=No
         scopes.append(_scope("extra_", q, extra_cache, extra_indices, extra_lens, fmt, check_ranges))
     elif extra_lens is not None:
         raise ValueError("extra_lens given without extra_cache / extra_indices")
-    sink, scale = _sink_and_scale(q, sink, scale)
+    sink, scale = _sink_and_scale(q, sink, scale, check_ranges)
     if out is not None:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(q.shape[0], q.shape[1], D_V), device=q.device)
         if not out.is_contiguous():
