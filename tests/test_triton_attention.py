@@ -49,21 +49,20 @@ def random_sink(gen, num_heads):
     return sink.to(DEVICE)
 
 
-def decode_both(q, scopes, sink, splits=None, dv_parts=1):
+def decode_both(q, scopes, sink, splits=None):
     (c0, i0, l0), *rest = scopes
     kw = {}
     if rest:
         c1, i1, l1 = rest[0]
         kw = dict(extra_cache=c1.data, extra_indices=i1, extra_lens=l1)
     ref = sparse_attention_decode(q, c0.data, i0, l0, sink=sink, backend="reference", **kw)
-    if splits is None and dv_parts == 1:
+    if splits is None:
         got = sparse_attention_decode(q, c0.data, i0, l0, sink=sink, backend="triton", **kw)
     else:
         from sparse_mla.ops import triton_attention
         from sparse_mla.ops.validate import decode_args
 
-        got = triton_attention.run(decode_args(q, c0.data, i0, l0, sink=sink, **kw), splits=splits,
-                                   dv_parts=dv_parts)
+        got = triton_attention.run(decode_args(q, c0.data, i0, l0, sink=sink, **kw), splits=splits)
     return got, ref
 
 
@@ -93,12 +92,12 @@ def test_decode_two_scopes_matches_reference(fmt, dim, num_heads, num_tokens, wi
 
 
 @pytest.mark.parametrize("fmt,dim", [("fp8_v4", 512), ("fp8_v32", 576)])
-@pytest.mark.parametrize("splits,dv_parts", [(2, 1), (3, 1), (1, 2), (2, 2)])
-def test_split_key_lists_and_output_dims_merge_exactly(splits, dv_parts, fmt, dim):
-    gen = torch.Generator().manual_seed(7 + splits + dv_parts)
+@pytest.mark.parametrize("splits", [2, 3])
+def test_split_key_lists_merge_exactly(splits, fmt, dim):
+    gen = torch.Generator().manual_seed(7 + splits)
     scopes = [random_scope(gen, fmt, dim, 5, 24, 4, 8), random_scope(gen, fmt, dim, 5, 40, 4, 16)]
     q = torch.randn(5, 4, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
-    check_close(*decode_both(q, scopes, random_sink(gen, 4), splits=splits, dv_parts=dv_parts))
+    check_close(*decode_both(q, scopes, random_sink(gen, 4), splits=splits))
 
 
 def test_single_scope_no_sink_and_noncontiguous_q():

@@ -69,7 +69,7 @@ def _load_rope(row_ptr, valid, FMT: tl.constexpr, ROPE_OFF: tl.constexpr, DOT: t
 def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
                 cache_ptr, stride0, num_slots, idx_row, length, blk_lo, blk_hi, qk_scale,
                 FMT: tl.constexpr, BS: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr,
-                BLOCK_N: tl.constexpr, DOT: tl.constexpr, DV_PART: tl.constexpr, V_HAS_ROPE: tl.constexpr):
+                BLOCK_N: tl.constexpr, DOT: tl.constexpr, V_HAS_ROPE: tl.constexpr):
     """Online-softmax update over key blocks ``[blk_lo, blk_hi)`` of one scope (base-2 logits).
 
     The running max is raised only when a block's max exceeds it by more than ``RESCALE_SLACK``
@@ -105,24 +105,20 @@ def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
             m_new = tl.where(grow, m_blk, m_i)
             alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
             l_i = l_i * alpha
-            if DV_PART != 1:
-                acc_a = acc_a * alpha[:, None]
-            if DV_PART != 0:
-                acc_b = acc_b * alpha[:, None]
-                acc_c = acc_c * alpha[:, None]
-                if V_HAS_ROPE:
-                    acc_r = acc_r * alpha[:, None]
+            acc_a = acc_a * alpha[:, None]
+            acc_b = acc_b * alpha[:, None]
+            acc_c = acc_c * alpha[:, None]
+            if V_HAS_ROPE:
+                acc_r = acc_r * alpha[:, None]
             m_i = m_new
         p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
         l_i += tl.sum(p, 1)
         p_dot = p.to(DOT)
-        if DV_PART != 1:
-            acc_a = tl.dot(p_dot, k_a, acc_a)
-        if DV_PART != 0:
-            acc_b = tl.dot(p_dot, k_b, acc_b)
-            acc_c = tl.dot(p_dot, k_c, acc_c)
-            if V_HAS_ROPE:
-                acc_r = tl.dot(p_dot, k_r, acc_r)
+        acc_a = tl.dot(p_dot, k_a, acc_a)
+        acc_b = tl.dot(p_dot, k_b, acc_b)
+        acc_c = tl.dot(p_dot, k_c, acc_c)
+        if V_HAS_ROPE:  # V3.2: V is the 512 nope dims only
+            acc_r = tl.dot(p_dot, k_r, acc_r)
     return acc_a, acc_b, acc_c, acc_r, m_i, l_i
 
 
@@ -151,7 +147,6 @@ def _sparse_mla_kernel(
     FMT0: tl.constexpr, FMT1: tl.constexpr, BS0: tl.constexpr, BS1: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr,
     PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr, V_HAS_ROPE: tl.constexpr,
     H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr,
-    DV_PART: tl.constexpr,
 ):
     tok = tl.program_id(0)
     hb = tl.program_id(1)
@@ -185,12 +180,12 @@ def _sparse_mla_kernel(
     acc_a, acc_b, acc_c, acc_r, m_i, l_i = _scope_pass(
         acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
         c0_ptr, c0_stride0, c0_slots, i0_ptr + tok.to(tl.int64) * i0_stride, len0,
-        tl.minimum(lo, nblk0), tl.minimum(hi, nblk0), qk_scale, FMT0, BS0, PA, PB, PC, BLOCK_N, DOT, DV_PART, V_HAS_ROPE)
+        tl.minimum(lo, nblk0), tl.minimum(hi, nblk0), qk_scale, FMT0, BS0, PA, PB, PC, BLOCK_N, DOT, V_HAS_ROPE)
     if HAS_EXTRA:
         acc_a, acc_b, acc_c, acc_r, m_i, l_i = _scope_pass(
             acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
             c1_ptr, c1_stride0, c1_slots, i1_ptr + tok.to(tl.int64) * i1_stride, len1,
-            tl.maximum(lo, nblk0) - nblk0, hi - nblk0, qk_scale, FMT1, BS1, PA, PB, PC, BLOCK_N, DOT, DV_PART, V_HAS_ROPE)
+            tl.maximum(lo, nblk0) - nblk0, hi - nblk0, qk_scale, FMT1, BS1, PA, PB, PC, BLOCK_N, DOT, V_HAS_ROPE)
 
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
@@ -208,13 +203,11 @@ def _sparse_mla_kernel(
         part = (split * num_tokens + tok).to(tl.int64) * num_heads
         row = part_o_ptr + part * 512
         tl.store(part_lse_ptr + part + heads, lse, mask=head_mask)
-    if DV_PART != 1:
-        _store_piece(row, heads, head_mask, acc_a, factor, 0, PA, 512)
-    if DV_PART != 0:
-        _store_piece(row, heads, head_mask, acc_b, factor, PA, PB, 512)
-        _store_piece(row, heads, head_mask, acc_c, factor, PA + PB, PC, 512)
-        if V_HAS_ROPE:
-            _store_piece(row, heads, head_mask, acc_r, factor, ROPE_OFF, 64, 512)
+    _store_piece(row, heads, head_mask, acc_a, factor, 0, PA, 512)
+    _store_piece(row, heads, head_mask, acc_b, factor, PA, PB, 512)
+    _store_piece(row, heads, head_mask, acc_c, factor, PA + PB, PC, 512)
+    if V_HAS_ROPE:
+        _store_piece(row, heads, head_mask, acc_r, factor, ROPE_OFF, 64, 512)
 
 
 @triton.jit
@@ -242,7 +235,7 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, sink_ptr, num_ro
     tl.store(lse_ptr + row, tl.where(empty, float("inf"), lse))
 
 
-def _pieces(dim: int) -> tuple[int, int, int, bool]:
+def latent_pieces(dim: int) -> tuple[int, int, int, bool]:
     """(PA, PB, PC, V_HAS_ROPE): nope split into power-of-two pieces; V4's V includes the rope dims."""
     return (256, 128, 64, True) if dim == 512 else (256, 128, 128, False)
 
@@ -276,8 +269,7 @@ LAST_COMPILED: dict[str, object] = {}  # the last launch's compiled kernel, for 
 
 
 def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
-        num_stages: int | None = None, h_block: int | None = None,
-        dv_parts: int = 1, maxnreg: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        num_stages: int | None = None, h_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the attention kernel (and the combine kernel when the key lists are split).
 
     The keyword arguments override the tuned launch choices (benchmarks sweep them).
@@ -306,20 +298,17 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
         part_o = torch.empty(splits, num_tokens, num_heads, D_V, dtype=torch.float32, device=device)
         part_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32, device=device)
     sink = args.sink if args.sink is not None else lse
-    pa, pb, pc, v_has_rope = _pieces(dim)
+    pa, pb, pc, v_has_rope = latent_pieces(dim)
     launch = {} if interpret else {"num_warps": num_warps or 8, "num_stages": num_stages or 1}
-    if maxnreg and not interpret:
-        launch["maxnreg"] = maxnreg
-    for part in ((2,) if dv_parts == 1 else (0, 1)):  # 2: one program computes all 512 output dims
-        LAST_COMPILED["attention"] = _sparse_mla_kernel[(num_tokens, head_blocks, splits)](
-            q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
-            *_scope_args(s0), *_scope_args(s1),
-            num_tokens, num_heads, args.scale * LOG2E,
-            FMT0=_FMT_CODE[s0.fmt.name], FMT1=_FMT_CODE[s1.fmt.name],
-            BS0=s0.cache.shape[1], BS1=s1.cache.shape[1], HAS_EXTRA=len(args.scopes) > 1,
-            HAS_SINK=args.sink is not None, PA=pa, PB=pb, PC=pc, V_HAS_ROPE=v_has_rope,
-            H_BLOCK=h_block, BLOCK_N=block_n, SPLITS=splits, DOT=dot_dtype, DV_PART=part, **launch,
-        )
+    LAST_COMPILED["attention"] = _sparse_mla_kernel[(num_tokens, head_blocks, splits)](
+        q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
+        *_scope_args(s0), *_scope_args(s1),
+        num_tokens, num_heads, args.scale * LOG2E,
+        FMT0=_FMT_CODE[s0.fmt.name], FMT1=_FMT_CODE[s1.fmt.name],
+        BS0=s0.cache.shape[1], BS1=s1.cache.shape[1], HAS_EXTRA=len(args.scopes) > 1,
+        HAS_SINK=args.sink is not None, PA=pa, PB=pb, PC=pc, V_HAS_ROPE=v_has_rope,
+        H_BLOCK=h_block, BLOCK_N=block_n, SPLITS=splits, DOT=dot_dtype, **launch,
+    )
     if splits > 1:
         _combine_kernel[(num_tokens * num_heads,)](
             part_o, part_lse, out, lse, sink, num_tokens * num_heads, num_heads,

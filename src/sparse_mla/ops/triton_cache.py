@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import _FMT_CODE, _load_piece, _load_rope
+from .triton_attention import _FMT_CODE, _load_piece, _load_rope, latent_pieces
 
 E4M3_MAX = 448.0
 
@@ -120,10 +120,6 @@ def _gather_kernel(cache_ptr, stride0, num_slots, slot_ptr, out_ptr,
     tl.store(dst + ROPE_OFF + tl.arange(0, 64)[None, :], r.to(tl.bfloat16))
 
 
-def _pieces(dim: int) -> tuple[int, int, int]:
-    return (256, 128, 64) if dim == 512 else (256, 128, 128)
-
-
 def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, fmt, slot_mapping: torch.Tensor) -> None:
     """Launch the insert kernel on validated arguments (see :func:`sparse_mla.ops.quantize_and_insert`)."""
     n = kv_new.shape[0]
@@ -142,7 +138,7 @@ def dequantize_and_gather(cache: torch.Tensor, fmt, slots: torch.Tensor) -> torc
     flat = slots.reshape(-1).contiguous()
     out = torch.empty(flat.numel(), fmt.dim, dtype=torch.bfloat16, device=cache.device)
     if flat.numel():
-        pa, pb, pc = _pieces(fmt.dim)
+        pa, pb, pc, _ = latent_pieces(fmt.dim)
         _gather_kernel[(flat.numel(),)](cache, cache.stride(0), cache.shape[0] * cache.shape[1], flat, out,
                                         FMT=_FMT_CODE[fmt.name], BS=cache.shape[1], PA=pa, PB=pb, PC=pc)
     return out.view(*slots.shape, fmt.dim)
