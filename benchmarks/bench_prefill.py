@@ -7,7 +7,7 @@
 2. Layer level: a 16K-token prompt prefilled 4096 tokens at a time into a C4A and a C128A layer
    over fp8_v4 caches, (a) gather into a bf16 workspace + workspace prefill vs (b) paged-direct:
    time and peak extra memory.
-3. Step metadata: the Triton index builders and the insert kernel for a 148-request decode step
+3. Step metadata: building the step's index lists (Triton builders on a GPU) and the insert kernel for a 148-request decode step
    and a 4096-token prefill chunk, next to the attention time of the same step.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ import triton
 from common import load_flash_mla, rel, timed
 
 from sparse_mla.layer import SparseMLAAttention
+from sparse_mla.metadata import build_step_metadata
 from sparse_mla.ops import quantize_and_insert, sparse_attention_prefill, triton_attention
-from sparse_mla.ops.triton_index import compressed_picks, window_indices
 from sparse_mla.ops.validate import prefill_args
 from sparse_mla.scenario import make_scenario
 
@@ -95,27 +95,17 @@ def metadata_cases(rep):
     for name, lengths in (("decode 148 x 2 tokens", [(8192, 2)] * 148), ("prefill chunk 4096", [(16384, 4096)])):
         sc = make_scenario(lengths, window=128, topk=512, fmt="fp8_v4", decode_threshold=2, seed=3, device="cuda")
         b, m = sc.batch, sc.meta
-        i32 = dict(dtype=torch.int32, device="cuda")
-        T = b.token_capacity
-        swa_idx, swa_len = torch.empty(T, 128, **i32), torch.empty(T, **i32)
-        c128_idx, c128_len = torch.empty_like(m.c128a_indices), torch.empty(T, **i32)
-        c4_idx, c4_len = torch.empty(T, 512, **i32), torch.empty(T, **i32)
-        kv_new = torch.randn(T, D, device="cuda").to(torch.bfloat16)
+        kv_new = torch.randn(b.token_capacity, D, device="cuda").to(torch.bfloat16)
 
-        def builders():
-            window_indices(b.positions, b.token_to_req, b.block_tables["swa"], b.block_sizes["swa"], 1, swa_idx, swa_len)
-            window_indices(b.positions, b.token_to_req, b.block_tables["c128a"], b.block_sizes["c128a"], 128,
-                           c128_idx, c128_len)
-            compressed_picks(b.positions, b.token_to_req, b.block_tables["c4a"], b.block_sizes["c4a"], 4,
-                             sc.topk_local, c4_idx, c4_len)
+        def builders():  # what a step costs: the shared lists (SWA, C128A) and one layer's C4A conversion
+            build_step_metadata(b, m.spec, out=m)
+            m.c4a_indices(sc.topk_local)
 
-        builders()
-        assert torch.equal(swa_idx, m.swa_indices) and torch.equal(c128_idx, m.c128a_indices)
         insert = lambda: quantize_and_insert(kv_new, sc.caches["swa"].data, b.slot_mapping)
         layer = SparseMLAAttention("c4a", 64, topk=512, sink=torch.zeros(64, device="cuda"))
-        q = torch.randn(T, 64, D, device="cuda").to(torch.bfloat16)
+        q = torch.randn(b.token_capacity, 64, D, device="cuda").to(torch.bfloat16)
         attend = lambda: layer(q, m, sc.caches, sc.topk_local)
-        row = dict(step=name, tokens=T, builders_us=timed(builders, rep), insert_us=timed(insert, rep),
+        row = dict(step=name, tokens=b.token_capacity, builders_us=timed(builders, rep), insert_us=timed(insert, rep),
                    c4a_attention_us=timed(attend, rep))
         row["share"] = (row["builders_us"] + row["insert_us"]) / row["c4a_attention_us"]
         rows.append(row)

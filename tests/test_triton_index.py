@@ -1,12 +1,13 @@
-"""Triton index builders equal the torch metadata builders on random batches."""
+"""Triton index builders equal their torch twins on random batches (on a GPU, build_step_metadata
+uses the Triton ones; here they run in the interpreter)."""
 from __future__ import annotations
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_mla.batch import Request, StepBatchBuilder
-from sparse_mla.metadata import MetadataSpec, build_step_metadata
+from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+from sparse_mla.metadata import _compressed_picks_torch, _window_indices_torch
 from sparse_mla.ops.triton_index import compressed_picks, window_indices
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -22,27 +23,25 @@ def test_triton_builders_equal_torch_builders(lengths, window, topk, padding, se
     lengths = sorted(((max(s, q), q) for s, q in lengths), key=lambda sq: sq[1] > 1)  # decodes first
     builder = StepBatchBuilder(sum(q for _, q in lengths) + padding, len(lengths), 600, block_sizes=SIZES,
                                decode_threshold=1, device=DEVICE)
-    reqs = []
-    for s, q in lengths:
-        tables = {k: torch.randperm(1000, generator=gen)[: -(-(s if k == "swa" else s // (4 if k == "c4a" else 128))
-                                                         // SIZES[k]) or 1].tolist() for k in SIZES}
-        reqs.append(Request(s, q, tables))
-    batch = builder.build(reqs)
-    meta = build_step_metadata(batch, MetadataSpec(window=window, topk=topk))
-    T = batch.token_capacity
+    reqs = [Request(s, q, {k: torch.randperm(1000, generator=gen)[: blocks_needed(s, k, SIZES[k])].tolist()
+                           for k in SIZES}) for s, q in lengths]
+    b = builder.build(reqs)
+    T = b.token_capacity
     i32 = dict(dtype=torch.int32, device=DEVICE)
 
-    idx, lens = torch.full((T, window), 7, **i32), torch.full((T,), 7, **i32)
-    window_indices(batch.positions, batch.token_to_req, batch.block_tables["swa"], SIZES["swa"], 1, idx, lens)
-    assert torch.equal(idx, meta.swa_indices) and torch.equal(lens, meta.swa_lens)
+    def both(fill_width):
+        return [(torch.full((T, fill_width), 7, **i32), torch.full((T,), 7, **i32)) for _ in range(2)]
 
-    width = meta.c128a_indices.shape[1]
-    idx, lens = torch.full((T, width), 7, **i32), torch.full((T,), 7, **i32)
-    window_indices(batch.positions, batch.token_to_req, batch.block_tables["c128a"], SIZES["c128a"], 128, idx, lens)
-    assert torch.equal(idx, meta.c128a_indices) and torch.equal(lens, meta.c128a_lens)
+    for kind, ratio, width in (("swa", 1, window), ("c128a", 128, -(-600 // 128))):
+        (ti, tl_), (ri, rl) = both(width)
+        window_indices(b.positions, b.token_to_req, b.block_tables[kind], SIZES[kind], ratio, ti, tl_)
+        _window_indices_torch(b, kind, ri, rl)
+        assert torch.equal(ti, ri) and torch.equal(tl_, rl)
 
     picks = torch.randint(-1, 160, (T, topk), generator=gen, dtype=torch.int32).to(DEVICE)
-    ref_idx, ref_lens = meta.c4a_indices(picks)
-    idx, lens = torch.full((T, topk), 7, **i32), torch.full((T,), 7, **i32)
-    compressed_picks(batch.positions, batch.token_to_req, batch.block_tables["c4a"], SIZES["c4a"], 4, picks, idx, lens)
-    assert torch.equal(idx, ref_idx) and torch.equal(lens, ref_lens)
+    (ti, tl_), (ri, rl) = both(topk)
+    tk, rk = torch.full((T, topk), 7, **i32), torch.full((T, topk), 7, **i32)
+    args = (b.positions, b.token_to_req, b.block_tables["c4a"], SIZES["c4a"], 4, picks)
+    compressed_picks(*args, ti, tl_, tk)
+    _compressed_picks_torch(*args, ri, rl, rk)
+    assert torch.equal(ti, ri) and torch.equal(tl_, rl) and torch.equal(tk, rk)

@@ -22,6 +22,7 @@ import torch
 from ._checks import check_tensor
 from .batch import StepBatch, slots_of
 from .config import COMPRESS_RATIO
+from .ops import triton_index
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,11 @@ class StepMetadata:
         return self._plans[key]
 
 
+def _use_triton(batch: StepBatch) -> bool:
+    """On a CUDA device the index lists come from the Triton builders (one launch each), else torch."""
+    return batch.device.type == "cuda" and triton_index is not None
+
+
 def _visible_entries(batch: StepBatch, ratio: int) -> torch.Tensor:
     """Compressed entries complete before each token: ``(pos + 1) // ratio`` (0 for padding)."""
     return torch.where(batch.positions >= 0, (batch.positions + 1) // ratio, 0)
@@ -107,14 +113,21 @@ def convert_compressed_picks(meta: StepMetadata, local: torch.Tensor, kind: str 
         raise ValueError("the step's metadata was built from a batch without a 'c4a' block table")
     check_tensor("topk_indices", local, dtype=torch.int32, shape=(batch.token_capacity, meta.spec.topk),
                  device=batch.device)
-    ratio = COMPRESS_RATIO[kind]
-    visible = _visible_entries(batch, ratio)[:, None]
-    kept = torch.where((local >= 0) & (local < visible), local, -1)
-    _, lens = compact_rows(kept, out=meta.c4a_local_buffer)
-    req = batch.token_to_req.clamp_min(0)[:, None]
-    meta.c4a_buffer.copy_(slots_of(batch.block_tables[kind], req, meta.c4a_local_buffer, batch.block_sizes[kind]))
-    meta.c4a_lens_buffer.copy_(lens)
+    build = triton_index.compressed_picks if _use_triton(batch) else _compressed_picks_torch
+    build(batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
+          COMPRESS_RATIO[kind], local, meta.c4a_buffer, meta.c4a_lens_buffer, meta.c4a_local_buffer)
     return meta.c4a_buffer, meta.c4a_lens_buffer, meta.c4a_local_buffer
+
+
+def _compressed_picks_torch(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor,
+                            block_size: int, ratio: int, local: torch.Tensor, out_indices: torch.Tensor,
+                            out_lens: torch.Tensor, out_kept: torch.Tensor) -> None:
+    """Torch twin of :func:`sparse_mla.ops.triton_index.compressed_picks` (same arguments)."""
+    visible = torch.where(positions >= 0, (positions + 1) // ratio, 0)[:, None]
+    kept = torch.where((local >= 0) & (local < visible), local, -1)
+    _, lens = compact_rows(kept, out=out_kept)
+    out_indices.copy_(slots_of(table, token_to_req.clamp_min(0)[:, None], out_kept, block_size))
+    out_lens.copy_(lens)
 
 
 def allocate_metadata(batch: StepBatch, spec: MetadataSpec) -> StepMetadata:
@@ -145,6 +158,24 @@ def _check_reusable(out: StepMetadata, batch: StepBatch, spec: MetadataSpec) -> 
                              f"{shape} on {batch.device}: build without out= when the capacities change")
 
 
+def _window_indices_torch(batch: StepBatch, kind: str, indices: torch.Tensor, lens: torch.Tensor) -> None:
+    """Torch twin of :func:`sparse_mla.ops.triton_index.window_indices`. SWA: slots of positions ``max(0, p-W+1) … p`` (W = the width of ``indices``); c128a: every
+    complete entry ``0 … (p+1)//128 - 1``. Written into ``indices`` / ``lens`` as valid prefixes."""
+    pos, width = batch.positions, indices.shape[1]
+    valid = pos >= 0
+    j = torch.arange(width, device=pos.device, dtype=torch.int32)[None, :]
+    if kind == "swa":
+        start = (pos - width + 1).clamp_min(0)
+        count = torch.where(valid, pos - start + 1, 0)
+        entries = torch.where(j < count[:, None], start[:, None] + j, -1)
+    else:
+        count = _visible_entries(batch, COMPRESS_RATIO[kind])
+        entries = torch.where(j < count[:, None], j, -1)
+    req = batch.token_to_req.clamp_min(0)[:, None]
+    indices.copy_(slots_of(batch.block_tables[kind], req, entries, batch.block_sizes[kind]))
+    lens.copy_(count)
+
+
 def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),
                         out: StepMetadata | None = None) -> StepMetadata:
     """Build the step's metadata; with ``out`` (an earlier step's metadata of the same capacities),
@@ -156,23 +187,16 @@ def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),
     else:
         _check_reusable(out, batch, spec)
     out.batch, out.spec, out._plans = batch, spec, {}
-    dev = batch.device
-    pos = batch.positions
-    valid = pos >= 0
-    req = batch.token_to_req.clamp_min(0)[:, None]
-    out.is_valid_token.copy_(valid)
-    start = (pos - spec.window + 1).clamp_min(0)
-    count = torch.where(valid, pos - start + 1, 0)
-    j = torch.arange(spec.window, device=dev, dtype=torch.int32)[None, :]
-    swa_pos = torch.where(j < count[:, None], start[:, None] + j, -1)
-    out.swa_indices.copy_(slots_of(batch.block_tables["swa"], req, swa_pos, batch.block_sizes["swa"]))
-    out.swa_lens.copy_(count)
+    out.is_valid_token.copy_(batch.positions >= 0)
+    lists = [("swa", out.swa_indices, out.swa_lens)]
     if out.c128a_indices is not None:
-        n = _visible_entries(batch, COMPRESS_RATIO["c128a"])
-        e = torch.arange(out.c128a_indices.shape[1], device=dev, dtype=torch.int32)[None, :]
-        entries = torch.where(e < n[:, None], e, -1)
-        out.c128a_indices.copy_(slots_of(batch.block_tables["c128a"], req, entries, batch.block_sizes["c128a"]))
-        out.c128a_lens.copy_(n)
+        lists.append(("c128a", out.c128a_indices, out.c128a_lens))
+    for kind, indices, lens in lists:
+        if _use_triton(batch):
+            triton_index.window_indices(batch.positions, batch.token_to_req, batch.block_tables[kind],
+                                        batch.block_sizes[kind], COMPRESS_RATIO[kind], indices, lens)
+        else:
+            _window_indices_torch(batch, kind, indices, lens)
     if out.c4a_buffer is not None:  # until a layer converts its picks: nothing visible
         out.c4a_buffer.fill_(-1)
         out.c4a_local_buffer.fill_(-1)

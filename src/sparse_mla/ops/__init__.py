@@ -13,9 +13,9 @@ from . import reference
 from .validate import debug_checks_enabled, decode_args, gather_args, insert_args, prefill_args
 
 try:
-    from . import triton_attention, triton_cache
+    from . import triton_attention, triton_cache, triton_index
 except ImportError:  # no Triton on this platform: the reference backend still works
-    triton_attention = triton_cache = None
+    triton_attention = triton_cache = triton_index = None
 
 BACKENDS = ("reference", "triton")
 

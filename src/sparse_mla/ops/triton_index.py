@@ -43,8 +43,9 @@ def _window_kernel(pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, idx_pt
 
 @triton.jit
 def _picks_kernel(pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, local_ptr, local_stride,
-                  idx_ptr, idx_stride, len_ptr, topk, RATIO: tl.constexpr, BS: tl.constexpr, TOPK_P2: tl.constexpr):
-    """Indexer picks -> slots of the visible ones, compacted in order to a valid prefix."""
+                  idx_ptr, idx_stride, len_ptr, kept_ptr, kept_stride, topk,
+                  RATIO: tl.constexpr, BS: tl.constexpr, TOPK_P2: tl.constexpr):
+    """Indexer picks -> slots of the visible ones (and the kept picks themselves), compacted in order."""
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     req = tl.maximum(tl.load(req_ptr + t), 0)
@@ -56,8 +57,12 @@ def _picks_kernel(pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, local_p
     dest = tl.cumsum(keep.to(tl.int32), 0) - 1
     count = tl.sum(keep.to(tl.int32), 0)
     row = idx_ptr + t.to(tl.int64) * idx_stride
+    kept_row = kept_ptr + t.to(tl.int64) * kept_stride
+    tail = (j >= count) & (j < topk)
     tl.store(row + dest, slots, mask=keep)  # kept picks fill positions 0 … count-1, each exactly once
-    tl.store(row + j, tl.full((TOPK_P2,), -1, tl.int32), mask=(j >= count) & (j < topk))
+    tl.store(row + j, tl.full((TOPK_P2,), -1, tl.int32), mask=tail)
+    tl.store(kept_row + dest, local, mask=keep)
+    tl.store(kept_row + j, tl.full((TOPK_P2,), -1, tl.int32), mask=tail)
     tl.store(len_ptr + t, count)
 
 
@@ -72,10 +77,13 @@ def window_indices(positions: torch.Tensor, token_to_req: torch.Tensor, table: t
 
 
 def compressed_picks(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor, block_size: int,
-                     ratio: int, local: torch.Tensor, out_indices: torch.Tensor, out_lens: torch.Tensor) -> None:
-    """Fill ``out_indices (T, topk)`` / ``out_lens`` from the indexer's local picks ``local (T, topk)``."""
+                     ratio: int, local: torch.Tensor, out_indices: torch.Tensor, out_lens: torch.Tensor,
+                     out_kept: torch.Tensor) -> None:
+    """Fill ``out_indices (T, topk)`` / ``out_lens`` from the indexer's local picks ``local (T, topk)``;
+    ``out_kept (T, topk)`` receives the kept picks themselves, compacted the same way."""
     num_tokens, topk = local.shape
     if num_tokens:
         _picks_kernel[(num_tokens,)](positions, token_to_req, table, table.stride(0), table.shape[1], local,
-                                     local.stride(0), out_indices, out_indices.stride(0), out_lens, topk,
+                                     local.stride(0), out_indices, out_indices.stride(0), out_lens, out_kept,
+                                     out_kept.stride(0), topk,
                                      RATIO=ratio, BS=block_size, TOPK_P2=triton.next_power_of_2(topk))
