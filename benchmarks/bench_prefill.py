@@ -19,7 +19,7 @@ import os
 
 import torch
 import triton
-from common import load_flash_mla, rel, timed
+from common import load_flash_mla, parse_sweep, rel, timed
 
 from sparse_mla.config import get_config
 from sparse_mla.layer import SparseMLAAttention
@@ -31,11 +31,11 @@ from sparse_mla.scenario import make_scenario
 D = 512
 
 
-def workspace_cases(flash_mla, rep):
+def workspace_cases(flash_mla, rep, configs, heads=(64, 128), topks=(640, 1152)):
     gen = torch.Generator(device="cuda").manual_seed(1)
     rows = []
-    for h in (64, 128):
-        for topk in (640, 1152):
+    for h in heads:
+        for topk in topks:
             s_q, s_kv = 4096, 32768
             q = (torch.randn(s_q, h, D, generator=gen, device="cuda") / 10).to(torch.bfloat16)
             kv = (torch.randn(s_kv, D, generator=gen, device="cuda") / 10).to(torch.bfloat16)
@@ -43,11 +43,19 @@ def workspace_cases(flash_mla, rep):
             sink = torch.randn(h, generator=gen, device="cuda")
             scale = D ** -0.5
             args = prefill_args(q, kv, idx, None, sink, scale, check_ranges=False)
-            ours = lambda: triton_attention.run(args)
-            out = ours()[0]
             sub = slice(0, 256)
             ref = sparse_attention_prefill(q[sub], kv, idx[sub], None, sink, scale, backend="reference")[0]
-            row = dict(h=h, topk=topk, ours_err=rel(out[sub], ref), ours_us=timed(ours, rep))
+            sweep = {}
+            for cfg in configs:
+                ours = lambda cfg=cfg: triton_attention.run(args, **cfg)
+                out = ours()[0]
+                err = rel(out[sub], ref)
+                assert err < 1e-2 and not out.isnan().any(), f"ours wrong at h {h} topk {topk} {cfg}: {err}"
+                sweep[json.dumps(cfg)] = timed(ours, rep)
+                print(f"  h {h} topk {topk} {cfg}: {sweep[json.dumps(cfg)]:.0f} us", flush=True)
+            best = min(sweep, key=sweep.get)
+            out = triton_attention.run(args, **json.loads(best))[0]
+            row = dict(h=h, topk=topk, ours_err=rel(out[sub], ref), ours_us=sweep[best], cfg=best, sweep=sweep)
             row["tflops"] = 2 * s_q * topk * h * (D + D) / (row["ours_us"] * 1e-6) / 1e12
             if flash_mla is not None:
                 fm = lambda: flash_mla.flash_mla_sparse_fwd(q, kv.view(s_kv, 1, D), idx.view(s_q, 1, topk), scale, 512,
@@ -127,12 +135,15 @@ def main():
     ap.add_argument("--parts", nargs="+", default=["workspace", "layer", "metadata"])
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time per timing, ms")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sweep", default="", help="workspace part: semicolon-separated launch configs, e.g. 'prefetch=1'")
+    ap.add_argument("--heads", type=int, nargs="+", default=[64, 128], help="workspace part: h_q values")
+    ap.add_argument("--topks", type=int, nargs="+", default=[640, 1152], help="workspace part: keys per token")
     args = ap.parse_args()
     flash_mla = load_flash_mla()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     os.makedirs(args.out, exist_ok=True)
-    parts = dict(workspace=lambda: workspace_cases(flash_mla, args.rep), layer=lambda: layer_cases(args.rep),
-                 metadata=lambda: metadata_cases(args.rep))
+    parts = dict(workspace=lambda: workspace_cases(flash_mla, args.rep, parse_sweep(args.sweep), args.heads, args.topks),
+                 layer=lambda: layer_cases(args.rep), metadata=lambda: metadata_cases(args.rep))
     for part in args.parts:
         result[part] = parts[part]()
         with open(os.path.join(args.out, "bench_prefill.json"), "w") as f:  # after each part: keep what ran

@@ -25,3 +25,11 @@ def load_flash_mla():
         print("flash_mla not importable: timing ours only", file=sys.stderr)
         return None
     return flash_mla
+
+
+def parse_sweep(spec: str) -> list[dict]:
+    """Kernel launch overrides from ``'block_n=64,num_warps=8;prefetch=1'``: one dict per config ([{}] if empty)."""
+    if not spec:
+        return [{}]
+    return [{k: int(v) for k, v in (kv.split("=") for kv in part.split(","))} if part else {}
+            for part in spec.split(";")]

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks, in one call (device tool: carry .whl; run from the repo root):
-#   bash scripts/gpu_check.sh [bench_decode.py args...]
+#   bash scripts/gpu_check.sh [bench args...]          BENCH=prefill bash scripts/gpu_check.sh
 # Installs the carried FlashMLA wheel, runs the GPU tests (kernels vs reference, FlashMLA interop),
-# then the decode benchmark. Logs and JSON go to $OUT (default results/); the table prints last.
+# then one benchmark: benchmarks/bench_$BENCH.py (decode by default) with the given args.
+# Logs and JSON go to $OUT (default results/); the benchmark's tables print last.
 set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -17,4 +18,5 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_triton_attention.py tests/test_flashmla_interop.py tests/test_layer.py tests/test_triton_cache.py tests/test_triton_index.py} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
 python3 -m sparse_mla.cli demo 2>&1 | tee "$OUT/demo.log"
-python3 benchmarks/bench_decode.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_decode.log" | grep -v '^{'
+BENCH=${BENCH:-decode}
+python3 "benchmarks/bench_$BENCH.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_$BENCH.log" | grep -v '^{'

@@ -172,3 +172,31 @@ def test_out_is_written_in_place(backend):
     with pytest.raises(ValueError, match="out must be contiguous"):
         sparse_attention_decode(q, cache.data, idx, lens, backend=backend, out=buf[1:4].transpose(0, 1).contiguous()
                                 .transpose(0, 1))
+
+
+@pytest.mark.skipif(ON_GPU, reason="replaces the kernel with a stub")
+def test_launch_falls_back_to_one_stage_when_shared_memory_runs_out(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    from sparse_mla.ops import triton_attention
+
+    stages_tried = []
+    fitting = {"stages": 1}  # the deepest pipeline the stub GPU's shared memory holds
+
+    class SmallSharedMemoryKernel:
+        def __getitem__(self, grid):
+            def launch(*args, num_stages=1, **kwargs):
+                stages_tried.append(num_stages)
+                if num_stages > fitting["stages"]:
+                    raise OutOfResources(197632, 101376, "shared memory")
+                return "compiled"
+            return launch
+
+    monkeypatch.setattr(triton_attention, "_sparse_mla_kernel", SmallSharedMemoryKernel())
+    assert triton_attention._launch_attention((1,), (), {}, {"num_warps": 8, "num_stages": 2}) == "compiled"
+    assert stages_tried == [2, 1]
+    stages_tried.clear()
+    fitting["stages"] = 0
+    with pytest.raises(OutOfResources):
+        triton_attention._launch_attention((1,), (), {}, {"num_warps": 8, "num_stages": 1})
+    assert stages_tried == [1]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .validate import D_V, AttentionArgs, Scope
 
@@ -265,6 +266,26 @@ def choose_splits(num_tokens: int, head_blocks: int, max_blocks: int, device: to
     return int(max(1, min(sms // programs, max_blocks // 2, 32)))
 
 
+def default_stages(args: AttentionArgs) -> int:
+    """Pipeline depth of the key loop: 2 when every scope is bf16, else 1.
+
+    bf16 key tiles go from the gather straight into the dots, so Triton turns their loads into
+    asynchronous copies one block ahead (28 % faster prefill on an H100). fp8 tiles pass through
+    the dequantisation first; pipelining them only added spills (BENCHMARKS.md, prefetch/stages).
+    """
+    return 2 if all(s.fmt.name == "bf16" for s in args.scopes) else 1
+
+
+def _launch_attention(grid: tuple, kernel_args: tuple, constants: dict, launch: dict):
+    try:
+        return _sparse_mla_kernel[grid](*kernel_args, **constants, **launch)
+    except OutOfResources:
+        if launch.get("num_stages", 1) == 1:
+            raise
+        # a GPU with less shared memory than an H100's cannot hold two pipelined key tiles
+        return _sparse_mla_kernel[grid](*kernel_args, **constants, **{**launch, "num_stages": 1})
+
+
 LAST_COMPILED: dict[str, object] = {}  # the last launch's compiled kernel, for register/spill reports
 
 
@@ -299,16 +320,16 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
         part_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32, device=device)
     sink = args.sink if args.sink is not None else lse
     pa, pb, pc, v_has_rope = latent_pieces(dim)
-    launch = {} if interpret else {"num_warps": num_warps or 8, "num_stages": num_stages or 1}
-    LAST_COMPILED["attention"] = _sparse_mla_kernel[(num_tokens, head_blocks, splits)](
-        q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
-        *_scope_args(s0), *_scope_args(s1),
-        num_tokens, num_heads, args.scale * LOG2E,
+    kernel_args = (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink, *_scope_args(s0), *_scope_args(s1),
+                   num_tokens, num_heads, args.scale * LOG2E)
+    constants = dict(
         FMT0=_FMT_CODE[s0.fmt.name], FMT1=_FMT_CODE[s1.fmt.name],
         BS0=s0.cache.shape[1], BS1=s1.cache.shape[1], HAS_EXTRA=len(args.scopes) > 1,
         HAS_SINK=args.sink is not None, PA=pa, PB=pb, PC=pc, V_HAS_ROPE=v_has_rope,
-        H_BLOCK=h_block, BLOCK_N=block_n, SPLITS=splits, DOT=dot_dtype, **launch,
+        H_BLOCK=h_block, BLOCK_N=block_n, SPLITS=splits, DOT=dot_dtype,
     )
+    launch = {} if interpret else {"num_warps": num_warps or 8, "num_stages": num_stages or default_stages(args)}
+    LAST_COMPILED["attention"] = _launch_attention((num_tokens, head_blocks, splits), kernel_args, constants, launch)
     if splits > 1:
         _combine_kernel[(num_tokens * num_heads,)](
             part_o, part_lse, out, lse, sink, num_tokens * num_heads, num_heads,

@@ -1,0 +1,91 @@
+"""Compile the attention kernel for sm_90 on this machine (no GPU needed) and report registers/spills.
+
+    python3 scripts/sm90_report.py [--heads 64] [--block-n 64] [--warps 8] [--stages 1] [--dump DIR]
+
+Triton compiles for a GPUTarget without a device; ``ptxas -v`` then gives the register count and
+spill bytes the H100 would see. ``--dump`` writes the TTGIR, PTX and SASS-free ptxas log for reading.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import subprocess
+import tempfile
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from sparse_mla.ops import triton_attention as ta  # noqa: E402
+
+PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"  # the ptxas whose PTX version Triton targets
+
+
+def _signature(kernel, constexprs: dict, cache_type: str) -> tuple[dict, dict]:
+    """Types for the kernel's runtime arguments: pointers, then 32-bit ints (stride-like: div by 16)."""
+    pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_o_ptr": "*fp32",
+                "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "c0_ptr": cache_type, "c1_ptr": cache_type,
+                "i0_ptr": "*i32", "i1_ptr": "*i32", "l0_ptr": "*i32", "l1_ptr": "*i32"}
+    floats = {"qk_scale"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if "stride" in name:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--block-n", type=int, default=64)
+    parser.add_argument("--warps", type=int, default=8)
+    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--fmt", choices=["fp8_v4", "bf16"], default="fp8_v4", help="cache format of both scopes")
+    parser.add_argument("--dim", type=int, choices=[512, 576], default=512, help="latent dims: 512 (V4), 576 (V3.2)")
+    parser.add_argument("--dump", type=pathlib.Path)
+    args = parser.parse_args()
+    pa, pb, pc, v_has_rope = ta.latent_pieces(args.dim)
+    kernel = ta._sparse_mla_kernel
+    fmt = {"bf16": ta.FMT_BF16, "fp8_v4": ta.FMT_FP8_V4}[args.fmt]
+    constexprs = dict(FMT0=fmt, FMT1=fmt, BS0=256, BS1=64, HAS_EXTRA=True, HAS_SINK=True, PA=pa, PB=pb, PC=pc,
+                      V_HAS_ROPE=v_has_rope, H_BLOCK=args.heads, BLOCK_N=args.block_n, SPLITS=1,
+                      DOT=tl.bfloat16)
+    sig, attrs = _signature(kernel, constexprs, "*bf16" if args.fmt == "bf16" else "*u8")
+    src = ASTSource(kernel, sig, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": args.warps, "num_stages": args.stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = pathlib.Path(tmp) / "k.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        log = subprocess.run([str(PTXAS), "-v", "-arch=sm_90a", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
+                             capture_output=True, text=True).stderr
+        sass = subprocess.run([str(PTXAS.parent / "cuobjdump"), "-sass", str(ptx.with_suffix(".cubin"))],
+                              capture_output=True, text=True).stdout
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    print(f"registers {regs.group(1) if regs else '?'}  spill stores {spill.group(1) if spill else '?'} B  "
+          f"spill loads {spill.group(2) if spill else '?'} B  shared {compiled.metadata.shared} B")
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
+        (args.dump / "kernel.ttgir").write_text(compiled.asm["ttgir"])
+        (args.dump / "kernel.ptx").write_text(compiled.asm["ptx"])
+        (args.dump / "ptxas.log").write_text(log)
+        (args.dump / "kernel.sass").write_text(sass)
+
+
+if __name__ == "__main__":
+    main()
