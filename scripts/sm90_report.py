@@ -1,13 +1,16 @@
-"""Compile the attention kernel for sm_90 on this machine (no GPU needed) and report registers/spills.
+"""Compile the attention kernel for sm_90 on this machine (no GPU needed): registers, spills, key loop.
 
-    python3 scripts/sm90_report.py [--heads 64] [--block-n 64] [--warps 8] [--stages 1] [--dump DIR]
+    python3 scripts/sm90_report.py [--fmt fp8_v4|bf16] [--dim 512|576] [--heads 64] [--block-n 64]
+                                   [--warps 8] [--stages 1] [--dump DIR]
 
-Triton compiles for a GPUTarget without a device; ``ptxas -v`` then gives the register count and
-spill bytes the H100 would see. ``--dump`` writes the TTGIR, PTX and SASS-free ptxas log for reading.
+Triton compiles for a GPUTarget without a device; ptxas then gives the register count and spill
+bytes an H100 would see, and the SASS gives the instruction count of one key block (the body of
+the first key loop) by opcode. ``--dump`` writes the TTGIR, PTX, SASS and ptxas log for reading.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import pathlib
 import re
@@ -48,6 +51,18 @@ def _signature(kernel, constexprs: dict, cache_type: str) -> tuple[dict, dict]:
     return sig, attrs
 
 
+def key_loop_opcodes(sass: str) -> collections.Counter:
+    """Opcode counts of the first loop in the SASS that spans over 200 instructions (the key loop)."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    for i, (addr, text) in enumerate(code):
+        target = re.search(r"BRA\s.*?(0x[0-9a-f]+)", text)
+        start = next((j for j, (a, _) in enumerate(code) if target and a == int(target.group(1), 16)), None)
+        if start is not None and int(target.group(1), 16) < addr and i - start > 200:
+            ops = (t.split()[1] if t.startswith("@") else t.split()[0] for _, t in code[start:i + 1])
+            return collections.Counter(op.split(".")[0] for op in ops)
+    return collections.Counter()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=64)
@@ -79,6 +94,9 @@ def main() -> None:
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     print(f"registers {regs.group(1) if regs else '?'}  spill stores {spill.group(1) if spill else '?'} B  "
           f"spill loads {spill.group(2) if spill else '?'} B  shared {compiled.metadata.shared} B")
+    ops = key_loop_opcodes(sass)
+    print(f"key loop: {sum(ops.values())} instructions per warp per block; "
+          + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         (args.dump / "kernel.ttgir").write_text(compiled.asm["ttgir"])
