@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from . import gluon_attention
 from .validate import D_V, AttentionArgs, Scope
 
 FMT_BF16, FMT_FP8_V4, FMT_FP8_V32 = 0, 1, 2
@@ -290,10 +291,13 @@ LAST_COMPILED: dict[str, object] = {}  # the last launch's compiled kernel, for 
 
 
 def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
-        num_stages: int | None = None, h_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        num_stages: int | None = None, h_block: int | None = None, gluon: int | None = None,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the attention kernel (and the combine kernel when the key lists are split).
 
-    The keyword arguments override the tuned launch choices (benchmarks sweep them).
+    On Hopper with fp8_v4 caches the kernel is ``gluon_attention``'s (``gluon=0`` forces this
+    module's Triton kernel, ``gluon=1`` the Gluon one). The other keyword arguments override the
+    tuned launch choices of the Triton kernel (benchmarks sweep them).
     """
     q = args.q
     if q.stride(-1) != 1:
@@ -307,6 +311,9 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
         return out, lse
     interpret = device.type != "cuda"
     dot_dtype = tl.float32 if interpret else tl.bfloat16  # the CPU interpreter computes bf16 dots wrongly
+    use_gluon = gluon_attention.supported(args) if gluon is None else bool(gluon)
+    if use_gluon:
+        h_block, block_n = 64, 64
     h_block = h_block or min(64, max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, h_block)
     block_n = block_n or (16 if interpret else 64)
@@ -319,17 +326,21 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
         part_o = torch.empty(splits, num_tokens, num_heads, D_V, dtype=torch.float32, device=device)
         part_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32, device=device)
     sink = args.sink if args.sink is not None else lse
-    pa, pb, pc, v_has_rope = latent_pieces(dim)
-    kernel_args = (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink, *_scope_args(s0), *_scope_args(s1),
-                   num_tokens, num_heads, args.scale * LOG2E)
-    constants = dict(
-        FMT0=_FMT_CODE[s0.fmt.name], FMT1=_FMT_CODE[s1.fmt.name],
-        BS0=s0.cache.shape[1], BS1=s1.cache.shape[1], HAS_EXTRA=len(args.scopes) > 1,
-        HAS_SINK=args.sink is not None, PA=pa, PB=pb, PC=pc, V_HAS_ROPE=v_has_rope,
-        H_BLOCK=h_block, BLOCK_N=block_n, SPLITS=splits, DOT=dot_dtype,
-    )
-    launch = {} if interpret else {"num_warps": num_warps or 8, "num_stages": num_stages or default_stages(args)}
-    LAST_COMPILED["attention"] = _launch_attention((num_tokens, head_blocks, splits), kernel_args, constants, launch)
+    if use_gluon:
+        LAST_COMPILED["attention"] = gluon_attention.launch(args, out, lse, part_o, part_lse, sink, splits)
+    else:
+        pa, pb, pc, v_has_rope = latent_pieces(dim)
+        kernel_args = (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
+                       *_scope_args(s0), *_scope_args(s1), num_tokens, num_heads, args.scale * LOG2E)
+        constants = dict(
+            FMT0=_FMT_CODE[s0.fmt.name], FMT1=_FMT_CODE[s1.fmt.name],
+            BS0=s0.cache.shape[1], BS1=s1.cache.shape[1], HAS_EXTRA=len(args.scopes) > 1,
+            HAS_SINK=args.sink is not None, PA=pa, PB=pb, PC=pc, V_HAS_ROPE=v_has_rope,
+            H_BLOCK=h_block, BLOCK_N=block_n, SPLITS=splits, DOT=dot_dtype,
+        )
+        launch = {} if interpret else {"num_warps": num_warps or 8, "num_stages": num_stages or default_stages(args)}
+        LAST_COMPILED["attention"] = _launch_attention((num_tokens, head_blocks, splits), kernel_args, constants,
+                                                       launch)
     if splits > 1:
         _combine_kernel[(num_tokens * num_heads,)](
             part_o, part_lse, out, lse, sink, num_tokens * num_heads, num_heads,

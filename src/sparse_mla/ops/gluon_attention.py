@@ -1,0 +1,246 @@
+"""Hopper sparse MLA attention over ``fp8_v4`` paged caches, written in Gluon (Triton's explicit dialect).
+
+Same contract and arguments as ``triton_attention``'s kernel, for the case that dominates serving:
+V4's 512 latent dims, every scope ``fp8_v4``, an sm_90 GPU. The Triton kernel runs each key block
+as one serial chain (gather → dequantise → shared memory → QK wgmma, waited → softmax → PV wgmma,
+waited), with nothing else on the SM to fill the gaps. Here the chain is software-pipelined by
+hand over two shared-memory key buffers: while block i's QK wgmma runs on the tensor cores, the
+warps gather and dequantise block i+1 into the other buffer, and block i's PV wgmma is left in
+flight until the next block needs its buffer.
+
+One program = one query token × 64 heads × one split of the key list (8 warps: two warpgroups,
+each owning 256 of the 512 output dims; both compute the 64 × 64 logits). The split merge and
+sink are ``triton_attention``'s combine kernel.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .validate import D_V, AttentionArgs
+
+try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any mismatch disables this path
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+NUM_WARPS = 8
+
+
+def supported(args: AttentionArgs) -> bool:
+    """Whether this kernel can run ``args``: Hopper, Gluon, V4 dims, every scope fp8_v4."""
+    q = args.q
+    return (gluon is not None and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+            and q.shape[-1] == 512 and all(s.fmt.name == "fp8_v4" for s in args.scopes))
+
+
+if gluon is not None:
+    H_BLOCK = gl.constexpr(64)  # heads per program
+    BLOCK_N = gl.constexpr(64)  # keys per block
+    NOPE = gl.constexpr(448)  # e4m3 dims of a V4 row; the other 64 are bf16 rope
+    DIM = gl.constexpr(512)
+    D_OUT = gl.constexpr(D_V)
+
+    @gluon.jit
+    def _block_rows(c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
+                    c1_ptr, c1_stride0, c1_slots, i1_row, len1, blk,
+                    BS0: gl.constexpr, BS1: gl.constexpr, rows_layout: gl.constexpr):
+        """Byte pointers to block ``blk``'s rows (the two scopes' blocks in sequence), scale pointers, validity."""
+        offs = gl.arange(0, BLOCK_N, layout=rows_layout)
+        if blk < nblk0:
+            j = blk * BLOCK_N + offs
+            idx = gl.load(i0_row + j, mask=j < len0, other=-1)
+            valid = (idx >= 0) & (idx < c0_slots)
+            slot = gl.where(valid, idx, 0)
+            page = c0_ptr + (slot // BS0).to(gl.int64) * c0_stride0
+            row = page + (slot % BS0) * 576
+            scales = page + BS0 * 576 + (slot % BS0) * 8
+        else:
+            j = (blk - nblk0) * BLOCK_N + offs
+            idx = gl.load(i1_row + j, mask=j < len1, other=-1)
+            valid = (idx >= 0) & (idx < c1_slots)
+            slot = gl.where(valid, idx, 0)
+            page = c1_ptr + (slot // BS1).to(gl.int64) * c1_stride0
+            row = page + (slot % BS1) * 576
+            scales = page + BS1 * 576 + (slot % BS1) * 8
+        return row, scales, valid
+
+    @gluon.jit
+    def _dequant_half(row, scales, valid, HALF: gl.constexpr, tiles_layout: gl.constexpr):
+        """Dims ``[256·HALF, 256·HALF + 256)`` of the gathered rows, dequantised: ``(BLOCK_N, 4, 64)`` bf16.
+
+        Tiles are 64 e4m3 bytes scaled by their ue8m0 factor (exact in bf16); the last tile of the
+        second half is the 64 bf16 rope dims. Invalid rows read nothing and come out as zeros.
+        """
+        scale_layout: gl.constexpr = gl.SliceLayout(2, tiles_layout)
+        rows = gl.convert_layout(row, gl.SliceLayout(1, scale_layout))
+        ok = gl.convert_layout(valid, gl.SliceLayout(1, scale_layout))
+        tile = gl.arange(0, 4, layout=gl.SliceLayout(0, scale_layout))
+        col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, tiles_layout)))
+        is_rope = (tile == 3) & (HALF == 1)
+        byte_off = (HALF * 4 + tile)[None, :, None] * 64 + col[None, None, :]
+        ok3 = ok[:, None, None]
+        raw = gl.load(rows[:, None, None] + byte_off, mask=ok3 & ~is_rope[None, :, None], other=0)
+        exps = gl.load(gl.convert_layout(scales, gl.SliceLayout(1, scale_layout))[:, None] + HALF * 4 + tile[None, :],
+                       mask=ok[:, None] & ~is_rope[None, :], other=127)
+        factor = (exps.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # ue8m0 -> 2^(e-127)
+        vals = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * factor[:, :, None]
+        if HALF == 1:
+            rope_ptr = (rows + NOPE).to(gl.pointer_type(gl.bfloat16))
+            rope = gl.load(rope_ptr[:, None, None] + (tile * 0)[None, :, None] + col[None, None, :],
+                           mask=ok3 & is_rope[None, :, None], other=0.0)
+            vals = gl.where(is_rope[None, :, None], rope.to(gl.float32), vals)
+        return vals.to(gl.bfloat16)
+
+    @gluon.jit
+    def _dequant_into(kbuf, row, scales, valid, tiles_layout: gl.constexpr):
+        """Gather one key block and write it dequantised (bf16) into ``kbuf`` ``(BLOCK_N, 512)``."""
+        lo = _dequant_half(row, scales, valid, 0, tiles_layout)
+        hi = _dequant_half(row, scales, valid, 1, tiles_layout)
+        kbuf.slice(0, 256, dim=1).store(gl.reshape(lo, [BLOCK_N, 256]))
+        kbuf.slice(256, 256, dim=1).store(gl.reshape(hi, [BLOCK_N, 256]))
+
+    @gluon.jit
+    def _fp8_attention_kernel(
+        q_ptr, stride_qt, stride_qh,
+        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+        c0_ptr, c0_stride0, c0_slots, i0_ptr, i0_stride, l0_ptr, w0,
+        c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
+        num_tokens, num_heads, qk_scale,
+        BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
+        SPLITS: gl.constexpr,
+    ):
+        RESCALE_SLACK: gl.constexpr = 8.0
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                          instr_shape=[16, 64, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                          instr_shape=[16, 256, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        # (rows, 4 tiles, 64): a thread holds 16 consecutive bytes of each of 4 tiles of one row
+        tiles_layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0])
+        rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, tiles_layout))
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+        tok = gl.program_id(0)
+        hb = gl.program_id(1)
+        split = gl.program_id(2)
+
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [H_BLOCK, DIM], smem_layout)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DIM], smem_layout)
+
+        heads_q = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, q_layout))
+        cols_q = gl.arange(0, DIM, layout=gl.SliceLayout(0, q_layout))
+        q_tok = q_ptr + tok.to(gl.int64) * stride_qt
+        q = gl.load(q_tok + heads_q[:, None] * stride_qh + cols_q[None, :], mask=(heads_q < num_heads)[:, None],
+                    other=0.0)
+        q_smem.store(q)
+
+        len0 = gl.minimum(gl.maximum(gl.load(l0_ptr + tok), 0), w0)
+        nblk0 = gl.cdiv(len0, BLOCK_N)
+        len1 = len0 * 0
+        if HAS_EXTRA:
+            len1 = gl.minimum(gl.maximum(gl.load(l1_ptr + tok), 0), w1)
+        nblk1 = gl.cdiv(len1, BLOCK_N)
+        per_split = gl.cdiv(nblk0 + nblk1, SPLITS)
+        lo = split * per_split
+        hi = gl.minimum(lo + per_split, nblk0 + nblk1)
+        i0_row = i0_ptr + tok.to(gl.int64) * i0_stride
+        i1_row = i1_ptr + tok.to(gl.int64) * i1_stride
+
+        m_i = gl.full([H_BLOCK], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([H_BLOCK], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = warpgroup_mma_init(gl.zeros([H_BLOCK, DIM], gl.float32, layout=o_layout))
+        s_zero = gl.zeros([H_BLOCK, BLOCK_N], gl.float32, layout=s_layout)
+
+        if lo < hi:
+            row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
+                                             c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, BS0, BS1, rows_layout)
+            _dequant_into(k_smem.index(0), row, scales, valid, tiles_layout)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        for blk in range(lo, hi):
+            buf = (blk - lo) % 2
+            k_cur = k_smem.index(buf)
+            qk = warpgroup_mma(q_smem, k_cur.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            valid_cur = _block_rows(c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
+                                    c1_ptr, c1_stride0, c1_slots, i1_row, len1, blk, BS0, BS1,
+                                    gl.SliceLayout(0, s_layout))[2]
+            if blk + 1 < hi:
+                row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
+                                                 c1_ptr, c1_stride0, c1_slots, i1_row, len1, blk + 1, BS0, BS1,
+                                                 rows_layout)
+                # the previous block's PV wgmma (both warpgroups) must be done reading the other buffer
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                gl.thread_barrier()
+                _dequant_into(k_smem.index(1 - buf), row, scales, valid, tiles_layout)
+                fence_async_shared()
+                acc = warpgroup_mma_init(acc)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+            acc_now = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            s = gl.where(valid_cur[None, :], s * qk_scale, float("-inf"))
+            m_blk = gl.max(s, 1)
+            grow = m_blk > m_i + RESCALE_SLACK
+            if gl.max(grow.to(gl.int32), 0) > 0:
+                m_new = gl.where(grow, m_blk, m_i)
+                alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
+                l_i = l_i * alpha
+                acc_now = acc_now * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                m_i = m_new
+            p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+            l_i += gl.sum(p, 1)
+            p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+            acc = warpgroup_mma(p_op, k_cur, acc_now, is_async=True)
+            gl.thread_barrier()  # every warp's writes to the next buffer land before its QK wgmma
+        acc_f = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+        heads = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, o_layout))
+        head_mask = heads < num_heads
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        empty = l_o == 0.0
+        inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
+        lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) / 1.4426950408889634)
+        factor = inv_l
+        if SPLITS == 1:
+            if HAS_SINK:
+                sink = gl.load(sink_ptr + heads, mask=head_mask, other=float("-inf"))
+                factor = factor / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse)))
+            dst = out_ptr + tok.to(gl.int64) * num_heads * D_OUT
+            gl.store(lse_ptr + tok * num_heads + heads, gl.where(empty, float("inf"), lse), mask=head_mask)
+        else:
+            part = (split * num_tokens + tok).to(gl.int64) * num_heads
+            dst = part_o_ptr + part * D_OUT
+            gl.store(part_lse_ptr + part + heads, lse, mask=head_mask)
+        cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, o_layout))
+        vals = acc_f * factor[:, None]
+        gl.store(dst + heads[:, None] * D_OUT + cols[None, :], vals.to(dst.dtype.element_ty), mask=head_mask[:, None])
+
+
+def launch(args: AttentionArgs, out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor,
+           part_lse: torch.Tensor, sink: torch.Tensor, splits: int):
+    """Run the kernel into ``out``/``lse`` (``splits == 1``) or the partial buffers (``splits > 1``).
+
+    Returns the compiled kernel (for register / spill reports).
+    """
+    from .triton_attention import _scope_args  # the same argument order as the Triton kernel
+
+    q = args.q
+    s0 = args.scopes[0]
+    s1 = args.scopes[1] if len(args.scopes) > 1 else s0
+    num_tokens, num_heads, _ = q.shape
+    grid = (num_tokens, triton.cdiv(num_heads, 64), splits)
+    return _fp8_attention_kernel[grid](
+        q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
+        *_scope_args(s0), *_scope_args(s1), num_tokens, num_heads, args.scale * 1.4426950408889634,
+        BS0=s0.cache.shape[1], BS1=s1.cache.shape[1], HAS_EXTRA=len(args.scopes) > 1,
+        HAS_SINK=args.sink is not None, SPLITS=splits, num_warps=NUM_WARPS,
+    )
