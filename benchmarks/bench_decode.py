@@ -14,7 +14,7 @@ import os
 
 import torch
 import triton
-from common import load_flash_mla, parse_sweep, rel, timed
+from common import load_flash_mla, parse_sweep, rel, timed, warm_up_gpu
 
 from sparse_mla.formats import dequantize_blocks, quantize_blocks
 from sparse_mla.ops import sparse_attention_decode, triton_attention
@@ -123,6 +123,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     flash_mla = load_flash_mla()
+    warm_up_gpu()
     configs = parse_sweep(args.sweep)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)

@@ -19,7 +19,7 @@ import os
 
 import torch
 import triton
-from common import load_flash_mla, parse_sweep, rel, timed
+from common import load_flash_mla, parse_sweep, rel, timed, warm_up_gpu
 
 from sparse_mla.config import get_config
 from sparse_mla.layer import SparseMLAAttention
@@ -140,6 +140,7 @@ def main():
     ap.add_argument("--topks", type=int, nargs="+", default=[640, 1152], help="workspace part: keys per token")
     args = ap.parse_args()
     flash_mla = load_flash_mla()
+    warm_up_gpu()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     os.makedirs(args.out, exist_ok=True)
     parts = dict(workspace=lambda: workspace_cases(flash_mla, args.rep, parse_sweep(args.sweep), args.heads, args.topks),

@@ -49,22 +49,28 @@ if gluon is not None:
     D_OUT = gl.constexpr(D_V)
 
     @gluon.jit
-    def _block_rows(c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
-                    c1_ptr, c1_stride0, c1_slots, i1_row, len1, blk,
-                    BS0: gl.constexpr, BS1: gl.constexpr, rows_layout: gl.constexpr):
-        """Byte pointers to block ``blk``'s rows (the two scopes' blocks in sequence), scale pointers, validity."""
+    def _block_indices(i0_row, len0, nblk0, i1_row, len1, blk, rows_layout: gl.constexpr):
+        """Cache slots of key block ``blk`` (the two scopes' blocks in sequence); -1 past a list's length."""
         offs = gl.arange(0, BLOCK_N, layout=rows_layout)
         if blk < nblk0:
             j = blk * BLOCK_N + offs
             idx = gl.load(i0_row + j, mask=j < len0, other=-1)
+        else:
+            j = (blk - nblk0) * BLOCK_N + offs
+            idx = gl.load(i1_row + j, mask=j < len1, other=-1)
+        return idx
+
+    @gluon.jit
+    def _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx, blk, nblk0,
+                    BS0: gl.constexpr, BS1: gl.constexpr):
+        """Byte pointers to the rows and scale bytes of block ``blk``'s slots ``idx``, and their validity."""
+        if blk < nblk0:
             valid = (idx >= 0) & (idx < c0_slots)
             slot = gl.where(valid, idx, 0)
             page = c0_ptr + (slot // BS0).to(gl.int64) * c0_stride0
             row = page + (slot % BS0) * 576
             scales = page + BS0 * 576 + (slot % BS0) * 8
         else:
-            j = (blk - nblk0) * BLOCK_N + offs
-            idx = gl.load(i1_row + j, mask=j < len1, other=-1)
             valid = (idx >= 0) & (idx < c1_slots)
             slot = gl.where(valid, idx, 0)
             page = c1_ptr + (slot // BS1).to(gl.int64) * c1_stride0
@@ -73,38 +79,47 @@ if gluon is not None:
         return row, scales, valid
 
     @gluon.jit
-    def _dequant_half(row, scales, valid, HALF: gl.constexpr, tiles_layout: gl.constexpr):
-        """Dims ``[256·HALF, 256·HALF + 256)`` of the gathered rows, dequantised: ``(BLOCK_N, 4, 64)`` bf16.
-
-        Tiles are 64 e4m3 bytes scaled by their ue8m0 factor (exact in bf16); the last tile of the
-        second half is the 64 bf16 rope dims. Invalid rows read nothing and come out as zeros.
-        """
-        scale_layout: gl.constexpr = gl.SliceLayout(2, tiles_layout)
-        rows = gl.convert_layout(row, gl.SliceLayout(1, scale_layout))
-        ok = gl.convert_layout(valid, gl.SliceLayout(1, scale_layout))
-        tile = gl.arange(0, 4, layout=gl.SliceLayout(0, scale_layout))
+    def _gather_half(rows, scales, ok, HALF: gl.constexpr, tiles_layout: gl.constexpr):
+        """Raw bytes of dims ``[256·HALF, 256·HALF + 256)`` of the gathered rows: ``(BLOCK_N, 4, 64)`` e4m3
+        and ``(BLOCK_N, 4)`` ue8m0 exponents. The last tile of the second half is the bf16 rope, not
+        read here. Invalid rows read nothing."""
+        tile = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, tiles_layout)))
         col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, tiles_layout)))
         is_rope = (tile == 3) & (HALF == 1)
         byte_off = (HALF * 4 + tile)[None, :, None] * 64 + col[None, None, :]
-        ok3 = ok[:, None, None]
-        raw = gl.load(rows[:, None, None] + byte_off, mask=ok3 & ~is_rope[None, :, None], other=0)
-        exps = gl.load(gl.convert_layout(scales, gl.SliceLayout(1, scale_layout))[:, None] + HALF * 4 + tile[None, :],
-                       mask=ok[:, None] & ~is_rope[None, :], other=127)
-        factor = (exps.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # ue8m0 -> 2^(e-127)
-        vals = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * factor[:, :, None]
-        if HALF == 1:
-            rope_ptr = (rows + NOPE).to(gl.pointer_type(gl.bfloat16))
-            rope = gl.load(rope_ptr[:, None, None] + (tile * 0)[None, :, None] + col[None, None, :],
-                           mask=ok3 & is_rope[None, :, None], other=0.0)
-            vals = gl.where(is_rope[None, :, None], rope.to(gl.float32), vals)
-        return vals.to(gl.bfloat16)
+        raw = gl.load(rows[:, None, None] + byte_off, mask=ok[:, None, None] & ~is_rope[None, :, None], other=0)
+        exps = gl.load(scales[:, None] + HALF * 4 + tile[None, :], mask=ok[:, None] & ~is_rope[None, :], other=127)
+        return raw, exps
 
     @gluon.jit
-    def _dequant_into(kbuf, row, scales, valid, tiles_layout: gl.constexpr):
-        """Gather one key block and write it dequantised (bf16) into ``kbuf`` ``(BLOCK_N, 512)``."""
-        lo = _dequant_half(row, scales, valid, 0, tiles_layout)
-        hi = _dequant_half(row, scales, valid, 1, tiles_layout)
+    def _gather_block(row, scales, valid, tiles_layout: gl.constexpr):
+        """Issue every global load of one key block (e4m3 halves, exponents, rope); nothing is converted yet."""
+        rows_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, tiles_layout))
+        rows = gl.convert_layout(row, rows_l)
+        ok = gl.convert_layout(valid, rows_l)
+        scales = gl.convert_layout(scales, rows_l)
+        raw_lo, exps_lo = _gather_half(rows, scales, ok, 0, tiles_layout)
+        raw_hi, exps_hi = _gather_half(rows, scales, ok, 1, tiles_layout)
+        tile = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, tiles_layout)))
+        col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, tiles_layout)))
+        rope_ptr = (rows + NOPE).to(gl.pointer_type(gl.bfloat16))
+        rope = gl.load(rope_ptr[:, None, None] + (tile * 0)[None, :, None] + col[None, None, :],
+                       mask=ok[:, None, None] & (tile == 3)[None, :, None], other=0.0)
+        return raw_lo, exps_lo, raw_hi, exps_hi, rope
+
+    @gluon.jit
+    def _dequant(raw, exps):
+        """e4m3 bytes times their power-of-two ue8m0 factor: exact in bf16."""
+        factor = (exps.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # ue8m0 -> 2^(e-127)
+        return raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * factor[:, :, None]
+
+    @gluon.jit
+    def _store_block(kbuf, raw_lo, exps_lo, raw_hi, exps_hi, rope):
+        """Write a gathered block dequantised into ``kbuf`` ``(BLOCK_N, 512)`` bf16 (invalid rows: zeros)."""
+        tile = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, rope.type.layout)))
+        lo = _dequant(raw_lo, exps_lo).to(gl.bfloat16)
         kbuf.slice(0, 256, dim=1).store(gl.reshape(lo, [BLOCK_N, 256]))
+        hi = gl.where((tile == 3)[None, :, None], rope, _dequant(raw_hi, exps_hi).to(gl.bfloat16))
         kbuf.slice(256, 256, dim=1).store(gl.reshape(hi, [BLOCK_N, 256]))
 
     @gluon.jit
@@ -160,10 +175,15 @@ if gluon is not None:
         acc = warpgroup_mma_init(gl.zeros([H_BLOCK, DIM], gl.float32, layout=o_layout))
         s_zero = gl.zeros([H_BLOCK, BLOCK_N], gl.float32, layout=s_layout)
 
+        idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo, rows_layout)
+        row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx, lo, nblk0,
+                                         BS0, BS1)
+        # the index list runs one block ahead of the gathers, so no gather waits on an index load
+        idx_next = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo + 1, rows_layout)
         if lo < hi:
-            row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
-                                             c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, BS0, BS1, rows_layout)
-            _dequant_into(k_smem.index(0), row, scales, valid, tiles_layout)
+            raw_lo, exps_lo, raw_hi, exps_hi, rope = _gather_block(row, scales, valid, tiles_layout)
+            _store_block(k_smem.index(0), raw_lo, exps_lo, raw_hi, exps_hi, rope)
+        valid_cur = gl.convert_layout(valid, gl.SliceLayout(0, s_layout))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -171,17 +191,17 @@ if gluon is not None:
             buf = (blk - lo) % 2
             k_cur = k_smem.index(buf)
             qk = warpgroup_mma(q_smem, k_cur.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            valid_cur = _block_rows(c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
-                                    c1_ptr, c1_stride0, c1_slots, i1_row, len1, blk, BS0, BS1,
-                                    gl.SliceLayout(0, s_layout))[2]
+            valid_next = valid_cur
             if blk + 1 < hi:
-                row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
-                                                 c1_ptr, c1_stride0, c1_slots, i1_row, len1, blk + 1, BS0, BS1,
-                                                 rows_layout)
+                row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
+                                                 idx_next, blk + 1, nblk0, BS0, BS1)
+                raw_lo, exps_lo, raw_hi, exps_hi, rope = _gather_block(row, scales, valid, tiles_layout)
+                idx_next = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk + 2, rows_layout)
+                valid_next = gl.convert_layout(valid, gl.SliceLayout(0, s_layout))
                 # the previous block's PV wgmma (both warpgroups) must be done reading the other buffer
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 gl.thread_barrier()
-                _dequant_into(k_smem.index(1 - buf), row, scales, valid, tiles_layout)
+                _store_block(k_smem.index(1 - buf), raw_lo, exps_lo, raw_hi, exps_hi, rope)
                 fence_async_shared()
                 acc = warpgroup_mma_init(acc)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
@@ -200,6 +220,7 @@ if gluon is not None:
             p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
             acc = warpgroup_mma(p_op, k_cur, acc_now, is_async=True)
             gl.thread_barrier()  # every warp's writes to the next buffer land before its QK wgmma
+            valid_cur = valid_next
         acc_f = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
         heads = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, o_layout))
