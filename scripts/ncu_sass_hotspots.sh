@@ -5,7 +5,7 @@ set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-ncu --kernel-name regex:_sparse_mla_kernel --launch-skip 2 --launch-count 1 --section SourceCounters \
+ncu --kernel-name regex:"${KERNEL:-_fp8_attention|_sparse_mla_kernel}" --launch-skip 2 --launch-count 1 --section SourceCounters \
     --section WarpStateStats -o /tmp/decode -f \
     python3 benchmarks/bench_decode.py --families c4a --batches 128 --rep 5 --skip-torch --out /tmp/ncu >/dev/null 2>&1
 ncu -i /tmp/decode.ncu-rep --page source --print-source sass --csv > "$OUT/sass.csv" 2>/dev/null
@@ -33,6 +33,6 @@ print("opcode            stall%   executed")
 for op, v in by_op.most_common(25):
     print(f"{op:16s} {100*v/total:6.1f} {ex_op[op]:12.0f}")
 print("top instructions:")
-for r in sorted(rows, key=lambda r: -val(r, samp))[:25]:
+for r in sorted(rows, key=lambda r: -val(r, samp))[:45]:
     print(f"{100*val(r, samp)/total:5.1f}%  {r[src][:90]}")
 PY

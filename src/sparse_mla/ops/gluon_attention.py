@@ -24,6 +24,7 @@ try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any mismatch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
+        mbarrier,
         warpgroup_mma,
         warpgroup_mma_init,
         warpgroup_mma_wait,
@@ -31,7 +32,8 @@ try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any mismatch
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-NUM_WARPS = 8
+NUM_WARPS = 8  # the consumer warpgroups; the warp-specialised kernel adds 4 producer warps
+PRODUCER_WARPS, PRODUCER_REGS = 4, 96  # 256 consumer threads x 200 registers + 128 producer threads x 96
 
 
 def supported(args: AttentionArgs) -> bool:
@@ -123,6 +125,32 @@ if gluon is not None:
         kbuf.slice(256, 256, dim=1).store(gl.reshape(hi, [BLOCK_N, 256]))
 
     @gluon.jit
+    def _epilogue(acc_f, m_i, l_i, o_layout: gl.constexpr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                  tok, hb, split, num_tokens, num_heads, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr):
+        """Normalise the accumulator and store the row (with the sink) or the split's partial row and LSE."""
+        heads = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, o_layout))
+        head_mask = heads < num_heads
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        empty = l_o == 0.0
+        inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
+        lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) / 1.4426950408889634)
+        factor = inv_l
+        if SPLITS == 1:
+            if HAS_SINK:
+                sink = gl.load(sink_ptr + heads, mask=head_mask, other=float("-inf"))
+                factor = factor / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse)))
+            dst = out_ptr + tok.to(gl.int64) * num_heads * D_OUT
+            gl.store(lse_ptr + tok * num_heads + heads, gl.where(empty, float("inf"), lse), mask=head_mask)
+        else:
+            part = (split * num_tokens + tok).to(gl.int64) * num_heads
+            dst = part_o_ptr + part * D_OUT
+            gl.store(part_lse_ptr + part + heads, lse, mask=head_mask)
+        cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, o_layout))
+        vals = acc_f * factor[:, None]
+        gl.store(dst + heads[:, None] * D_OUT + cols[None, :], vals.to(dst.dtype.element_ty), mask=head_mask[:, None])
+
+    @gluon.jit
     def _fp8_attention_kernel(
         q_ptr, stride_qt, stride_qh,
         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
@@ -191,19 +219,12 @@ if gluon is not None:
             buf = (blk - lo) % 2
             k_cur = k_smem.index(buf)
             qk = warpgroup_mma(q_smem, k_cur.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            valid_next = valid_cur
-            if blk + 1 < hi:
-                row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
-                                                 idx_next, blk + 1, nblk0, BS0, BS1)
-                raw_lo, exps_lo, raw_hi, exps_hi, rope = _gather_block(row, scales, valid, tiles_layout)
-                idx_next = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk + 2, rows_layout)
-                valid_next = gl.convert_layout(valid, gl.SliceLayout(0, s_layout))
-                # the previous block's PV wgmma (both warpgroups) must be done reading the other buffer
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                gl.thread_barrier()
-                _store_block(k_smem.index(1 - buf), raw_lo, exps_lo, raw_hi, exps_hi, rope)
-                fence_async_shared()
-                acc = warpgroup_mma_init(acc)
+            # the next block's gathers (past the last block every row is masked off: no memory access)
+            row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
+                                             idx_next, blk + 1, nblk0, BS0, BS1)
+            raw_lo, exps_lo, raw_hi, exps_hi, rope = _gather_block(row, scales, valid, tiles_layout)
+            idx_next = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk + 2, rows_layout)
+            valid_next = gl.convert_layout(valid, gl.SliceLayout(0, s_layout))
             s = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
             acc_now = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             s = gl.where(valid_cur[None, :], s * qk_scale, float("-inf"))
@@ -219,35 +240,153 @@ if gluon is not None:
             l_i += gl.sum(p, 1)
             p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
             acc = warpgroup_mma(p_op, k_cur, acc_now, is_async=True)
+            if blk + 1 < hi:
+                # the gathers had the QK wgmma and the softmax to land; the dequantisation overlaps
+                # this block's PV wgmma. Both warpgroups are past the previous PV (waited above).
+                gl.thread_barrier()
+                _store_block(k_smem.index(1 - buf), raw_lo, exps_lo, raw_hi, exps_hi, rope)
+                fence_async_shared()
             gl.thread_barrier()  # every warp's writes to the next buffer land before its QK wgmma
             valid_cur = valid_next
         acc_f = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
-        heads = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, o_layout))
-        head_mask = heads < num_heads
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-        empty = l_o == 0.0
-        inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
-        lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) / 1.4426950408889634)
-        factor = inv_l
-        if SPLITS == 1:
-            if HAS_SINK:
-                sink = gl.load(sink_ptr + heads, mask=head_mask, other=float("-inf"))
-                factor = factor / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse)))
-            dst = out_ptr + tok.to(gl.int64) * num_heads * D_OUT
-            gl.store(lse_ptr + tok * num_heads + heads, gl.where(empty, float("inf"), lse), mask=head_mask)
-        else:
-            part = (split * num_tokens + tok).to(gl.int64) * num_heads
-            dst = part_o_ptr + part * D_OUT
-            gl.store(part_lse_ptr + part + heads, lse, mask=head_mask)
-        cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, o_layout))
-        vals = acc_f * factor[:, None]
-        gl.store(dst + heads[:, None] * D_OUT + cols[None, :], vals.to(dst.dtype.element_ty), mask=head_mask[:, None])
+        _epilogue(acc_f, m_i, l_i, o_layout, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                  tok, hb, split, num_tokens, num_heads, HAS_SINK, SPLITS)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _ws_producer(k_smem, full_bar, empty_bar,
+                     c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
+                     c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi,
+                     BS0: gl.constexpr, BS1: gl.constexpr, WARPS: gl.constexpr):
+        """``WARPS`` warps: gather and dequantise key blocks into the two shared buffers, one block ahead."""
+        tiles_layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
+        rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, tiles_layout))
+        idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo, rows_layout)
+        for blk in range(lo, hi):
+            i = blk - lo
+            buf = i % 2
+            row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx, blk,
+                                             nblk0, BS0, BS1)
+            raw_lo, exps_lo, raw_hi, exps_hi, rope = _gather_block(row, scales, valid, tiles_layout)
+            idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk + 1, rows_layout)
+            # the buffer's previous block (i - 2) must have left the consumers' PV wgmma
+            mbarrier.wait(empty_bar.index(buf), ((i // 2) & 1) ^ 1, pred=i >= 2)
+            _store_block(k_smem.index(buf), raw_lo, exps_lo, raw_hi, exps_hi, rope)
+            fence_async_shared()
+            mbarrier.arrive(full_bar.index(buf), count=1)
+
+    @gluon.jit
+    def _ws_consumer(q_smem, k_smem, full_bar, empty_bar,
+                     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                     c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
+                     tok, hb, split, num_tokens, num_heads, qk_scale,
+                     HAS_SINK: gl.constexpr, SPLITS: gl.constexpr):
+        """8 warps (two warpgroups of 256 output dims each): logits, online softmax, PV, epilogue."""
+        RESCALE_SLACK: gl.constexpr = 8.0
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                          instr_shape=[16, 64, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                          instr_shape=[16, 256, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        keys_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+        m_i = gl.full([H_BLOCK], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([H_BLOCK], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = warpgroup_mma_init(gl.zeros([H_BLOCK, DIM], gl.float32, layout=o_layout))
+        s_zero = gl.zeros([H_BLOCK, BLOCK_N], gl.float32, layout=s_layout)
+        idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo, keys_layout)
+        for blk in range(lo, hi):
+            i = blk - lo
+            buf = i % 2
+            k_cur = k_smem.index(buf)
+            slots = gl.where(blk < nblk0, c0_slots, c1_slots)
+            valid = (idx >= 0) & (idx < slots)
+            idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk + 1, keys_layout)
+            mbarrier.wait(full_bar.index(buf), (i // 2) & 1)
+            qk = warpgroup_mma(q_smem, k_cur.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if i >= 1:  # retire the previous block's PV and hand its buffer back to the producer
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty_bar.index(1 - buf), count=1)
+                acc = warpgroup_mma_init(acc)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+            acc_now = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_blk = gl.max(s, 1)
+            grow = m_blk > m_i + RESCALE_SLACK
+            if gl.max(grow.to(gl.int32), 0) > 0:
+                m_new = gl.where(grow, m_blk, m_i)
+                alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
+                l_i = l_i * alpha
+                acc_now = acc_now * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                m_i = m_new
+            p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+            l_i += gl.sum(p, 1)
+            p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+            acc = warpgroup_mma(p_op, k_cur, acc_now, is_async=True)
+        acc_f = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _epilogue(acc_f, m_i, l_i, o_layout, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                  tok, hb, split, num_tokens, num_heads, HAS_SINK, SPLITS)
+
+    @gluon.jit
+    def _fp8_attention_ws_kernel(
+        q_ptr, stride_qt, stride_qh,
+        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+        c0_ptr, c0_stride0, c0_slots, i0_ptr, i0_stride, l0_ptr, w0,
+        c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
+        num_tokens, num_heads, qk_scale,
+        BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
+        SPLITS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        tok = gl.program_id(0)
+        hb = gl.program_id(1)
+        split = gl.program_id(2)
+
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [H_BLOCK, DIM], smem_layout)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DIM], smem_layout)
+        full_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(full_bar.index(b), count=1)
+            mbarrier.init(empty_bar.index(b), count=1)
+
+        heads_q = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, q_layout))
+        cols_q = gl.arange(0, DIM, layout=gl.SliceLayout(0, q_layout))
+        q_tok = q_ptr + tok.to(gl.int64) * stride_qt
+        q = gl.load(q_tok + heads_q[:, None] * stride_qh + cols_q[None, :], mask=(heads_q < num_heads)[:, None],
+                    other=0.0)
+        q_smem.store(q)
+        fence_async_shared()
+
+        len0 = gl.minimum(gl.maximum(gl.load(l0_ptr + tok), 0), w0)
+        nblk0 = gl.cdiv(len0, BLOCK_N)
+        len1 = len0 * 0
+        if HAS_EXTRA:
+            len1 = gl.minimum(gl.maximum(gl.load(l1_ptr + tok), 0), w1)
+        nblk1 = gl.cdiv(len1, BLOCK_N)
+        per_split = gl.cdiv(nblk0 + nblk1, SPLITS)
+        lo = split * per_split
+        hi = gl.minimum(lo + per_split, nblk0 + nblk1)
+        i0_row = i0_ptr + tok.to(gl.int64) * i0_stride
+        i1_row = i1_ptr + tok.to(gl.int64) * i1_stride
+        gl.thread_barrier()
+
+        gl.warp_specialize([
+            (_ws_consumer, (q_smem, k_smem, full_bar, empty_bar, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+                            sink_ptr, c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
+                            tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, SPLITS)),
+            (_ws_producer, (k_smem, full_bar, empty_bar, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
+                            c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, BS0, BS1, PRODUCER_WARPS)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 def launch(args: AttentionArgs, out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor,
-           part_lse: torch.Tensor, sink: torch.Tensor, splits: int):
+           part_lse: torch.Tensor, sink: torch.Tensor, splits: int, warp_specialized: bool = True,
+           producer_warps: int = PRODUCER_WARPS, producer_regs: int = PRODUCER_REGS):
     """Run the kernel into ``out``/``lse`` (``splits == 1``) or the partial buffers (``splits > 1``).
 
     Returns the compiled kernel (for register / spill reports).
@@ -259,9 +398,11 @@ def launch(args: AttentionArgs, out: torch.Tensor, lse: torch.Tensor, part_o: to
     s1 = args.scopes[1] if len(args.scopes) > 1 else s0
     num_tokens, num_heads, _ = q.shape
     grid = (num_tokens, triton.cdiv(num_heads, 64), splits)
-    return _fp8_attention_kernel[grid](
+    kernel = _fp8_attention_ws_kernel if warp_specialized else _fp8_attention_kernel
+    extra = {"PRODUCER_WARPS": producer_warps, "PRODUCER_REGS": producer_regs} if warp_specialized else {}
+    return kernel[grid](
         q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
         *_scope_args(s0), *_scope_args(s1), num_tokens, num_heads, args.scale * 1.4426950408889634,
         BS0=s0.cache.shape[1], BS1=s1.cache.shape[1], HAS_EXTRA=len(args.scopes) > 1,
-        HAS_SINK=args.sink is not None, SPLITS=splits, num_warps=NUM_WARPS,
+        HAS_SINK=args.sink is not None, SPLITS=splits, num_warps=NUM_WARPS, **extra,
     )
