@@ -71,10 +71,8 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--fmt", choices=["fp8_v4", "bf16"], default="fp8_v4", help="cache format of both scopes")
     parser.add_argument("--dim", type=int, choices=[512, 576], default=512, help="latent dims: 512 (V4), 576 (V3.2)")
-    parser.add_argument("--kernel", choices=["triton", "gluon", "gluon-ws"], default="triton",
-                        help="gluon: the Hopper fp8_v4 kernel (needs a Triton with Gluon; --fmt ignored)")
-    parser.add_argument("--producer-warps", type=int, help="gluon-ws: warps of the producer partition")
-    parser.add_argument("--producer-regs", type=int, help="gluon-ws: registers per producer thread")
+    parser.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
+                        help="gluon: the Hopper kernel of gluon_attention (needs a Triton with Gluon)")
     parser.add_argument("--dump", type=pathlib.Path)
     args = parser.parse_args()
     pa, pb, pc, v_has_rope = ta.latent_pieces(args.dim)
@@ -85,16 +83,12 @@ def main() -> None:
 
         from sparse_mla.ops import gluon_attention
 
-        kernel, source_type, args.fmt, args.warps = gluon_attention._fp8_attention_kernel, GluonASTSource, "fp8_v4", 8
-        if args.kernel == "gluon-ws":
-            kernel = gluon_attention._fp8_attention_ws_kernel
+        kernel, source_type, args.warps = gluon_attention._attention_kernel, GluonASTSource, 8
     fmt = {"bf16": ta.FMT_BF16, "fp8_v4": ta.FMT_FP8_V4}[args.fmt]
     constexprs = dict(FMT0=fmt, FMT1=fmt, BS0=256, BS1=64, HAS_EXTRA=True, HAS_SINK=True, PA=pa, PB=pb, PC=pc,
                       V_HAS_ROPE=v_has_rope, H_BLOCK=args.heads, BLOCK_N=args.block_n, SPLITS=1,
                       DOT=tl.bfloat16)
-    if args.kernel == "gluon-ws":
-        constexprs["PRODUCER_REGS"] = args.producer_regs or gluon_attention.PRODUCER_REGS
-        constexprs["PRODUCER_WARPS"] = args.producer_warps or gluon_attention.PRODUCER_WARPS
+    constexprs["FMT"] = fmt  # the Gluon kernel's single format code (0 bf16, 1 fp8_v4)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     sig, attrs = _signature(kernel, constexprs, "*bf16" if args.fmt == "bf16" else "*u8")
     src = source_type(kernel, sig, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)

@@ -24,7 +24,7 @@ try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any mismatch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
-        mbarrier,
+        async_copy,
         warpgroup_mma,
         warpgroup_mma_init,
         warpgroup_mma_wait,
@@ -32,15 +32,15 @@ try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any mismatch
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-NUM_WARPS = 8  # the consumer warpgroups; the warp-specialised kernel adds 4 producer warps
-PRODUCER_WARPS, PRODUCER_REGS = 4, 96  # 256 consumer threads x 200 registers + 128 producer threads x 96
+NUM_WARPS = 8
 
 
 def supported(args: AttentionArgs) -> bool:
-    """Whether this kernel can run ``args``: Hopper, Gluon, V4 dims, every scope fp8_v4."""
+    """Whether this kernel can run ``args``: Hopper, Gluon, V4 dims, every scope fp8_v4 or every scope bf16."""
     q = args.q
+    fmts = {s.fmt.name for s in args.scopes}
     return (gluon is not None and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
-            and q.shape[-1] == 512 and all(s.fmt.name == "fp8_v4" for s in args.scopes))
+            and q.shape[-1] == 512 and fmts in ({"fp8_v4"}, {"bf16"}))
 
 
 if gluon is not None:
@@ -64,21 +64,32 @@ if gluon is not None:
 
     @gluon.jit
     def _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx, blk, nblk0,
-                    BS0: gl.constexpr, BS1: gl.constexpr):
-        """Byte pointers to the rows and scale bytes of block ``blk``'s slots ``idx``, and their validity."""
+                    FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr):
+        """Pointers to the rows of block ``blk``'s slots ``idx`` (bytes for fp8_v4, elements for bf16),
+        to their scale bytes (fp8_v4), and the rows' validity."""
+        ROW: gl.constexpr = 576 if FMT == 1 else 512
         if blk < nblk0:
             valid = (idx >= 0) & (idx < c0_slots)
             slot = gl.where(valid, idx, 0)
             page = c0_ptr + (slot // BS0).to(gl.int64) * c0_stride0
-            row = page + (slot % BS0) * 576
-            scales = page + BS0 * 576 + (slot % BS0) * 8
+            row = page + (slot % BS0) * ROW
+            scales = page + BS0 * ROW + (slot % BS0) * 8
         else:
             valid = (idx >= 0) & (idx < c1_slots)
             slot = gl.where(valid, idx, 0)
             page = c1_ptr + (slot // BS1).to(gl.int64) * c1_stride0
-            row = page + (slot % BS1) * 576
-            scales = page + BS1 * 576 + (slot % BS1) * 8
+            row = page + (slot % BS1) * ROW
+            scales = page + BS1 * ROW + (slot % BS1) * 8
         return row, scales, valid
+
+    @gluon.jit
+    def _copy_block(kbuf, row, valid, copy_layout: gl.constexpr):
+        """Start asynchronous copies of one bf16 key block into ``kbuf`` ``(BLOCK_N, 512)`` (invalid rows: zeros)."""
+        rows = gl.convert_layout(row, gl.SliceLayout(1, copy_layout))
+        ok = gl.convert_layout(valid, gl.SliceLayout(1, copy_layout))
+        cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, copy_layout))
+        async_copy.async_copy_global_to_shared(kbuf, rows[:, None] + cols[None, :], mask=ok[:, None])
+        async_copy.commit_group()
 
     @gluon.jit
     def _gather_half(rows, scales, ok, HALF: gl.constexpr, tiles_layout: gl.constexpr):
@@ -151,13 +162,13 @@ if gluon is not None:
         gl.store(dst + heads[:, None] * D_OUT + cols[None, :], vals.to(dst.dtype.element_ty), mask=head_mask[:, None])
 
     @gluon.jit
-    def _fp8_attention_kernel(
+    def _attention_kernel(
         q_ptr, stride_qt, stride_qh,
         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
         c0_ptr, c0_stride0, c0_slots, i0_ptr, i0_stride, l0_ptr, w0,
         c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
         num_tokens, num_heads, qk_scale,
-        BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
+        FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
         SPLITS: gl.constexpr,
     ):
         RESCALE_SLACK: gl.constexpr = 8.0
@@ -168,7 +179,11 @@ if gluon is not None:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         # (rows, 4 tiles, 64): a thread holds 16 consecutive bytes of each of 4 tiles of one row
         tiles_layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0])
-        rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, tiles_layout))
+        copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # (64, 512) bf16, 16 B each
+        if FMT == 1:
+            rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, tiles_layout))
+        else:
+            rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
@@ -205,12 +220,16 @@ if gluon is not None:
 
         idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo, rows_layout)
         row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx, lo, nblk0,
-                                         BS0, BS1)
+                                         FMT, BS0, BS1)
         # the index list runs one block ahead of the gathers, so no gather waits on an index load
         idx_next = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo + 1, rows_layout)
-        if lo < hi:
-            raw_lo, exps_lo, raw_hi, exps_hi, rope = _gather_block(row, scales, valid, tiles_layout)
-            _store_block(k_smem.index(0), raw_lo, exps_lo, raw_hi, exps_hi, rope)
+        if FMT == 1:
+            if lo < hi:
+                raw_lo, exps_lo, raw_hi, exps_hi, rope = _gather_block(row, scales, valid, tiles_layout)
+                _store_block(k_smem.index(0), raw_lo, exps_lo, raw_hi, exps_hi, rope)
+        else:
+            _copy_block(k_smem.index(0), row, valid, copy_layout)
+            async_copy.wait_group(0)
         valid_cur = gl.convert_layout(valid, gl.SliceLayout(0, s_layout))
         fence_async_shared()
         gl.thread_barrier()
@@ -221,12 +240,16 @@ if gluon is not None:
             qk = warpgroup_mma(q_smem, k_cur.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             # the next block's gathers (past the last block every row is masked off: no memory access)
             row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
-                                             idx_next, blk + 1, nblk0, BS0, BS1)
-            raw_lo, exps_lo, raw_hi, exps_hi, rope = _gather_block(row, scales, valid, tiles_layout)
+                                             idx_next, blk + 1, nblk0, FMT, BS0, BS1)
+            if FMT == 1:
+                raw_lo, exps_lo, raw_hi, exps_hi, rope = _gather_block(row, scales, valid, tiles_layout)
             idx_next = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk + 2, rows_layout)
             valid_next = gl.convert_layout(valid, gl.SliceLayout(0, s_layout))
             s = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
             acc_now = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if FMT == 0:  # bf16 rows go straight to shared memory while the softmax and PV run
+                gl.thread_barrier()  # both warpgroups are past the previous PV: the other buffer is free
+                _copy_block(k_smem.index(1 - buf), row, valid, copy_layout)
             s = gl.where(valid_cur[None, :], s * qk_scale, float("-inf"))
             m_blk = gl.max(s, 1)
             grow = m_blk > m_i + RESCALE_SLACK
@@ -240,12 +263,15 @@ if gluon is not None:
             l_i += gl.sum(p, 1)
             p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
             acc = warpgroup_mma(p_op, k_cur, acc_now, is_async=True)
-            if blk + 1 < hi:
-                # the gathers had the QK wgmma and the softmax to land; the dequantisation overlaps
-                # this block's PV wgmma. Both warpgroups are past the previous PV (waited above).
-                gl.thread_barrier()
-                _store_block(k_smem.index(1 - buf), raw_lo, exps_lo, raw_hi, exps_hi, rope)
-                fence_async_shared()
+            if FMT == 1:
+                if blk + 1 < hi:
+                    # the gathers had the QK wgmma and the softmax to land; the dequantisation overlaps
+                    # this block's PV wgmma. Both warpgroups are past the previous PV (waited above).
+                    gl.thread_barrier()
+                    _store_block(k_smem.index(1 - buf), raw_lo, exps_lo, raw_hi, exps_hi, rope)
+            else:
+                async_copy.wait_group(0)
+            fence_async_shared()
             gl.thread_barrier()  # every warp's writes to the next buffer land before its QK wgmma
             valid_cur = valid_next
         acc_f = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -254,139 +280,8 @@ if gluon is not None:
                   tok, hb, split, num_tokens, num_heads, HAS_SINK, SPLITS)
 
 
-if gluon is not None:
-
-    @gluon.jit
-    def _ws_producer(k_smem, full_bar, empty_bar,
-                     c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
-                     c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi,
-                     BS0: gl.constexpr, BS1: gl.constexpr, WARPS: gl.constexpr):
-        """``WARPS`` warps: gather and dequantise key blocks into the two shared buffers, one block ahead."""
-        tiles_layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
-        rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, tiles_layout))
-        idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo, rows_layout)
-        for blk in range(lo, hi):
-            i = blk - lo
-            buf = i % 2
-            row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx, blk,
-                                             nblk0, BS0, BS1)
-            raw_lo, exps_lo, raw_hi, exps_hi, rope = _gather_block(row, scales, valid, tiles_layout)
-            idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk + 1, rows_layout)
-            # the buffer's previous block (i - 2) must have left the consumers' PV wgmma
-            mbarrier.wait(empty_bar.index(buf), ((i // 2) & 1) ^ 1, pred=i >= 2)
-            _store_block(k_smem.index(buf), raw_lo, exps_lo, raw_hi, exps_hi, rope)
-            fence_async_shared()
-            mbarrier.arrive(full_bar.index(buf), count=1)
-
-    @gluon.jit
-    def _ws_consumer(q_smem, k_smem, full_bar, empty_bar,
-                     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                     c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
-                     tok, hb, split, num_tokens, num_heads, qk_scale,
-                     HAS_SINK: gl.constexpr, SPLITS: gl.constexpr):
-        """8 warps (two warpgroups of 256 output dims each): logits, online softmax, PV, epilogue."""
-        RESCALE_SLACK: gl.constexpr = 8.0
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                          instr_shape=[16, 64, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                          instr_shape=[16, 256, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        keys_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-
-        m_i = gl.full([H_BLOCK], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([H_BLOCK], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        acc = warpgroup_mma_init(gl.zeros([H_BLOCK, DIM], gl.float32, layout=o_layout))
-        s_zero = gl.zeros([H_BLOCK, BLOCK_N], gl.float32, layout=s_layout)
-        idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo, keys_layout)
-        for blk in range(lo, hi):
-            i = blk - lo
-            buf = i % 2
-            k_cur = k_smem.index(buf)
-            slots = gl.where(blk < nblk0, c0_slots, c1_slots)
-            valid = (idx >= 0) & (idx < slots)
-            idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk + 1, keys_layout)
-            mbarrier.wait(full_bar.index(buf), (i // 2) & 1)
-            qk = warpgroup_mma(q_smem, k_cur.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if i >= 1:  # retire the previous block's PV and hand its buffer back to the producer
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty_bar.index(1 - buf), count=1)
-                acc = warpgroup_mma_init(acc)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-            acc_now = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-            m_blk = gl.max(s, 1)
-            grow = m_blk > m_i + RESCALE_SLACK
-            if gl.max(grow.to(gl.int32), 0) > 0:
-                m_new = gl.where(grow, m_blk, m_i)
-                alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
-                l_i = l_i * alpha
-                acc_now = acc_now * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                m_i = m_new
-            p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-            l_i += gl.sum(p, 1)
-            p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-            acc = warpgroup_mma(p_op, k_cur, acc_now, is_async=True)
-        acc_f = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _epilogue(acc_f, m_i, l_i, o_layout, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                  tok, hb, split, num_tokens, num_heads, HAS_SINK, SPLITS)
-
-    @gluon.jit
-    def _fp8_attention_ws_kernel(
-        q_ptr, stride_qt, stride_qh,
-        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-        c0_ptr, c0_stride0, c0_slots, i0_ptr, i0_stride, l0_ptr, w0,
-        c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
-        num_tokens, num_heads, qk_scale,
-        BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
-        SPLITS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    ):
-        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
-        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        tok = gl.program_id(0)
-        hb = gl.program_id(1)
-        split = gl.program_id(2)
-
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [H_BLOCK, DIM], smem_layout)
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DIM], smem_layout)
-        full_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        empty_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(2):
-            mbarrier.init(full_bar.index(b), count=1)
-            mbarrier.init(empty_bar.index(b), count=1)
-
-        heads_q = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, q_layout))
-        cols_q = gl.arange(0, DIM, layout=gl.SliceLayout(0, q_layout))
-        q_tok = q_ptr + tok.to(gl.int64) * stride_qt
-        q = gl.load(q_tok + heads_q[:, None] * stride_qh + cols_q[None, :], mask=(heads_q < num_heads)[:, None],
-                    other=0.0)
-        q_smem.store(q)
-        fence_async_shared()
-
-        len0 = gl.minimum(gl.maximum(gl.load(l0_ptr + tok), 0), w0)
-        nblk0 = gl.cdiv(len0, BLOCK_N)
-        len1 = len0 * 0
-        if HAS_EXTRA:
-            len1 = gl.minimum(gl.maximum(gl.load(l1_ptr + tok), 0), w1)
-        nblk1 = gl.cdiv(len1, BLOCK_N)
-        per_split = gl.cdiv(nblk0 + nblk1, SPLITS)
-        lo = split * per_split
-        hi = gl.minimum(lo + per_split, nblk0 + nblk1)
-        i0_row = i0_ptr + tok.to(gl.int64) * i0_stride
-        i1_row = i1_ptr + tok.to(gl.int64) * i1_stride
-        gl.thread_barrier()
-
-        gl.warp_specialize([
-            (_ws_consumer, (q_smem, k_smem, full_bar, empty_bar, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
-                            sink_ptr, c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
-                            tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, SPLITS)),
-            (_ws_producer, (k_smem, full_bar, empty_bar, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
-                            c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, BS0, BS1, PRODUCER_WARPS)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
-
-
 def launch(args: AttentionArgs, out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor,
-           part_lse: torch.Tensor, sink: torch.Tensor, splits: int, warp_specialized: bool = True,
-           producer_warps: int = PRODUCER_WARPS, producer_regs: int = PRODUCER_REGS):
+           part_lse: torch.Tensor, sink: torch.Tensor, splits: int):
     """Run the kernel into ``out``/``lse`` (``splits == 1``) or the partial buffers (``splits > 1``).
 
     Returns the compiled kernel (for register / spill reports).
@@ -398,11 +293,9 @@ def launch(args: AttentionArgs, out: torch.Tensor, lse: torch.Tensor, part_o: to
     s1 = args.scopes[1] if len(args.scopes) > 1 else s0
     num_tokens, num_heads, _ = q.shape
     grid = (num_tokens, triton.cdiv(num_heads, 64), splits)
-    kernel = _fp8_attention_ws_kernel if warp_specialized else _fp8_attention_kernel
-    extra = {"PRODUCER_WARPS": producer_warps, "PRODUCER_REGS": producer_regs} if warp_specialized else {}
-    return kernel[grid](
+    return _attention_kernel[grid](
         q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
         *_scope_args(s0), *_scope_args(s1), num_tokens, num_heads, args.scale * 1.4426950408889634,
-        BS0=s0.cache.shape[1], BS1=s1.cache.shape[1], HAS_EXTRA=len(args.scopes) > 1,
-        HAS_SINK=args.sink is not None, SPLITS=splits, num_warps=NUM_WARPS, **extra,
+        FMT=1 if s0.fmt.name == "fp8_v4" else 0, BS0=s0.cache.shape[1], BS1=s1.cache.shape[1],
+        HAS_EXTRA=len(args.scopes) > 1, HAS_SINK=args.sink is not None, SPLITS=splits, num_warps=NUM_WARPS,
     )

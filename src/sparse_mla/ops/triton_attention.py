@@ -292,11 +292,10 @@ LAST_COMPILED: dict[str, object] = {}  # the last launch's compiled kernel, for 
 
 def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
         num_stages: int | None = None, h_block: int | None = None, gluon: int | None = None,
-        producer_warps: int | None = None, producer_regs: int | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the attention kernel (and the combine kernel when the key lists are split).
 
-    On Hopper with fp8_v4 caches the kernel is ``gluon_attention``'s (``gluon=0`` forces this
+    On Hopper with V4 fp8_v4 or bf16 scopes the kernel is ``gluon_attention``'s (``gluon=0`` forces this
     module's Triton kernel, ``gluon=1`` the Gluon one). The other keyword arguments override the
     tuned launch choices of the Triton kernel (benchmarks sweep them).
     """
@@ -328,10 +327,7 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
         part_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32, device=device)
     sink = args.sink if args.sink is not None else lse
     if use_gluon:
-        LAST_COMPILED["attention"] = gluon_attention.launch(args, out, lse, part_o, part_lse, sink, splits,
-                                                            warp_specialized=gluon == 2,
-                                                            producer_warps=producer_warps or gluon_attention.PRODUCER_WARPS,
-                                                            producer_regs=producer_regs or gluon_attention.PRODUCER_REGS)
+        LAST_COMPILED["attention"] = gluon_attention.launch(args, out, lse, part_o, part_lse, sink, splits)
     else:
         pa, pb, pc, v_has_rope = latent_pieces(dim)
         kernel_args = (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
