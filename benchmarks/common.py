@@ -12,7 +12,7 @@ def timed(fn, rep_ms: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median") * 1e3
 
 
-def warm_up_gpu(seconds: float = 1.0) -> None:
+def warm_up_gpu(seconds: float = 3.0) -> None:
     """Keep the GPU busy for a while so that the first timed case runs at full clocks."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     start = torch.cuda.Event(enable_timing=True)

@@ -172,8 +172,9 @@ if gluon is not None:
         SPLITS: gl.constexpr,
     ):
         RESCALE_SLACK: gl.constexpr = 8.0
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                          instr_shape=[16, 64, 16])
+        # each warpgroup computes the logits of half the keys (the softmax reduces across the two)
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                          instr_shape=[16, 32, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                           instr_shape=[16, 256, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -187,9 +188,12 @@ if gluon is not None:
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-        tok = gl.program_id(0)
-        hb = gl.program_id(1)
-        split = gl.program_id(2)
+        # a token's head blocks are neighbours in launch order, so they run together and the second
+        # one's gathers hit L2
+        head_blocks = gl.cdiv(num_heads, H_BLOCK)
+        tok = gl.program_id(0) // head_blocks
+        hb = gl.program_id(0) % head_blocks
+        split = gl.program_id(1)
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [H_BLOCK, DIM], smem_layout)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DIM], smem_layout)
@@ -292,7 +296,7 @@ def launch(args: AttentionArgs, out: torch.Tensor, lse: torch.Tensor, part_o: to
     s0 = args.scopes[0]
     s1 = args.scopes[1] if len(args.scopes) > 1 else s0
     num_tokens, num_heads, _ = q.shape
-    grid = (num_tokens, triton.cdiv(num_heads, 64), splits)
+    grid = (num_tokens * triton.cdiv(num_heads, 64), splits)
     return _attention_kernel[grid](
         q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
         *_scope_args(s0), *_scope_args(s1), num_tokens, num_heads, args.scale * 1.4426950408889634,
