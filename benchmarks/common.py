@@ -1,6 +1,7 @@
 """Helpers shared by the benchmark scripts (run them as ``python benchmarks/<name>.py``)."""
 from __future__ import annotations
 
+import statistics
 import sys
 
 import torch
@@ -10,6 +11,16 @@ import triton
 def timed(fn, rep_ms: int = 100) -> float:
     """Median time of ``fn`` in microseconds (``triton.testing.do_bench``: CUDA events, after warm-up)."""
     return triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median") * 1e3
+
+
+def timed_pair(fn_a, fn_b, rep_ms: int = 100, rounds: int = 3) -> tuple[float, float]:
+    """Medians over ``rounds`` alternating timings of ``fn_a`` and ``fn_b`` (us): clock or load drift
+    during a run then moves both alike instead of skewing their ratio."""
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(timed(fn_a, rep_ms))
+        b.append(timed(fn_b, rep_ms))
+    return statistics.median(a), statistics.median(b)
 
 
 def warm_up_gpu(seconds: float = 3.0) -> None:

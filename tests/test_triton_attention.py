@@ -49,20 +49,20 @@ def random_sink(gen, num_heads):
     return sink.to(DEVICE)
 
 
-def decode_both(q, scopes, sink, splits=None):
+def decode_both(q, scopes, sink, splits=None, gluon=None):
     (c0, i0, l0), *rest = scopes
     kw = {}
     if rest:
         c1, i1, l1 = rest[0]
         kw = dict(extra_cache=c1.data, extra_indices=i1, extra_lens=l1)
     ref = sparse_attention_decode(q, c0.data, i0, l0, sink=sink, backend="reference", **kw)
-    if splits is None:
+    if splits is None and gluon is None:
         got = sparse_attention_decode(q, c0.data, i0, l0, sink=sink, backend="triton", **kw)
     else:
         from sparse_mla.ops import triton_attention
         from sparse_mla.ops.validate import decode_args
 
-        got = triton_attention.run(decode_args(q, c0.data, i0, l0, sink=sink, **kw), splits=splits)
+        got = triton_attention.run(decode_args(q, c0.data, i0, l0, sink=sink, **kw), splits=splits, gluon=gluon)
     return got, ref
 
 
@@ -200,3 +200,31 @@ def test_launch_falls_back_to_one_stage_when_shared_memory_runs_out(monkeypatch)
     with pytest.raises(OutOfResources):
         triton_attention._launch_attention((1,), (), {}, {"num_warps": 8, "num_stages": 1})
     assert stages_tried == [1]
+
+
+def test_gluon_path_only_on_validated_triton_or_when_asked(monkeypatch):
+    from sparse_mla.ops import gluon_attention
+
+    if gluon_attention.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(gluon_attention.triton, "__version__", "3.6.0")
+    monkeypatch.delenv("SPARSE_MLA_GLUON", raising=False)
+    assert gluon_attention.enabled()
+    monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+    assert not gluon_attention.enabled()
+    monkeypatch.setattr(gluon_attention.triton, "__version__", "9.9.0")
+    monkeypatch.delenv("SPARSE_MLA_GLUON")
+    assert not gluon_attention.enabled()
+    monkeypatch.setenv("SPARSE_MLA_GLUON", "1")
+    assert gluon_attention.enabled()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="on a CPU only the Triton kernel exists")
+@pytest.mark.parametrize("fmt", ["fp8_v4", "bf16"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_kernel_where_gluon_is_the_default(fmt, splits):
+    """On Hopper the Gluon kernel serves V4 fp8_v4/bf16 scopes; the Triton kernel stays correct there too."""
+    gen = torch.Generator().manual_seed(31 + splits)
+    scopes = [random_scope(gen, fmt, 512, 40, 128, 8, 64), random_scope(gen, fmt, 512, 40, 640, 64, 64)]
+    q = torch.randn(40, 72, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    check_close(*decode_both(q, scopes, random_sink(gen, 72), splits=splits, gluon=0))

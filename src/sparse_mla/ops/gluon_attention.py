@@ -1,18 +1,25 @@
-"""Hopper sparse MLA attention over ``fp8_v4`` paged caches, written in Gluon (Triton's explicit dialect).
+"""Hopper sparse MLA attention for V4 (512 latent dims), written in Gluon (Triton's explicit dialect).
 
-Same contract and arguments as ``triton_attention``'s kernel, for the case that dominates serving:
-V4's 512 latent dims, every scope ``fp8_v4``, an sm_90 GPU. The Triton kernel runs each key block
-as one serial chain (gather → dequantise → shared memory → QK wgmma, waited → softmax → PV wgmma,
-waited), with nothing else on the SM to fill the gaps. Here the chain is software-pipelined by
-hand over two shared-memory key buffers: while block i's QK wgmma runs on the tensor cores, the
-warps gather and dequantise block i+1 into the other buffer, and block i's PV wgmma is left in
-flight until the next block needs its buffer.
+Same contract and arguments as ``triton_attention``'s kernel, for the cases that dominate serving
+on an sm_90 GPU: every scope ``fp8_v4`` (decode, paged-direct prefill) or every scope ``bf16``
+(workspace prefill, bf16 caches). The Triton kernel runs each key block as one serial chain
+(gather → dequantise → shared memory → QK wgmma, waited → softmax → PV wgmma, waited) with nothing
+else on the SM to fill the gaps. Here the chain is software-pipelined by hand over two shared key
+buffers: block i+1's gathers are issued right after block i's QK wgmma, land while it and the
+softmax run, and are dequantised (fp8) or copied asynchronously (bf16) into the other buffer
+while block i's PV wgmma runs.
 
-One program = one query token × 64 heads × one split of the key list (8 warps: two warpgroups,
-each owning 256 of the 512 output dims; both compute the 64 × 64 logits). The split merge and
-sink are ``triton_attention``'s combine kernel.
+One program = one query token × 64 heads × one split of the key list, 8 warps: two warpgroups,
+each computing the logits of half the keys and owning 256 of the 512 output dims. A token's head
+blocks are launched next to each other so the second one's gathers hit L2. The split merge and
+the sink of split rows are ``triton_attention``'s combine kernel.
+
+Gluon's API is experimental: the kernel is used with the Triton versions it was validated on
+(``VALIDATED_TRITON``) unless ``SPARSE_MLA_GLUON=1`` asks for it anyway (``=0`` turns it off).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -33,13 +40,22 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 NUM_WARPS = 8
+VALIDATED_TRITON = ("3.6.",)  # checked on an H100 against the reference ops (tests/test_triton_attention.py)
+
+
+def enabled() -> bool:
+    """Whether the Gluon path may be used at all: Gluon importable and a validated Triton (or forced)."""
+    choice = os.environ.get("SPARSE_MLA_GLUON", "")
+    if gluon is None or choice == "0":
+        return False
+    return choice == "1" or triton.__version__.startswith(VALIDATED_TRITON)
 
 
 def supported(args: AttentionArgs) -> bool:
-    """Whether this kernel can run ``args``: Hopper, Gluon, V4 dims, every scope fp8_v4 or every scope bf16."""
+    """Whether this kernel can run ``args``: Hopper, V4 dims, every scope fp8_v4 or every scope bf16."""
     q = args.q
     fmts = {s.fmt.name for s in args.scopes}
-    return (gluon is not None and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    return (enabled() and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
             and q.shape[-1] == 512 and fmts in ({"fp8_v4"}, {"bf16"}))
 
 
