@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import triton
@@ -103,6 +104,30 @@ def layer_cases(rep):
     return rows
 
 
+def _step_metadata_work(b, m, sc, kv_new, kinds):
+    """A step's metadata work: the build once, the C4A conversion per c4a layer, an insert per layer."""
+    build_step_metadata(b, m.spec, out=m)
+    for kind in kinds:
+        if kind == "c4a":
+            m.c4a_indices(sc.topk_local)
+        quantize_and_insert(kv_new, sc.caches["swa"].data, b.slot_mapping)
+
+
+def _graph_time(work, rep):
+    """GPU time (us) of ``work`` captured in one CUDA graph, as an engine replays a decode step; None if
+    it cannot be captured."""
+    work()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            work()
+    except RuntimeError as err:
+        print(f"metadata work is not capturable in a CUDA graph: {err}", file=sys.stderr)
+        return None
+    return timed(graph.replay, rep)
+
+
 def metadata_cases(rep):
     """Per-step and per-layer costs of a DeepSeek-V4-Flash step (layer kinds from the preset)."""
     cfg = get_config("deepseek-v4-flash")
@@ -125,7 +150,10 @@ def metadata_cases(rep):
                    insert_us=timed(lambda: quantize_and_insert(kv_new, sc.caches["swa"].data, b.slot_mapping), rep),
                    **{f"{k}_attention_us": v for k, v in attention.items()})
         overhead = row["build_us"] + kinds.count("c4a") * row["c4a_convert_us"] + len(kinds) * row["insert_us"]
-        row["share"] = overhead / sum(attention[k] for k in kinds)
+        attention_total = sum(attention[k] for k in kinds)
+        row["share"] = overhead / attention_total
+        row["graph_step_us"] = _graph_time(lambda: _step_metadata_work(b, m, sc, kv_new, kinds), rep)
+        row["graph_share"] = row["graph_step_us"] / attention_total if row["graph_step_us"] else None
         rows.append(row)
         print(json.dumps(row), flush=True)
         del sc
@@ -177,12 +205,14 @@ def main():
     if "metadata" in result:
         t = Table(title="metadata + insert vs attention, one DeepSeek-V4-Flash step (all layers)")
         for c in ("step", "tokens", "build us", "c4a convert us", "insert us", "swa / c4a / c128a attention us",
-                  "share"):
+                  "share", "graph us", "graph share"):
             t.add_column(c, justify="right")
         for r in result["metadata"]:
             t.add_row(r["step"], str(r["tokens"]), f"{r['build_us']:.1f}", f"{r['c4a_convert_us']:.1f}",
                       f"{r['insert_us']:.1f}", f"{r['swa_attention_us']:.0f} / {r['c4a_attention_us']:.0f} / "
-                      f"{r['c128a_attention_us']:.0f}", f"{100 * r['share']:.1f} %")
+                      f"{r['c128a_attention_us']:.0f}", f"{100 * r['share']:.1f} %",
+                      f"{r['graph_step_us']:.0f}" if r["graph_step_us"] else "-",
+                      f"{100 * r['graph_share']:.1f} %" if r["graph_share"] else "-")
         con.print(t)
 
 
