@@ -100,11 +100,14 @@ def test_split_key_lists_merge_exactly(splits, fmt, dim):
     check_close(*decode_both(q, scopes, random_sink(gen, 4), splits=splits))
 
 
-def test_single_scope_no_sink_and_noncontiguous_q():
+@pytest.mark.parametrize("view", ["every other head", "every other dim"])
+def test_single_scope_no_sink_and_noncontiguous_q(view):
     gen = torch.Generator().manual_seed(3)
     cache, idx, lens = random_scope(gen, "fp8_v4", 512, 4, 30, 4, 16, lens_mode="full")
-    big = torch.randn(4, 10, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
-    q = big[:, ::2]  # every other head: a non-contiguous view
+    if view == "every other head":
+        q = torch.randn(4, 10, 512, generator=gen).to(torch.bfloat16).to(DEVICE)[:, ::2]
+    else:  # the last dim strided too: the kernels need a unit-stride copy
+        q = torch.randn(4, 5, 1024, generator=gen).to(torch.bfloat16).to(DEVICE)[..., ::2]
     assert not q.is_contiguous()
     got = sparse_attention_decode(q, cache.data, idx, lens, backend="triton")
     ref = sparse_attention_decode(q.contiguous(), cache.data, idx, lens, backend="reference")

@@ -300,15 +300,14 @@ if gluon is not None:
                   tok, hb, split, num_tokens, num_heads, HAS_SINK, SPLITS)
 
 
-def launch(args: AttentionArgs, out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor,
+def launch(args: AttentionArgs, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor,
            part_lse: torch.Tensor, sink: torch.Tensor, splits: int):
     """Run the kernel into ``out``/``lse`` (``splits == 1``) or the partial buffers (``splits > 1``).
 
-    Returns the compiled kernel (for register / spill reports).
+    q: ``args.q`` with unit stride in its last dim. Returns the compiled kernel (for register reports).
     """
     from .triton_attention import _scope_args  # the same argument order as the Triton kernel
 
-    q = args.q
     s0 = args.scopes[0]
     s1 = args.scopes[1] if len(args.scopes) > 1 else s0
     num_tokens, num_heads, _ = q.shape

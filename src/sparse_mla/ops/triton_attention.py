@@ -327,7 +327,7 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
         part_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32, device=device)
     sink = args.sink if args.sink is not None else lse
     if use_gluon:
-        LAST_COMPILED["attention"] = gluon_attention.launch(args, out, lse, part_o, part_lse, sink, splits)
+        LAST_COMPILED["attention"] = gluon_attention.launch(args, q, out, lse, part_o, part_lse, sink, splits)
     else:
         pa, pb, pc, v_has_rope = latent_pieces(dim)
         kernel_args = (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
