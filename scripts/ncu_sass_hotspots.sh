@@ -5,7 +5,7 @@ set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-ncu --kernel-name regex:"${KERNEL:-_fp8_attention|_sparse_mla_kernel}" --launch-skip 2 --launch-count 1 --section SourceCounters \
+ncu --kernel-name regex:"${KERNEL:-_attention_kernel|_sparse_mla_kernel}" --launch-skip 2 --launch-count 1 --section SourceCounters \
     --section WarpStateStats -o /tmp/decode -f \
     python3 benchmarks/bench_decode.py --families c4a --batches 128 --rep 5 --skip-torch --out /tmp/ncu >/dev/null 2>&1
 ncu -i /tmp/decode.ncu-rep --page source --print-source sass --csv > "$OUT/sass.csv" 2>/dev/null

@@ -19,6 +19,7 @@ Gluon's API is experimental: the kernel is used with the Triton versions it was 
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -40,6 +41,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 NUM_WARPS = 8
+HEADS_PER_PROGRAM = 64
+KEYS_PER_BLOCK = 64
 VALIDATED_TRITON = ("3.6.",)  # checked on an H100 against the reference ops (tests/test_triton_attention.py)
 
 
@@ -51,17 +54,22 @@ def enabled() -> bool:
     return choice == "1" or triton.__version__.startswith(VALIDATED_TRITON)
 
 
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
 def supported(args: AttentionArgs) -> bool:
     """Whether this kernel can run ``args``: Hopper, V4 dims, every scope fp8_v4 or every scope bf16."""
     q = args.q
     fmts = {s.fmt.name for s in args.scopes}
-    return (enabled() and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
-            and q.shape[-1] == 512 and fmts in ({"fp8_v4"}, {"bf16"}))
+    return (q.is_cuda and q.shape[-1] == 512 and fmts in ({"fp8_v4"}, {"bf16"}) and enabled()
+            and _is_hopper(q.device))
 
 
 if gluon is not None:
-    H_BLOCK = gl.constexpr(64)  # heads per program
-    BLOCK_N = gl.constexpr(64)  # keys per block
+    H_BLOCK = gl.constexpr(HEADS_PER_PROGRAM)
+    BLOCK_N = gl.constexpr(KEYS_PER_BLOCK)
     NOPE = gl.constexpr(448)  # e4m3 dims of a V4 row; the other 64 are bf16 rope
     DIM = gl.constexpr(512)
     D_OUT = gl.constexpr(D_V)
@@ -300,21 +308,11 @@ if gluon is not None:
                   tok, hb, split, num_tokens, num_heads, HAS_SINK, SPLITS)
 
 
-def launch(args: AttentionArgs, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor,
-           part_lse: torch.Tensor, sink: torch.Tensor, splits: int):
-    """Run the kernel into ``out``/``lse`` (``splits == 1``) or the partial buffers (``splits > 1``).
+def launch(programs: int, kernel_args: tuple, fmt: str, constants: dict):
+    """Run the kernel on ``triton_attention.run``'s argument tuple and shared constants (``BS0``,
+    ``BS1``, ``HAS_EXTRA``, ``HAS_SINK``, ``SPLITS``); ``programs`` = tokens × head blocks.
 
-    q: ``args.q`` with unit stride in its last dim. Returns the compiled kernel (for register reports).
+    Returns the compiled kernel (for register reports).
     """
-    from .triton_attention import _scope_args  # the same argument order as the Triton kernel
-
-    s0 = args.scopes[0]
-    s1 = args.scopes[1] if len(args.scopes) > 1 else s0
-    num_tokens, num_heads, _ = q.shape
-    grid = (num_tokens * triton.cdiv(num_heads, 64), splits)
-    return _attention_kernel[grid](
-        q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
-        *_scope_args(s0), *_scope_args(s1), num_tokens, num_heads, args.scale * 1.4426950408889634,
-        FMT=1 if s0.fmt.name == "fp8_v4" else 0, BS0=s0.cache.shape[1], BS1=s1.cache.shape[1],
-        HAS_EXTRA=len(args.scopes) > 1, HAS_SINK=args.sink is not None, SPLITS=splits, num_warps=NUM_WARPS,
-    )
+    return _attention_kernel[(programs, constants["SPLITS"])](
+        *kernel_args, FMT=1 if fmt == "fp8_v4" else 0, num_warps=NUM_WARPS, **constants)

@@ -313,7 +313,7 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
     dot_dtype = tl.float32 if interpret else tl.bfloat16  # the CPU interpreter computes bf16 dots wrongly
     use_gluon = gluon_attention.supported(args) if gluon is None else bool(gluon)
     if use_gluon:
-        h_block, block_n = 64, 64
+        h_block, block_n = gluon_attention.HEADS_PER_PROGRAM, gluon_attention.KEYS_PER_BLOCK
     h_block = h_block or min(64, max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, h_block)
     block_n = block_n or (16 if interpret else 64)
@@ -326,18 +326,18 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
         part_o = torch.empty(splits, num_tokens, num_heads, D_V, dtype=torch.float32, device=device)
         part_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32, device=device)
     sink = args.sink if args.sink is not None else lse
+    # both kernels take the same arguments; the constants below are common to them too
+    kernel_args = (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
+                   *_scope_args(s0), *_scope_args(s1), num_tokens, num_heads, args.scale * LOG2E)
+    constants = dict(BS0=s0.cache.shape[1], BS1=s1.cache.shape[1], HAS_EXTRA=len(args.scopes) > 1,
+                     HAS_SINK=args.sink is not None, SPLITS=splits)
     if use_gluon:
-        LAST_COMPILED["attention"] = gluon_attention.launch(args, q, out, lse, part_o, part_lse, sink, splits)
+        LAST_COMPILED["attention"] = gluon_attention.launch(num_tokens * head_blocks, kernel_args, s0.fmt.name,
+                                                            constants)
     else:
         pa, pb, pc, v_has_rope = latent_pieces(dim)
-        kernel_args = (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
-                       *_scope_args(s0), *_scope_args(s1), num_tokens, num_heads, args.scale * LOG2E)
-        constants = dict(
-            FMT0=_FMT_CODE[s0.fmt.name], FMT1=_FMT_CODE[s1.fmt.name],
-            BS0=s0.cache.shape[1], BS1=s1.cache.shape[1], HAS_EXTRA=len(args.scopes) > 1,
-            HAS_SINK=args.sink is not None, PA=pa, PB=pb, PC=pc, V_HAS_ROPE=v_has_rope,
-            H_BLOCK=h_block, BLOCK_N=block_n, SPLITS=splits, DOT=dot_dtype,
-        )
+        constants.update(FMT0=_FMT_CODE[s0.fmt.name], FMT1=_FMT_CODE[s1.fmt.name], PA=pa, PB=pb, PC=pc,
+                         V_HAS_ROPE=v_has_rope, H_BLOCK=h_block, BLOCK_N=block_n, DOT=dot_dtype)
         launch = {} if interpret else {"num_warps": num_warps or 8, "num_stages": num_stages or default_stages(args)}
         LAST_COMPILED["attention"] = _launch_attention((num_tokens, head_blocks, splits), kernel_args, constants,
                                                        launch)
