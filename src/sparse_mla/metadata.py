@@ -93,7 +93,7 @@ class StepMetadata:
 
 
 def _use_triton(batch: StepBatch) -> bool:
-    """On a CUDA device the index lists come from the Triton builders (one launch each), else torch."""
+    """On a CUDA device the index lists come from the Triton builders, else torch."""
     return batch.device.type == "cuda" and triton_index is not None
 
 
@@ -159,7 +159,7 @@ def _check_reusable(out: StepMetadata, batch: StepBatch, spec: MetadataSpec) -> 
 
 
 def _window_indices_torch(batch: StepBatch, kind: str, indices: torch.Tensor, lens: torch.Tensor) -> None:
-    """Torch twin of :func:`sparse_mla.ops.triton_index.window_indices`. SWA: slots of positions ``max(0, p-W+1) … p`` (W = the width of ``indices``); c128a: every
+    """Torch twin of the window rows of :func:`sparse_mla.ops.triton_index.step_lists`. SWA: slots of positions ``max(0, p-W+1) … p`` (W = the width of ``indices``); c128a: every
     complete entry ``0 … (p+1)//128 - 1``. Written into ``indices`` / ``lens`` as valid prefixes."""
     pos, width = batch.positions, indices.shape[1]
     valid = pos >= 0
@@ -176,6 +176,33 @@ def _window_indices_torch(batch: StepBatch, kind: str, indices: torch.Tensor, le
     lens.copy_(count)
 
 
+def _c4a_buffers(meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    if meta.c4a_buffer is None:
+        return None
+    return meta.c4a_buffer, meta.c4a_local_buffer, meta.c4a_lens_buffer
+
+
+def _step_lists_triton(batch: StepBatch, out: StepMetadata) -> None:
+    """Fill ``out``'s shared lists (validity, SWA, C128A, emptied C4A buffers) in one launch."""
+    tables, sizes = batch.block_tables, batch.block_sizes
+    swa = triton_index.WindowList(tables["swa"], sizes["swa"], out.swa_indices, out.swa_lens)
+    c128a = None if out.c128a_indices is None else triton_index.WindowList(
+        tables["c128a"], sizes["c128a"], out.c128a_indices, out.c128a_lens)
+    triton_index.step_lists(batch.positions, batch.token_to_req, out.is_valid_token, swa, c128a, _c4a_buffers(out))
+
+
+def _step_lists_torch(batch: StepBatch, out: StepMetadata) -> None:
+    """Torch twin of :func:`_step_lists_triton`."""
+    out.is_valid_token.copy_(batch.positions >= 0)
+    _window_indices_torch(batch, "swa", out.swa_indices, out.swa_lens)
+    if out.c128a_indices is not None:
+        _window_indices_torch(batch, "c128a", out.c128a_indices, out.c128a_lens)
+    c4a = _c4a_buffers(out)
+    if c4a is not None:  # until a layer converts its picks: nothing visible
+        for buf, empty in zip(c4a, (-1, -1, 0)):
+            buf.fill_(empty)
+
+
 def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),
                         out: StepMetadata | None = None) -> StepMetadata:
     """Build the step's metadata; with ``out`` (an earlier step's metadata of the same capacities),
@@ -187,20 +214,7 @@ def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),
     else:
         _check_reusable(out, batch, spec)
     out.batch, out.spec, out._plans = batch, spec, {}
-    out.is_valid_token.copy_(batch.positions >= 0)
-    lists = [("swa", out.swa_indices, out.swa_lens)]
-    if out.c128a_indices is not None:
-        lists.append(("c128a", out.c128a_indices, out.c128a_lens))
-    for kind, indices, lens in lists:
-        if _use_triton(batch):
-            triton_index.window_indices(batch.positions, batch.token_to_req, batch.block_tables[kind],
-                                        batch.block_sizes[kind], COMPRESS_RATIO[kind], indices, lens)
-        else:
-            _window_indices_torch(batch, kind, indices, lens)
-    if out.c4a_buffer is not None:  # until a layer converts its picks: nothing visible
-        out.c4a_buffer.fill_(-1)
-        out.c4a_local_buffer.fill_(-1)
-        out.c4a_lens_buffer.zero_()
+    (_step_lists_triton if _use_triton(batch) else _step_lists_torch)(batch, out)
     return out
 
 

@@ -1,10 +1,12 @@
-"""Triton step-metadata index builders (DESIGN §3), one program per token.
+"""Triton step-metadata index builders (DESIGN §3), one program per token, one launch per call.
 
 Each writes a valid-prefix row of cache slots (valid first, ``-1`` after) and its length, into
 caller-owned buffers, exactly as the torch builders of :mod:`sparse_mla.metadata` do. Padding
 tokens (``positions < 0``) get empty rows.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -20,12 +22,10 @@ def _slots(table_row, entry, valid, BS: tl.constexpr, MAX_BLOCKS):
 
 
 @triton.jit
-def _window_kernel(pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, width,
-                   RATIO: tl.constexpr, BS: tl.constexpr, WIDTH_P2: tl.constexpr):
-    """RATIO 1: the SWA window ``max(0, pos-W+1) … pos``; otherwise every entry complete before pos."""
-    t = tl.program_id(0)
-    pos = tl.load(pos_ptr + t)
-    req = tl.maximum(tl.load(req_ptr + t), 0)
+def _window_row(t, pos, req, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, width,
+                RATIO: tl.constexpr, BS: tl.constexpr, WIDTH_P2: tl.constexpr):
+    """Token ``t``'s row. RATIO 1: the SWA window ``max(0, pos-W+1) … pos``; otherwise every entry
+    complete before pos."""
     j = tl.arange(0, WIDTH_P2)
     if RATIO == 1:
         start = tl.maximum(pos - width + 1, 0)
@@ -39,6 +39,32 @@ def _window_kernel(pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, idx_pt
     slots = _slots(table_ptr + req.to(tl.int64) * table_stride, entry, valid, BS, max_blocks)
     tl.store(idx_ptr + t.to(tl.int64) * idx_stride + j, slots, mask=j < width)
     tl.store(len_ptr + t, count)
+
+
+@triton.jit
+def _step_kernel(pos_ptr, req_ptr, valid_ptr,
+                 swa_table, swa_table_stride, swa_max_blocks, swa_idx, swa_idx_stride, swa_len, swa_width,
+                 c128_table, c128_table_stride, c128_max_blocks, c128_idx, c128_idx_stride, c128_len, c128_width,
+                 c4_idx, c4_idx_stride, c4_local, c4_local_stride, c4_len, topk,
+                 SWA_BS: tl.constexpr, SWA_P2: tl.constexpr, C128_BS: tl.constexpr, C128_P2: tl.constexpr,
+                 TOPK_P2: tl.constexpr, HAS_C128A: tl.constexpr, HAS_C4A: tl.constexpr):
+    """Everything ``build_step_metadata`` writes for token ``t``: validity, SWA row, C128A row, and
+    the C4A buffers emptied until a layer converts its picks."""
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    req = tl.maximum(tl.load(req_ptr + t), 0)
+    tl.store(valid_ptr + t, (pos >= 0).to(tl.int32))
+    _window_row(t, pos, req, swa_table, swa_table_stride, swa_max_blocks, swa_idx, swa_idx_stride, swa_len,
+                swa_width, 1, SWA_BS, SWA_P2)
+    if HAS_C128A:
+        _window_row(t, pos, req, c128_table, c128_table_stride, c128_max_blocks, c128_idx, c128_idx_stride,
+                    c128_len, c128_width, 128, C128_BS, C128_P2)
+    if HAS_C4A:
+        j = tl.arange(0, TOPK_P2)
+        none = tl.full((TOPK_P2,), -1, tl.int32)
+        tl.store(c4_idx + t.to(tl.int64) * c4_idx_stride + j, none, mask=j < topk)
+        tl.store(c4_local + t.to(tl.int64) * c4_local_stride + j, none, mask=j < topk)
+        tl.store(c4_len + t, 0)
 
 
 @triton.jit
@@ -66,14 +92,35 @@ def _picks_kernel(pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, local_p
     tl.store(len_ptr + t, count)
 
 
-def window_indices(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor, block_size: int,
-                   ratio: int, out_indices: torch.Tensor, out_lens: torch.Tensor) -> None:
-    """Fill ``out_indices (T, width)`` / ``out_lens (T,)``: the SWA window (ratio 1) or all complete entries."""
-    num_tokens, width = out_indices.shape
-    if num_tokens:
-        _window_kernel[(num_tokens,)](positions, token_to_req, table, table.stride(0), table.shape[1], out_indices,
-                                      out_indices.stride(0), out_lens, width, RATIO=ratio, BS=block_size,
-                                      WIDTH_P2=triton.next_power_of_2(width))
+class WindowList(NamedTuple):
+    """A window-shaped index list to fill: the kind's block table and block size, and the
+    ``indices (T, width)`` / ``lens (T,)`` buffers."""
+
+    table: torch.Tensor
+    block_size: int
+    indices: torch.Tensor
+    lens: torch.Tensor
+
+
+def step_lists(positions: torch.Tensor, token_to_req: torch.Tensor, out_valid: torch.Tensor, swa: WindowList,
+               c128a: WindowList | None, c4a: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+    """The step's shared index lists in one launch: ``out_valid (T,)`` (position >= 0), the SWA window
+    rows, every complete C128A entry (when ``c128a``), and the C4A buffers ``(indices, local, lens)``
+    reset to empty (when ``c4a``)."""
+    num_tokens = positions.shape[0]
+    if not num_tokens:
+        return
+    lists = [swa, c128a or swa]  # an absent list is never touched (HAS_C128A); swa fills its arguments
+    c4_idx, c4_local, c4_len = c4a if c4a is not None else (swa.indices, swa.indices, swa.lens)
+    topk = c4_idx.shape[1]
+    args = [a for lst in lists for a in (lst.table, lst.table.stride(0), lst.table.shape[1], lst.indices,
+                                        lst.indices.stride(0), lst.lens, lst.indices.shape[1])]
+    _step_kernel[(num_tokens,)](positions, token_to_req, out_valid, *args, c4_idx, c4_idx.stride(0), c4_local,
+                                c4_local.stride(0), c4_len, topk,
+                                SWA_BS=swa.block_size, SWA_P2=triton.next_power_of_2(swa.indices.shape[1]),
+                                C128_BS=lists[1].block_size, C128_P2=triton.next_power_of_2(lists[1].indices.shape[1]),
+                                TOPK_P2=triton.next_power_of_2(topk), HAS_C128A=c128a is not None,
+                                HAS_C4A=c4a is not None)
 
 
 def compressed_picks(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor, block_size: int,
