@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# Where the decode kernel's warps stall, per SASS instruction (Nsight Compute source page):
+# Where an attention kernel's warps stall, per SASS instruction (Nsight Compute source page), and the
+# tensor-pipe / issue summary of the launch:
 #   bash scripts/ncu_sass_hotspots.sh   ->  top instructions and opcodes by stall samples ($OUT/sass.csv)
+# KERNEL: kernel-name regex; NCU_CMD: the command to profile (default: one decode benchmark case).
 set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+NCU_CMD=${NCU_CMD:-python3 benchmarks/bench_decode.py --families c4a --batches 128 --rep 5 --skip-torch --out /tmp/ncu}
 ncu --kernel-name regex:"${KERNEL:-_attention_kernel|_sparse_mla_kernel}" --launch-skip 2 --launch-count 1 --section SourceCounters \
-    --section WarpStateStats -o /tmp/decode -f \
-    python3 benchmarks/bench_decode.py --families c4a --batches 128 --rep 5 --skip-torch --out /tmp/ncu >/dev/null 2>&1
-ncu -i /tmp/decode.ncu-rep --page source --print-source sass --csv > "$OUT/sass.csv" 2>/dev/null
+    --section WarpStateStats --section SpeedOfLight --section ComputeWorkloadAnalysis -o /tmp/profile -f \
+    $NCU_CMD >/dev/null 2>&1
+ncu -i /tmp/profile.ncu-rep --page details --csv 2>/dev/null | python3 -c "
+import csv, sys
+for r in csv.DictReader(sys.stdin):
+    name = r.get('Metric Name') or ''
+    if any(k in name for k in ('Duration', 'Throughput', 'Issue Slots', 'Tensor', 'Warp Cycles Per Issued', 'Executed Ipc')):
+        print(f\"{name[:60]:60s} {r.get('Metric Value', '')} {r.get('Metric Unit', '')}\")
+"
+ncu -i /tmp/profile.ncu-rep --page source --print-source sass --csv > "$OUT/sass.csv" 2>/dev/null
 python3 - "$OUT/sass.csv" <<'PY'
 import csv, sys, collections
 rows = list(csv.DictReader(open(sys.argv[1])))
@@ -33,6 +43,7 @@ print("opcode            stall%   executed")
 for op, v in by_op.most_common(25):
     print(f"{op:16s} {100*v/total:6.1f} {ex_op[op]:12.0f}")
 print("top instructions:")
+addr = next((c for c in cols if c.strip() == "Address"), None)
 for r in sorted(rows, key=lambda r: -val(r, samp))[:45]:
-    print(f"{100*val(r, samp)/total:5.1f}%  {r[src][:90]}")
+    print(f"{100*val(r, samp)/total:5.1f}%  {r.get(addr, '') if addr else ''}  {r[src][:90]}")
 PY

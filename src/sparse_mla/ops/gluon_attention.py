@@ -181,9 +181,13 @@ if gluon is not None:
             part = (split * num_tokens + tok).to(gl.int64) * num_heads
             dst = part_o_ptr + part * D_OUT
             gl.store(part_lse_ptr + part + heads, lse, mask=head_mask)
-        cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, o_layout))
-        vals = acc_f * factor[:, None]
-        gl.store(dst + heads[:, None] * D_OUT + cols[None, :], vals.to(dst.dtype.element_ty), mask=head_mask[:, None])
+        # the wgmma layout gives each thread pairs of outputs; through shared memory (the dead key
+        # buffers) each thread stores 8 consecutive ones instead (coalesced 16-byte stores: -2 to -8 %)
+        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+        vals = gl.convert_layout((acc_f * factor[:, None]).to(dst.dtype.element_ty), store_layout)
+        heads = gl.convert_layout(heads, gl.SliceLayout(1, store_layout))
+        cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, store_layout))
+        gl.store(dst + heads[:, None] * D_OUT + cols[None, :], vals, mask=(heads < num_heads)[:, None])
 
     @gluon.jit
     def _attention_kernel(
