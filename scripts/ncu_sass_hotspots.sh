@@ -18,6 +18,16 @@ for r in csv.DictReader(sys.stdin):
     if any(k in name for k in ('Duration', 'Throughput', 'Issue Slots', 'Tensor', 'Warp Cycles Per Issued', 'Executed Ipc')):
         print(f\"{name[:60]:60s} {r.get('Metric Value', '')} {r.get('Metric Unit', '')}\")
 "
+# stall reasons: warps stalled per issued instruction, by reason (the WarpStateStats breakdown)
+ncu -i /tmp/profile.ncu-rep --page raw --csv 2>/dev/null | python3 -c "
+import csv, sys
+rows = list(csv.reader(sys.stdin))
+if len(rows) > 2:
+    names, values = rows[0], rows[2]
+    stalls = [(float(v.replace(',', '') or 0), n.split('issue_stalled_')[1].split('_per_issue_active')[0])
+              for n, v in zip(names, values) if 'issue_stalled_' in n and n.endswith('per_issue_active.ratio')]
+    print('stall reasons (warps per issued instruction):', ', '.join(f'{r} {v:.2f}' for v, r in sorted(stalls, reverse=True)[:10]))
+"
 ncu -i /tmp/profile.ncu-rep --page source --print-source sass --csv > "$OUT/sass.csv" 2>/dev/null
 python3 - "$OUT/sass.csv" <<'PY'
 import csv, sys, collections

@@ -231,3 +231,44 @@ def test_triton_kernel_where_gluon_is_the_default(fmt, splits):
     scopes = [random_scope(gen, fmt, 512, 40, 128, 8, 64), random_scope(gen, fmt, 512, 40, 640, 64, 64)]
     q = torch.randn(40, 72, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
     check_close(*decode_both(q, scopes, random_sink(gen, 72), splits=splits, gluon=0))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the GPU kernels' dequantisation (the interpreter runs it in float32)")
+@pytest.mark.parametrize("gluon", [None, 0])
+def test_fp8_v4_keys_are_read_exactly_at_any_tile_scale(gluon):
+    """One key per token and no sink: every head's output is the key's dequantised row, bit for bit,
+    for tile magnitudes 2^-20 … 2^60 (e4m3 subnormals and signed zeros included)."""
+    from sparse_mla.ops import triton_attention
+    from sparse_mla.ops.validate import decode_args
+
+    gen = torch.Generator().manual_seed(2026)
+    num_tokens = 256
+    cache = PagedCache(4, 64, "fp8_v4", 512, DEVICE)
+    cache.poison()
+    magnitude = torch.randint(-20, 61, (num_tokens, 8), generator=gen).float().repeat_interleave(64, dim=1)
+    kv = torch.randn(num_tokens, 512, generator=gen) * 2.0 ** magnitude
+    kv[:, ::17] = 0.0
+    kv[:, 5::17] = -0.0
+    slots = torch.randperm(cache.num_slots, generator=gen)[:num_tokens].int().to(DEVICE)
+    cache.write(kv.to(torch.bfloat16).to(DEVICE), slots)
+    q = torch.randn(num_tokens, 64, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.ones(num_tokens, dtype=torch.int32, device=DEVICE)
+    out, _ = triton_attention.run(decode_args(q, cache.data, slots[:, None], lens), gluon=gluon)
+    assert torch.equal(out, cache.read(slots)[:, None, :].expand_as(out))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a race between GPU warps")
+@pytest.mark.parametrize("fmt", ["fp8_v4", "bf16"])
+def test_repeated_calls_give_identical_outputs(fmt):
+    """Split key lists with odd block counts, 128 heads, no sink (the shortest epilogue): twenty calls
+    give the same bits and match the reference. A warpgroup that staged its output in shared memory
+    still being read by the other one's last wgmma would break this."""
+    gen = torch.Generator().manual_seed(404)
+    scopes = [random_scope(gen, fmt, 512, 96, 128, 8, 64, lens_mode="full"),
+              random_scope(gen, fmt, 512, 96, 320, 64, 64, lens_mode="full")]
+    q = torch.randn(96, 128, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    first = decode_both(q, scopes, None, splits=3)
+    check_close(*first)
+    for _ in range(20):
+        out, lse = decode_both(q, scopes, None, splits=3)[0]
+        assert torch.equal(out, first[0][0]) and torch.equal(lse, first[0][1])
