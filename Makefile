@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test verify clean
+.PHONY: demo test clean
 
 $(STAMP): pyproject.toml scripts/setup_venv.sh
 	scripts/setup_venv.sh $(VENV)

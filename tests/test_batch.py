@@ -138,11 +138,14 @@ def table(n):
     ([Request(5, 6, table(1))], r"request 0: query_len 6 must be in \[1, seq_len=5\]"),
     ([Request(5, 0, table(1))], r"query_len 0 must be in"),
     ([Request(70, 5, table(2)), Request(70, 1, table(2))], r"request 1 .* is a decode after a prefill"),
-    ([Request(70, 1, {"swa": [0, 1]})], r"block table for 'c4a' has 0 blocks"),
+    ([Request(70, 1, {"swa": [0, 1]})], r"request 0: block_tables has no 'c4a' table"),
     ([Request(300, 1, table(5))], r"seq_len 300 exceeds max_model_len 256"),
     ([Request(70, 1, {"swa": [0, -1], "c4a": [0], "c128a": [0]})], r"negative block number"),
     ([Request(64, 12, table(1)), Request(64, 12, table(1))], r"24 new tokens, more than max_tokens=16"),
     ([Request(8, 1, table(1))] * 5, r"1 to 4 requests, got 5"),
+    ([Request(10.5, 1, table(1))], r"request 0: seq_len and query_len must be ints"),
+    ([Request(8, 1, {"swa": [0.7], "c4a": [0], "c128a": [0]})], r"block table for 'swa' holds a block number that"),
+    ([Request(8, 1, {"swa": [2**26], "c4a": [0], "c128a": [0]})], r"pass int32"),
     ([], r"1 to 4 requests, got 0"),
 ])
 def test_bad_batches_raise_value_error(requests, match):
@@ -156,3 +159,9 @@ def test_bad_builder_arguments():
         StepBatchBuilder(16, 4, 256, decode_threshold=0)
     with pytest.raises(ValueError, match="kinds must include 'swa'"):
         StepBatchBuilder(16, 4, 256, kinds=("c4a",))
+    with pytest.raises(ValueError, match=r"block_sizes\['swa'\] must be a positive int, got 0"):
+        StepBatchBuilder(16, 4, 256, block_sizes={"swa": 0})
+    with pytest.raises(ValueError, match="block_sizes has a size for 'c4', which is not among kinds"):
+        StepBatchBuilder(16, 4, 256, block_sizes={"c4": 64})
+    with pytest.raises(ValueError, match="kind must be one of"):
+        blocks_needed(100, "c8a")

@@ -4,6 +4,7 @@ Read-back values are checked against the independent fp8 model of tests/dense.py
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -55,7 +56,18 @@ def test_allocator_errors():
         alloc.free([3])  # never handed out
     with pytest.raises(ValueError, match="not allocated"):
         alloc.free([7])  # not a block of this pool
+    with pytest.raises(ValueError, match=f"block {got[1]} is given twice"):
+        alloc.free([got[1], got[1]])
+    for bad in ([0.0], [True]):
+        with pytest.raises(ValueError, match="blocks must be ints"):
+            alloc.free(bad)
+    with pytest.raises(ValueError, match="n must be an int"):
+        alloc.allocate(True)
+    with pytest.raises(ValueError, match="num_blocks must be a positive int"):
+        BlockAllocator(2.5)
     assert alloc.num_free == 3
+    alloc.free([np.int64(got[1])])  # numpy integers are block numbers too
+    assert alloc.num_free == 4
 
 
 @settings(max_examples=30, deadline=None)
@@ -104,6 +116,10 @@ def test_paged_cache_shape_and_properties():
         PagedCache(2, 0, "bf16")
     with pytest.raises(ValueError, match="num_blocks"):
         PagedCache(0, 4, "fp8_v4")
+    assert PagedCache(2, 4, "fp8_v32").data.shape == (2, 4, 656)  # an fp8 format fixes its width
+    for fmt, dim in (("fp8_v4", 576), ("fp8_v32", 512)):
+        with pytest.raises(ValueError, match=f"dim {dim} does not match format {fmt}"):
+            PagedCache(2, 4, fmt, dim=dim)
 
 
 @settings(max_examples=30, deadline=None)

@@ -225,10 +225,22 @@ def i32(*shape):
     (lambda s: SparseMLAAttention("c4a", 2, topk=4, compress_ratio=128), r"compress_ratio 128 does not match kind 'c4a'"),
     (lambda s: SparseMLAAttention("swa", 2, prefill_mode="chunked"), r"prefill_mode must be one of"),
     (lambda s: SparseMLAAttention("swa", 2, sink=torch.zeros(3)), r"sink must have shape \(2,\)"),
+    (lambda s: SparseMLAAttention("swa", 2, sink=torch.tensor([0.0, float("nan")])), r"sink must not be NaN"),
+    (lambda s: SparseMLAAttention("swa", 2, scale=-1.0), r"scale must be a positive finite number"),
+    (lambda s: SparseMLAAttention("swa", 2, backend="cuda"), r"backend must be 'auto' or one of"),
+    (lambda s: SparseMLAAttention("swa", 2, kv_format="fp8"), r"kv_format must be None or one of"),
+    (lambda s: SparseMLAAttention("c4a", 2, topk=2.5), r"topk must be a positive int"),
+    (lambda s: SparseMLAAttention("swa", 8.0), r"num_heads and window must be positive ints"),
 ])
 def test_mismatched_inputs_raise_value_errors_that_name_the_problem(small, make, match):
     with pytest.raises(ValueError, match=match):
         make(small)
+
+
+def test_metadata_of_another_type_is_a_type_error(small):
+    layer = SparseMLAAttention("swa", 2, window=4)
+    with pytest.raises(TypeError, match="meta must be the step's StepMetadata"):
+        layer(torch.zeros(7, 2, 512, dtype=torch.bfloat16), {"a": 1}, small.caches)
 
 
 def test_the_step_api_doc_runs_as_written():

@@ -141,6 +141,16 @@ def test_bad_picks_and_specs_raise_value_error():
         meta.c4a_indices(torch.zeros(2, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match="spec.window and spec.topk must be positive"):
         build_step_metadata(batch, MetadataSpec(window=0, topk=3))
+    with pytest.raises(TypeError, match="spec must be a MetadataSpec, got NoneType"):
+        build_step_metadata(batch, None)
+    with pytest.raises(TypeError, match="out must be a StepMetadata"):
+        build_step_metadata(batch, MetadataSpec(window=4, topk=3), out=5)
+    with pytest.raises(ValueError, match="kind must be a compressed kind of this batch"):
+        convert_compressed_picks(meta, torch.zeros(2, 3, dtype=torch.int32), "swa")
+    with pytest.raises(ValueError, match="kind must be one of this batch's kinds"):
+        batch.new_entries("c8a")
+    with pytest.raises(ValueError, match="head_dim must be 512"):
+        meta.workspace_plan("swa", 1 << 20, head_dim=0)
 
 
 # ----------------------------------------------------------------------------------- workspace plan

@@ -1,4 +1,4 @@
-"""The README's examples run as written."""
+"""The examples of the README and of docs/ run as written."""
 from __future__ import annotations
 
 import pathlib
@@ -6,14 +6,17 @@ import re
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [(doc.name, i, block) for doc in DOCS
+          for i, block in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(), re.S))]
 
 
-def test_readme_has_examples():
-    assert len(BLOCKS) >= 2
+def test_docs_have_examples():
+    assert sum(name == "README.md" for name, _, _ in BLOCKS) >= 2
+    assert sum(name == "step_api.md" for name, _, _ in BLOCKS) >= 2
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs(index):
-    exec(compile(BLOCKS[index], f"README block {index}", "exec"), {})
+@pytest.mark.parametrize("name,index,block", BLOCKS, ids=[f"{n}:{i}" for n, i, _ in BLOCKS])
+def test_doc_example_runs(name, index, block):
+    exec(compile(block, f"{name} block {index}", "exec"), {})

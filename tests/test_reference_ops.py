@@ -208,6 +208,18 @@ def test_zero_tokens_and_zero_width():
     assert (out == 0).all() and torch.isposinf(lse).all()
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_an_empty_cache_reads_as_no_keys(backend):
+    q = torch.ones(3, 2, 512, dtype=torch.bfloat16)
+    none = torch.full((3, 4), -1, dtype=torch.int32)
+    empty = torch.zeros(0, 8, 512, dtype=torch.bfloat16)
+    out, lse = sparse_attention_decode(q, empty, none, backend=backend)
+    assert (out == 0).all() and torch.isposinf(lse).all()
+    out, lse = sparse_attention_prefill(q, empty[:, 0], none, backend=backend)
+    assert (out == 0).all() and torch.isposinf(lse).all()
+    assert (dequantize_and_gather(empty, none, backend=backend) == 0).all()
+
+
 def test_entries_beyond_lens_are_ignored_even_out_of_range():
     gen = torch.Generator().manual_seed(2)
     cache = PagedCache(2, 4, "fp8_v4")
@@ -350,6 +362,9 @@ def test_bad_inputs_raise_value_error_naming_the_argument(kwargs, match):
 
 
 def test_non_tensor_arguments_raise_type_error():
+    for op, first in ((sparse_attention_decode, "q"), (quantize_and_insert, "kv_new"), (dequantize_and_gather, "cache")):
+        with pytest.raises(TypeError, match=f"^{first} must be a torch.Tensor, got NoneType"):
+            op(None, None, None)
     with pytest.raises(TypeError, match="^indices must be a torch.Tensor"):
         call(idx=[[0, 1]])
 

@@ -114,6 +114,40 @@ def test_single_scope_no_sink_and_noncontiguous_q(view):
     check_close(got, ref)
 
 
+@pytest.mark.parametrize("layout", ["strided", "broadcast"])
+def test_strided_indices_lens_and_sink_read_like_contiguous_ones(layout):
+    """Index rows, lens and sink with any strides (views, expands) give the contiguous answer."""
+    gen = torch.Generator().manual_seed(11)
+    cache, idx, lens = random_scope(gen, "bf16", 512, 6, 24, 4, 8)
+    sink = random_sink(gen, 4)
+    if layout == "strided":
+        wide = torch.full((6, 48), -1, dtype=torch.int32, device=DEVICE)
+        wide[:, ::2] = idx
+        idx_view, lens_view = wide[:, ::2], torch.stack([lens, lens], 1)[:, 1]
+        sink_view = torch.stack([sink, sink], 1)[:, 0]
+    else:
+        idx, lens, sink = idx[:1].expand(6, -1), lens[:1].expand(6), sink[:1].expand(4)
+        idx_view, lens_view, sink_view = idx, lens, sink
+    assert not (idx_view.is_contiguous() or lens_view.is_contiguous() or sink_view.is_contiguous())
+    q = torch.randn(6, 4, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    got = sparse_attention_decode(q, cache.data, idx_view, lens_view, sink=sink_view, backend="triton")
+    ref = sparse_attention_decode(q, cache.data, idx.contiguous(), lens.contiguous(), sink=sink.contiguous(),
+                                  backend="reference")
+    check_close(got, ref)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_out_aliasing_an_input_is_rejected(backend):
+    gen = torch.Generator().manual_seed(12)
+    kv = torch.randn(8, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    idx = torch.arange(8, dtype=torch.int32, device=DEVICE).view(4, 2)
+    q = torch.randn(4, 2, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    with pytest.raises(ValueError, match="out overlaps kv"):
+        sparse_attention_prefill(q, kv, idx, backend=backend, out=kv.view(4, 2, 512))
+    with pytest.raises(ValueError, match="out overlaps q"):
+        sparse_attention_prefill(q, kv, idx, backend=backend, out=q)
+
+
 def test_out_of_range_indices_are_never_read(monkeypatch):
     """Outside debug mode an out-of-range slot is treated as -1, so the kernel reads nothing outside the cache."""
     monkeypatch.delenv("SPARSE_MLA_DEBUG", raising=False)

@@ -57,3 +57,21 @@ def test_out_of_range_slots_are_skipped_or_rejected(monkeypatch):
     monkeypatch.setenv("SPARSE_MLA_DEBUG", "1")
     with pytest.raises(ValueError, match="slot_mapping holds 4"):
         quantize_and_insert(kv, cache, torch.tensor([4, 0], dtype=torch.int32, device=DEVICE), backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_insert_with_strided_slot_mapping_and_rows_writes_the_named_slots(backend):
+    gen = torch.Generator().manual_seed(5)
+    kv = hard_values(gen, 4, 1024).to(DEVICE)[:, ::2]  # rows with a stride in the last dim
+    slots = torch.tensor([3, 0, 5, 1, 7, 2, 9, 4], dtype=torch.int32, device=DEVICE)[::2]  # 3, 5, 7, 9
+    a = allocate_cache("fp8_v4", 3, 4, DEVICE)
+    b = allocate_cache("fp8_v4", 3, 4, DEVICE)
+    quantize_and_insert(kv, a, slots, backend=backend)
+    quantize_and_insert(kv.contiguous(), b, slots.contiguous(), backend="reference")
+    assert torch.equal(storage(a), storage(b))
+
+
+def test_insert_into_memory_it_reads_is_rejected():
+    cache = allocate_cache("bf16", 2, 4, DEVICE)
+    with pytest.raises(ValueError, match="cache overlaps kv_new"):
+        quantize_and_insert(cache.view(-1, 512)[:2], cache, torch.tensor([4, 5], dtype=torch.int32, device=DEVICE))

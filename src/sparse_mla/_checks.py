@@ -34,7 +34,8 @@ def check_tensor(
     if shape is not None:
         for axis, (want, got) in enumerate(zip(shape, t.shape)):
             if want is not None and want != got:
-                expected = tuple("*" if s is None else s for s in shape)
+                dims = ["*" if s is None else str(s) for s in shape]
+                expected = f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
                 raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)} (axis {axis})")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
@@ -53,3 +54,30 @@ def check_index_range(name: str, idx: torch.Tensor, upper: int, valid: torch.Ten
 def check_finite(name: str, t: torch.Tensor) -> None:
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name} must be finite (no NaN or inf)")
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` a tensor's elements can touch in its storage."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def check_no_overlap(name: str, t: torch.Tensor, inputs: dict[str, torch.Tensor]) -> None:
+    """Check the output ``t`` shares no memory with any of ``inputs`` (a kernel would read what it wrote)."""
+    storage = t.untyped_storage().data_ptr()
+    for other_name, other in inputs.items():
+        # tensors of different storages cannot overlap; this test keeps the check to ~1 us per call
+        if other is None or other.untyped_storage().data_ptr() != storage or other.device != t.device:
+            continue
+        (start, end), (o_start, o_end) = _byte_span(t), _byte_span(other)
+        if start < o_end and o_start < end:
+            raise ValueError(f"{name} overlaps {other_name} in memory: the output must not alias an input")
+
+
+def check_scale(scale: object) -> float:
+    """A softmax scale: a positive finite Python number (not a bool, not a tensor)."""
+    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return float(scale)

@@ -94,6 +94,8 @@ class StepBatch:
         ``kind``; for ``"swa"`` these are the new tokens themselves). Returns ``(req, entry, slot)``,
         three ``(n,)`` int32 tensors ordered by request then entry.
         """
+        if kind not in self.block_tables:
+            raise ValueError(f"kind must be one of this batch's kinds {tuple(self.block_tables)}, got {kind!r}")
         ratio = COMPRESS_RATIO[kind]
         first = (self.seq_lens - self.query_lens) // ratio
         count = self.seq_lens // ratio - first
@@ -107,13 +109,18 @@ class StepBatch:
 
 def entries_needed(seq_len: int, kind: str) -> int:
     """Cache entries a request of ``seq_len`` tokens occupies in the cache of ``kind``."""
+    if kind not in COMPRESS_RATIO:
+        raise ValueError(f"kind must be one of {tuple(COMPRESS_RATIO)}, got {kind!r}")
     return seq_len if kind == "swa" else seq_len // COMPRESS_RATIO[kind]
 
 
 def blocks_needed(seq_len: int, kind: str, block_size: int | None = None) -> int:
     """Blocks of the ``kind`` cache a request of ``seq_len`` tokens needs (its block table's minimum length)."""
-    bs = block_size or DEFAULT_BLOCK_SIZE[kind]
-    return math.ceil(entries_needed(seq_len, kind) / bs)
+    entries = entries_needed(seq_len, kind)
+    bs = DEFAULT_BLOCK_SIZE[kind] if block_size is None else block_size
+    if bs < 1:
+        raise ValueError(f"block_size must be positive, got {bs}")
+    return math.ceil(entries / bs)
 
 
 class StepBatchBuilder:
@@ -134,6 +141,11 @@ class StepBatchBuilder:
                              f"{max_tokens}, {max_reqs}, {max_model_len}")
         if "swa" not in kinds or any(k not in LAYER_KINDS for k in kinds):
             raise ValueError(f"kinds must include 'swa' and be among {LAYER_KINDS}, got {tuple(kinds)}")
+        for kind, size in (block_sizes or {}).items():
+            if kind not in kinds:
+                raise ValueError(f"block_sizes has a size for {kind!r}, which is not among kinds {tuple(kinds)}")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"block_sizes[{kind!r}] must be a positive int, got {size!r}")
         self.max_tokens, self.max_reqs, self.max_model_len = max_tokens, max_reqs, max_model_len
         self.kinds = tuple(kinds)
         self.block_sizes = {k: (block_sizes or {}).get(k, DEFAULT_BLOCK_SIZE[k]) for k in self.kinds}
@@ -154,6 +166,9 @@ class StepBatchBuilder:
             raise ValueError(f"requests must hold 1 to {self.max_reqs} requests, got {len(requests)}")
         num_decodes, seen_prefill = 0, False
         for r, req in enumerate(requests):
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (req.seq_len, req.query_len)):
+                raise ValueError(f"request {r}: seq_len and query_len must be ints, got {req.seq_len!r}, "
+                                 f"{req.query_len!r}")
             if not 1 <= req.query_len <= req.seq_len:
                 raise ValueError(f"request {r}: query_len {req.query_len} must be in [1, seq_len={req.seq_len}]")
             if req.seq_len > self.max_model_len:
@@ -167,14 +182,20 @@ class StepBatchBuilder:
             for kind in self.kinds:
                 table = req.block_tables.get(kind)
                 need = blocks_needed(req.seq_len, kind, self.block_sizes[kind])
-                if table is None or len(table) < need:
-                    raise ValueError(f"request {r}: block table for {kind!r} has {0 if table is None else len(table)} "
+                if table is None:
+                    raise ValueError(f"request {r}: block_tables has no {kind!r} table (keys: {sorted(req.block_tables)}); "
+                                     f"every kind in {self.kinds} needs one, empty while seq_len needs no block")
+                if len(table) < need:
+                    raise ValueError(f"request {r}: block table for {kind!r} has {len(table)} "
                                      f"blocks, seq_len {req.seq_len} needs {need}")
                 if len(table) > self._tables[kind].shape[1]:
                     raise ValueError(f"request {r}: block table for {kind!r} has {len(table)} blocks, more than "
                                      f"max_model_len {self.max_model_len} needs ({self._tables[kind].shape[1]})")
                 if any(int(b) < 0 for b in table[:need]):
                     raise ValueError(f"request {r}: block table for {kind!r} holds a negative block number")
+                if any(int(b) != b or (int(b) + 1) * self.block_sizes[kind] > 2**31 for b in table[:need]):
+                    raise ValueError(f"request {r}: block table for {kind!r} holds a block number that is not an "
+                                     f"int or whose slots (block * {self.block_sizes[kind]} + offset) pass int32")
         total = sum(req.query_len for req in requests)
         if total > self.max_tokens:
             raise ValueError(f"requests hold {total} new tokens, more than max_tokens={self.max_tokens}")

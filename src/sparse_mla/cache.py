@@ -1,6 +1,8 @@
 """Paged KV cache pools: one buffer of blocks in one format, a block allocator, insertion by slot."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .formats import KVFormat, allocate_cache, get_format
@@ -11,12 +13,16 @@ class CacheFullError(RuntimeError):
     """Raised when a pool has fewer free blocks than requested."""
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 class BlockAllocator:
     """Hands out physical block numbers ``0 … num_blocks-1``; never gives one block out twice."""
 
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if not _is_int(num_blocks) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
         self._used: set[int] = set()
@@ -27,8 +33,8 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """``n`` free blocks, lowest numbers first; :class:`CacheFullError` if fewer are free."""
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
+        if not _is_int(n) or n < 0:
+            raise ValueError(f"n must be an int >= 0, got {n!r}")
         if n > len(self._free):
             raise CacheFullError(f"asked for {n} blocks, only {len(self._free)} of {self.num_blocks} free")
         got = [self._free.pop() for _ in range(n)]
@@ -38,9 +44,14 @@ class BlockAllocator:
     def free(self, blocks: list[int]) -> None:
         """Return blocks to the pool; freeing a block that is not allocated (or twice) is an error,
         and then no block of the call is freed."""
-        if len(set(blocks)) != len(blocks) or any(b not in self._used for b in blocks):
-            bad = next(b for i, b in enumerate(blocks) if b not in self._used or b in blocks[:i])
-            raise ValueError(f"block {bad} is not allocated")
+        blocks = list(blocks)
+        if not all(_is_int(b) for b in blocks):
+            raise ValueError(f"blocks must be ints, got {blocks!r}")
+        for i, b in enumerate(blocks):
+            if b in blocks[:i]:
+                raise ValueError(f"block {b} is given twice")
+            if b not in self._used:
+                raise ValueError(f"block {b} is not allocated")
         for b in blocks:
             self._used.remove(b)
             self._free.append(b)
@@ -53,7 +64,7 @@ class PagedCache:
     ``data`` is the cache tensor the ops take: ``(num_blocks, block_size, token_bytes)``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, fmt: str | KVFormat = "fp8_v4", dim: int = 512,
+    def __init__(self, num_blocks: int, block_size: int, fmt: str | KVFormat = "fp8_v4", dim: int | None = None,
                  device: torch.device | str = "cpu") -> None:
         self.fmt = get_format(fmt, dim)
         self.block_size = block_size

@@ -59,27 +59,33 @@ V4_SCALE_BYTES = 8  # fp8_v4: 7 ue8m0 scales + 1 pad byte per token, after all t
 FORMAT_NAMES = ("bf16", "fp8_v4", "fp8_v32")
 
 
-def get_format(fmt: str | KVFormat, dim: int = 512) -> KVFormat:
-    """The :class:`KVFormat` named ``fmt``; ``dim`` picks the width of ``bf16`` (512 or 576)."""
+def get_format(fmt: str | KVFormat, dim: int | None = None) -> KVFormat:
+    """The :class:`KVFormat` named ``fmt``. ``dim`` picks the width of ``bf16`` (512, the default,
+    or 576); for the fp8 formats, whose width is fixed, a given ``dim`` must match it."""
     if isinstance(fmt, KVFormat):
-        return fmt
-    if fmt == "fp8_v4":
-        return FP8_V4
-    if fmt == "fp8_v32":
-        return FP8_V32
-    if fmt == "bf16":
+        f = fmt
+    elif fmt == "fp8_v4":
+        f = FP8_V4
+    elif fmt == "fp8_v32":
+        f = FP8_V32
+    elif fmt == "bf16":
+        dim = 512 if dim is None else dim
         if dim not in (512, 576):
             raise ValueError(f"dim must be 512 (V4) or 576 (V3.2) for bf16, got {dim}")
         return KVFormat("bf16", dim=dim, token_bytes=2 * dim, nope_dim=0, rope_dim=dim, tile=0)
-    raise ValueError(f"fmt must be one of {FORMAT_NAMES}, got {fmt!r}")
+    else:
+        raise ValueError(f"fmt must be one of {FORMAT_NAMES}, got {fmt!r}")
+    if dim is not None and dim != f.dim:
+        raise ValueError(f"dim {dim} does not match format {f.name}, whose tokens have {f.dim} dims")
+    return f
 
 
-def bytes_per_token(fmt: str | KVFormat, dim: int = 512) -> int:
+def bytes_per_token(fmt: str | KVFormat, dim: int | None = None) -> int:
     """Bytes one token takes in the cache's last axis (584 for fp8_v4, 656 for fp8_v32, 2·d for bf16)."""
     return get_format(fmt, dim).token_bytes
 
 
-def block_bytes(fmt: str | KVFormat, block_size: int, dim: int = 512) -> int:
+def block_bytes(fmt: str | KVFormat, block_size: int, dim: int | None = None) -> int:
     """Bytes of one cache block, i.e. the cache tensor's ``stride(0)`` in bytes.
 
     fp8_v4 pads each block up to a multiple of 576 bytes, as FlashMLA does.
@@ -134,7 +140,8 @@ def resolve_cache(cache: torch.Tensor, fmt: str | KVFormat | None = None,
                   name: str = "cache") -> tuple[torch.Tensor, KVFormat]:
     """Infer a cache's format, check it against ``fmt`` when given, and validate its layout."""
     found = infer_format(cache, name)
-    if fmt is not None and get_format(fmt, found.dim) != found:
+    bf16_dim = found.dim if found.name == "bf16" and fmt == "bf16" else None  # a bf16 name takes the cache's width
+    if fmt is not None and get_format(fmt, bf16_dim) != found:
         want = fmt.name if isinstance(fmt, KVFormat) else fmt
         raise ValueError(f"{name} holds {found.name} data ({cache.dtype}, last axis {cache.shape[-1]}) but fmt is {want!r}"
                          + (f" (dim {fmt.dim})" if isinstance(fmt, KVFormat) else ""))
@@ -222,7 +229,7 @@ def read_tokens(cache: torch.Tensor, fmt: KVFormat, blocks: torch.Tensor, offset
 
 
 def allocate_cache(fmt: str | KVFormat, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
-                   dim: int = 512) -> torch.Tensor:
+                   dim: int | None = None) -> torch.Tensor:
     """A zeroed paged cache ``(num_blocks, block_size, token_bytes)``, a view of one contiguous buffer."""
     f = get_format(fmt, dim)
     if num_blocks <= 0:
@@ -249,7 +256,7 @@ def quantize_blocks(kv: torch.Tensor, fmt: str | KVFormat) -> torch.Tensor:
     whose ``stride(0)`` is :func:`block_bytes`: byte-identical to FlashMLA's / vLLM's caches.
     """
     check_tensor("kv", kv, dtype=torch.bfloat16, ndim=3)
-    f = get_format(fmt, kv.shape[-1])
+    f = get_format(fmt, kv.shape[-1] if fmt == "bf16" else None)
     check_tensor("kv", kv, shape=(None, None, f.dim))
     check_finite("kv", kv)
     nb, bs, _ = kv.shape

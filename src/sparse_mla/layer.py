@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_tensor
+from ._checks import check_scale, check_tensor
 from .cache import PagedCache
 from .config import COMPRESS_RATIO, LAYER_KINDS
-from .formats import infer_format
+from .formats import FORMAT_NAMES, infer_format
 from .metadata import StepMetadata, convert_compressed_picks, workspace_indices
-from .ops import dequantize_and_gather, sparse_attention_decode, sparse_attention_prefill
+from .ops import BACKENDS, dequantize_and_gather, sparse_attention_decode, sparse_attention_prefill
 from .ops.validate import D_V
 
 PREFILL_MODES = ("paged", "workspace")
@@ -57,18 +57,26 @@ class SparseMLAAttention(torch.nn.Module):
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         if kind == "c4a" and not topk:
             raise ValueError("topk (the indexer width) is required for a c4a layer")
-        if num_heads < 1 or window < 1:
-            raise ValueError(f"num_heads and window must be positive, got {num_heads}, {window}")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (num_heads, window)):
+            raise ValueError(f"num_heads and window must be positive ints, got {num_heads!r}, {window!r}")
         if head_dim not in (512, 576):
             raise ValueError(f"head_dim must be 512 (V4) or 576 (V3.2), got {head_dim}")
         if workspace_bytes < 2 * head_dim:
             raise ValueError(f"workspace_bytes must hold at least one {head_dim}-d bf16 row, got {workspace_bytes}")
+        if kind == "c4a" and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+            raise ValueError(f"topk must be a positive int, got {topk!r}")
         if sink is not None:
             check_tensor("sink", sink, dtype=torch.float32, shape=(num_heads,))
+            if bool(torch.isnan(sink).any()):  # checked once here, not on every step
+                raise ValueError("sink must not be NaN (-inf means no sink, +inf zeroes the head)")
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+        if kv_format is not None and kv_format not in FORMAT_NAMES:
+            raise ValueError(f"kv_format must be None or one of {FORMAT_NAMES}, got {kv_format!r}")
         self.kind, self.num_heads, self.head_dim, self.window = kind, num_heads, head_dim, window
         self.topk = topk if kind == "c4a" else None
         self.compress_ratio = COMPRESS_RATIO[kind]
-        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.scale = check_scale(head_dim ** -0.5 if scale is None else scale)
         self.register_buffer("sink", sink)
         self.backend, self.prefill_mode, self.workspace_bytes = backend, prefill_mode, workspace_bytes
         self.kv_format = kv_format
@@ -98,6 +106,8 @@ class SparseMLAAttention(torch.nn.Module):
             if self.prefill_mode == "workspace":
                 self._workspace_buffer(q.device)
             return out.zero_()
+        if not isinstance(meta, StepMetadata):
+            raise TypeError(f"meta must be the step's StepMetadata (or None), got {type(meta).__name__}")
         batch = meta.batch
         if q.shape[0] != batch.token_capacity:
             raise ValueError(f"q has {q.shape[0]} tokens, the step's token capacity is {batch.token_capacity}")
@@ -177,8 +187,8 @@ class SparseMLAAttention(torch.nn.Module):
             ws = ws_all[: chunk.num_rows]
             n_c = chunk.compressed_slots.shape[0]
             if n_c:
-                ws[:n_c] = dequantize_and_gather(data[self.kind], chunk.compressed_slots)
-            ws[n_c:] = dequantize_and_gather(data["swa"], chunk.swa_slots)
+                ws[:n_c] = dequantize_and_gather(data[self.kind], chunk.compressed_slots, backend=self.backend)
+            ws[n_c:] = dequantize_and_gather(data["swa"], chunk.swa_slots, backend=self.backend)
             idx, lens = workspace_indices(meta, chunk, local)
             sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, self.sink, self.scale, backend=self.backend,
                                      out=out[chunk.tokens])

@@ -109,6 +109,8 @@ def convert_compressed_picks(meta: StepMetadata, local: torch.Tensor, kind: str 
     Written into the step's c4a buffers, which the returned tensors are views of.
     """
     batch = meta.batch
+    if kind == "swa" or kind not in batch.block_tables:
+        raise ValueError(f"kind must be a compressed kind of this batch {tuple(batch.block_tables)}, got {kind!r}")
     if meta.c4a_buffer is None:
         raise ValueError("the step's metadata was built from a batch without a 'c4a' block table")
     check_tensor("topk_indices", local, dtype=torch.int32, shape=(batch.token_capacity, meta.spec.topk),
@@ -207,6 +209,11 @@ def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),
                         out: StepMetadata | None = None) -> StepMetadata:
     """Build the step's metadata; with ``out`` (an earlier step's metadata of the same capacities),
     refill its buffers in place and return it."""
+    for name, value, cls in (("batch", batch, StepBatch), ("spec", spec, MetadataSpec)):
+        if not isinstance(value, cls):
+            raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+    if out is not None and not isinstance(out, StepMetadata):
+        raise TypeError(f"out must be a StepMetadata (an earlier step's) or None, got {type(out).__name__}")
     if spec.window < 1 or spec.topk < 1:
         raise ValueError(f"spec.window and spec.topk must be positive, got {spec}")
     if out is None:
@@ -267,6 +274,8 @@ def plan_prefill_workspace(meta: StepMetadata, kind: str, budget_bytes: int,
     """
     if kind not in COMPRESS_RATIO:
         raise ValueError(f"kind must be one of {tuple(COMPRESS_RATIO)}, got {kind!r}")
+    if head_dim not in (512, 576):
+        raise ValueError(f"head_dim must be 512 (V4) or 576 (V3.2), got {head_dim!r}")
     batch, window = meta.batch, meta.spec.window
     ratio = COMPRESS_RATIO[kind]
     budget = budget_bytes // (2 * head_dim)

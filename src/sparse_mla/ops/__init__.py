@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from .._checks import check_tensor
 from . import reference
 from .validate import debug_checks_enabled, decode_args, gather_args, insert_args, prefill_args
 
@@ -20,7 +21,9 @@ except ImportError:  # no Triton on this platform: the reference backend still w
 BACKENDS = ("reference", "triton")
 
 
-def _backend(name: str, device: torch.device) -> str:
+def _backend(name: str, first: torch.Tensor, first_name: str) -> str:
+    """The backend to run: ``name`` resolved for the device of the op's first tensor argument."""
+    device = check_tensor(first_name, first).device
     if name == "auto":
         return "triton" if device.type == "cuda" and triton_attention is not None else "reference"
     if name not in BACKENDS:
@@ -53,11 +56,15 @@ def sparse_attention_decode(
     indices / extra_indices: ``(T, width)`` int32 slots, ``-1`` invalid; token ``t`` attends to the
     first ``lens[t]`` entries of each (``lens``: ``(T,)`` int32, default the full width).
     sink: ``(H,)`` float32 logits joining the softmax denominator only. scale defaults to d**-0.5.
+    fmt: the caches' format name (``"fp8_v4"``, ``"bf16"``, ``"fp8_v32"``), optional: the format is
+    inferred from each cache's dtype and last axis, and a given ``fmt`` is checked against it. backend: ``"auto"`` (the Triton
+    kernels on a CUDA device, else the reference), ``"reference"`` (plain PyTorch) or ``"triton"``
+    (on the CPU only under ``TRITON_INTERPRET=1``).
     Returns out ``(T, H, 512)`` bf16 (written into ``out`` when given: contiguous, that shape) and
     lse ``(T, H)`` float32 (natural log over real keys, ``+inf`` for a row with no valid key, whose
     output is 0).
     """
-    if _backend(backend, q.device) == "reference":
+    if _backend(backend, q, "q") == "reference":
         return reference.run(decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink,
                                          scale, fmt, out=out))
     args = decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, scale, fmt,
@@ -79,7 +86,7 @@ def sparse_attention_prefill(
 
     Same semantics and returns as :func:`sparse_attention_decode`.
     """
-    if _backend(backend, q.device) == "reference":
+    if _backend(backend, q, "q") == "reference":
         return reference.run(prefill_args(q, kv, indices, lens, sink, scale, out=out))
     return triton_attention.run(prefill_args(q, kv, indices, lens, sink, scale, check_ranges=debug_checks_enabled(),
                                              out=out))
@@ -92,17 +99,17 @@ def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, slot_mapping:
     The reference checks slot ranges and finiteness (``ValueError``); the Triton kernel does so under
     ``SPARSE_MLA_DEBUG=1`` and otherwise skips out-of-range slots.
     """
-    if _backend(backend, kv_new.device) == "reference":
-        reference.quantize_and_insert(kv_new, *insert_args(kv_new, cache, slot_mapping, fmt), slot_mapping)
+    if _backend(backend, kv_new, "kv_new") == "reference":
+        reference.quantize_and_insert(*insert_args(kv_new, cache, slot_mapping, fmt))
     else:
-        triton_cache.quantize_and_insert(
-            kv_new, *insert_args(kv_new, cache, slot_mapping, fmt, check_values=debug_checks_enabled()), slot_mapping)
+        triton_cache.quantize_and_insert(*insert_args(kv_new, cache, slot_mapping, fmt,
+                                                      check_values=debug_checks_enabled()))
 
 
 def dequantize_and_gather(cache: torch.Tensor, slots: torch.Tensor, fmt: str | None = None,
                           backend: str = "auto") -> torch.Tensor:
     """Dequantised tokens at ``slots`` (any shape; ``-1`` reads as zeros): ``slots.shape + (d,)`` bf16."""
-    if _backend(backend, cache.device) == "reference":
+    if _backend(backend, cache, "cache") == "reference":
         return reference.dequantize_and_gather(*gather_args(cache, slots, fmt), slots)
     return triton_cache.dequantize_and_gather(*gather_args(cache, slots, fmt, debug_checks_enabled()), slots)
 

@@ -20,6 +20,8 @@ def gather_scope(scope: Scope, tokens: slice) -> tuple[torch.Tensor, torch.Tenso
     bs = scope.cache.shape[1]
     within = torch.arange(width, device=idx.device)[None, :] < scope.lens[tokens, None]
     valid = within & (idx >= 0) & (idx < scope.num_slots)
+    if scope.num_slots == 0:  # an empty cache: nothing to read, every entry invalid
+        return torch.zeros(n, width, scope.fmt.dim, device=idx.device), valid
     safe = torch.where(valid, idx, 0).reshape(-1)
     keys = read_tokens(scope.cache, scope.fmt, safe // bs, safe % bs).view(n, width, scope.fmt.dim)
     keys = torch.where(valid[..., None], keys, 0.0)  # unused slots may hold NaN: never let them in
@@ -81,6 +83,8 @@ def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, fmt: KVFormat
 def dequantize_and_gather(cache: torch.Tensor, fmt: KVFormat, slots: torch.Tensor) -> torch.Tensor:
     """Tokens at ``slots`` (any shape, ``-1`` -> zeros) of a validated cache: ``slots.shape + (d,)`` bf16."""
     flat = slots.reshape(-1)
+    if cache.shape[0] * cache.shape[1] == 0:  # an empty cache: every slot reads as zeros
+        return torch.zeros(*slots.shape, fmt.dim, dtype=torch.bfloat16, device=cache.device)
     blocks, offsets = split_slots(cache, flat.clamp_min(0))
     rows = torch.where((flat >= 0)[:, None], read_tokens(cache, fmt, blocks, offsets), 0.0)
     return rows.to(torch.bfloat16).view(*slots.shape, fmt.dim)

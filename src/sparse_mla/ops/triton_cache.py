@@ -125,8 +125,6 @@ def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, fmt, slot_map
     n = kv_new.shape[0]
     if n == 0:
         return
-    if kv_new.stride(-1) != 1:
-        kv_new = kv_new.contiguous()
     stride0 = cache.stride(0)
     _insert_kernel[(n,)](kv_new, kv_new.stride(0), slot_mapping, cache, stride0, cache.shape[0] * cache.shape[1],
                          FMT=_FMT_CODE[fmt.name], BS=cache.shape[1], DIM=fmt.dim,

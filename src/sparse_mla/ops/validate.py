@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_finite, check_index_range, check_tensor
+from .._checks import check_finite, check_index_range, check_no_overlap, check_scale, check_tensor
 from ..formats import KVFormat, resolve_cache
 
 D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part of 576)
@@ -64,6 +64,10 @@ def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Ten
     if lens is None:
         lens = torch.full((num_tokens,), width, dtype=torch.int32, device=q.device)
     check_tensor(f"{prefix}lens", lens, dtype=torch.int32, shape=(num_tokens,), device=q.device)
+    # the kernels read lens and each index row at unit stride
+    lens = lens.contiguous()
+    if indices.stride(1) != 1:
+        indices = indices.contiguous()
     if check_ranges:
         if num_tokens and bool(((lens < 0) | (lens > width)).any()):
             raise ValueError(f"{prefix}lens must lie in [0, {width}] (the width of {prefix}indices)")
@@ -78,11 +82,8 @@ def _sink_and_scale(q: torch.Tensor, sink: torch.Tensor | None, scale: float | N
         check_tensor("sink", sink, dtype=torch.float32, shape=(q.shape[1],), device=q.device)
         if check_values and bool(torch.isnan(sink).any()):  # a value check syncs: reference / debug mode only
             raise ValueError("sink must not be NaN (-inf means no sink, +inf zeroes the head)")
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    return sink, float(scale)
+        sink = sink.contiguous()
+    return sink, check_scale(q.shape[-1] ** -0.5 if scale is None else scale)
 
 
 def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=None, extra_lens=None,
@@ -103,6 +104,10 @@ def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=No
         check_tensor("out", out, dtype=torch.bfloat16, shape=(q.shape[0], q.shape[1], D_V), device=q.device)
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
+        inputs = {"q": q, "sink": sink}
+        for scope, prefix in zip(scopes, ("", "extra_")):
+            inputs.update({f"{prefix}cache": scope.cache, f"{prefix}indices": scope.indices, f"{prefix}lens": scope.lens})
+        check_no_overlap("out", out, inputs)
     return AttentionArgs(q, tuple(scopes), sink, scale, out)
 
 
@@ -114,12 +119,16 @@ def prefill_args(q, kv, indices, lens=None, sink=None, scale=None, check_ranges:
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, q.shape[-1]), device=q.device)
     if kv.stride(-1) != 1:
         raise ValueError("kv must have contiguous rows (stride(-1) == 1)")
+    if out is not None:
+        check_no_overlap("out", check_tensor("out", out), {"kv": kv})
     return decode_args(q, kv.unsqueeze(1), indices, lens, sink=sink, scale=scale, check_ranges=check_ranges,
                        out=out)
 
 
-def insert_args(kv_new, cache, slot_mapping, fmt=None, check_values: bool = True) -> tuple[torch.Tensor, KVFormat]:
-    """Check ``quantize_and_insert``'s arguments; returns the paged cache view and its format.
+def insert_args(kv_new, cache, slot_mapping, fmt=None,
+                check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor, KVFormat, torch.Tensor]:
+    """Check ``quantize_and_insert``'s arguments; returns ``kv_new`` with unit-stride rows, the paged
+    cache view, its format and ``slot_mapping`` contiguous (the kernel reads both at unit stride).
 
     With ``check_values`` (the reference, or ``SPARSE_MLA_DEBUG=1``) also slot ranges and finiteness.
     """
@@ -127,10 +136,13 @@ def insert_args(kv_new, cache, slot_mapping, fmt=None, check_values: bool = True
     check_tensor("kv_new", kv_new, dtype=torch.bfloat16, shape=(None, f.dim), device=cache.device)
     check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(kv_new.shape[0],),
                  device=cache.device)
+    check_no_overlap("cache", cache, {"kv_new": kv_new, "slot_mapping": slot_mapping})
     if check_values:
         check_index_range("slot_mapping", slot_mapping, cache.shape[0] * cache.shape[1])
         check_finite("kv_new", kv_new[slot_mapping >= 0])
-    return cache, f
+    if kv_new.stride(1) != 1:
+        kv_new = kv_new.contiguous()
+    return kv_new, cache, f, slot_mapping.contiguous()
 
 
 def gather_args(cache, slots, fmt=None, check_ranges: bool = True) -> tuple[torch.Tensor, KVFormat]:
