@@ -5,9 +5,15 @@ expected, so a bad call never reaches a kernel.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
+
+
+def is_int(v: object) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def check_tensor(
@@ -74,6 +80,14 @@ def check_no_overlap(name: str, t: torch.Tensor, inputs: dict[str, torch.Tensor]
         (start, end), (o_start, o_end) = _byte_span(t), _byte_span(other)
         if start < o_end and o_start < end:
             raise ValueError(f"{name} overlaps {other_name} in memory: the output must not alias an input")
+
+
+def check_sink(sink: object, num_heads: int, device: torch.device | None = None, values: bool = True) -> torch.Tensor:
+    """An attention sink ``(num_heads,)`` float32; with ``values`` (it syncs) also no NaN."""
+    check_tensor("sink", sink, dtype=torch.float32, shape=(num_heads,), device=device)
+    if values and bool(torch.isnan(sink).any()):
+        raise ValueError("sink must not be NaN (-inf means no sink, +inf zeroes the head)")
+    return sink
 
 
 def check_scale(scale: object) -> float:

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from ._checks import is_int
 from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, LAYER_KINDS
 
 
@@ -144,7 +145,7 @@ class StepBatchBuilder:
         for kind, size in (block_sizes or {}).items():
             if kind not in kinds:
                 raise ValueError(f"block_sizes has a size for {kind!r}, which is not among kinds {tuple(kinds)}")
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            if not is_int(size) or size < 1:
                 raise ValueError(f"block_sizes[{kind!r}] must be a positive int, got {size!r}")
         self.max_tokens, self.max_reqs, self.max_model_len = max_tokens, max_reqs, max_model_len
         self.kinds = tuple(kinds)
@@ -166,7 +167,7 @@ class StepBatchBuilder:
             raise ValueError(f"requests must hold 1 to {self.max_reqs} requests, got {len(requests)}")
         num_decodes, seen_prefill = 0, False
         for r, req in enumerate(requests):
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (req.seq_len, req.query_len)):
+            if not (is_int(req.seq_len) and is_int(req.query_len)):
                 raise ValueError(f"request {r}: seq_len and query_len must be ints, got {req.seq_len!r}, "
                                  f"{req.query_len!r}")
             if not 1 <= req.query_len <= req.seq_len:
@@ -191,11 +192,12 @@ class StepBatchBuilder:
                 if len(table) > self._tables[kind].shape[1]:
                     raise ValueError(f"request {r}: block table for {kind!r} has {len(table)} blocks, more than "
                                      f"max_model_len {self.max_model_len} needs ({self._tables[kind].shape[1]})")
-                if any(int(b) < 0 for b in table[:need]):
-                    raise ValueError(f"request {r}: block table for {kind!r} holds a negative block number")
-                if any(int(b) != b or (int(b) + 1) * self.block_sizes[kind] > 2**31 for b in table[:need]):
-                    raise ValueError(f"request {r}: block table for {kind!r} holds a block number that is not an "
-                                     f"int or whose slots (block * {self.block_sizes[kind]} + offset) pass int32")
+                for b in table[:need]:
+                    if int(b) < 0:
+                        raise ValueError(f"request {r}: block table for {kind!r} holds a negative block number")
+                    if int(b) != b or (int(b) + 1) * self.block_sizes[kind] > 2**31:
+                        raise ValueError(f"request {r}: block table for {kind!r} holds a block number that is not an "
+                                         f"int or whose slots (block * {self.block_sizes[kind]} + offset) pass int32")
         total = sum(req.query_len for req in requests)
         if total > self.max_tokens:
             raise ValueError(f"requests hold {total} new tokens, more than max_tokens={self.max_tokens}")

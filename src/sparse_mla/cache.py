@@ -1,10 +1,9 @@
 """Paged KV cache pools: one buffer of blocks in one format, a block allocator, insertion by slot."""
 from __future__ import annotations
 
-import numbers
-
 import torch
 
+from ._checks import is_int
 from .formats import KVFormat, allocate_cache, get_format
 from .ops import dequantize_and_gather, quantize_and_insert
 
@@ -13,15 +12,11 @@ class CacheFullError(RuntimeError):
     """Raised when a pool has fewer free blocks than requested."""
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
 class BlockAllocator:
     """Hands out physical block numbers ``0 … num_blocks-1``; never gives one block out twice."""
 
     def __init__(self, num_blocks: int) -> None:
-        if not _is_int(num_blocks) or num_blocks <= 0:
+        if not is_int(num_blocks) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -33,7 +28,7 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """``n`` free blocks, lowest numbers first; :class:`CacheFullError` if fewer are free."""
-        if not _is_int(n) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"n must be an int >= 0, got {n!r}")
         if n > len(self._free):
             raise CacheFullError(f"asked for {n} blocks, only {len(self._free)} of {self.num_blocks} free")
@@ -45,7 +40,7 @@ class BlockAllocator:
         """Return blocks to the pool; freeing a block that is not allocated (or twice) is an error,
         and then no block of the call is freed."""
         blocks = list(blocks)
-        if not all(_is_int(b) for b in blocks):
+        if not all(is_int(b) for b in blocks):
             raise ValueError(f"blocks must be ints, got {blocks!r}")
         for i, b in enumerate(blocks):
             if b in blocks[:i]:

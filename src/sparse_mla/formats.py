@@ -140,8 +140,7 @@ def resolve_cache(cache: torch.Tensor, fmt: str | KVFormat | None = None,
                   name: str = "cache") -> tuple[torch.Tensor, KVFormat]:
     """Infer a cache's format, check it against ``fmt`` when given, and validate its layout."""
     found = infer_format(cache, name)
-    bf16_dim = found.dim if found.name == "bf16" and fmt == "bf16" else None  # a bf16 name takes the cache's width
-    if fmt is not None and get_format(fmt, bf16_dim) != found:
+    if fmt is not None and get_format(fmt, found.dim if fmt == "bf16" else None) != found:  # bf16: the cache's width
         want = fmt.name if isinstance(fmt, KVFormat) else fmt
         raise ValueError(f"{name} holds {found.name} data ({cache.dtype}, last axis {cache.shape[-1]}) but fmt is {want!r}"
                          + (f" (dim {fmt.dim})" if isinstance(fmt, KVFormat) else ""))

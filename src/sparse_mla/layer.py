@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_scale, check_tensor
+from ._checks import check_scale, check_sink, check_tensor, is_int
 from .cache import PagedCache
 from .config import COMPRESS_RATIO, LAYER_KINDS
 from .formats import FORMAT_NAMES, infer_format
 from .metadata import StepMetadata, convert_compressed_picks, workspace_indices
-from .ops import BACKENDS, dequantize_and_gather, sparse_attention_decode, sparse_attention_prefill
+from .ops import check_backend_name, dequantize_and_gather, sparse_attention_decode, sparse_attention_prefill
 from .ops.validate import D_V
 
 PREFILL_MODES = ("paged", "workspace")
@@ -57,20 +57,17 @@ class SparseMLAAttention(torch.nn.Module):
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         if kind == "c4a" and not topk:
             raise ValueError("topk (the indexer width) is required for a c4a layer")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (num_heads, window)):
+        if not all(is_int(v) and v >= 1 for v in (num_heads, window)):
             raise ValueError(f"num_heads and window must be positive ints, got {num_heads!r}, {window!r}")
         if head_dim not in (512, 576):
             raise ValueError(f"head_dim must be 512 (V4) or 576 (V3.2), got {head_dim}")
         if workspace_bytes < 2 * head_dim:
             raise ValueError(f"workspace_bytes must hold at least one {head_dim}-d bf16 row, got {workspace_bytes}")
-        if kind == "c4a" and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+        if kind == "c4a" and not (is_int(topk) and topk >= 1):
             raise ValueError(f"topk must be a positive int, got {topk!r}")
         if sink is not None:
-            check_tensor("sink", sink, dtype=torch.float32, shape=(num_heads,))
-            if bool(torch.isnan(sink).any()):  # checked once here, not on every step
-                raise ValueError("sink must not be NaN (-inf means no sink, +inf zeroes the head)")
-        if backend != "auto" and backend not in BACKENDS:
-            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+            check_sink(sink, num_heads)  # its values once here, not on every step
+        check_backend_name(backend)
         if kv_format is not None and kv_format not in FORMAT_NAMES:
             raise ValueError(f"kv_format must be None or one of {FORMAT_NAMES}, got {kv_format!r}")
         self.kind, self.num_heads, self.head_dim, self.window = kind, num_heads, head_dim, window

@@ -21,13 +21,18 @@ except ImportError:  # no Triton on this platform: the reference backend still w
 BACKENDS = ("reference", "triton")
 
 
+def check_backend_name(name: str) -> None:
+    """``name`` is ``"auto"`` or one of :data:`BACKENDS`."""
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {name!r}")
+
+
 def _backend(name: str, first: torch.Tensor, first_name: str) -> str:
     """The backend to run: ``name`` resolved for the device of the op's first tensor argument."""
     device = check_tensor(first_name, first).device
+    check_backend_name(name)
     if name == "auto":
         return "triton" if device.type == "cuda" and triton_attention is not None else "reference"
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {name!r}")
     if name == "triton" and triton_attention is None:
         raise ValueError("backend 'triton' needs the triton package, which is not installed")
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
@@ -57,9 +62,9 @@ def sparse_attention_decode(
     first ``lens[t]`` entries of each (``lens``: ``(T,)`` int32, default the full width).
     sink: ``(H,)`` float32 logits joining the softmax denominator only. scale defaults to d**-0.5.
     fmt: the caches' format name (``"fp8_v4"``, ``"bf16"``, ``"fp8_v32"``), optional: the format is
-    inferred from each cache's dtype and last axis, and a given ``fmt`` is checked against it. backend: ``"auto"`` (the Triton
-    kernels on a CUDA device, else the reference), ``"reference"`` (plain PyTorch) or ``"triton"``
-    (on the CPU only under ``TRITON_INTERPRET=1``).
+    inferred from each cache's dtype and last axis, and a given ``fmt`` is checked against it.
+    backend: ``"auto"`` (the Triton kernels on a CUDA device, else the reference), ``"reference"``
+    (plain PyTorch) or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``).
     Returns out ``(T, H, 512)`` bf16 (written into ``out`` when given: contiguous, that shape) and
     lse ``(T, H)`` float32 (natural log over real keys, ``+inf`` for a row with no valid key, whose
     output is 0).

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_finite, check_index_range, check_no_overlap, check_scale, check_tensor
+from .._checks import check_finite, check_index_range, check_no_overlap, check_scale, check_sink, check_tensor
 from ..formats import KVFormat, resolve_cache
 
 D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part of 576)
@@ -52,8 +52,7 @@ class AttentionArgs:
 
 
 def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None,
-           fmt: str | KVFormat | None, check_ranges: bool) -> Scope:
-    cache_name = f"{prefix}cache" if prefix else "cache"
+           fmt: str | KVFormat | None, check_ranges: bool, cache_name: str) -> Scope:
     cache, f = resolve_cache(cache, fmt, cache_name)
     if f.dim != q.shape[-1]:
         raise ValueError(f"q has head dim {q.shape[-1]} but {cache_name} holds {f.name} tokens of dim {f.dim}")
@@ -79,24 +78,24 @@ def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Ten
 def _sink_and_scale(q: torch.Tensor, sink: torch.Tensor | None, scale: float | None,
                     check_values: bool) -> tuple[torch.Tensor | None, float]:
     if sink is not None:
-        check_tensor("sink", sink, dtype=torch.float32, shape=(q.shape[1],), device=q.device)
-        if check_values and bool(torch.isnan(sink).any()):  # a value check syncs: reference / debug mode only
-            raise ValueError("sink must not be NaN (-inf means no sink, +inf zeroes the head)")
-        sink = sink.contiguous()
+        # its values only in the reference / debug mode: the check syncs
+        sink = check_sink(sink, q.shape[1], q.device, values=check_values).contiguous()
     return sink, check_scale(q.shape[-1] ** -0.5 if scale is None else scale)
 
 
 def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=None, extra_lens=None,
-                sink=None, scale=None, fmt=None, check_ranges: bool = True, out=None) -> AttentionArgs:
-    """Check and normalise the arguments of ``sparse_attention_decode``."""
+                sink=None, scale=None, fmt=None, check_ranges: bool = True, out=None,
+                cache_name: str = "cache") -> AttentionArgs:
+    """Check and normalise the arguments of ``sparse_attention_decode`` (``cache_name``: what errors
+    call the first scope's cache; prefill's is its workspace ``kv``)."""
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
     if q.shape[-1] not in (512, 576):
         raise ValueError(f"q must have head dim 512 (V4) or 576 (V3.2), got {q.shape[-1]}")
-    scopes = [_scope("", q, cache, indices, lens, fmt, check_ranges)]
+    scopes = [_scope("", q, cache, indices, lens, fmt, check_ranges, cache_name)]
     if (extra_cache is None) != (extra_indices is None):
         raise ValueError("extra_cache and extra_indices must be given together")
     if extra_cache is not None:
-        scopes.append(_scope("extra_", q, extra_cache, extra_indices, extra_lens, fmt, check_ranges))
+        scopes.append(_scope("extra_", q, extra_cache, extra_indices, extra_lens, fmt, check_ranges, "extra_cache"))
     elif extra_lens is not None:
         raise ValueError("extra_lens given without extra_cache / extra_indices")
     sink, scale = _sink_and_scale(q, sink, scale, check_ranges)
@@ -105,8 +104,8 @@ def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=No
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
         inputs = {"q": q, "sink": sink}
-        for scope, prefix in zip(scopes, ("", "extra_")):
-            inputs.update({f"{prefix}cache": scope.cache, f"{prefix}indices": scope.indices, f"{prefix}lens": scope.lens})
+        for scope, prefix, name in zip(scopes, ("", "extra_"), (cache_name, "extra_cache")):
+            inputs.update({name: scope.cache, f"{prefix}indices": scope.indices, f"{prefix}lens": scope.lens})
         check_no_overlap("out", out, inputs)
     return AttentionArgs(q, tuple(scopes), sink, scale, out)
 
@@ -119,10 +118,8 @@ def prefill_args(q, kv, indices, lens=None, sink=None, scale=None, check_ranges:
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, q.shape[-1]), device=q.device)
     if kv.stride(-1) != 1:
         raise ValueError("kv must have contiguous rows (stride(-1) == 1)")
-    if out is not None:
-        check_no_overlap("out", check_tensor("out", out), {"kv": kv})
     return decode_args(q, kv.unsqueeze(1), indices, lens, sink=sink, scale=scale, check_ranges=check_ranges,
-                       out=out)
+                       out=out, cache_name="kv")
 
 
 def insert_args(kv_new, cache, slot_mapping, fmt=None,
