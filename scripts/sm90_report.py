@@ -1,6 +1,7 @@
 """Compile the attention kernel for sm_90 on this machine (no GPU needed): registers, spills, key loop.
 
     python3 scripts/sm90_report.py [--fmt fp8_v4|bf16] [--dim 512|576] [--heads 64] [--block-n 64]
+                                   [--kernel triton|gluon] [--no-prefetch]
                                    [--warps 8] [--stages 1] [--dump DIR]
 
 Triton compiles for a GPUTarget without a device; ptxas then gives the register count and spill
@@ -73,6 +74,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, choices=[512, 576], default=512, help="latent dims: 512 (V4), 576 (V3.2)")
     parser.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
                         help="gluon: the Hopper kernel of gluon_attention (needs a Triton with Gluon)")
+    parser.add_argument("--no-prefetch", action="store_true", help="gluon: without the L2 prefetch of key rows")
     parser.add_argument("--dump", type=pathlib.Path)
     args = parser.parse_args()
     pa, pb, pc, v_has_rope = ta.latent_pieces(args.dim)
@@ -89,6 +91,7 @@ def main() -> None:
                       V_HAS_ROPE=v_has_rope, H_BLOCK=args.heads, BLOCK_N=args.block_n, SPLITS=1,
                       DOT=tl.bfloat16)
     constexprs["FMT"] = fmt  # the Gluon kernel's single format code (0 bf16, 1 fp8_v4)
+    constexprs["PREFETCH"] = not args.no_prefetch
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     sig, attrs = _signature(kernel, constexprs, "*bf16" if args.fmt == "bf16" else "*u8")
     src = source_type(kernel, sig, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)

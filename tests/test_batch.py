@@ -154,6 +154,20 @@ def test_bad_batches_raise_value_error(requests, match):
         builder.build(requests)
 
 
+def test_block_numbers_past_a_cache_are_rejected_when_its_size_is_given():
+    requests = [Request(70, 1, {"swa": [3, 4], "c4a": [0], "c128a": [0]})]
+    assert StepBatchBuilder(16, 4, 256).build(requests).block_tables["swa"][0, 1] == 4  # size unknown: kept
+    sized = StepBatchBuilder(16, 4, 256, num_blocks={"swa": 5, "c4a": 1})
+    assert sized.build(requests).block_tables["swa"][0].tolist()[:2] == [3, 4]
+    with pytest.raises(ValueError, match=r"request 0: block table for 'swa' holds block 4, past the cache's "
+                                         r"num_blocks\['swa'\]=4"):
+        StepBatchBuilder(16, 4, 256, num_blocks={"swa": 4}).build(requests)
+    with pytest.raises(ValueError, match=r"num_blocks\['c4a'\] must be a non-negative int, got 2.5"):
+        StepBatchBuilder(16, 4, 256, num_blocks={"c4a": 2.5})
+    with pytest.raises(ValueError, match="num_blocks has a count for 'c8a'"):
+        StepBatchBuilder(16, 4, 256, num_blocks={"c8a": 2})
+
+
 def test_bad_builder_arguments():
     with pytest.raises(ValueError, match="decode_threshold must be >= 1"):
         StepBatchBuilder(16, 4, 256, decode_threshold=0)

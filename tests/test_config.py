@@ -23,3 +23,12 @@ def test_v4_pro_and_v32_presets():
     assert [pro.layer_kind(i) for i in range(4)] == ["c128a", "c128a", "c4a", "c128a"]
     v32 = get_config("deepseek-v3.2")
     assert v32.head_dim == 576 and abs(v32.softmax_scale - 0.13523) < 1e-4
+
+
+def test_bad_preset_names_and_layer_numbers_raise_value_error():
+    with pytest.raises(ValueError, match=r"name must be one of .* got \[1\]"):
+        get_config([1])
+    cfg = get_config("deepseek-v4-flash")
+    for layer in (-1, cfg.num_layers, 2.0, True):
+        with pytest.raises(ValueError, match=rf"layer must be an int in \[0, {cfg.num_layers}\)"):
+            cfg.layer_kind(layer)

@@ -330,6 +330,8 @@ def test_quantize_blocks_input_checks_name_kv():
         quantize_blocks(torch.zeros(1, 2, 576, dtype=torch.bfloat16), "fp8_v4")
     with pytest.raises(ValueError, match="kv must have shape"):
         quantize_blocks(torch.zeros(1, 2, 512, dtype=torch.bfloat16), "fp8_v32")
+    with pytest.raises(ValueError, match=r"kv must hold at least one block of at least one token, got shape \(0, 64"):
+        quantize_blocks(torch.zeros(0, 64, 512, dtype=torch.bfloat16), "fp8_v4")
     with pytest.raises(ValueError, match="fmt must be one of"):
         quantize_blocks(torch.zeros(1, 2, 512, dtype=torch.bfloat16), "fp4")
     with pytest.raises(TypeError, match="kv must be a torch.Tensor"):

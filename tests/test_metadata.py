@@ -153,6 +153,19 @@ def test_bad_picks_and_specs_raise_value_error():
         meta.workspace_plan("swa", 1 << 20, head_dim=0)
 
 
+def test_picks_out_of_any_range_are_an_error_in_debug_mode(monkeypatch):
+    batch, _ = make_batch([(40, 1)], padding=1)  # max_model_len 40: c4a entries 0 … 9
+    meta = build_step_metadata(batch, MetadataSpec(window=4, topk=3))
+    picks = torch.tensor([[9, -2, 10], [-1, -1, -1]], dtype=torch.int32)
+    assert meta.c4a_indices(picks)[1].tolist() == [1, 0]  # -2 and 10 dropped like invisible picks
+    monkeypatch.setenv("SPARSE_MLA_DEBUG", "1")
+    with pytest.raises(ValueError, match=r"topk_indices holds -2, out of range: entries must be -1 or in \[0, 10\)"):
+        meta.c4a_indices(picks)
+    with pytest.raises(ValueError, match="topk_indices holds 10, out of range"):
+        meta.c4a_indices(torch.tensor([[9, 10, -1], [-1, -1, -1]], dtype=torch.int32))
+    assert meta.c4a_indices(torch.tensor([[9, 3, -1], [-1, -1, -1]], dtype=torch.int32))[1].tolist() == [2, 0]
+
+
 # ----------------------------------------------------------------------------------- workspace plan
 
 @settings(max_examples=30, deadline=None)

@@ -129,12 +129,15 @@ class StepBatchBuilder:
 
     max_tokens: token capacity (new tokens per step, incl. room for padding); max_reqs: requests per
     step; max_model_len: the longest ``seq_len``. decode_threshold: ``1 + speculative tokens``; a
-    request with ``query_len <= decode_threshold`` is a decode.
+    request with ``query_len <= decode_threshold`` is a decode. num_blocks: each kind's cache size in
+    blocks (``cache.shape[0]``), optional; when given, a block table that names a block past it is
+    a ``ValueError`` here, on the host (the kernels would otherwise skip such keys, unread).
     """
 
     def __init__(self, max_tokens: int, max_reqs: int, max_model_len: int,
                  kinds: Sequence[str] = LAYER_KINDS, block_sizes: dict[str, int] | None = None,
-                 decode_threshold: int = 1, device: torch.device | str = "cpu") -> None:
+                 decode_threshold: int = 1, device: torch.device | str = "cpu",
+                 num_blocks: dict[str, int] | None = None) -> None:
         if decode_threshold < 1:
             raise ValueError(f"decode_threshold must be >= 1 (1 + speculative tokens), got {decode_threshold}")
         if min(max_tokens, max_reqs, max_model_len) < 1:
@@ -147,6 +150,12 @@ class StepBatchBuilder:
                 raise ValueError(f"block_sizes has a size for {kind!r}, which is not among kinds {tuple(kinds)}")
             if not is_int(size) or size < 1:
                 raise ValueError(f"block_sizes[{kind!r}] must be a positive int, got {size!r}")
+        for kind, count in (num_blocks or {}).items():
+            if kind not in kinds:
+                raise ValueError(f"num_blocks has a count for {kind!r}, which is not among kinds {tuple(kinds)}")
+            if not is_int(count) or count < 0:
+                raise ValueError(f"num_blocks[{kind!r}] must be a non-negative int, got {count!r}")
+        self.num_blocks = dict(num_blocks or {})
         self.max_tokens, self.max_reqs, self.max_model_len = max_tokens, max_reqs, max_model_len
         self.kinds = tuple(kinds)
         self.block_sizes = {k: (block_sizes or {}).get(k, DEFAULT_BLOCK_SIZE[k]) for k in self.kinds}
@@ -192,12 +201,16 @@ class StepBatchBuilder:
                 if len(table) > self._tables[kind].shape[1]:
                     raise ValueError(f"request {r}: block table for {kind!r} has {len(table)} blocks, more than "
                                      f"max_model_len {self.max_model_len} needs ({self._tables[kind].shape[1]})")
+                limit = self.num_blocks.get(kind)
                 for b in table[:need]:
                     if int(b) < 0:
                         raise ValueError(f"request {r}: block table for {kind!r} holds a negative block number")
                     if int(b) != b or (int(b) + 1) * self.block_sizes[kind] > 2**31:
                         raise ValueError(f"request {r}: block table for {kind!r} holds a block number that is not an "
                                          f"int or whose slots (block * {self.block_sizes[kind]} + offset) pass int32")
+                    if limit is not None and b >= limit:
+                        raise ValueError(f"request {r}: block table for {kind!r} holds block {int(b)}, past the "
+                                         f"cache's num_blocks[{kind!r}]={limit}")
         total = sum(req.query_len for req in requests)
         if total > self.max_tokens:
             raise ValueError(f"requests hold {total} new tokens, more than max_tokens={self.max_tokens}")

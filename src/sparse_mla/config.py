@@ -38,6 +38,9 @@ class ModelConfig:
         return len(self.compress_ratios)
 
     def layer_kind(self, layer: int) -> str:
+        """The kind (``swa``, ``c4a`` or ``c128a``) of layer ``layer``, in ``[0, num_layers)``."""
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
         return KIND_OF_RATIO[self.compress_ratios[layer]]
 
 
@@ -70,6 +73,6 @@ PRESETS: dict[str, ModelConfig] = {
 
 def get_config(name: str) -> ModelConfig:
     """The preset named ``name`` (one of :data:`PRESETS`)."""
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ValueError(f"name must be one of {sorted(PRESETS)}, got {name!r}")
     return PRESETS[name]

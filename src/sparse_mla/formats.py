@@ -259,6 +259,8 @@ def quantize_blocks(kv: torch.Tensor, fmt: str | KVFormat) -> torch.Tensor:
     check_tensor("kv", kv, shape=(None, None, f.dim))
     check_finite("kv", kv)
     nb, bs, _ = kv.shape
+    if nb == 0 or bs == 0:
+        raise ValueError(f"kv must hold at least one block of at least one token, got shape {tuple(kv.shape)}")
     cache = allocate_cache(f, nb, bs, kv.device, f.dim)
     blocks, offsets = _block_grid(nb, bs, kv.device)
     write_tokens(cache, f, blocks, offsets, kv.reshape(nb * bs, f.dim))

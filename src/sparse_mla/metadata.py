@@ -8,7 +8,8 @@ path can be captured in a CUDA graph.
 * SWA: token at position ``p`` sees raw tokens ``max(0, p-W+1) … p``.
 * C128A: every compressed entry ``w`` with ``(w+1)·128 <= p+1``, i.e. entries ``0 … (p+1)//128 - 1``.
 * C4A: the indexer's picks (local entry numbers) that are visible, ``(w+1)·4 <= p+1``, converted to
-  global slots per layer by :meth:`StepMetadata.c4a_indices`; an invisible pick is dropped, not an error.
+  global slots per layer by :meth:`StepMetadata.c4a_indices`; an invisible pick is dropped, not an error
+  (a pick below -1 or past ``max_model_len``'s entries is one, checked under ``SPARSE_MLA_DEBUG=1``).
 * Prefill workspace plan (:meth:`StepMetadata.workspace_plan`): for backends that gather the keys of
   prefill tokens into a bf16 workspace, chunks of prefill tokens whose keys fit a byte budget.
 """
@@ -19,10 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import check_tensor
-from .batch import StepBatch, slots_of
+from ._checks import check_index_range, check_tensor
+from .batch import StepBatch, entries_needed, slots_of
 from .config import COMPRESS_RATIO
 from .ops import triton_index
+from .ops.validate import debug_checks_enabled
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,8 @@ def convert_compressed_picks(meta: StepMetadata, local: torch.Tensor, kind: str 
         raise ValueError("the step's metadata was built from a batch without a 'c4a' block table")
     check_tensor("topk_indices", local, dtype=torch.int32, shape=(batch.token_capacity, meta.spec.topk),
                  device=batch.device)
+    if debug_checks_enabled():  # a device sync: only in debug mode, like the ops' index checks
+        check_index_range("topk_indices", local, entries_needed(batch.max_model_len, kind))
     build = triton_index.compressed_picks if _use_triton(batch) else _compressed_picks_torch
     build(batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
           COMPRESS_RATIO[kind], local, meta.c4a_buffer, meta.c4a_lens_buffer, meta.c4a_local_buffer)

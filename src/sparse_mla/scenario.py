@@ -98,7 +98,8 @@ def make_scenario(lengths: list[tuple[int, int]], *, window: int = 128, topk: in
     max_len = max(s for s, _ in lengths)
     num_tokens = sum(q for _, q in lengths)
     builder = StepBatchBuilder(num_tokens + padding, len(lengths), max_len, block_sizes=sizes,
-                               decode_threshold=decode_threshold, device=device)
+                               decode_threshold=decode_threshold, device=device,
+                               num_blocks={k: c.num_blocks for k, c in caches.items()})
     batch = builder.build(requests)
     oracle = DenseOracle(window)
     if picks is None:
