@@ -162,9 +162,11 @@ def test_block_numbers_past_a_cache_are_rejected_when_its_size_is_given():
     with pytest.raises(ValueError, match=r"request 0: block table for 'swa' holds block 4, past the cache's "
                                          r"num_blocks\['swa'\]=4"):
         StepBatchBuilder(16, 4, 256, num_blocks={"swa": 4}).build(requests)
-    with pytest.raises(ValueError, match=r"num_blocks\['c4a'\] must be a non-negative int, got 2.5"):
+    with pytest.raises(ValueError, match=r"num_blocks\['c4a'\] must be an int >= 0, got 2.5"):
         StepBatchBuilder(16, 4, 256, num_blocks={"c4a": 2.5})
-    with pytest.raises(ValueError, match="num_blocks has a count for 'c8a'"):
+    with pytest.raises(TypeError, match="num_blocks must be a dict of cache kind -> int, got list"):
+        StepBatchBuilder(16, 4, 256, num_blocks=[4])
+    with pytest.raises(ValueError, match="num_blocks has a value for 'c8a'"):
         StepBatchBuilder(16, 4, 256, num_blocks={"c8a": 2})
 
 
@@ -173,9 +175,9 @@ def test_bad_builder_arguments():
         StepBatchBuilder(16, 4, 256, decode_threshold=0)
     with pytest.raises(ValueError, match="kinds must include 'swa'"):
         StepBatchBuilder(16, 4, 256, kinds=("c4a",))
-    with pytest.raises(ValueError, match=r"block_sizes\['swa'\] must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"block_sizes\['swa'\] must be an int >= 1, got 0"):
         StepBatchBuilder(16, 4, 256, block_sizes={"swa": 0})
-    with pytest.raises(ValueError, match="block_sizes has a size for 'c4', which is not among kinds"):
+    with pytest.raises(ValueError, match="block_sizes has a value for 'c4', which is not among kinds"):
         StepBatchBuilder(16, 4, 256, block_sizes={"c4": 64})
     with pytest.raises(ValueError, match="kind must be one of"):
         blocks_needed(100, "c8a")

@@ -1,4 +1,5 @@
 """Model presets."""
+import numpy as np
 import pytest
 
 from sparse_mla.config import get_config
@@ -29,6 +30,7 @@ def test_bad_preset_names_and_layer_numbers_raise_value_error():
     with pytest.raises(ValueError, match=r"name must be one of .* got \[1\]"):
         get_config([1])
     cfg = get_config("deepseek-v4-flash")
+    assert cfg.layer_kind(np.int64(2)) == cfg.layer_kind(2) == "c4a"
     for layer in (-1, cfg.num_layers, 2.0, True):
         with pytest.raises(ValueError, match=rf"layer must be an int in \[0, {cfg.num_layers}\)"):
             cfg.layer_kind(layer)

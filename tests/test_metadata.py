@@ -164,6 +164,8 @@ def test_picks_out_of_any_range_are_an_error_in_debug_mode(monkeypatch):
     with pytest.raises(ValueError, match="topk_indices holds 10, out of range"):
         meta.c4a_indices(torch.tensor([[9, 10, -1], [-1, -1, -1]], dtype=torch.int32))
     assert meta.c4a_indices(torch.tensor([[9, 3, -1], [-1, -1, -1]], dtype=torch.int32))[1].tolist() == [2, 0]
+    # the padding token's row is never read: whatever the indexer left there is not checked
+    assert meta.c4a_indices(torch.tensor([[9, 3, -1], [-7, 99, 5]], dtype=torch.int32))[1].tolist() == [2, 0]
 
 
 # ----------------------------------------------------------------------------------- workspace plan

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -137,7 +137,7 @@ class StepBatchBuilder:
     def __init__(self, max_tokens: int, max_reqs: int, max_model_len: int,
                  kinds: Sequence[str] = LAYER_KINDS, block_sizes: dict[str, int] | None = None,
                  decode_threshold: int = 1, device: torch.device | str = "cpu",
-                 num_blocks: dict[str, int] | None = None) -> None:
+                 num_blocks: Mapping[str, int] | None = None) -> None:
         if decode_threshold < 1:
             raise ValueError(f"decode_threshold must be >= 1 (1 + speculative tokens), got {decode_threshold}")
         if min(max_tokens, max_reqs, max_model_len) < 1:
@@ -145,16 +145,8 @@ class StepBatchBuilder:
                              f"{max_tokens}, {max_reqs}, {max_model_len}")
         if "swa" not in kinds or any(k not in LAYER_KINDS for k in kinds):
             raise ValueError(f"kinds must include 'swa' and be among {LAYER_KINDS}, got {tuple(kinds)}")
-        for kind, size in (block_sizes or {}).items():
-            if kind not in kinds:
-                raise ValueError(f"block_sizes has a size for {kind!r}, which is not among kinds {tuple(kinds)}")
-            if not is_int(size) or size < 1:
-                raise ValueError(f"block_sizes[{kind!r}] must be a positive int, got {size!r}")
-        for kind, count in (num_blocks or {}).items():
-            if kind not in kinds:
-                raise ValueError(f"num_blocks has a count for {kind!r}, which is not among kinds {tuple(kinds)}")
-            if not is_int(count) or count < 0:
-                raise ValueError(f"num_blocks[{kind!r}] must be a non-negative int, got {count!r}")
+        _check_per_kind("block_sizes", block_sizes, kinds, 1)
+        _check_per_kind("num_blocks", num_blocks, kinds, 0)
         self.num_blocks = dict(num_blocks or {})
         self.max_tokens, self.max_reqs, self.max_model_len = max_tokens, max_reqs, max_model_len
         self.kinds = tuple(kinds)
@@ -252,6 +244,19 @@ class StepBatchBuilder:
             block_tables={k: self._tables[k][:n] for k in self.kinds}, block_sizes=dict(self.block_sizes),
             max_model_len=self.max_model_len, decode_threshold=self.decode_threshold,
             seq_lens_host=seq_host, query_lens_host=qlen_host, query_start_loc_host=qsl_host)
+
+
+def _check_per_kind(name: str, values: Mapping[str, int] | None, kinds: Sequence[str], least: int) -> None:
+    """``values`` (optional) maps some of ``kinds`` to ints of at least ``least``."""
+    if values is None:
+        return
+    if not isinstance(values, Mapping):
+        raise TypeError(f"{name} must be a dict of cache kind -> int, got {type(values).__name__}")
+    for kind, value in values.items():
+        if kind not in kinds:
+            raise ValueError(f"{name} has a value for {kind!r}, which is not among kinds {tuple(kinds)}")
+        if not is_int(value) or value < least:
+            raise ValueError(f"{name}[{kind!r}] must be an int >= {least}, got {value!r}")
 
 
 def slots_of(table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, block_size: int) -> torch.Tensor:

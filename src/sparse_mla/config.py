@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ._checks import is_int
+
 LAYER_KINDS = ("swa", "c4a", "c128a")
 COMPRESS_RATIO = {"swa": 1, "c4a": 4, "c128a": 128}
 KIND_OF_RATIO = {ratio: kind for kind, ratio in COMPRESS_RATIO.items()}
@@ -39,7 +41,7 @@ class ModelConfig:
 
     def layer_kind(self, layer: int) -> str:
         """The kind (``swa``, ``c4a`` or ``c128a``) of layer ``layer``, in ``[0, num_layers)``."""
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
+        if not is_int(layer) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
         return KIND_OF_RATIO[self.compress_ratios[layer]]
 

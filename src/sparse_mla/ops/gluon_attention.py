@@ -131,7 +131,8 @@ if gluon is not None:
         row = gl.convert_layout(row, rows_l).to(gl.pointer_type(gl.int8))
         ok = gl.convert_layout(valid, rows_l)
         if FMT == 1:
-            # a 576-byte row starts 0 or 64 bytes into a line: 5 lines, then the scale bytes' line
+            # a 576-byte row starts 0 or 64 bytes into a line (pages from ``allocate_cache``: 128-byte
+            # aligned, strides a multiple of 576): 5 lines, then the scale bytes' line
             scales = gl.convert_layout(scales, rows_l).to(gl.pointer_type(gl.int8))
             addr = gl.where((line == 5)[None, :], scales[:, None], row[:, None] + (line * 128)[None, :])
             ask = ok[:, None] & (line < 6)[None, :]

@@ -298,7 +298,7 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
     On Hopper with V4 fp8_v4 or bf16 scopes the kernel is ``gluon_attention``'s (``gluon=0`` forces this
     module's Triton kernel, ``gluon=1`` the Gluon one). The other keyword arguments override the
     tuned launch choices of the Triton kernel (benchmarks sweep them); ``prefetch`` overrides the Gluon
-    kernel's choice of L2 prefetching (``gluon_attention.prefetch_pays``).
+    kernel's choice of L2 prefetching (``gluon_attention.prefetch_pays``; the Triton kernel has none).
     """
     q = args.q
     if q.stride(-1) != 1:
