@@ -119,7 +119,7 @@ def convert_compressed_picks(meta: StepMetadata, local: torch.Tensor, kind: str 
                  device=batch.device)
     if debug_checks_enabled():  # a device sync: only in debug mode, like the ops' index checks
         check_index_range("topk_indices", local, entries_needed(batch.max_model_len, kind),
-                          valid=(batch.positions >= 0)[:, None].expand_as(local))  # padding rows are never read
+                          valid=meta.is_valid_token.bool()[:, None].expand_as(local))  # padding rows are never read
     build = triton_index.compressed_picks if _use_triton(batch) else _compressed_picks_torch
     build(batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
           COMPRESS_RATIO[kind], local, meta.c4a_buffer, meta.c4a_lens_buffer, meta.c4a_local_buffer)

@@ -117,6 +117,8 @@ if gluon is not None:
         short a time for HBM. A prefetch holds no register and no shared memory. Each of the
         threads that hold a row asks for different 128-byte lines of it (and the line of its scale
         bytes); per-thread ``prefetch.global.L2``, since the bulk prefetch takes one address per warp.
+        The row addresses are computed again for the gathers a block later: carried across the loop
+        they would be spilled (see the index rows in the kernel).
         """
         row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx, blk, nblk0,
                                          FMT, BS0, BS1)
@@ -138,7 +140,7 @@ if gluon is not None:
             ask = ok[:, None] & (line < 6)[None, :]
         else:
             addr = row[:, None] + (line * 128)[None, :]
-            ask = ok[:, None] & (line >= 0)[None, :]
+            ask = ok[:, None] & (line < 8)[None, :]
         gl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
             "=r,l,r", [addr, ask.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
