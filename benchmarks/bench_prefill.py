@@ -166,7 +166,7 @@ def main():
     ap.add_argument("--parts", nargs="+", default=["workspace", "layer", "metadata"])
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time per timing, ms")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--sweep", default="", help="workspace part: semicolon-separated launch configs, e.g. 'prefetch=1'")
+    ap.add_argument("--sweep", default="", help="workspace part: semicolon-separated launch configs, e.g. 'gluon=0'")
     ap.add_argument("--heads", type=int, nargs="+", default=[64, 128], help="workspace part: h_q values")
     ap.add_argument("--topks", type=int, nargs="+", default=[640, 1152], help="workspace part: keys per token")
     args = ap.parse_args()

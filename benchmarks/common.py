@@ -54,7 +54,7 @@ def load_flash_mla():
 
 
 def parse_sweep(spec: str) -> list[dict]:
-    """Kernel launch overrides from ``'block_n=64,num_warps=8;prefetch=1'``: one dict per config ([{}] if empty)."""
+    """Kernel launch overrides from ``'block_n=64,num_warps=8;gluon=0'``: one dict per config ([{}] if empty)."""
     if not spec:
         return [{}]
     return [{k: int(v) for k, v in (kv.split("=") for kv in part.split(","))} if part else {}

@@ -1,12 +1,15 @@
 """Compile the attention kernel for sm_90 on this machine (no GPU needed): registers, spills, key loop.
 
     python3 scripts/sm90_report.py [--fmt fp8_v4|bf16] [--dim 512|576] [--heads 64] [--block-n 64]
-                                   [--kernel triton|gluon] [--no-prefetch]
+                                   [--kernel triton|gluon]
                                    [--warps 8] [--stages 1] [--dump DIR]
 
 Triton compiles for a GPUTarget without a device; ptxas then gives the register count and spill
 bytes an H100 would see, and the SASS gives the instruction count of one key block (the body of
 the first key loop) by opcode. ``--dump`` writes the TTGIR, PTX, SASS and ptxas log for reading.
+For the Gluon kernel the registers are the launch's (the warpgroups then re-allocate: 216 for each
+math warpgroup, 72 for the copy warpgroup) and the key loop is a math warpgroup's loop over one
+pair of key blocks.
 """
 from __future__ import annotations
 
@@ -74,7 +77,6 @@ def main() -> None:
     parser.add_argument("--dim", type=int, choices=[512, 576], default=512, help="latent dims: 512 (V4), 576 (V3.2)")
     parser.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
                         help="gluon: the Hopper kernel of gluon_attention (needs a Triton with Gluon)")
-    parser.add_argument("--no-prefetch", action="store_true", help="gluon: without the L2 prefetch of key rows")
     parser.add_argument("--dump", type=pathlib.Path)
     args = parser.parse_args()
     pa, pb, pc, v_has_rope = ta.latent_pieces(args.dim)
@@ -85,13 +87,13 @@ def main() -> None:
 
         from sparse_mla.ops import gluon_attention
 
-        kernel, source_type, args.warps = gluon_attention._attention_kernel, GluonASTSource, 8
+        kernel, source_type = gluon_attention._attention_kernel, GluonASTSource
+        args.warps = gluon_attention.PARTITION_WARPS  # of the default partition; the kernel adds two more groups
     fmt = {"bf16": ta.FMT_BF16, "fp8_v4": ta.FMT_FP8_V4}[args.fmt]
     constexprs = dict(FMT0=fmt, FMT1=fmt, BS0=256, BS1=64, HAS_EXTRA=True, HAS_SINK=True, PA=pa, PB=pb, PC=pc,
                       V_HAS_ROPE=v_has_rope, H_BLOCK=args.heads, BLOCK_N=args.block_n, SPLITS=1,
                       DOT=tl.bfloat16)
     constexprs["FMT"] = fmt  # the Gluon kernel's single format code (0 bf16, 1 fp8_v4)
-    constexprs["PREFETCH"] = not args.no_prefetch
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     sig, attrs = _signature(kernel, constexprs, "*bf16" if args.fmt == "bf16" else "*u8")
     src = source_type(kernel, sig, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)

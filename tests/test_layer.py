@@ -243,26 +243,6 @@ def test_metadata_of_another_type_is_a_type_error(small):
         layer(torch.zeros(7, 2, 512, dtype=torch.bfloat16), {"a": 1}, small.caches)
 
 
-def test_paged_prefill_rows_run_without_the_l2_prefetch(monkeypatch):
-    """Decode rows leave the Hopper kernel's L2 prefetch to the grid size; prefill rows, whose keys
-    overlap, turn it off."""
-    from sparse_mla.ops import triton_attention
-
-    asked, real_run = [], triton_attention.run
-
-    def run(args, **kw):
-        asked.append(kw.get("prefetch"))
-        return real_run(args, **kw)
-
-    monkeypatch.setattr(triton_attention, "run", run)
-    sc = make_scenario([(20, 1), (40, 12)], window=4, topk=10, fmt="bf16", block_sizes=SIZES, device=DEVICE)
-    q = torch.randn(sc.batch.token_capacity, HEADS, 512).to(torch.bfloat16).to(DEVICE)
-    layer = SparseMLAAttention("c4a", HEADS, window=4, topk=10, sink=torch.zeros(HEADS, device=DEVICE),
-                               backend="triton")
-    layer(q, sc.meta, sc.caches, sc.topk_local)
-    assert asked == [None, False]
-
-
 def test_the_step_api_doc_runs_as_written():
     doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "step_api.md"
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)

@@ -130,8 +130,8 @@ class SparseMLAAttention(torch.nn.Module):
         if n_dec:
             self._paged(q, scopes, slice(0, n_dec), out)
         if n_tok > n_dec:
-            if self.prefill_mode == "paged":  # a prefill's tokens share their keys: no L2 prefetch
-                self._paged(q, scopes, slice(n_dec, n_tok), out, prefetch=False)
+            if self.prefill_mode == "paged":
+                self._paged(q, scopes, slice(n_dec, n_tok), out)
             else:
                 self._prefill_workspace(q, meta, data, local, out)
         out[n_tok:].zero_()
@@ -167,13 +167,13 @@ class SparseMLAAttention(torch.nn.Module):
             raise ValueError(f"cache format mismatch: the layer's caches hold different formats {formats}")
         return data
 
-    def _paged(self, q: torch.Tensor, scopes, rows: slice, out: torch.Tensor, prefetch: bool | None = None) -> None:
+    def _paged(self, q: torch.Tensor, scopes, rows: slice, out: torch.Tensor) -> None:
         (cache, idx, lens), *rest = scopes
         extra = {}
         if rest:
             extra = dict(extra_cache=rest[0][0], extra_indices=rest[0][1][rows], extra_lens=rest[0][2][rows])
         sparse_attention_decode(q[rows], cache, idx[rows], lens[rows], sink=self.sink, scale=self.scale,
-                                backend=self.backend, out=out[rows], prefetch=prefetch, **extra)
+                                backend=self.backend, out=out[rows], **extra)
 
     def _workspace_buffer(self, device: torch.device) -> torch.Tensor:
         return shared_workspace(device, self.workspace_bytes // (2 * self.head_dim), self.head_dim)

@@ -53,8 +53,6 @@ def sparse_attention_decode(
     fmt: str | None = None,
     backend: str = "auto",
     out: torch.Tensor | None = None,
-    *,
-    prefetch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention of each query token over two index scopes of paged caches.
 
@@ -67,9 +65,6 @@ def sparse_attention_decode(
     inferred from each cache's dtype and last axis, and a given ``fmt`` is checked against it.
     backend: ``"auto"`` (the Triton kernels on a CUDA device, else the reference), ``"reference"``
     (plain PyTorch) or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``).
-    prefetch: a speed hint for the Hopper kernel, never a change in the result: ask L2 for the keys
-    a block before they are gathered. It pays when the tokens' keys are apart (decode) and costs
-    when they overlap (the prefill tokens of one request); ``None`` decides from the grid size.
     Returns out ``(T, H, 512)`` bf16 (written into ``out`` when given: contiguous, that shape) and
     lse ``(T, H)`` float32 (natural log over real keys, ``+inf`` for a row with no valid key, whose
     output is 0).
@@ -79,7 +74,7 @@ def sparse_attention_decode(
                                          scale, fmt, out=out))
     args = decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, scale, fmt,
                        check_ranges=debug_checks_enabled(), out=out)
-    return triton_attention.run(args, prefetch=prefetch)
+    return triton_attention.run(args)
 
 
 def sparse_attention_prefill(
@@ -98,9 +93,8 @@ def sparse_attention_prefill(
     """
     if _backend(backend, q, "q") == "reference":
         return reference.run(prefill_args(q, kv, indices, lens, sink, scale, out=out))
-    # a workspace holds one chunk's keys, shared by its tokens and found in L2: no prefetch
     return triton_attention.run(prefill_args(q, kv, indices, lens, sink, scale, check_ranges=debug_checks_enabled(),
-                                             out=out), prefetch=False)
+                                             out=out))
 
 
 def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,

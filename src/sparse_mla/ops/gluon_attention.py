@@ -2,18 +2,25 @@
 
 Same contract and arguments as ``triton_attention``'s kernel, for the cases that dominate serving
 on an sm_90 GPU: every scope ``fp8_v4`` (decode, paged-direct prefill) or every scope ``bf16``
-(workspace prefill, bf16 caches). The Triton kernel runs each key block as one serial chain
-(gather → dequantise → shared memory → QK wgmma, waited → softmax → PV wgmma, waited) with nothing
-else on the SM to fill the gaps. Here the chain is software-pipelined by hand over two shared key
-buffers: block i+1's gathers are issued right after block i's QK wgmma, land while it and the
-softmax run, and are dequantised (fp8) or copied asynchronously (bf16) into the other buffer
-while block i's PV wgmma runs. On decode-sized grids the rows of block i+2 are prefetched into L2
-meanwhile (``prefetch_pays``), so that block i+1's gathers do not wait for HBM.
+(workspace prefill, bf16 caches). One program = one query token × 64 heads × one split of the
+key list, in three warpgroups that run out of step, synchronised by mbarriers only:
 
-One program = one query token × 64 heads × one split of the key list, 8 warps: two warpgroups,
-each computing the logits of half the keys and owning 256 of the 512 output dims. A token's head
-blocks are launched next to each other so the second one's gathers hit L2. The split merge and
-the sink of split rows are ``triton_attention``'s combine kernel.
+* The key list is walked in pairs of 64-key blocks held in two shared buffers. Math warpgroup 0
+  computes the logits of block 2j, math warpgroup 1 those of block 2j+1, so each reads Q from
+  shared memory once per 64 keys (an N = 64 wgmma).
+* Their row maxima are handed over in shared memory (0 → 1 → 0): warpgroup 1 starts from 0's
+  maximum, and 0 moves its probabilities and accumulator onto 1's. Each publishes its
+  probabilities P (bf16) for the other.
+* Warpgroup w owns output dims [256·w, 256·w + 256). It multiplies its own P (from registers) and
+  then the other's (from shared memory) by that half of the two blocks' values, so one's softmax
+  overlaps the other's wgmmas.
+* A copy warpgroup fills the buffers one 256-dim half of a block at a time, in the order the math
+  warpgroups read them, each as soon as that half's last reader of the previous pair is done:
+  bf16 rows with ``cp.async`` (the copies signal the half ready as they land), fp8_v4 rows
+  gathered into registers while the half is still in use, then dequantised into it. The math
+  warpgroups never wait for a gather or a conversion unless the copy warpgroup falls behind.
+
+The split merge and the sink of split rows are ``triton_attention``'s combine kernel.
 
 Gluon's API is experimental: the kernel is used with the Triton versions it was validated on
 (``VALIDATED_TRITON``) unless ``SPARSE_MLA_GLUON=1`` asks for it anyway (``=0`` turns it off).
@@ -31,20 +38,22 @@ from .validate import D_V, AttentionArgs
 try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any mismatch disables this path
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
-        async_copy,
+        mbarrier,
         warpgroup_mma,
-        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-NUM_WARPS = 8
+PARTITION_WARPS = 4  # each of the three warpgroups
+# registers per thread of a math warpgroup (its 64 × 256 fp32 accumulator, the 64 × 64 logits and P);
+# the copy warpgroup, the default partition, gets what is left: 72
+MATH_REGS = 216
 HEADS_PER_PROGRAM = 64
 KEYS_PER_BLOCK = 64
-PREFETCH_MAX_WAVES = 8  # grids of up to this many programs per SM prefetch their key rows (``prefetch_pays``)
 VALIDATED_TRITON = ("3.6.",)  # checked on an H100 against the reference ops (tests/test_triton_attention.py)
 
 
@@ -75,6 +84,15 @@ if gluon is not None:
     NOPE = gl.constexpr(448)  # e4m3 dims of a V4 row; the other 64 are bf16 rope
     DIM = gl.constexpr(512)
     D_OUT = gl.constexpr(D_V)
+    HALF = gl.constexpr(256)
+    WARPS = gl.constexpr(PARTITION_WARPS)
+    MATH_REGS_C = gl.constexpr(MATH_REGS)
+
+    @gluon.jit
+    def _opaque(x):
+        """``x`` (int32), through an asm move LLVM cannot see through: what is computed from it inside a
+        loop stays there instead of being hoisted (and spilled) across the loop."""
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _block_indices(i0_row, len0, nblk0, i1_row, len1, blk, rows_layout: gl.constexpr):
@@ -109,77 +127,17 @@ if gluon is not None:
         return row, scales, valid
 
     @gluon.jit
-    def _prefetch_block(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx, blk, nblk0, hi,
-                        FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr):
-        """Ask L2 for the rows of key block ``blk`` (slots ``idx``) a block before they are gathered.
-
-        The gathers of block i+1 are issued during block i and waited for one softmax later, too
-        short a time for HBM. A prefetch holds no register and no shared memory. Each of the
-        threads that hold a row asks for different 128-byte lines of it (and the line of its scale
-        bytes); per-thread ``prefetch.global.L2``, since the bulk prefetch takes one address per warp.
-        The row addresses are computed again for the gathers a block later: carried across the loop
-        they would be spilled (see the index rows in the kernel).
-        """
-        row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx, blk, nblk0,
-                                         FMT, BS0, BS1)
-        valid = valid & (blk < hi)
-        # (rows, 8 lines); each row's threads (4 for fp8_v4, 8 for bf16) split its lines between them
-        if FMT == 1:
-            lines_layout: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [8, 1], [1, 0])
-        else:
-            lines_layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [8, 1], [1, 0])
-        line = gl.arange(0, 8, layout=gl.SliceLayout(0, lines_layout))
-        rows_l: gl.constexpr = gl.SliceLayout(1, lines_layout)
-        row = gl.convert_layout(row, rows_l).to(gl.pointer_type(gl.int8))
-        ok = gl.convert_layout(valid, rows_l)
-        if FMT == 1:
-            # a 576-byte row starts 0 or 64 bytes into a line (pages from ``allocate_cache``: 128-byte
-            # aligned, strides a multiple of 576): 5 lines, then the scale bytes' line
-            scales = gl.convert_layout(scales, rows_l).to(gl.pointer_type(gl.int8))
-            addr = gl.where((line == 5)[None, :], scales[:, None], row[:, None] + (line * 128)[None, :])
-            ask = ok[:, None] & (line < 6)[None, :]
-        else:
-            addr = row[:, None] + (line * 128)[None, :]
-            ask = ok[:, None] & (line < 8)[None, :]
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-            "=r,l,r", [addr, ask.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _copy_block(kbuf, row, valid, copy_layout: gl.constexpr):
-        """Start asynchronous copies of one bf16 key block into ``kbuf`` ``(BLOCK_N, 512)`` (invalid rows: zeros)."""
-        rows = gl.convert_layout(row, gl.SliceLayout(1, copy_layout))
-        ok = gl.convert_layout(valid, gl.SliceLayout(1, copy_layout))
-        cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, copy_layout))
-        async_copy.async_copy_global_to_shared(kbuf, rows[:, None] + cols[None, :], mask=ok[:, None])
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _gather_half(rows, scales, ok, HALF: gl.constexpr, tiles_layout: gl.constexpr):
-        """Raw bytes of dims ``[256·HALF, 256·HALF + 256)`` of the gathered rows: ``(BLOCK_N, 4, 64)`` e4m3
+    def _gather_half(rows, scales, ok, SIDE: gl.constexpr, tiles_layout: gl.constexpr):
+        """Raw bytes of dims ``[256·SIDE, 256·SIDE + 256)`` of the gathered rows: ``(BLOCK_N, 4, 64)`` e4m3
         and ``(BLOCK_N, 4)`` ue8m0 exponents. The last tile of the second half is the bf16 rope, not
         read here. Invalid rows read nothing."""
         tile = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, tiles_layout)))
         col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, tiles_layout)))
-        is_rope = (tile == 3) & (HALF == 1)
-        byte_off = (HALF * 4 + tile)[None, :, None] * 64 + col[None, None, :]
+        is_rope = (tile == 3) & (SIDE == 1)
+        byte_off = (SIDE * 4 + tile)[None, :, None] * 64 + col[None, None, :]
         raw = gl.load(rows[:, None, None] + byte_off, mask=ok[:, None, None] & ~is_rope[None, :, None], other=0)
-        exps = gl.load(scales[:, None] + HALF * 4 + tile[None, :], mask=ok[:, None] & ~is_rope[None, :], other=127)
+        exps = gl.load(scales[:, None] + SIDE * 4 + tile[None, :], mask=ok[:, None] & ~is_rope[None, :], other=127)
         return raw, exps
-
-    @gluon.jit
-    def _gather_block(row, scales, valid, tiles_layout: gl.constexpr):
-        """Issue every global load of one key block (e4m3 halves, exponents, rope); nothing is converted yet."""
-        rows_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, tiles_layout))
-        rows = gl.convert_layout(row, rows_l)
-        ok = gl.convert_layout(valid, rows_l)
-        scales = gl.convert_layout(scales, rows_l)
-        raw_lo, exps_lo = _gather_half(rows, scales, ok, 0, tiles_layout)
-        raw_hi, exps_hi = _gather_half(rows, scales, ok, 1, tiles_layout)
-        col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, tiles_layout)))
-        rope_ptr = (rows + NOPE).to(gl.pointer_type(gl.bfloat16))
-        rope = gl.load(rope_ptr[:, None, None] + col[None, None, :], mask=ok[:, None, None], other=0.0)
-        return raw_lo, exps_lo, raw_hi, exps_hi, rope
 
     @gluon.jit
     def _dequant(raw, exps):
@@ -188,22 +146,15 @@ if gluon is not None:
         return raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * factor[:, :, None]
 
     @gluon.jit
-    def _store_block(kbuf, raw_lo, exps_lo, raw_hi, exps_hi, rope):
-        """Write a gathered block dequantised into ``kbuf`` ``(BLOCK_N, 512)`` bf16 (invalid rows: zeros)."""
-        tile = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, rope.type.layout)))
-        lo = _dequant(raw_lo, exps_lo).to(gl.bfloat16)
-        kbuf.slice(0, 256, dim=1).store(gl.reshape(lo, [BLOCK_N, 256]))
-        hi = gl.where((tile == 3)[None, :, None], rope, _dequant(raw_hi, exps_hi).to(gl.bfloat16))
-        kbuf.slice(256, 256, dim=1).store(gl.reshape(hi, [BLOCK_N, 256]))
-
-    @gluon.jit
-    def _epilogue(acc_f, m_i, l_i, o_layout: gl.constexpr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                  tok, hb, split, num_tokens, num_heads, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr):
-        """Normalise the accumulator and store the row (with the sink) or the split's partial row and LSE."""
-        heads = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, o_layout))
+    def _row_outputs(m_i, l_i, rows_layout: gl.constexpr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                     tok, hb, split, num_tokens, num_heads, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr,
+                     STORE_LSE: gl.constexpr = True):
+        """The rows' heads, output factor (1/l, with the sink unless the row is a split's partial) and
+        destination row block (``out`` or the split's partial rows); with ``STORE_LSE``, stores the LSE."""
+        heads = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=rows_layout)
         head_mask = heads < num_heads
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        l_o = gl.convert_layout(l_i, rows_layout)
+        m_o = gl.convert_layout(m_i, rows_layout)
         empty = l_o == 0.0
         inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
         lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) / 1.4426950408889634)
@@ -213,18 +164,193 @@ if gluon is not None:
                 sink = gl.load(sink_ptr + heads, mask=head_mask, other=float("-inf"))
                 factor = factor / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse)))
             dst = out_ptr + tok.to(gl.int64) * num_heads * D_OUT
-            gl.store(lse_ptr + tok * num_heads + heads, gl.where(empty, float("inf"), lse), mask=head_mask)
+            if STORE_LSE:
+                gl.store(lse_ptr + tok * num_heads + heads, gl.where(empty, float("inf"), lse), mask=head_mask)
         else:
             part = (split * num_tokens + tok).to(gl.int64) * num_heads
             dst = part_o_ptr + part * D_OUT
-            gl.store(part_lse_ptr + part + heads, lse, mask=head_mask)
-        # the wgmma layout gives each thread pairs of outputs; through shared memory (the dead key
-        # buffers) each thread stores 8 consecutive ones instead (coalesced 16-byte stores: -2 to -8 %)
-        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
-        vals = gl.convert_layout((acc_f * factor[:, None]).to(dst.dtype.element_ty), store_layout)
-        heads = gl.convert_layout(heads, gl.SliceLayout(1, store_layout))
-        cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, store_layout))
-        gl.store(dst + heads[:, None] * D_OUT + cols[None, :], vals, mask=(heads < num_heads)[:, None])
+            if STORE_LSE:
+                gl.store(part_lse_ptr + part + heads, lse, mask=head_mask)
+        return heads, factor, dst
+
+    @gluon.jit
+    def _copy_half(k_smem, ready, free, row, valid, cols, j, BUF: gl.constexpr, SIDE: gl.constexpr):
+        """Copy dims [256·SIDE, 256·SIDE + 256) of pair j's block into buffer ``BUF`` once its readers
+        of pair j-1 are done; the copies arrive on the half's ``ready`` barrier as they land."""
+        bar: gl.constexpr = 2 * BUF + SIDE
+        mbarrier.wait(free.index(bar), (j & 1) ^ 1, pred=j >= 1)
+        async_copy.async_copy_global_to_shared(k_smem.index(BUF).slice(SIDE * HALF, HALF, dim=1),
+                                               row[:, None] + (SIDE * HALF + cols)[None, :], mask=valid[:, None])
+        async_copy.mbarrier_arrive(ready.index(bar), increment_count=False)
+
+    @gluon.jit
+    def _dequant_half(k_smem, ready, free, rows, scales, ok, j, BUF: gl.constexpr, SIDE: gl.constexpr,
+                      tiles_layout: gl.constexpr):
+        """fp8_v4: dims [256·SIDE, 256·SIDE + 256) of pair j's block, gathered into registers (before the
+        buffer is free: nothing is written yet), dequantised into buffer ``BUF`` once it is."""
+        bar: gl.constexpr = 2 * BUF + SIDE
+        raw, exps = _gather_half(rows, scales, ok, SIDE, tiles_layout)
+        if SIDE == 1:
+            col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, tiles_layout)))
+            rope = gl.load((rows + NOPE).to(gl.pointer_type(gl.bfloat16))[:, None, None] + col[None, None, :],
+                           mask=ok[:, None, None], other=0.0)
+        mbarrier.wait(free.index(bar), (j & 1) ^ 1, pred=j >= 1)
+        vals = _dequant(raw, exps).to(gl.bfloat16)
+        if SIDE == 1:
+            tile = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, tiles_layout)))
+            vals = gl.where((tile == 3)[None, :, None], rope, vals)
+        k_smem.index(BUF).slice(SIDE * HALF, HALF, dim=1).store(gl.reshape(vals, [BLOCK_N, HALF]))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(bar))
+
+    @gluon.jit
+    def _copy_partition(k_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
+                        c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT: gl.constexpr, BS0: gl.constexpr,
+                        BS1: gl.constexpr):
+        """Gather each pair of key blocks into buffers 0 and 1, half by half (rows past ``hi`` or invalid: zeros),
+        in the order the math warpgroups read them; bf16 rows by ``cp.async``, fp8_v4 rows dequantised.
+
+        ``ready``/``free`` are indexed ``2·buffer + half``.
+        """
+        copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # (64, 256), 16 B each
+        # (rows, 4 tiles, 64): a thread holds 16 consecutive bytes of each of 4 tiles of one row
+        tiles_layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
+        if FMT == 1:
+            rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, tiles_layout))
+        else:
+            rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, copy_layout))
+        for j in range(gl.cdiv(hi - lo, 2)):
+            blk0 = lo + 2 * j
+            idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0, rows_layout)
+            idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 1, rows_layout)
+            row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx0,
+                                                blk0, nblk0, FMT, BS0, BS1)
+            row1, scales1, valid1 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx1,
+                                                blk0 + 1, nblk0, FMT, BS0, BS1)
+            valid1 = valid1 & (blk0 + 1 < hi)
+            if FMT == 1:
+                _dequant_half(k_smem, ready, free, row0, scales0, valid0, j, 0, 0, tiles_layout)
+                _dequant_half(k_smem, ready, free, row1, scales1, valid1, j, 1, 1, tiles_layout)
+                _dequant_half(k_smem, ready, free, row0, scales0, valid0, j, 0, 1, tiles_layout)
+                _dequant_half(k_smem, ready, free, row1, scales1, valid1, j, 1, 0, tiles_layout)
+            else:
+                _copy_half(k_smem, ready, free, row0, valid0, cols, j, 0, 0)
+                _copy_half(k_smem, ready, free, row1, valid1, cols, j, 1, 1)
+                _copy_half(k_smem, ready, free, row0, valid0, cols, j, 0, 1)
+                _copy_half(k_smem, ready, free, row1, valid1, cols, j, 1, 0)
+
+    @gluon.jit
+    def _math_partition(q_smem, k_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
+                        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                        c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
+                        tok, hb, split, num_tokens, num_heads, qk_scale,
+                        HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, WG: gl.constexpr):
+        """Warpgroup ``WG``: the logits of block 2j+WG of each pair, output dims [256·WG, 256·WG + 256)."""
+        OTHER: gl.constexpr = 1 - WG
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                          instr_shape=[16, 64, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                          instr_shape=[16, 256, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        keys_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        m_i = gl.full([H_BLOCK], float("-inf"), gl.float32, layout=rows_layout)
+        l_i = gl.zeros([H_BLOCK], gl.float32, layout=rows_layout)
+        acc = gl.zeros([H_BLOCK, HALF], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([H_BLOCK, BLOCK_N], gl.float32, layout=s_layout)
+        for j in range(gl.cdiv(hi - lo, 2)):
+            phase = j & 1
+            blk = lo + 2 * j + WG
+            # the index rows' addresses and the wgmma operands' shared-memory descriptors are rebuilt each
+            # pair from an opaque zero: hoisted out of the loop, they were spilled
+            zero = _opaque(0)
+            q_all = q_smem.index(zero)
+            k_own = k_smem.index(WG + zero)
+            k_other = k_smem.index(OTHER + zero)
+            idx = _block_indices(i0_row + zero, len0, nblk0, i1_row + zero, len1, blk, keys_layout)
+            valid = (idx >= 0) & (idx < gl.where(blk < nblk0, c0_slots, c1_slots)) & (blk < hi)
+            # the logits, over the half this warpgroup's PV reads first, then the other half
+            mbarrier.wait(ready.index(2 * WG + WG), phase)
+            fence_async_shared()  # rows copied through the generic proxy feed a wgmma
+            s = warpgroup_mma(q_all.slice(WG * HALF, HALF, dim=1),
+                              k_own.slice(WG * HALF, HALF, dim=1).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            mbarrier.wait(ready.index(2 * WG + OTHER), phase)
+            fence_async_shared()
+            s = warpgroup_mma(q_all.slice(OTHER * HALF, HALF, dim=1),
+                              k_own.slice(OTHER * HALF, HALF, dim=1).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+            s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_prev = m_i
+            if WG == 1:  # start from warpgroup 0's maximum of this pair
+                mbarrier.wait(m_bar.index(0), phase)
+                m_prev = m_smem.index(0).load(rows_layout)
+            m_new = gl.maximum(m_prev, gl.max(s, 1))
+            alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+            p = gl.exp2(s - gl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+            l_i += gl.sum(p, 1)
+            m_smem.index(WG).store(m_new)
+            gl.thread_barrier()
+            mbarrier.arrive(m_bar.index(WG))
+            p16 = p.to(gl.bfloat16)
+            acc = warpgroup_mma(gl.convert_layout(p16, p_layout), k_own.slice(WG * HALF, HALF, dim=1), acc,
+                                is_async=True)
+            if WG == 0:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                gl.thread_barrier()
+                mbarrier.arrive(free.index(0))  # half 0L: its last reader was this PV
+                # warpgroup 1's maximum includes this one's: move P and the accumulator onto it
+                mbarrier.wait(m_bar.index(1), phase)
+                m_pair = m_smem.index(1).load(rows_layout)
+                beta = gl.where(m_pair == m_i, 1.0, gl.exp2(m_i - m_pair))
+                p16 = (p16.to(gl.float32) * beta[:, None]).to(gl.bfloat16)  # (fp32 P would spill)
+                acc = acc * gl.convert_layout(beta, o_rows)[:, None]
+                l_i = l_i * beta
+                m_i = m_pair
+            p_smem.index(WG).store(p16)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(p_bar.index(WG))
+            mbarrier.wait(p_bar.index(OTHER), phase)
+            acc = warpgroup_mma(p_smem.index(OTHER + zero), k_other.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()
+            mbarrier.arrive(free.index(2 * OTHER + WG))  # this warpgroup's half of the other block
+            if WG == 1:
+                mbarrier.arrive(free.index(2 * WG + WG))  # half 1R, read by this warpgroup alone
+
+        # both sums are relative to the pair's common maximum; add them up
+        l_smem.index(WG).store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(l_bar)
+        mbarrier.wait(l_bar, 0)
+        l_all = l_smem.index(0).load(rows_layout) + l_smem.index(1).load(rows_layout)
+        heads, factor, dst = _row_outputs(m_i, l_all, o_rows, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+                                          sink_ptr, tok, hb, split, num_tokens, num_heads, HAS_SINK, SPLITS,
+                                          WG == 1)  # one warpgroup stores the LSE
+        vals = acc * factor[:, None]
+        if SPLITS == 1:
+            # Q is dead once both warpgroups are here: stage the bf16 rows in this warpgroup's half of it,
+            # so that each thread stores 16 consecutive bytes
+            stage = q_smem.index(0).slice(WG * HALF, HALF, dim=1)
+            stage.store(vals.to(gl.bfloat16))
+            gl.thread_barrier()
+            store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+            vals_s = stage.load(store_layout)
+            heads_s = gl.convert_layout(heads, gl.SliceLayout(1, store_layout))
+            cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, store_layout))
+            gl.store(dst + heads_s[:, None] * D_OUT + cols[None, :], vals_s, mask=(heads_s < num_heads)[:, None])
+        else:
+            cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+            gl.store(dst + heads[:, None] * D_OUT + cols[None, :], vals, mask=(heads < num_heads)[:, None])
 
     @gluon.jit
     def _attention_kernel(
@@ -234,41 +360,44 @@ if gluon is not None:
         c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
         num_tokens, num_heads, qk_scale,
         FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
-        SPLITS: gl.constexpr, PREFETCH: gl.constexpr,
+        SPLITS: gl.constexpr,
     ):
-        RESCALE_SLACK: gl.constexpr = 8.0
-        # each warpgroup computes the logits of half the keys (the softmax reduces across the two)
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                          instr_shape=[16, 32, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                          instr_shape=[16, 256, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        # (rows, 4 tiles, 64): a thread holds 16 consecutive bytes of each of 4 tiles of one row
-        tiles_layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0])
-        copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # (64, 512) bf16, 16 B each
-        if FMT == 1:
-            rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, tiles_layout))
-        else:
-            rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
-        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-
-        # a token's head blocks are neighbours in launch order, so they run together and the second
-        # one's gathers hit L2
+        vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         head_blocks = gl.cdiv(num_heads, H_BLOCK)
         tok = gl.program_id(0) // head_blocks
         hb = gl.program_id(0) % head_blocks
         split = gl.program_id(1)
 
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [H_BLOCK, DIM], smem_layout)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, H_BLOCK, DIM], smem_layout)  # indexed: see the loop
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DIM], smem_layout)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, H_BLOCK, BLOCK_N], smem_layout)
+        m_smem = gl.allocate_shared_memory(gl.float32, [2, H_BLOCK], vec_layout)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2, H_BLOCK], vec_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        m_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(4):
+            if FMT == 0:
+                mbarrier.init(ready.index(b), count=WARPS * 32)  # every copying thread's cp.async arrival
+            else:
+                mbarrier.init(ready.index(b), count=1)  # the copy warpgroup, after its shared-memory stores
+            mbarrier.init(free.index(b), count=1)
+        for b in gl.static_range(2):
+            mbarrier.init(m_bar.index(b), count=1)
+            mbarrier.init(p_bar.index(b), count=1)
+        mbarrier.init(l_bar, count=2)
 
         heads_q = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, q_layout))
         cols_q = gl.arange(0, DIM, layout=gl.SliceLayout(0, q_layout))
         q_tok = q_ptr + tok.to(gl.int64) * stride_qt
         q = gl.load(q_tok + heads_q[:, None] * stride_qh + cols_q[None, :], mask=(heads_q < num_heads)[:, None],
                     other=0.0)
-        q_smem.store(q)
+        q_smem.index(0).store(q)
+        fence_async_shared()
 
         len0 = gl.minimum(gl.maximum(gl.load(l0_ptr + tok), 0), w0)
         nblk0 = gl.cdiv(len0, BLOCK_N)
@@ -281,108 +410,25 @@ if gluon is not None:
         hi = gl.minimum(lo + per_split, nblk0 + nblk1)
         i0_row = i0_ptr + tok.to(gl.int64) * i0_stride
         i1_row = i1_ptr + tok.to(gl.int64) * i1_stride
-
-        m_i = gl.full([H_BLOCK], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([H_BLOCK], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        acc = warpgroup_mma_init(gl.zeros([H_BLOCK, DIM], gl.float32, layout=o_layout))
-        s_zero = gl.zeros([H_BLOCK, BLOCK_N], gl.float32, layout=s_layout)
-
-        idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo, rows_layout)
-        row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx, lo, nblk0,
-                                         FMT, BS0, BS1)
-        # the index list runs one block ahead of the gathers, so no gather waits on an index load
-        idx_next = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo + 1, rows_layout)
-        if FMT == 1:
-            if lo < hi:
-                raw_lo, exps_lo, raw_hi, exps_hi, rope = _gather_block(row, scales, valid, tiles_layout)
-                if PREFETCH:
-                    _prefetch_block(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx_next, lo + 1,
-                                    nblk0, hi, FMT, BS0, BS1)
-                _store_block(k_smem.index(0), raw_lo, exps_lo, raw_hi, exps_hi, rope)
-        else:
-            _copy_block(k_smem.index(0), row, valid, copy_layout)
-            if PREFETCH:
-                _prefetch_block(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx_next, lo + 1, nblk0,
-                                hi, FMT, BS0, BS1)
-            async_copy.wait_group(0)
-        valid_cur = gl.convert_layout(valid, gl.SliceLayout(0, s_layout))
-        fence_async_shared()
         gl.thread_barrier()
 
-        for blk in range(lo, hi):
-            buf = (blk - lo) % 2
-            k_cur = k_smem.index(buf)
-            qk = warpgroup_mma(q_smem, k_cur.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            # the next block's gathers (past the last block every row is masked off: no memory access)
-            row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
-                                             idx_next, blk + 1, nblk0, FMT, BS0, BS1)
-            if FMT == 1:
-                raw_lo, exps_lo, raw_hi, exps_hi, rope = _gather_block(row, scales, valid, tiles_layout)
-            # the index rows' addresses are rebuilt from the token each block (the asm hides that the
-            # token is loop-invariant): kept across the loop they were spilled at 255 registers, and
-            # Nsight put 18 % of the stall samples on their reloads (-2 to -4 %)
-            tok_now = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [tok], dtype=gl.int32, is_pure=False,
-                                                pack=1)
-            idx_next = _block_indices(i0_ptr + tok_now.to(gl.int64) * i0_stride, len0, nblk0,
-                                      i1_ptr + tok_now.to(gl.int64) * i1_stride, len1, blk + 2, rows_layout)
-            valid_next = gl.convert_layout(valid, gl.SliceLayout(0, s_layout))
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-            acc_now = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            if FMT == 0:  # bf16 rows go straight to shared memory while the softmax and PV run
-                gl.thread_barrier()  # both warpgroups are past the previous PV: the other buffer is free
-                _copy_block(k_smem.index(1 - buf), row, valid, copy_layout)
-            s = gl.where(valid_cur[None, :], s * qk_scale, float("-inf"))
-            m_blk = gl.max(s, 1)
-            grow = m_blk > m_i + RESCALE_SLACK
-            if gl.max(grow.to(gl.int32), 0) > 0:
-                m_new = gl.where(grow, m_blk, m_i)
-                alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
-                l_i = l_i * alpha
-                acc_now = acc_now * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                m_i = m_new
-            p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-            l_i += gl.sum(p, 1)
-            p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-            acc = warpgroup_mma(p_op, k_cur, acc_now, is_async=True)
-            if PREFETCH:  # block blk+2, gathered in the next block; its indices were loaded before the softmax
-                _prefetch_block(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx_next, blk + 2, nblk0,
-                                hi, FMT, BS0, BS1)
-            if FMT == 1:
-                if blk + 1 < hi:
-                    # the gathers had the QK wgmma and the softmax to land; the dequantisation overlaps
-                    # this block's PV wgmma. Both warpgroups are past the previous PV (waited above).
-                    gl.thread_barrier()
-                    _store_block(k_smem.index(1 - buf), raw_lo, exps_lo, raw_hi, exps_hi, rope)
-            else:
-                async_copy.wait_group(0)
-            fence_async_shared()
-            gl.thread_barrier()  # every warp's writes to the next buffer land before its QK wgmma
-            valid_cur = valid_next
-        acc_f = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        # the epilogue's layout change stages rows in shared memory that aliases the key buffers: wait
-        # until the other warpgroup's last PV wgmma has read them too
-        gl.thread_barrier()
-
-        _epilogue(acc_f, m_i, l_i, o_layout, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                  tok, hb, split, num_tokens, num_heads, HAS_SINK, SPLITS)
+        gl.warp_specialize([
+            (_copy_partition, (k_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
+                               c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT, BS0, BS1)),
+            (_math_partition, (q_smem, k_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
+                               out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                               c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
+                               tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, SPLITS, 0)),
+            (_math_partition, (q_smem, k_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
+                               out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                               c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
+                               tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, SPLITS, 1)),
+        ], [WARPS, WARPS], [MATH_REGS_C, MATH_REGS_C])
 
 
-def prefetch_pays(programs: int, sms: int) -> bool:
-    """Whether to prefetch key rows into L2 a block ahead: on decode-sized grids (a few waves of programs).
-
-    A decode batch's tokens each read their own request's keys, from HBM: the prefetch hides that
-    latency (-6 to -12 % at h_q 64 on an H100). A prefill chunk's tokens share most of their keys,
-    which neighbouring programs have already brought into L2: there the prefetch only adds
-    instructions (+2 to +12 %). Thousands of programs mean a prefill chunk.
-    """
-    return programs <= PREFETCH_MAX_WAVES * sms
-
-
-def launch(programs: int, kernel_args: tuple, fmt: str, constants: dict, prefetch: bool):
-    """Run the kernel on ``triton_attention.run``'s argument tuple and shared constants (``BS0``,
-    ``BS1``, ``HAS_EXTRA``, ``HAS_SINK``, ``SPLITS``); ``programs`` = tokens × head blocks.
-
-    Returns the compiled kernel (for register reports).
-    """
-    return _attention_kernel[(programs, constants["SPLITS"])](
-        *kernel_args, FMT=1 if fmt == "fp8_v4" else 0, PREFETCH=prefetch, num_warps=NUM_WARPS, **constants)
+def launch(programs: int, kernel_args: tuple, fmt: str, constants: dict):
+    """Run the kernel on ``triton_attention.run``'s argument tuple and shared constants (``BS0``, ``BS1``,
+    ``HAS_EXTRA``, ``HAS_SINK``, ``SPLITS``); ``programs`` = tokens × head blocks. Returns the compiled kernel
+    (for register reports)."""
+    return _attention_kernel[(programs, constants["SPLITS"])](*kernel_args, FMT=1 if fmt == "fp8_v4" else 0,
+                                                              num_warps=PARTITION_WARPS, **constants)

@@ -291,14 +291,13 @@ LAST_COMPILED: dict[str, object] = {}  # the last launch's compiled kernel, for 
 
 
 def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
-        num_stages: int | None = None, h_block: int | None = None, gluon: int | None = None,
-        prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        num_stages: int | None = None, h_block: int | None = None, gluon: int | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the attention kernel (and the combine kernel when the key lists are split).
 
     On Hopper with V4 fp8_v4 or bf16 scopes the kernel is ``gluon_attention``'s (``gluon=0`` forces this
     module's Triton kernel, ``gluon=1`` the Gluon one). The other keyword arguments override the
-    tuned launch choices of the Triton kernel (benchmarks sweep them); ``prefetch`` overrides the Gluon
-    kernel's choice of L2 prefetching (``gluon_attention.prefetch_pays``; the Triton kernel has none).
+    tuned launch choices of the Triton kernel (benchmarks sweep them).
     """
     q = args.q
     if q.stride(-1) != 1:
@@ -333,11 +332,8 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
     constants = dict(BS0=s0.cache.shape[1], BS1=s1.cache.shape[1], HAS_EXTRA=len(args.scopes) > 1,
                      HAS_SINK=args.sink is not None, SPLITS=splits)
     if use_gluon:
-        programs = num_tokens * head_blocks
-        if prefetch is None:
-            prefetch = gluon_attention.prefetch_pays(programs * splits, num_sms(device))
-        LAST_COMPILED["attention"] = gluon_attention.launch(programs, kernel_args, s0.fmt.name, constants,
-                                                            bool(prefetch))
+        LAST_COMPILED["attention"] = gluon_attention.launch(num_tokens * head_blocks, kernel_args, s0.fmt.name,
+                                                            constants)
     else:
         pa, pb, pc, v_has_rope = latent_pieces(dim)
         constants.update(FMT0=_FMT_CODE[s0.fmt.name], FMT1=_FMT_CODE[s1.fmt.name], PA=pa, PB=pb, PC=pc,
