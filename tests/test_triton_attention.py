@@ -293,16 +293,30 @@ def test_fp8_v4_keys_are_read_exactly_at_any_tile_scale(gluon):
 
 @pytest.mark.skipif(not ON_GPU, reason="a race between GPU warps")
 @pytest.mark.parametrize("fmt", ["fp8_v4", "bf16"])
-def test_repeated_calls_give_identical_outputs(fmt):
-    """Split key lists with odd block counts, 128 heads, no sink (the shortest epilogue): twenty calls
-    give the same bits and match the reference. A warpgroup that staged its output in shared memory
-    still being read by the other one's last wgmma would break this."""
+@pytest.mark.parametrize("splits", [1, 3])
+def test_repeated_calls_give_identical_outputs(fmt, splits):
+    """Odd block counts (per split too), 128 heads, no sink (the shortest epilogue): twenty calls give
+    the same bits and match the reference. A warpgroup that staged its output rows (unsplit rows) in
+    shared memory still being read by another one's wgmma would break this."""
     gen = torch.Generator().manual_seed(404)
     scopes = [random_scope(gen, fmt, 512, 96, 128, 8, 64, lens_mode="full"),
               random_scope(gen, fmt, 512, 96, 320, 64, 64, lens_mode="full")]
     q = torch.randn(96, 128, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
-    first = decode_both(q, scopes, None, splits=3)
+    first = decode_both(q, scopes, None, splits=splits)
     check_close(*first)
     for _ in range(20):
-        out, lse = decode_both(q, scopes, None, splits=3)[0]
+        out, lse = decode_both(q, scopes, None, splits=splits)[0]
         assert torch.equal(out, first[0][0]) and torch.equal(lse, first[0][1])
+
+
+def test_forcing_the_gluon_kernel_where_it_does_not_fit_is_an_error():
+    """``gluon=1`` on inputs the Hopper kernel cannot compute (here: V3.2 dims, fp8_v32, or no Hopper
+    GPU) raises instead of running it on them."""
+    from sparse_mla.ops import triton_attention
+    from sparse_mla.ops.validate import decode_args
+
+    gen = torch.Generator().manual_seed(5)
+    cache, idx, lens = random_scope(gen, "fp8_v32", 576, 2, 8, 2, 8)
+    q = torch.randn(2, 2, 576, generator=gen).to(torch.bfloat16).to(DEVICE)
+    with pytest.raises(ValueError, match="gluon=1 needs a Hopper GPU"):
+        triton_attention.run(decode_args(q, cache.data, idx, lens), gluon=1)

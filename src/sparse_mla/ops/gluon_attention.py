@@ -70,12 +70,16 @@ def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-def supported(args: AttentionArgs) -> bool:
-    """Whether this kernel can run ``args``: Hopper, V4 dims, every scope fp8_v4 or every scope bf16."""
+def fits(args: AttentionArgs) -> bool:
+    """Whether this kernel can compute ``args``: Hopper, V4 dims, every scope fp8_v4 or every scope bf16."""
     q = args.q
     fmts = {s.fmt.name for s in args.scopes}
-    return (q.is_cuda and q.shape[-1] == 512 and fmts in ({"fp8_v4"}, {"bf16"}) and enabled()
-            and _is_hopper(q.device))
+    return q.is_cuda and q.shape[-1] == 512 and fmts in ({"fp8_v4"}, {"bf16"}) and _is_hopper(q.device)
+
+
+def supported(args: AttentionArgs) -> bool:
+    """Whether to run ``args`` on this kernel by default: it fits and the Gluon path is ``enabled``."""
+    return fits(args) and enabled()
 
 
 if gluon is not None:
@@ -319,6 +323,8 @@ if gluon is not None:
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(p_bar.index(WG))
+            # the other block's half: its rows (cp.async or dequantised) were fenced for the async proxy by
+            # the warpgroup that owns the block, before it published its P
             mbarrier.wait(p_bar.index(OTHER), phase)
             acc = warpgroup_mma(p_smem.index(OTHER + zero), k_other.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
