@@ -74,7 +74,8 @@ def fits(args: AttentionArgs) -> bool:
     """Whether this kernel can compute ``args``: Hopper, V4 dims, every scope fp8_v4 or every scope bf16."""
     q = args.q
     fmts = {s.fmt.name for s in args.scopes}
-    return q.is_cuda and q.shape[-1] == 512 and fmts in ({"fp8_v4"}, {"bf16"}) and _is_hopper(q.device)
+    return (gluon is not None and q.is_cuda and q.shape[-1] == 512 and fmts in ({"fp8_v4"}, {"bf16"})
+            and _is_hopper(q.device))
 
 
 def supported(args: AttentionArgs) -> bool:
