@@ -193,24 +193,38 @@ class StepBatchBuilder:
                 if len(table) > self._tables[kind].shape[1]:
                     raise ValueError(f"request {r}: block table for {kind!r} has {len(table)} blocks, more than "
                                      f"max_model_len {self.max_model_len} needs ({self._tables[kind].shape[1]})")
-                limit = self.num_blocks.get(kind)
-                for b in table[:need]:
-                    if int(b) < 0:
-                        raise ValueError(f"request {r}: block table for {kind!r} holds a negative block number")
-                    if int(b) != b or (int(b) + 1) * self.block_sizes[kind] > 2**31:
-                        raise ValueError(f"request {r}: block table for {kind!r} holds a block number that is not an "
-                                         f"int or whose slots (block * {self.block_sizes[kind]} + offset) pass int32")
-                    if limit is not None and b >= limit:
-                        raise ValueError(f"request {r}: block table for {kind!r} holds block {int(b)}, past the "
-                                         f"cache's num_blocks[{kind!r}]={limit}")
         total = sum(req.query_len for req in requests)
         if total > self.max_tokens:
             raise ValueError(f"requests hold {total} new tokens, more than max_tokens={self.max_tokens}")
-        return num_decodes
+        return num_decodes, {kind: self._table_rows(kind, requests) for kind in self.kinds}
+
+    def _table_rows(self, kind: str, requests: Sequence[Request]) -> torch.Tensor:
+        """The requests' ``kind`` block tables as ``(n, width)`` int32 rows padded with -1, checked in one
+        pass over the whole step: the blocks a request's ``seq_len`` needs must be ints >= 0 whose slots
+        fit int32 and, with ``num_blocks``, lie inside the cache."""
+        width, bs = self._tables[kind].shape[1], self.block_sizes[kind]
+        rows = torch.tensor([list(r.block_tables[kind]) + [-1] * (width - len(r.block_tables[kind]))
+                             for r in requests])
+        need = torch.tensor([blocks_needed(r.seq_len, kind, bs) for r in requests])
+        used = torch.arange(width)[None, :] < need[:, None]
+        if rows.dtype != torch.int64:  # a float (or bool) somewhere in the tables
+            r = next((i for i, req in enumerate(requests) if not all(is_int(b) for b in req.block_tables[kind])), 0)
+            raise ValueError(f"request {r}: block table for {kind!r} holds a block number that is not an int")
+        checks = [(rows < 0, "holds a negative block number"),
+                  ((rows + 1) * bs > 2**31, f"holds a block number whose slots (block * {bs} + offset) pass int32")]
+        limit = self.num_blocks.get(kind)
+        if limit is not None:
+            checks.append((rows >= limit, f"holds block {{b}}, past the cache's num_blocks[{kind!r}]={limit}"))
+        for bad, what in checks:
+            bad &= used
+            if bool(bad.any()):
+                r, c = (int(i) for i in bad.nonzero()[0])
+                raise ValueError(f"request {r}: block table for {kind!r} " + what.format(b=int(rows[r, c])))
+        return rows.to(torch.int32)
 
     def build(self, requests: Sequence[Request]) -> StepBatch:
         """Fill the buffers from ``requests`` (decodes first) and return views of them."""
-        num_decodes = self._check(requests)
+        num_decodes, table_rows = self._check(requests)
         n = len(requests)
         seq_host = [int(r.seq_len) for r in requests]
         qlen_host = [int(r.query_len) for r in requests]
@@ -221,11 +235,8 @@ class StepBatchBuilder:
         self._seq_lens[:n].copy_(torch.tensor(seq_host, dtype=torch.int32))
         self._query_lens[:n].copy_(torch.tensor(qlen_host, dtype=torch.int32))
         self._query_start_loc[: n + 1].copy_(torch.tensor(qsl_host, dtype=torch.int32))
-        for kind in self.kinds:
-            width = self._tables[kind].shape[1]
-            rows = [list(map(int, r.block_tables[kind])) + [-1] * (width - len(r.block_tables[kind]))
-                    for r in requests]
-            self._tables[kind][:n].copy_(torch.tensor(rows, dtype=torch.int32))
+        for kind, rows in table_rows.items():
+            self._tables[kind][:n].copy_(rows)
         dev_qsl, dev_seq, dev_q = self._query_start_loc[: n + 1], self._seq_lens[:n], self._query_lens[:n]
         tok = torch.arange(num_tokens, device=self.device, dtype=torch.int32)
         req_of_tok = torch.repeat_interleave(torch.arange(n, device=self.device, dtype=torch.int32), dev_q.long(),

@@ -312,7 +312,7 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
     interpret = device.type != "cuda"
     dot_dtype = tl.float32 if interpret else tl.bfloat16  # the CPU interpreter computes bf16 dots wrongly
     use_gluon = gluon_attention.supported(args) if gluon is None else bool(gluon)
-    if use_gluon and not gluon_attention.fits(args):
+    if gluon and not gluon_attention.fits(args):
         raise ValueError("gluon=1 needs a Hopper GPU, 512-d (V4) q and caches, and every scope fp8_v4 or every "
                          f"scope bf16; got q {tuple(q.shape)} on {device}, scopes {[s.fmt.name for s in args.scopes]}")
     if use_gluon:
