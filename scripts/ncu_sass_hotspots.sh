@@ -31,7 +31,7 @@ if len(rows) > 2:
 ncu -i /tmp/profile.ncu-rep --page source --print-source sass --csv > "$OUT/sass.csv" 2>/dev/null
 python3 - "$OUT/sass.csv" <<'PY'
 import csv, sys, collections
-rows = list(csv.DictReader(open(sys.argv[1])))
+rows = list(csv.DictReader(l for l in open(sys.argv[1]) if not l.startswith('"Kernel Name"')))  # first line: the kernel
 if not rows:
     sys.exit("no rows")
 cols = rows[0].keys()

@@ -16,9 +16,12 @@ key list, in three warpgroups that run out of step, synchronised by mbarriers on
   overlaps the other's wgmmas.
 * A copy warpgroup fills the buffers one 256-dim half of a block at a time, in the order the math
   warpgroups read them, each as soon as that half's last reader of the previous pair is done:
-  bf16 rows with ``cp.async`` (the copies signal the half ready as they land), fp8_v4 rows
-  gathered into registers while the half is still in use, then dequantised into it. The math
-  warpgroups never wait for a gather or a conversion unless the copy warpgroup falls behind.
+  bf16 rows with ``cp.async`` (the copies signal the half ready as they land); fp8_v4 rows
+  gathered into registers as 32-bit words, then dequantised into the half once it is free. The
+  fp8 loop is software-pipelined so that two halves' gathers are in flight: the next half's loads
+  are issued before the current one is dequantised (decode is bound by this gather latency, not
+  by the conversion). The rope dims, already bf16, go by ``cp.async``. The math warpgroups never
+  wait for a gather or a conversion unless the copy warpgroup falls behind.
 
 The split merge and the sink of split rows are ``triton_attention``'s combine kernel.
 
@@ -49,9 +52,10 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 PARTITION_WARPS = 4  # each of the three warpgroups
-# registers per thread of a math warpgroup (its 64 × 256 fp32 accumulator, the 64 × 64 logits and P);
-# the copy warpgroup, the default partition, gets what is left: 72
-MATH_REGS = 216
+# registers per thread of a math warpgroup (its 64 × 256 fp32 accumulator, the 64 × 64 logits and P), by format;
+# the copy warpgroup, the default partition, gets what is left: 72 for bf16 (cp.async holds nothing in registers),
+# 104 for fp8_v4, whose copy warpgroup holds two gathered half blocks at once
+MATH_REGS = {"bf16": 216, "fp8_v4": 200}
 HEADS_PER_PROGRAM = 64
 KEYS_PER_BLOCK = 64
 VALIDATED_TRITON = ("3.6.",)  # checked on an H100 against the reference ops (tests/test_triton_attention.py)
@@ -70,12 +74,20 @@ def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
+def words_aligned(args: AttentionArgs) -> bool:
+    """Whether every fp8_v4 cache's pages start on a 4-byte boundary (base and page stride): the kernel
+    reads fp8_v4 rows and scales as 32-bit words."""
+    return all(s.fmt.name != "fp8_v4" or (s.cache.data_ptr() % 4 == 0 and s.cache.stride(0) % 4 == 0)
+               for s in args.scopes)
+
+
 def fits(args: AttentionArgs) -> bool:
-    """Whether this kernel can compute ``args``: Hopper, V4 dims, every scope fp8_v4 or every scope bf16."""
+    """Whether this kernel can compute ``args``: Hopper, V4 dims, every scope fp8_v4 (``words_aligned``)
+    or every scope bf16."""
     q = args.q
     fmts = {s.fmt.name for s in args.scopes}
     return (gluon is not None and q.is_cuda and q.shape[-1] == 512 and fmts in ({"fp8_v4"}, {"bf16"})
-            and _is_hopper(q.device))
+            and words_aligned(args) and _is_hopper(q.device))
 
 
 def supported(args: AttentionArgs) -> bool:
@@ -90,8 +102,10 @@ if gluon is not None:
     DIM = gl.constexpr(512)
     D_OUT = gl.constexpr(D_V)
     HALF = gl.constexpr(256)
+    WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
     WARPS = gl.constexpr(PARTITION_WARPS)
-    MATH_REGS_C = gl.constexpr(MATH_REGS)
+    MATH_REGS_BF16 = gl.constexpr(MATH_REGS["bf16"])
+    MATH_REGS_FP8 = gl.constexpr(MATH_REGS["fp8_v4"])
 
     @gluon.jit
     def _opaque(x):
@@ -132,23 +146,51 @@ if gluon is not None:
         return row, scales, valid
 
     @gluon.jit
-    def _gather_half(rows, scales, ok, SIDE: gl.constexpr, tiles_layout: gl.constexpr):
-        """Raw bytes of dims ``[256·SIDE, 256·SIDE + 256)`` of the gathered rows: ``(BLOCK_N, 4, 64)`` e4m3
-        and ``(BLOCK_N, 4)`` ue8m0 exponents. The last tile of the second half is the bf16 rope, not
-        read here. Invalid rows read nothing."""
-        tile = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, tiles_layout)))
-        col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, tiles_layout)))
+    def _gather_half(rows, scales, ok, SIDE: gl.constexpr, words_layout: gl.constexpr):
+        """The e4m3 bytes of dims ``[256·SIDE, 256·SIDE + 256)`` of the gathered fp8_v4 rows as ``(BLOCK_N, 4, 16)``
+        int32 words (4 bytes each, little-endian), and their four ue8m0 exponents as one ``(BLOCK_N,)`` int32
+        word (byte t: tile t). The fourth tile of the second half is the bf16 rope, not read here (zeros).
+        Invalid rows read nothing. Words, not bytes: the copy warpgroup carries two halves in registers,
+        and tensors of bytes would take a register per byte."""
+        tile = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_layout)))
+        word = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
         is_rope = (tile == 3) & (SIDE == 1)
-        byte_off = (SIDE * 4 + tile)[None, :, None] * 64 + col[None, None, :]
-        raw = gl.load(rows[:, None, None] + byte_off, mask=ok[:, None, None] & ~is_rope[None, :, None], other=0)
-        exps = gl.load(scales[:, None] + SIDE * 4 + tile[None, :], mask=ok[:, None] & ~is_rope[None, :], other=127)
-        return raw, exps
+        offs = (SIDE * 4 + tile)[None, :, None] * 16 + word[None, None, :]
+        raw = gl.load(rows.to(gl.pointer_type(gl.int32))[:, None, None] + offs,
+                      mask=ok[:, None, None] & ~is_rope[None, :, None], other=0)
+        exps = gl.load(scales.to(gl.pointer_type(gl.int32)) + SIDE, mask=ok, other=0x7F7F7F7F)
+        return raw, gl.convert_layout(exps, gl.SliceLayout(1, gl.SliceLayout(2, words_layout)))
 
     @gluon.jit
     def _dequant(raw, exps):
-        """e4m3 bytes times their power-of-two ue8m0 factor: exact in bf16."""
-        factor = (exps.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # ue8m0 -> 2^(e-127)
-        return raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * factor[:, :, None]
+        """``_gather_half``'s words times their tiles' power-of-two factors, exactly, as ``(BLOCK_N, 4, 32)`` int32
+        words that each hold two bf16 (the dims in order)."""
+        tile = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, raw.type.layout)))
+        e = (exps[:, None] >> (tile[None, :] * 8)) & 0xFF
+        factor = (e << 23).to(gl.float32, bitcast=True)  # ue8m0 -> 2^(e-127)
+        # per word: e4m3 pairs -> f16 pairs (exact) -> f32, times the factor (exact: a power of two), -> bf16 pairs
+        lo, hi = gl.inline_asm_elementwise(
+            """{
+            .reg .b16 l, h, x0, x1, x2, x3;
+            .reg .b32 a, b;
+            .reg .f32 f0, f1, f2, f3;
+            mov.b32 {l, h}, $2;
+            cvt.rn.f16x2.e4m3x2 a, l;
+            cvt.rn.f16x2.e4m3x2 b, h;
+            mov.b32 {x0, x1}, a;
+            mov.b32 {x2, x3}, b;
+            cvt.f32.f16 f0, x0;
+            cvt.f32.f16 f1, x1;
+            cvt.f32.f16 f2, x2;
+            cvt.f32.f16 f3, x3;
+            mul.f32 f0, f0, $3;
+            mul.f32 f1, f1, $3;
+            mul.f32 f2, f2, $3;
+            mul.f32 f3, f3, $3;
+            cvt.rn.bf16x2.f32 $0, f1, f0;
+            cvt.rn.bf16x2.f32 $1, f3, f2;
+            }""", "=r,=r,r,r", [raw, factor[:, :, None]], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        return gl.reshape(gl.join(lo, hi), [BLOCK_N, 4, 32])
 
     @gluon.jit
     def _row_outputs(m_i, l_i, rows_layout: gl.constexpr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
@@ -189,22 +231,25 @@ if gluon is not None:
         async_copy.mbarrier_arrive(ready.index(bar), increment_count=False)
 
     @gluon.jit
-    def _dequant_half(k_smem, ready, free, rows, scales, ok, j, BUF: gl.constexpr, SIDE: gl.constexpr,
-                      tiles_layout: gl.constexpr):
-        """fp8_v4: dims [256·SIDE, 256·SIDE + 256) of pair j's block, gathered into registers (before the
-        buffer is free: nothing is written yet), dequantised into buffer ``BUF`` once it is."""
+    def _store_half(k_smem, ready, free, raw, exps, rows, ok, j, BUF: gl.constexpr, SIDE: gl.constexpr):
+        """fp8_v4: once half ``SIDE`` of buffer ``BUF`` is free of pair j-1's readers, dequantise into it a half
+        block gathered by ``_gather_half`` (``rows``/``ok``: the block's rows, for the second half's rope,
+        which goes by ``cp.async`` and arrives on ``ready`` as it lands), and signal the half ready."""
         bar: gl.constexpr = 2 * BUF + SIDE
-        raw, exps = _gather_half(rows, scales, ok, SIDE, tiles_layout)
-        if SIDE == 1:
-            col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, tiles_layout)))
-            rope = gl.load((rows + NOPE).to(gl.pointer_type(gl.bfloat16))[:, None, None] + col[None, None, :],
-                           mask=ok[:, None, None], other=0.0)
         mbarrier.wait(free.index(bar), (j & 1) ^ 1, pred=j >= 1)
-        vals = _dequant(raw, exps).to(gl.bfloat16)
+        vals = _dequant(raw, exps)
+        words = k_smem.index(BUF)._reinterpret(gl.int32, [BLOCK_N, DIM // 2], WORDS_SMEM)  # bf16 pairs
+        words.slice(SIDE * HALF // 2, HALF // 2, dim=1).store(gl.reshape(vals, [BLOCK_N, HALF // 2]))
         if SIDE == 1:
-            tile = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, tiles_layout)))
-            vals = gl.where((tile == 3)[None, :, None], rope, vals)
-        k_smem.index(BUF).slice(SIDE * HALF, HALF, dim=1).store(gl.reshape(vals, [BLOCK_N, HALF]))
+            # the rope tile was just written with zeros: every thread's stores land before any rope copy starts
+            gl.thread_barrier()
+            rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
+            col = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_layout))
+            row = gl.convert_layout(rows, gl.SliceLayout(1, rope_layout)).to(gl.pointer_type(gl.bfloat16))
+            okr = gl.convert_layout(ok, gl.SliceLayout(1, rope_layout))
+            async_copy.async_copy_global_to_shared(k_smem.index(BUF).slice(NOPE, DIM - NOPE, dim=1),
+                                                   (row + NOPE // 2)[:, None] + col[None, :], mask=okr[:, None])
+            async_copy.mbarrier_arrive(ready.index(bar), increment_count=False)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ready.index(bar))
@@ -219,28 +264,50 @@ if gluon is not None:
         ``ready``/``free`` are indexed ``2·buffer + half``.
         """
         copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # (64, 256), 16 B each
-        # (rows, 4 tiles, 64): a thread holds 16 consecutive bytes of each of 4 tiles of one row
-        tiles_layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
+        # (rows, 4 tiles, 16 words): a thread holds 16 consecutive bytes of each of 4 tiles of one row
+        words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
         if FMT == 1:
-            rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, tiles_layout))
+            rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words_layout))
         else:
             rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
         cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, copy_layout))
-        for j in range(gl.cdiv(hi - lo, 2)):
-            blk0 = lo + 2 * j
-            idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0, rows_layout)
-            idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 1, rows_layout)
+        if FMT == 1:
+            # software-pipelined: each half's gathers are issued before the previous half is dequantised, so
+            # two halves' loads are in flight (the next pair's indices are loaded one pair ahead for that)
+            idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo, rows_layout)
+            idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo + 1, rows_layout)
             row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx0,
-                                                blk0, nblk0, FMT, BS0, BS1)
-            row1, scales1, valid1 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx1,
-                                                blk0 + 1, nblk0, FMT, BS0, BS1)
-            valid1 = valid1 & (blk0 + 1 < hi)
-            if FMT == 1:
-                _dequant_half(k_smem, ready, free, row0, scales0, valid0, j, 0, 0, tiles_layout)
-                _dequant_half(k_smem, ready, free, row1, scales1, valid1, j, 1, 1, tiles_layout)
-                _dequant_half(k_smem, ready, free, row0, scales0, valid0, j, 0, 1, tiles_layout)
-                _dequant_half(k_smem, ready, free, row1, scales1, valid1, j, 1, 0, tiles_layout)
-            else:
+                                                lo, nblk0, FMT, BS0, BS1)
+            raw_a, exps_a = _gather_half(row0, scales0, valid0, 0, words_layout)
+            for j in range(gl.cdiv(hi - lo, 2)):
+                blk0 = lo + 2 * j
+                row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
+                                                    idx0, blk0, nblk0, FMT, BS0, BS1)
+                row1, scales1, valid1 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
+                                                    idx1, blk0 + 1, nblk0, FMT, BS0, BS1)
+                valid1 = valid1 & (blk0 + 1 < hi)
+                idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 2, rows_layout)
+                idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 3, rows_layout)
+                raw_b, exps_b = _gather_half(row1, scales1, valid1, 1, words_layout)
+                _store_half(k_smem, ready, free, raw_a, exps_a, row0, valid0, j, 0, 0)
+                raw_a, exps_a = _gather_half(row0, scales0, valid0, 1, words_layout)
+                _store_half(k_smem, ready, free, raw_b, exps_b, row1, valid1, j, 1, 1)
+                raw_b, exps_b = _gather_half(row1, scales1, valid1, 0, words_layout)
+                _store_half(k_smem, ready, free, raw_a, exps_a, row0, valid0, j, 0, 1)
+                row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
+                                                    idx0, blk0 + 2, nblk0, FMT, BS0, BS1)
+                raw_a, exps_a = _gather_half(row0, scales0, valid0 & (blk0 + 2 < hi), 0, words_layout)
+                _store_half(k_smem, ready, free, raw_b, exps_b, row1, valid1, j, 1, 0)
+        else:
+            for j in range(gl.cdiv(hi - lo, 2)):
+                blk0 = lo + 2 * j
+                idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0, rows_layout)
+                idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 1, rows_layout)
+                row0, _, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx0,
+                                              blk0, nblk0, FMT, BS0, BS1)
+                row1, _, valid1 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx1,
+                                              blk0 + 1, nblk0, FMT, BS0, BS1)
+                valid1 = valid1 & (blk0 + 1 < hi)
                 _copy_half(k_smem, ready, free, row0, valid0, cols, j, 0, 0)
                 _copy_half(k_smem, ready, free, row1, valid1, cols, j, 1, 1)
                 _copy_half(k_smem, ready, free, row0, valid0, cols, j, 0, 1)
@@ -390,8 +457,10 @@ if gluon is not None:
         for b in gl.static_range(4):
             if FMT == 0:
                 mbarrier.init(ready.index(b), count=WARPS * 32)  # every copying thread's cp.async arrival
-            else:
+            elif b % 2 == 0:
                 mbarrier.init(ready.index(b), count=1)  # the copy warpgroup, after its shared-memory stores
+            else:
+                mbarrier.init(ready.index(b), count=1 + WARPS * 32)  # and each thread's rope cp.async
             mbarrier.init(free.index(b), count=1)
         for b in gl.static_range(2):
             mbarrier.init(m_bar.index(b), count=1)
@@ -419,6 +488,7 @@ if gluon is not None:
         i1_row = i1_ptr + tok.to(gl.int64) * i1_stride
         gl.thread_barrier()
 
+        math_regs: gl.constexpr = MATH_REGS_FP8 if FMT == 1 else MATH_REGS_BF16
         gl.warp_specialize([
             (_copy_partition, (k_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
                                c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT, BS0, BS1)),
@@ -430,7 +500,7 @@ if gluon is not None:
                                out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
                                c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
                                tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, SPLITS, 1)),
-        ], [WARPS, WARPS], [MATH_REGS_C, MATH_REGS_C])
+        ], [WARPS, WARPS], [math_regs, math_regs])
 
 
 def launch(programs: int, kernel_args: tuple, fmt: str, constants: dict):
