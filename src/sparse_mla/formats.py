@@ -133,6 +133,10 @@ def as_paged(cache: torch.Tensor, fmt: KVFormat, name: str = "cache") -> torch.T
             f"{name} stride(0) = {cache.stride(0)} is smaller than one {fmt.name} block "
             f"({block_bytes(fmt, cache.shape[1], fmt.dim)} bytes)"
         )
+    if fmt.is_fp8 and (cache.data_ptr() % 4 or cache.stride(0) % 4):
+        # the GPU kernels read the rope, the scales and (fp8_v4) the e4m3 bytes as aligned 16- and 32-bit words
+        raise ValueError(f"{name}: every {fmt.name} block must start on a 4-byte boundary; the cache starts at "
+                         f"byte {cache.data_ptr() % 4} mod 4 and stride(0) = {cache.stride(0)}")
     return cache
 
 

@@ -74,20 +74,12 @@ def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-def words_aligned(args: AttentionArgs) -> bool:
-    """Whether every fp8_v4 cache's pages start on a 4-byte boundary (base and page stride): the kernel
-    reads fp8_v4 rows and scales as 32-bit words."""
-    return all(s.fmt.name != "fp8_v4" or (s.cache.data_ptr() % 4 == 0 and s.cache.stride(0) % 4 == 0)
-               for s in args.scopes)
-
-
 def fits(args: AttentionArgs) -> bool:
-    """Whether this kernel can compute ``args``: Hopper, V4 dims, every scope fp8_v4 (``words_aligned``)
-    or every scope bf16."""
+    """Whether this kernel can compute ``args``: Hopper, V4 dims, every scope fp8_v4 or every scope bf16."""
     q = args.q
     fmts = {s.fmt.name for s in args.scopes}
     return (gluon is not None and q.is_cuda and q.shape[-1] == 512 and fmts in ({"fp8_v4"}, {"bf16"})
-            and words_aligned(args) and _is_hopper(q.device))
+            and _is_hopper(q.device))
 
 
 def supported(args: AttentionArgs) -> bool:
