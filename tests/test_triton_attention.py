@@ -322,16 +322,40 @@ def test_forcing_the_gluon_kernel_where_it_does_not_fit_is_an_error():
         triton_attention.run(decode_args(q, cache.data, idx, lens), gluon=1)
 
 
+def shifted_copy(cache: torch.Tensor, shift: int) -> torch.Tensor:
+    """A copy of ``cache`` (same shape and strides) whose storage starts ``shift`` elements into an allocation."""
+    buf = torch.empty(cache.untyped_storage().nbytes() // cache.element_size() + shift, dtype=cache.dtype,
+                      device=cache.device)
+    out = buf.as_strided(cache.shape, cache.stride(), shift)
+    out.copy_(cache)
+    return out
+
+
 @pytest.mark.parametrize("fmt,dim", [("fp8_v4", 512), ("fp8_v32", 576)])
 def test_fp8_cache_off_a_4_byte_boundary_is_rejected(fmt, dim):
     """The GPU kernels read fp8 caches' rope, scales and (fp8_v4) e4m3 bytes as aligned words: a cache view
     that starts at an odd byte is a clear error on every backend, not a misaligned read."""
     gen = torch.Generator().manual_seed(31)
     cache, idx, lens = random_scope(gen, fmt, dim, 3, 20, 4, 64)
-    shifted = torch.empty(cache.data.untyped_storage().nbytes() + 1, dtype=torch.uint8, device=DEVICE)
-    shifted = shifted.as_strided(cache.data.shape, cache.data.stride(), 1)
-    shifted.copy_(cache.data)
     q = torch.randn(3, 2, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     for backend in ("reference", "triton"):
         with pytest.raises(ValueError, match="cache: every .* block must start on a 4-byte boundary"):
-            sparse_attention_decode(q, shifted, idx, lens, backend=backend)
+            sparse_attention_decode(q, shifted_copy(cache.data, 1), idx, lens, backend=backend)
+
+
+@pytest.mark.parametrize("fmt,shift", [("fp8_v4", 4), ("bf16", 1)])
+def test_cache_off_a_16_byte_boundary_gives_the_same_attention(fmt, shift):
+    """A cache whose pages start off a 16-byte boundary (on a 4-byte one for fp8) is read correctly: the Hopper
+    kernel copies with 16-byte cp.async, so it leaves such caches to the Triton kernel."""
+    from sparse_mla.ops import gluon_attention
+    from sparse_mla.ops.validate import decode_args
+
+    gen = torch.Generator().manual_seed(32)
+    num_tokens, width = (8, 100) if ON_GPU else (3, 20)
+    cache, idx, lens = random_scope(gen, fmt, 512, num_tokens, width, 4, 64)
+    shifted = shifted_copy(cache.data, shift)
+    q = torch.randn(num_tokens, 64 if ON_GPU else 2, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    assert gluon_attention.pages_16_byte_aligned(decode_args(q, cache.data, idx, lens))
+    assert not gluon_attention.pages_16_byte_aligned(decode_args(q, shifted, idx, lens))
+    ref = sparse_attention_decode(q, cache.data, idx, lens, backend="reference")
+    check_close(sparse_attention_decode(q, shifted, idx, lens, backend="triton"), ref)

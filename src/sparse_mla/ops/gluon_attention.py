@@ -74,12 +74,20 @@ def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
+def pages_16_byte_aligned(args: AttentionArgs) -> bool:
+    """Whether every cache's base and page stride are multiples of 16 bytes: the kernel copies bf16 rows and
+    the fp8_v4 rope with 16-byte ``cp.async``, which cannot be split finer than 4 bytes."""
+    return all(s.cache.data_ptr() % 16 == 0 and s.cache.stride(0) * s.cache.element_size() % 16 == 0
+               for s in args.scopes)
+
+
 def fits(args: AttentionArgs) -> bool:
-    """Whether this kernel can compute ``args``: Hopper, V4 dims, every scope fp8_v4 or every scope bf16."""
+    """Whether this kernel can compute ``args``: Hopper, V4 dims, every scope fp8_v4 or every scope bf16,
+    caches ``pages_16_byte_aligned``."""
     q = args.q
     fmts = {s.fmt.name for s in args.scopes}
     return (gluon is not None and q.is_cuda and q.shape[-1] == 512 and fmts in ({"fp8_v4"}, {"bf16"})
-            and _is_hopper(q.device))
+            and pages_16_byte_aligned(args) and _is_hopper(q.device))
 
 
 def supported(args: AttentionArgs) -> bool:
@@ -141,7 +149,8 @@ if gluon is not None:
     def _gather_half(rows, scales, ok, SIDE: gl.constexpr, words_layout: gl.constexpr):
         """The e4m3 bytes of dims ``[256·SIDE, 256·SIDE + 256)`` of the gathered fp8_v4 rows as ``(BLOCK_N, 4, 16)``
         int32 words (4 bytes each, little-endian), and their four ue8m0 exponents as one ``(BLOCK_N,)`` int32
-        word (byte t: tile t). The fourth tile of the second half is the bf16 rope, not read here (zeros).
+        word (byte t: tile t's; in the second half byte 3 is the pad byte). The fourth tile of the second half
+        is the bf16 rope, not read here (zero words).
         Invalid rows read nothing. Words, not bytes: the copy warpgroup carries two halves in registers,
         and tensors of bytes would take a register per byte."""
         tile = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_layout)))
@@ -233,7 +242,8 @@ if gluon is not None:
         words = k_smem.index(BUF)._reinterpret(gl.int32, [BLOCK_N, DIM // 2], WORDS_SMEM)  # bf16 pairs
         words.slice(SIDE * HALF // 2, HALF // 2, dim=1).store(gl.reshape(vals, [BLOCK_N, HALF // 2]))
         if SIDE == 1:
-            # the rope tile was just written with zeros: every thread's stores land before any rope copy starts
+            # the rope tile was just written too (zero words times the pad byte's factor: zeros, or NaN for a
+            # 0xFF pad byte): every thread's stores land before any rope copy starts, and the copy overwrites them
             gl.thread_barrier()
             rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
             col = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_layout))
@@ -256,13 +266,12 @@ if gluon is not None:
         ``ready``/``free`` are indexed ``2·buffer + half``.
         """
         copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # (64, 256), 16 B each
-        # (rows, 4 tiles, 16 words): a thread holds 16 consecutive bytes of each of 4 tiles of one row
+        # (rows, 4 tiles, 16 words): a thread holds 16 consecutive bytes of each of 4 tiles of two rows
         words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
         if FMT == 1:
             rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words_layout))
         else:
             rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
-        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, copy_layout))
         if FMT == 1:
             # software-pipelined: each half's gathers are issued before the previous half is dequantised, so
             # two halves' loads are in flight (the next pair's indices are loaded one pair ahead for that)
@@ -273,6 +282,7 @@ if gluon is not None:
             raw_a, exps_a = _gather_half(row0, scales0, valid0, 0, words_layout)
             for j in range(gl.cdiv(hi - lo, 2)):
                 blk0 = lo + 2 * j
+                # row addresses are recomputed from the carried indices rather than carried (registers)
                 row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
                                                     idx0, blk0, nblk0, FMT, BS0, BS1)
                 row1, scales1, valid1 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
@@ -291,6 +301,7 @@ if gluon is not None:
                 raw_a, exps_a = _gather_half(row0, scales0, valid0 & (blk0 + 2 < hi), 0, words_layout)
                 _store_half(k_smem, ready, free, raw_b, exps_b, row1, valid1, j, 1, 0)
         else:
+            cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, copy_layout))
             for j in range(gl.cdiv(hi - lo, 2)):
                 blk0 = lo + 2 * j
                 idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0, rows_layout)
