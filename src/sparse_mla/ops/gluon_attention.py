@@ -265,14 +265,10 @@ if gluon is not None:
 
         ``ready``/``free`` are indexed ``2·buffer + half``.
         """
-        copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # (64, 256), 16 B each
-        # (rows, 4 tiles, 16 words): a thread holds 16 consecutive bytes of each of 4 tiles of two rows
-        words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
         if FMT == 1:
+            # (rows, 4 tiles, 16 words): a thread holds 16 consecutive bytes of each of 4 tiles of two rows
+            words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
             rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words_layout))
-        else:
-            rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
-        if FMT == 1:
             # software-pipelined: each half's gathers are issued before the previous half is dequantised, so
             # two halves' loads are in flight (the next pair's indices are loaded one pair ahead for that)
             idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo, rows_layout)
@@ -301,6 +297,8 @@ if gluon is not None:
                 raw_a, exps_a = _gather_half(row0, scales0, valid0 & (blk0 + 2 < hi), 0, words_layout)
                 _store_half(k_smem, ready, free, raw_b, exps_b, row1, valid1, j, 1, 0)
         else:
+            copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # (64, 256), 16 B each
+            rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
             cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, copy_layout))
             for j in range(gl.cdiv(hi - lo, 2)):
                 blk0 = lo + 2 * j
