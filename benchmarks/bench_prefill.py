@@ -20,7 +20,7 @@ import sys
 
 import torch
 import triton
-from common import load_flash_mla, parse_sweep, rel, timed, timed_pair, warm_up_gpu
+from common import graphed, load_flash_mla, parse_sweep, rel, timed, timed_pair, warm_up_gpu
 
 from sparse_mla.config import get_config
 from sparse_mla.layer import SparseMLAAttention
@@ -116,16 +116,12 @@ def _step_metadata_work(b, m, sc, kv_new, kinds):
 def _graph_time(work, rep):
     """GPU time (us) of ``work`` captured in one CUDA graph, as an engine replays a decode step; None if
     it cannot be captured."""
-    work()  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            work()
+        replay = graphed(work)
     except RuntimeError as err:
         print(f"metadata work is not capturable in a CUDA graph: {err}", file=sys.stderr)
         return None
-    return timed(graph.replay, rep)
+    return timed(replay, rep)
 
 
 def metadata_cases(rep):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 
 import torch
 import triton
@@ -11,6 +12,31 @@ import triton
 def timed(fn, rep_ms: int = 100) -> float:
     """Median time of ``fn`` in microseconds (``triton.testing.do_bench``: CUDA events, after warm-up)."""
     return triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median") * 1e3
+
+
+def graphed(fn):
+    """``fn`` captured once in a CUDA graph; returns its replay. Timing the replay measures the GPU work alone:
+    a Python launch path slower than the L2 flush that ``do_bench`` runs before each call would otherwise
+    leave the GPU idle inside the timed window (short kernels then time host-bound, bimodally). Raises
+    ``RuntimeError`` if ``fn`` cannot be captured."""
+    fn()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Host (CPU) time of one call of ``fn`` in microseconds, GPU queue kept busy: its launch overhead."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def timed_pair(fn_a, fn_b, rep_ms: int = 100, rounds: int = 3) -> tuple[float, float]:

@@ -15,7 +15,7 @@ fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_triton_attention.py tests/test_flashmla_interop.py tests/test_layer.py tests/test_triton_cache.py tests/test_triton_index.py} \
+python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_triton_attention.py tests/test_flashmla_interop.py tests/test_layer.py tests/test_triton_cache.py tests/test_triton_index.py tests/test_order.py} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
 python3 -m sparse_mla.cli demo 2>&1 | tee "$OUT/demo.log"
 BENCH=${BENCH:-decode}

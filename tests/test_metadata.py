@@ -106,6 +106,31 @@ def test_hand_checked_lists():
     assert lens[0] == 2 and idx[0].tolist() == [slot(req[0], "c4a", 31), slot(req[0], "c4a", 0), -1]
 
 
+def test_decode_orders_put_the_tokens_with_most_key_blocks_first_refilled_each_step():
+    # decode rows at contexts 900, 70, 520, 300 (c4a counts capped at topk 100), then a 140-token prefill
+    lengths = [(900, 1), (70, 1), (520, 1), (300, 1), (140, 140)]
+    batch, _ = make_batch(lengths, threshold=1, padding=3)
+    spec = MetadataSpec(window=128, topk=100)
+    meta = build_step_metadata(batch, spec)
+    assert meta.decode_order("swa") is None
+    positions = [p for _, p in token_list(lengths)][:4]
+    extra = {"c4a": lambda p: min(100, (p + 1) // 4), "c128a": lambda p: (p + 1) // 128}
+    for kind, count in extra.items():
+        order = meta.decode_order(kind)
+        assert order.dtype == torch.int32 and order.shape == (4,)
+        blocks = [-(-min(128, p + 1) // 64) - (-count(p) // 64) for p in positions]
+        keys = [(-blocks[t], t) for t in order.tolist()]
+        assert sorted(order.tolist()) == [0, 1, 2, 3] and keys == sorted(keys)
+        assert order.tolist() == [0, 2, 3, 1]  # 4, 3, 4, 4 blocks (c128a: 3, 2, 3, 3)
+    # the next step, same capacities, other decode lengths: the same buffers, refilled
+    ptrs = {k: meta.decode_order(k).data_ptr() for k in extra}
+    nxt = build_step_metadata(make_batch([(70, 1), (64, 1), (900, 1), (530, 1), (140, 140)], padding=3)[0],
+                              spec, out=meta)
+    for kind in extra:
+        assert nxt.decode_order(kind).data_ptr() == ptrs[kind]
+        assert nxt.decode_order(kind).tolist() == [2, 3, 0, 1]  # 900 and 530 first; 70 (2 swa blocks) before 64
+
+
 def test_compact_rows():
     rows = torch.tensor([[-1, 5, -1, 7], [1, 2, 3, 4], [-1, -1, -1, -1]], dtype=torch.int32)
     out, lens = compact_rows(rows)

@@ -359,3 +359,62 @@ def test_cache_off_a_16_byte_boundary_gives_the_same_attention(fmt, shift):
     assert not gluon_attention.pages_16_byte_aligned(decode_args(q, shifted, idx, lens))
     ref = sparse_attention_decode(q, cache.data, idx, lens, backend="reference")
     check_close(sparse_attention_decode(q, shifted, idx, lens, backend="triton"), ref)
+
+
+@pytest.mark.parametrize("fmt,dim", [("fp8_v4", 512), ("bf16", 512), ("fp8_v32", 576)])
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("gluon", [None, 0] if ON_GPU else [None])
+def test_token_order_changes_no_bit(fmt, dim, splits, gluon):
+    """Programs taking tokens longest-first, or in any permuted order, compute the same bits."""
+    from sparse_mla.ops import longest_first, triton_attention
+    from sparse_mla.ops.validate import decode_args
+
+    gen = torch.Generator().manual_seed(100 * splits + dim + len(fmt))
+    num_tokens, num_heads = (150, 72) if ON_GPU else (9, 3)
+    width0, width1 = (128, 700) if ON_GPU else (12, 30)
+    (c0, i0, l0), (c1, i1, l1) = (random_scope(gen, fmt, dim, num_tokens, width0, 4, 64 if ON_GPU else 8),
+                                  random_scope(gen, fmt, dim, num_tokens, width1, 16, 64 if ON_GPU else 8))
+    q = torch.randn(num_tokens, num_heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    sink = random_sink(gen, num_heads)
+    kw = dict(extra_cache=c1.data, extra_indices=i1, extra_lens=l1, sink=sink)
+    ref = sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw)
+    plain = triton_attention.run(decode_args(q, c0.data, i0, l0, **kw), splits=splits, gluon=gluon)
+    check_close(plain, ref)
+    shuffled = torch.randperm(num_tokens, generator=gen).int().to(DEVICE)
+    for order in (longest_first(l0, l1), shuffled):
+        out, lse = triton_attention.run(decode_args(q, c0.data, i0, l0, order=order, **kw), splits=splits,
+                                        gluon=gluon)
+        assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_bad_token_orders_are_named(monkeypatch, backend):
+    monkeypatch.setenv("SPARSE_MLA_DEBUG", "1")  # the permutation check syncs: the fast path makes it in debug mode
+    gen = torch.Generator().manual_seed(5)
+    cache, idx, lens = random_scope(gen, "bf16", 512, 4, 10, 2, 8)
+    q = torch.randn(4, 2, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    for order, match in ((torch.arange(4, device=DEVICE), "order must have dtype torch.int32"),
+                         (torch.arange(5, dtype=torch.int32, device=DEVICE), r"order must have shape \(4,\)"),
+                         (torch.tensor([0, 1, 1, 3], dtype=torch.int32, device=DEVICE), "permutation of 0 … 3")):
+        with pytest.raises(ValueError, match=match):
+            sparse_attention_decode(q, cache.data, idx, lens, backend=backend, order=order)
+
+
+@pytest.mark.parametrize("gluon", [None, 0] if ON_GPU else [None])
+def test_programs_take_the_tokens_order_names(gluon):
+    """Without debug checks a bad order is not caught. The kernels clamp each entry into range: the tokens it
+    names are computed (and right), the others left unwritten, and nothing outside the op's tensors is touched."""
+    from sparse_mla.ops import triton_attention
+    from sparse_mla.ops.validate import decode_args
+
+    gen = torch.Generator().manual_seed(6)
+    cache, idx, lens = random_scope(gen, "fp8_v4", 512, 5, 10, 2, 8)
+    q = torch.randn(5, 2, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    out = torch.full((5, 2, 512), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    order = torch.tensor([0, 0, 1 << 30, -(1 << 30), 2], dtype=torch.int32, device=DEVICE)  # 0, 0, 4, 0, 2
+    got, _ = triton_attention.run(decode_args(q, cache.data, idx, lens, out=out, order=order, check_ranges=False),
+                                  gluon=gluon)
+    ref, _ = sparse_attention_decode(q, cache.data, idx, lens, backend="reference")
+    named = [0, 2, 4]
+    assert rel_err(got[named], ref[named]) < 1e-2
+    assert (got[[1, 3]] == 7.0).all()

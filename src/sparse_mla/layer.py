@@ -128,9 +128,9 @@ class SparseMLAAttention(torch.nn.Module):
             scopes.append((data["c128a"], meta.c128a_indices, meta.c128a_lens))
         n_dec, n_tok = batch.num_decode_tokens, batch.num_tokens
         if n_dec:
-            self._paged(q, scopes, slice(0, n_dec), out)
+            self._paged(q, scopes, slice(0, n_dec), out, meta.decode_order(self.kind))
         if n_tok > n_dec:
-            if self.prefill_mode == "paged":
+            if self.prefill_mode == "paged":  # many waves of programs: their order hardly matters
                 self._paged(q, scopes, slice(n_dec, n_tok), out)
             else:
                 self._prefill_workspace(q, meta, data, local, out)
@@ -167,13 +167,14 @@ class SparseMLAAttention(torch.nn.Module):
             raise ValueError(f"cache format mismatch: the layer's caches hold different formats {formats}")
         return data
 
-    def _paged(self, q: torch.Tensor, scopes, rows: slice, out: torch.Tensor) -> None:
+    def _paged(self, q: torch.Tensor, scopes, rows: slice, out: torch.Tensor,
+               order: torch.Tensor | None = None) -> None:
         (cache, idx, lens), *rest = scopes
         extra = {}
         if rest:
             extra = dict(extra_cache=rest[0][0], extra_indices=rest[0][1][rows], extra_lens=rest[0][2][rows])
         sparse_attention_decode(q[rows], cache, idx[rows], lens[rows], sink=self.sink, scale=self.scale,
-                                backend=self.backend, out=out[rows], **extra)
+                                backend=self.backend, out=out[rows], order=order, **extra)
 
     def _workspace_buffer(self, device: torch.device) -> torch.Tensor:
         return shared_workspace(device, self.workspace_bytes // (2 * self.head_dim), self.head_dim)

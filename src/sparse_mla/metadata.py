@@ -10,6 +10,8 @@ path can be captured in a CUDA graph.
 * C4A: the indexer's picks (local entry numbers) that are visible, ``(w+1)·4 <= p+1``, converted to
   global slots per layer by :meth:`StepMetadata.c4a_indices`; an invisible pick is dropped, not an error
   (a pick below -1 or past ``max_model_len``'s entries is one, checked under ``SPARSE_MLA_DEBUG=1``).
+* Decode order (:meth:`StepMetadata.decode_order`): per compressed kind, the decode tokens longest
+  key lists first, the order the attention kernels take them in (``sparse_mla.ops.order``).
 * Prefill workspace plan (:meth:`StepMetadata.workspace_plan`): for backends that gather the keys of
   prefill tokens into a bf16 workspace, chunks of prefill tokens whose keys fit a byte budget.
 """
@@ -23,7 +25,7 @@ import torch
 from ._checks import check_index_range, check_tensor
 from .batch import StepBatch, entries_needed, slots_of
 from .config import COMPRESS_RATIO
-from .ops import triton_index
+from .ops import longest_first, triton_index
 from .ops.validate import debug_checks_enabled
 
 
@@ -59,7 +61,8 @@ class StepMetadata:
 
     swa_indices ``(T, W)`` + swa_lens ``(T,)``; c128a_indices ``(T, ceil(max_model_len/128))`` +
     c128a_lens (``None`` when the batch has no c128a block table). The c4a buffers ``(T, topk)`` are
-    filled per layer by :meth:`c4a_indices` from the indexer's picks.
+    filled per layer by :meth:`c4a_indices` from the indexer's picks. decode_orders: ``(T,)`` per
+    compressed kind, see :meth:`decode_order`.
     """
 
     batch: StepBatch
@@ -72,6 +75,7 @@ class StepMetadata:
     c4a_buffer: torch.Tensor | None
     c4a_lens_buffer: torch.Tensor | None
     c4a_local_buffer: torch.Tensor | None
+    decode_orders: dict[str, torch.Tensor] = field(default_factory=dict)
     _plans: dict = field(default_factory=dict, repr=False)
 
     def c4a_indices(self, topk_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +88,14 @@ class StepMetadata:
         int32, lens ``(T,)`` int32), views of this step's buffers: the next call overwrites them.
         """
         return convert_compressed_picks(self, topk_local, "c4a")[:2]
+
+    def decode_order(self, kind: str) -> torch.Tensor | None:
+        """The attention ops' ``order`` for this step's decode tokens in layers of ``kind``: their
+        :func:`~sparse_mla.ops.longest_first` permutation, ``(num_decode_tokens,)`` int32, a view of a buffer
+        refilled by each build (so a CUDA graph that reads it stays valid). None for SWA layers, whose
+        lists (at most the window) are too short for their order to matter."""
+        buf = self.decode_orders.get(kind)
+        return None if buf is None else buf[: self.batch.num_decode_tokens]
 
     def workspace_plan(self, kind: str, budget_bytes: int, head_dim: int = 512) -> list["WorkspaceChunk"]:
         """The prefill workspace plan of layers of ``kind`` (see :func:`plan_prefill_workspace`),
@@ -147,7 +159,8 @@ def allocate_metadata(batch: StepBatch, spec: MetadataSpec) -> StepMetadata:
         batch, spec, torch.empty(cap, **i32), torch.empty(cap, spec.window, **i32), torch.empty(cap, **i32),
         torch.empty(cap, n128, **i32) if has_c128a else None, torch.empty(cap, **i32) if has_c128a else None,
         torch.empty(cap, spec.topk, **i32) if has_c4a else None, torch.empty(cap, **i32) if has_c4a else None,
-        torch.empty(cap, spec.topk, **i32) if has_c4a else None)
+        torch.empty(cap, spec.topk, **i32) if has_c4a else None,
+        {k: torch.empty(cap, **i32) for k, present in (("c4a", has_c4a), ("c128a", has_c128a)) if present})
 
 
 def _check_reusable(out: StepMetadata, batch: StepBatch, spec: MetadataSpec) -> None:
@@ -227,7 +240,20 @@ def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),
         _check_reusable(out, batch, spec)
     out.batch, out.spec, out._plans = batch, spec, {}
     (_step_lists_triton if _use_triton(batch) else _step_lists_torch)(batch, out)
+    _fill_decode_orders(out)
     return out
+
+
+def _fill_decode_orders(meta: StepMetadata) -> None:
+    """Each compressed kind's decode order, from the SWA lens plus that kind's: the c128a lens, or for c4a
+    ``min(topk, visible entries)``, an upper bound of every layer's picks (not known when the step starts)."""
+    rows = slice(0, meta.batch.num_decode_tokens)
+    for kind, buf in meta.decode_orders.items():
+        if kind == "c128a":
+            extra = meta.c128a_lens[rows]
+        else:
+            extra = _visible_entries(meta.batch, COMPRESS_RATIO[kind])[rows].clamp_max(meta.spec.topk)
+        longest_first(meta.swa_lens[rows], extra, out=buf[rows])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 
 from .._checks import check_tensor
 from . import reference
+from .order import longest_first
 from .validate import debug_checks_enabled, decode_args, gather_args, insert_args, prefill_args
 
 try:
@@ -53,6 +54,7 @@ def sparse_attention_decode(
     fmt: str | None = None,
     backend: str = "auto",
     out: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention of each query token over two index scopes of paged caches.
 
@@ -68,12 +70,15 @@ def sparse_attention_decode(
     Returns out ``(T, H, 512)`` bf16 (written into ``out`` when given: contiguous, that shape) and
     lse ``(T, H)`` float32 (natural log over real keys, ``+inf`` for a row with no valid key, whose
     output is 0).
+    order: ``(T,)`` int32, a permutation of the tokens: the order the GPU kernels start them in, which
+    changes their speed, never their results. ``longest_first(lens, extra_lens)``, computed once per step,
+    keeps ragged lists from leaving SMs idle at the end (up to 22 % faster on C128A decode).
     """
     if _backend(backend, q, "q") == "reference":
         return reference.run(decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink,
-                                         scale, fmt, out=out))
+                                         scale, fmt, out=out, order=order))
     args = decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, scale, fmt,
-                       check_ranges=debug_checks_enabled(), out=out)
+                       check_ranges=debug_checks_enabled(), out=out, order=order)
     return triton_attention.run(args)
 
 
@@ -120,4 +125,4 @@ def dequantize_and_gather(cache: torch.Tensor, slots: torch.Tensor, fmt: str | N
 
 
 __all__ = ["sparse_attention_decode", "sparse_attention_prefill", "quantize_and_insert", "dequantize_and_gather",
-           "BACKENDS"]
+           "longest_first", "BACKENDS"]

@@ -36,6 +36,7 @@ import os
 import torch
 import triton
 
+from .order import KEYS_PER_BLOCK
 from .validate import D_V, AttentionArgs
 
 try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any mismatch disables this path
@@ -57,7 +58,6 @@ PARTITION_WARPS = 4  # each of the three warpgroups
 # 104 for fp8_v4, whose copy warpgroup holds two gathered half blocks at once
 MATH_REGS = {"bf16": 216, "fp8_v4": 200}
 HEADS_PER_PROGRAM = 64
-KEYS_PER_BLOCK = 64
 VALIDATED_TRITON = ("3.6.",)  # checked on an H100 against the reference ops (tests/test_triton_attention.py)
 
 
@@ -430,18 +430,20 @@ if gluon is not None:
     @gluon.jit
     def _attention_kernel(
         q_ptr, stride_qt, stride_qh,
-        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, order_ptr,
         c0_ptr, c0_stride0, c0_slots, i0_ptr, i0_stride, l0_ptr, w0,
         c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
         num_tokens, num_heads, qk_scale,
         FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
-        SPLITS: gl.constexpr,
+        HAS_ORDER: gl.constexpr, SPLITS: gl.constexpr,
     ):
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         head_blocks = gl.cdiv(num_heads, H_BLOCK)
         tok = gl.program_id(0) // head_blocks
+        if HAS_ORDER:  # as triton_attention._ordered_token
+            tok = gl.minimum(gl.maximum(gl.load(order_ptr + tok), 0), num_tokens - 1)
         hb = gl.program_id(0) % head_blocks
         split = gl.program_id(1)
 
@@ -506,7 +508,7 @@ if gluon is not None:
 
 def launch(programs: int, kernel_args: tuple, fmt: str, constants: dict):
     """Run the kernel on ``triton_attention.run``'s argument tuple and shared constants (``BS0``, ``BS1``,
-    ``HAS_EXTRA``, ``HAS_SINK``, ``SPLITS``); ``programs`` = tokens × head blocks. Returns the compiled kernel
-    (for register reports)."""
+    ``HAS_EXTRA``, ``HAS_SINK``, ``HAS_ORDER``, ``SPLITS``); ``programs`` = tokens × head blocks. Returns the
+    compiled kernel (for register reports)."""
     return _attention_kernel[(programs, constants["SPLITS"])](*kernel_args, FMT=1 if fmt == "fp8_v4" else 0,
                                                               num_warps=PARTITION_WARPS, **constants)

@@ -5,6 +5,8 @@ list; it gathers ``BLOCK_N`` keys at a time from one or two index scopes (SWA + 
 dequantises them once for all its heads, and runs an online softmax. When a token's key list is
 split across programs, a second kernel merges the partial results by their LSE and applies the
 sink; otherwise the first kernel finishes the row itself. So every call is at most two launches.
+Programs take the tokens in grid order, or in the caller's ``order`` (:mod:`.order`), a token's head
+blocks next to each other.
 
 The 512 (V4) or 576 (V3.2) latent dims are handled as four pieces of power-of-two width,
 ``[256][128][64 or 128] nope + [64] rope``, so no dot is padded. fp8 tiles are dequantised with
@@ -140,19 +142,29 @@ def _store_piece(ptr, heads, head_mask, acc, factor, START: tl.constexpr, WIDTH:
 
 
 @triton.jit
+def _ordered_token(order_ptr, i, num_tokens):
+    """The token the ``i``-th program takes: ``order[i]``, clamped into range (``validate._order``)."""
+    return tl.minimum(tl.maximum(tl.load(order_ptr + i), 0), num_tokens - 1)
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_ptr, stride_qt, stride_qh,
-    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, order_ptr,
     c0_ptr, c0_stride0, c0_slots, i0_ptr, i0_stride, l0_ptr, w0,
     c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
     num_tokens, num_heads, qk_scale,
     FMT0: tl.constexpr, FMT1: tl.constexpr, BS0: tl.constexpr, BS1: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
     PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr, V_HAS_ROPE: tl.constexpr,
     H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr,
 ):
-    tok = tl.program_id(0)
-    hb = tl.program_id(1)
-    split = tl.program_id(2)
+    head_blocks = tl.cdiv(num_heads, H_BLOCK)  # a token's head blocks are neighbours in the grid
+    tok = tl.program_id(0) // head_blocks
+    if HAS_ORDER:
+        tok = _ordered_token(order_ptr, tok, num_tokens)
+    hb = tl.program_id(0) % head_blocks
+    split = tl.program_id(1)
     heads = hb * H_BLOCK + tl.arange(0, H_BLOCK)
     head_mask = heads < num_heads
     ROPE_OFF: tl.constexpr = PA + PB + PC
@@ -331,10 +343,11 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
         part_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32, device=device)
     sink = args.sink if args.sink is not None else lse
     # both kernels take the same arguments; the constants below are common to them too
-    kernel_args = (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink,
+    order = args.order if args.order is not None else lse
+    kernel_args = (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink, order,
                    *_scope_args(s0), *_scope_args(s1), num_tokens, num_heads, args.scale * LOG2E)
     constants = dict(BS0=s0.cache.shape[1], BS1=s1.cache.shape[1], HAS_EXTRA=len(args.scopes) > 1,
-                     HAS_SINK=args.sink is not None, SPLITS=splits)
+                     HAS_SINK=args.sink is not None, HAS_ORDER=args.order is not None, SPLITS=splits)
     if use_gluon:
         LAST_COMPILED["attention"] = gluon_attention.launch(num_tokens * head_blocks, kernel_args, s0.fmt.name,
                                                             constants)
@@ -343,7 +356,7 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
         constants.update(FMT0=_FMT_CODE[s0.fmt.name], FMT1=_FMT_CODE[s1.fmt.name], PA=pa, PB=pb, PC=pc,
                          V_HAS_ROPE=v_has_rope, H_BLOCK=h_block, BLOCK_N=block_n, DOT=dot_dtype)
         launch = {} if interpret else {"num_warps": num_warps or 8, "num_stages": num_stages or default_stages(args)}
-        LAST_COMPILED["attention"] = _launch_attention((num_tokens, head_blocks, splits), kernel_args, constants,
+        LAST_COMPILED["attention"] = _launch_attention((num_tokens * head_blocks, splits), kernel_args, constants,
                                                        launch)
     if splits > 1:
         _combine_kernel[(num_tokens * num_heads,)](

@@ -1,8 +1,9 @@
-"""Triton step-metadata index builders (DESIGN §3), one program per token, one launch per call.
+"""Triton step-metadata builders (DESIGN §3), one launch per call.
 
-Each writes a valid-prefix row of cache slots (valid first, ``-1`` after) and its length, into
-caller-owned buffers, exactly as the torch builders of :mod:`sparse_mla.metadata` do. Padding
-tokens (``positions < 0``) get empty rows.
+The index builders (one program per token) write a valid-prefix row of cache slots (valid first,
+``-1`` after) and its length, into caller-owned buffers, exactly as the torch builders of
+:mod:`sparse_mla.metadata` do. Padding tokens (``positions < 0``) get empty rows. The token order
+of :mod:`sparse_mla.ops.order` ranks every token against every other.
 """
 from __future__ import annotations
 
@@ -134,3 +135,44 @@ def compressed_picks(positions: torch.Tensor, token_to_req: torch.Tensor, table:
                                      local.stride(0), out_indices, out_indices.stride(0), out_lens, out_kept,
                                      out_kept.stride(0), topk,
                                      RATIO=ratio, BS=block_size, TOPK_P2=triton.next_power_of_2(topk))
+
+
+@triton.jit
+def _key_blocks(lens_ptr, t, valid, KEYS_PER_BLOCK: tl.constexpr):
+    lens = tl.load(lens_ptr + t, mask=valid, other=0)
+    lens = tl.minimum(tl.maximum(lens, 0), 1 << 30).to(tl.int32)  # int64 lens too: no overflow below
+    return (lens + KEYS_PER_BLOCK - 1) // KEYS_PER_BLOCK
+
+
+@triton.jit
+def _order_kernel(l0_ptr, l1_ptr, order_ptr, n, HAS_L1: tl.constexpr, KEYS_PER_BLOCK: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Each token's rank, ``#{u: blocks(u) > blocks(t)} + #{u < t: blocks(u) == blocks(t)}``, counted
+    against every other token, BLOCK × BLOCK at a time; ``order[rank] = t``."""
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mine = t < n
+    b_t = _key_blocks(l0_ptr, t, mine, KEYS_PER_BLOCK)
+    if HAS_L1:
+        b_t += _key_blocks(l1_ptr, t, mine, KEYS_PER_BLOCK)
+    rank = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n, BLOCK):
+        u = start + tl.arange(0, BLOCK)
+        b_u = _key_blocks(l0_ptr, u, u < n, KEYS_PER_BLOCK)
+        if HAS_L1:
+            b_u += _key_blocks(l1_ptr, u, u < n, KEYS_PER_BLOCK)
+        ahead = (b_u[None, :] > b_t[:, None]) | ((b_u[None, :] == b_t[:, None]) & (u[None, :] < t[:, None]))
+        rank += tl.sum((ahead & (u < n)[None, :]).to(tl.int32), axis=1)
+    tl.store(order_ptr + rank, t, mask=mine)
+
+
+def longest_first(lens: torch.Tensor, extra_lens: torch.Tensor | None, keys_per_block: int,
+                  order: torch.Tensor) -> None:
+    """:func:`sparse_mla.ops.order.longest_first` into ``order`` in one launch (arguments checked there).
+    Every token is ranked against every other: meant for decode-sized batches (the caller sorts larger ones)."""
+    n = lens.shape[0]
+    if n:
+        lens = lens.contiguous()
+        second = lens if extra_lens is None else extra_lens.contiguous()
+        block = 128
+        _order_kernel[(triton.cdiv(n, block),)](lens, second, order, n, HAS_L1=extra_lens is not None,
+                                               KEYS_PER_BLOCK=keys_per_block, BLOCK=block)

@@ -49,6 +49,7 @@ class AttentionArgs:
     sink: torch.Tensor | None
     scale: float
     out: torch.Tensor | None = None  # (T, H, 512) bf16, contiguous: written in place when given
+    order: torch.Tensor | None = None  # (T,) int32 permutation: the order programs take tokens in (ops.order)
 
 
 def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None,
@@ -85,7 +86,7 @@ def _sink_and_scale(q: torch.Tensor, sink: torch.Tensor | None, scale: float | N
 
 def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=None, extra_lens=None,
                 sink=None, scale=None, fmt=None, check_ranges: bool = True, out=None,
-                cache_name: str = "cache") -> AttentionArgs:
+                cache_name: str = "cache", order=None) -> AttentionArgs:
     """Check and normalise the arguments of ``sparse_attention_decode`` (``cache_name``: what errors
     call the first scope's cache; prefill's is its workspace ``kv``)."""
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
@@ -107,7 +108,23 @@ def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=No
         for scope, prefix, name in zip(scopes, ("", "extra_"), (cache_name, "extra_cache")):
             inputs.update({name: scope.cache, f"{prefix}indices": scope.indices, f"{prefix}lens": scope.lens})
         check_no_overlap("out", out, inputs)
-    return AttentionArgs(q, tuple(scopes), sink, scale, out)
+    return AttentionArgs(q, tuple(scopes), sink, scale, out, _order(order, q, check_ranges))
+
+
+def _order(order: torch.Tensor | None, q: torch.Tensor, check_values: bool) -> torch.Tensor | None:
+    """``order`` checked: ``(T,)`` int32 on q's device, and (a sync: with the index checks) a permutation of
+    ``0 … T-1``. Without that check the kernels clamp each entry into range, so a bad order never touches
+    memory outside the op's tensors, but the rows it misses are wrong: unwritten, or (split key lists)
+    merged from unwritten partials."""
+    if order is None:
+        return None
+    num_tokens = q.shape[0]
+    check_tensor("order", order, dtype=torch.int32, shape=(num_tokens,), device=q.device)
+    if check_values and not torch.equal(torch.sort(order).values,
+                                        torch.arange(num_tokens, dtype=torch.int32, device=q.device)):
+        raise ValueError(f"order must be a permutation of 0 … {num_tokens - 1} (each token once), e.g. "
+                         "sparse_mla.ops.longest_first(lens, extra_lens)")
+    return order.contiguous()
 
 
 def prefill_args(q, kv, indices, lens=None, sink=None, scale=None, check_ranges: bool = True,
