@@ -80,6 +80,25 @@ def test_invisible_indexer_picks_are_dropped_never_attended():
                                                               dtype=torch.int32))).any()
 
 
+@pytest.mark.parametrize("kind", ["swa", "c4a", "c128a"])
+def test_decode_calls_take_the_step_s_decode_order(monkeypatch, kind):
+    """Decode rows go to the op with the metadata's order (compressed kinds), paged prefill rows without."""
+    calls = []
+    op = layer_module.sparse_attention_decode
+    monkeypatch.setattr(layer_module, "sparse_attention_decode",
+                        lambda q, *a, order=None, **kw: calls.append((q.shape[0], order)) or op(q, *a, order=order, **kw))
+    sc = make_scenario([(300, 1), (40, 1), (200, 1), (20, 6)], window=8, topk=4, block_sizes=SIZES, decode_threshold=1)
+    q = torch.randn(sc.batch.token_capacity, 2, 512).to(torch.bfloat16)
+    layer = SparseMLAAttention(kind, 2, window=8, topk=4 if kind == "c4a" else None, backend="reference")
+    layer(q, sc.meta, sc.caches, sc.topk_local if kind == "c4a" else None)
+    (n_dec, order), (n_pre, no_order) = calls
+    assert (n_dec, n_pre, no_order) == (3, 6, None)
+    expected = sc.meta.decode_order(kind)
+    assert order is None if expected is None else torch.equal(order, expected)
+    if kind == "c128a":
+        assert order.tolist() == [0, 2, 1]  # c128a entries 2, 0, 1: key blocks (with the window's) 2, 1, 2
+
+
 def test_sink_semantics():
     sc = make_scenario([(30, 1), (20, 6)], window=8, topk=4, block_sizes=SIZES)
     q = torch.randn(sc.batch.token_capacity, 2, 512).to(torch.bfloat16)

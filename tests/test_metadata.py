@@ -129,6 +129,11 @@ def test_decode_orders_put_the_tokens_with_most_key_blocks_first_refilled_each_s
     for kind in extra:
         assert nxt.decode_order(kind).data_ptr() == ptrs[kind]
         assert nxt.decode_order(kind).tolist() == [2, 3, 0, 1]  # 900 and 530 first; 70 (2 swa blocks) before 64
+    # c4a counts stop at topk: 150 and 225 visible entries both count as 100 (a tie: token order)
+    capped = build_step_metadata(make_batch([(600, 1), (900, 1)])[0], spec)
+    assert capped.decode_order("c4a").tolist() == [0, 1]  # uncapped: 3 and 4 blocks, [1, 0]
+    # no decode tokens: empty orders
+    assert build_step_metadata(make_batch([(140, 140)], threshold=1)[0], spec).decode_order("c4a").shape == (0,)
 
 
 def test_compact_rows():

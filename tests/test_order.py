@@ -37,7 +37,10 @@ def test_kernel_gives_the_torch_order(n, two_scopes):
 
     gen = torch.Generator().manual_seed(n)
     l0 = torch.randint(-2, 4 * KEYS_PER_BLOCK, (n,), generator=gen, dtype=torch.int32)
-    l1 = torch.randint(0, 20 * KEYS_PER_BLOCK, (2 * n,), generator=gen)[::2] if two_scopes else None  # strided
+    l1 = None
+    if two_scopes:  # int64, strided, one huge entry (clamped alike on both paths)
+        l1 = torch.randint(0, 20 * KEYS_PER_BLOCK, (2 * n,), generator=gen)[::2]
+        l1[n // 2] = 1 << 40
     want = longest_first_torch(l0, l1)
     got = torch.full((n,), -1, dtype=torch.int32, device=DEVICE)
     triton_index.longest_first(l0.to(DEVICE), None if l1 is None else l1.to(DEVICE), KEYS_PER_BLOCK, got)
@@ -58,6 +61,9 @@ def test_no_tokens_and_bad_arguments_are_named():
     assert longest_first(torch.zeros(0, dtype=torch.int32, device=DEVICE)).shape == (0,)
     with pytest.raises(ValueError, match=r"out must have shape \(3,\)"):
         longest_first(torch.zeros(3, dtype=torch.int32), out=torch.empty(4, dtype=torch.int32))
+    lens = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="out overlaps lens in memory"):
+        longest_first(lens, out=lens)
     with pytest.raises(ValueError, match="out must be contiguous"):
         longest_first(torch.zeros(3, dtype=torch.int32), out=torch.empty(6, dtype=torch.int32)[::2])
     with pytest.raises(ValueError, match=r"extra_lens must have shape \(3,\)"):

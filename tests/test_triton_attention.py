@@ -395,7 +395,9 @@ def test_bad_token_orders_are_named(monkeypatch, backend):
     q = torch.randn(4, 2, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
     for order, match in ((torch.arange(4, device=DEVICE), "order must have dtype torch.int32"),
                          (torch.arange(5, dtype=torch.int32, device=DEVICE), r"order must have shape \(4,\)"),
-                         (torch.tensor([0, 1, 1, 3], dtype=torch.int32, device=DEVICE), "permutation of 0 … 3")):
+                         (torch.tensor([0, 1, 1, 3], dtype=torch.int32, device=DEVICE),
+                          "order holds token 1 more than once and misses token 2: it must be a permutation of 0 … 3"),
+                         (torch.tensor([0, 1, 9, 3], dtype=torch.int32, device=DEVICE), "order holds 9, out of range")):
         with pytest.raises(ValueError, match=match):
             sparse_attention_decode(q, cache.data, idx, lens, backend=backend, order=order)
 

@@ -248,6 +248,8 @@ def _fill_decode_orders(meta: StepMetadata) -> None:
     """Each compressed kind's decode order, from the SWA lens plus that kind's: the c128a lens, or for c4a
     ``min(topk, visible entries)``, an upper bound of every layer's picks (not known when the step starts)."""
     rows = slice(0, meta.batch.num_decode_tokens)
+    if rows.stop == 0:
+        return
     for kind, buf in meta.decode_orders.items():
         if kind == "c128a":
             extra = meta.c128a_lens[rows]

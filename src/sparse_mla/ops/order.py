@@ -1,16 +1,15 @@
 """Token order for the attention kernels (the ops' ``order`` argument): longest key lists first.
 
 A program of the fast kernels holds an SM for a time proportional to its token's key blocks, and
-the GPU starts programs in grid order as SMs come free. With ragged lists (C128A, short contexts,
-causal prefill rows) in token order, the last wave runs long programs on a few SMs while the rest
-idle; starting the longest first (greedy longest-processing-time scheduling) keeps that tail short.
+the GPU starts programs in grid order as SMs come free. With ragged lists (C128A, mixed context
+lengths) in token order, the last wave runs long programs on a few SMs while the rest idle; starting the longest first (greedy longest-processing-time scheduling) keeps that tail short.
 The order changes which SM computes a token, never what is computed: outputs are bitwise the same.
 """
 from __future__ import annotations
 
 import torch
 
-from .._checks import check_tensor
+from .._checks import check_no_overlap, check_tensor
 
 try:
     from . import triton_index
@@ -40,6 +39,7 @@ def longest_first(lens: torch.Tensor, extra_lens: torch.Tensor | None = None,
     check_tensor("out", out, dtype=torch.int32, shape=(num_tokens,), device=lens.device)
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
+    check_no_overlap("out", out, {"lens": lens} if extra_lens is None else {"lens": lens, "extra_lens": extra_lens})
     if lens.is_cuda and triton_index is not None and num_tokens <= RANK_KERNEL_MAX_TOKENS:
         triton_index.longest_first(lens, extra_lens, KEYS_PER_BLOCK, out)
     else:

@@ -120,10 +120,15 @@ def _order(order: torch.Tensor | None, q: torch.Tensor, check_values: bool) -> t
         return None
     num_tokens = q.shape[0]
     check_tensor("order", order, dtype=torch.int32, shape=(num_tokens,), device=q.device)
-    if check_values and not torch.equal(torch.sort(order).values,
-                                        torch.arange(num_tokens, dtype=torch.int32, device=q.device)):
-        raise ValueError(f"order must be a permutation of 0 … {num_tokens - 1} (each token once), e.g. "
-                         "sparse_mla.ops.longest_first(lens, extra_lens)")
+    if check_values and num_tokens:
+        hint = f"a permutation of 0 … {num_tokens - 1}, e.g. sparse_mla.ops.longest_first(lens, extra_lens)"
+        outside = (order < 0) | (order >= num_tokens)
+        if bool(outside.any()):
+            raise ValueError(f"order holds {int(order[outside][0])}, out of range: it must be {hint}")
+        counts = torch.bincount(order.long(), minlength=num_tokens)
+        if bool((counts != 1).any()):
+            twice, missing = int((counts > 1).nonzero()[0]), int((counts == 0).nonzero()[0])
+            raise ValueError(f"order holds token {twice} more than once and misses token {missing}: it must be {hint}")
     return order.contiguous()
 
 
