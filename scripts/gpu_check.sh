@@ -4,6 +4,8 @@
 # Installs the carried FlashMLA wheel, runs the GPU tests (kernels vs reference, FlashMLA interop),
 # then one benchmark: benchmarks/bench_$BENCH.py (decode by default) with the given args.
 # Logs and JSON go to $OUT (default results/); the benchmark's tables print last.
+# Budget: on an H100 the attention tests alone take ~4 min (mostly kernel compiles) and the whole default
+# list more than the device tool's 10-minute call; pick a subset with GPU_TESTS="tests/a.py tests/b.py".
 set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
