@@ -25,7 +25,8 @@ import torch
 from ._checks import check_index_range, check_tensor
 from .batch import StepBatch, entries_needed, slots_of
 from .config import COMPRESS_RATIO
-from .ops import longest_first, triton_index
+from .ops import triton_index
+from .ops.order import fill_longest_first
 from .ops.validate import debug_checks_enabled
 
 
@@ -255,7 +256,7 @@ def _fill_decode_orders(meta: StepMetadata) -> None:
             extra = meta.c128a_lens[rows]
         else:
             extra = _visible_entries(meta.batch, COMPRESS_RATIO[kind])[rows].clamp_max(meta.spec.topk)
-        longest_first(meta.swa_lens[rows], extra, out=buf[rows])
+        fill_longest_first(meta.swa_lens[rows], extra, buf[rows])
 
 
 # ----------------------------------------------------------------------------------------------

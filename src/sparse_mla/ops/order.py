@@ -2,7 +2,8 @@
 
 A program of the fast kernels holds an SM for a time proportional to its token's key blocks, and
 the GPU starts programs in grid order as SMs come free. With ragged lists (C128A, mixed context
-lengths) in token order, the last wave runs long programs on a few SMs while the rest idle; starting the longest first (greedy longest-processing-time scheduling) keeps that tail short.
+lengths) in token order, the last wave runs long programs on a few SMs while the rest idle;
+starting the longest first (greedy longest-processing-time scheduling) keeps that tail short.
 The order changes which SM computes a token, never what is computed: outputs are bitwise the same.
 """
 from __future__ import annotations
@@ -40,11 +41,17 @@ def longest_first(lens: torch.Tensor, extra_lens: torch.Tensor | None = None,
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
     check_no_overlap("out", out, {"lens": lens} if extra_lens is None else {"lens": lens, "extra_lens": extra_lens})
-    if lens.is_cuda and triton_index is not None and num_tokens <= RANK_KERNEL_MAX_TOKENS:
+    fill_longest_first(lens, extra_lens, out)
+    return out
+
+
+def fill_longest_first(lens: torch.Tensor, extra_lens: torch.Tensor | None, out: torch.Tensor) -> None:
+    """:func:`longest_first` into ``out`` without its argument checks, for callers whose buffers are known
+    good (the step metadata, once per step)."""
+    if lens.is_cuda and triton_index is not None and lens.shape[0] <= RANK_KERNEL_MAX_TOKENS:
         triton_index.longest_first(lens, extra_lens, KEYS_PER_BLOCK, out)
     else:
         out.copy_(longest_first_torch(lens, extra_lens))
-    return out
 
 
 def key_blocks(lens: torch.Tensor) -> torch.Tensor:
