@@ -95,3 +95,22 @@ def check_scale(scale: object) -> float:
     if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     return float(scale)
+
+
+def check_kv_scale(kv_scale: object, device: torch.device, name: str = "kv_scale",
+                   values: bool = True) -> torch.Tensor:
+    """A per-tensor fp8 scale as a ``(1,)`` float32 tensor on ``device``: a positive finite Python number, or a
+    one-element float32 tensor on ``device`` (an engine's buffer, read by the kernels at run time: no sync, CUDA
+    graphs see updates). With ``values`` (it syncs for a tensor) also positive and finite."""
+    if kv_scale is None:
+        raise ValueError(f"{name} is required: an fp8_e4m3 cache or an fp8 q needs its float32 scale")
+    if isinstance(kv_scale, torch.Tensor):
+        check_tensor(name, kv_scale, dtype=torch.float32, device=device)
+        if kv_scale.numel() != 1:
+            raise ValueError(f"{name} must hold one value, got shape {tuple(kv_scale.shape)}")
+        if values and not bool(((kv_scale > 0) & torch.isfinite(kv_scale)).all()):
+            raise ValueError(f"{name} must be positive and finite, got {kv_scale.item()}")
+        return kv_scale.reshape(1)
+    if isinstance(kv_scale, bool) or not (isinstance(kv_scale, (int, float)) and 0 < kv_scale < float("inf")):
+        raise ValueError(f"{name} must be a positive finite number or a one-element float32 tensor, got {kv_scale!r}")
+    return torch.full((1,), float(kv_scale), dtype=torch.float32, device=device)

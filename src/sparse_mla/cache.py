@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import is_int
+from ._checks import check_kv_scale, is_int
 from .formats import KVFormat, allocate_cache, get_format
 from .ops import dequantize_and_gather, quantize_and_insert
 
@@ -57,14 +57,21 @@ class PagedCache:
     """A pool of ``num_blocks`` blocks of ``block_size`` tokens in one :class:`KVFormat`.
 
     ``data`` is the cache tensor the ops take: ``(num_blocks, block_size, token_bytes)``.
+    ``kv_scale``: an fp8_e4m3 pool's per-tensor scale, a ``(1,)`` float32 tensor on the pool's device (default
+    1.0; ``kv_scale.fill_(s)`` changes it in place, so graphs that read it stay valid), passed to every op on
+    ``data``; None for the other formats.
     """
 
     def __init__(self, num_blocks: int, block_size: int, fmt: str | KVFormat = "fp8_v4", dim: int | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", kv_scale: float | torch.Tensor | None = None) -> None:
         self.fmt = get_format(fmt, dim)
         self.block_size = block_size
         self.data = allocate_cache(self.fmt, num_blocks, block_size, device, self.fmt.dim)
         self.allocator = BlockAllocator(num_blocks)
+        if not self.fmt.per_tensor and kv_scale is not None:
+            raise ValueError(f"kv_scale is only for fp8_e4m3 caches, got a {self.fmt.name} cache")
+        self.kv_scale = (check_kv_scale(1.0 if kv_scale is None else kv_scale, self.data.device).clone()
+                         if self.fmt.per_tensor else None)
 
     @property
     def num_blocks(self) -> int:
@@ -87,12 +94,12 @@ class PagedCache:
 
     def _storage(self) -> torch.Tensor:
         nbytes = (self.num_blocks - 1) * self.data.stride(0) + self.block_size * self.fmt.token_bytes
-        return torch.as_strided(self.data, (nbytes,), (1,), self.data.storage_offset())
+        return torch.as_strided(self.data.view(torch.uint8), (nbytes,), (1,), self.data.storage_offset())
 
     def write(self, kv_new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Quantise and store ``kv_new (n, d)`` bf16 at ``slot_mapping (n,)``; ``-1`` entries skipped."""
-        quantize_and_insert(kv_new, self.data, slot_mapping, self.fmt)
+        quantize_and_insert(kv_new, self.data, slot_mapping, self.fmt, kv_scale=self.kv_scale)
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """Dequantised tokens at ``slots``: ``slots.shape + (d,)`` bf16 (zeros for ``-1``)."""
-        return dequantize_and_gather(self.data, slots, self.fmt)
+        return dequantize_and_gather(self.data, slots, self.fmt, kv_scale=self.kv_scale)

@@ -55,11 +55,19 @@ def sparse_attention_decode(
     backend: str = "auto",
     out: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
+    *,
+    indptr: torch.Tensor | None = None,
+    extra_indptr: torch.Tensor | None = None,
+    combined_window: int | None = None,
+    q_scale: float | torch.Tensor | None = None,
+    kv_scale: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention of each query token over two index scopes of paged caches.
 
-    q: ``(T, H, d)`` bf16, d = 512 (V4) or 576 (V3.2). cache / extra_cache: paged caches
-    ``(num_blocks, block_size, token_bytes)`` in any format of :mod:`sparse_mla.formats`.
+    q: ``(T, H, d)`` bf16, d = 512 (V4) or 576 (V3.2); or float8_e4m3fn with ``q_scale`` (its values are
+    ``e4m3 · q_scale``). cache / extra_cache: paged caches ``(num_blocks, block_size, token_bytes)`` in any
+    format of :mod:`sparse_mla.formats`; fp8_e4m3 caches need ``kv_scale`` (one for both caches of the call:
+    the scores use ``scale · q_scale · kv_scale``, the output ``kv_scale``, as FlashInfer's bmm1/bmm2 scales).
     indices / extra_indices: ``(T, width)`` int32 slots, ``-1`` invalid; token ``t`` attends to the
     first ``lens[t]`` entries of each (``lens``: ``(T,)`` int32, default the full width).
     sink: ``(H,)`` float32 logits joining the softmax denominator only. scale defaults to d**-0.5.
@@ -73,12 +81,22 @@ def sparse_attention_decode(
     order: ``(T,)`` int32, a permutation of the tokens: the order the GPU kernels start them in, which
     changes their speed, never their results. ``longest_first(lens, extra_lens)``, computed once per step,
     keeps ragged lists from leaving SMs idle at the end (up to 22 % faster on C128A decode).
+
+    Other index forms (:mod:`sparse_mla.index_forms` builds them):
+
+    * ragged (ROCm AITER's): ``indptr`` / ``extra_indptr`` ``(T+1,)`` int32 make that scope's ``indices`` flat
+      ``(capacity,)`` int32, token ``t`` reading ``indices[indptr[t]:indptr[t+1]]``; its lens must be None.
+    * combined (FlashInfer TRTLLM-gen's): ``combined_window=W`` makes ``indices (T, W + K)`` one list over both
+      caches, columns ``< W`` slots of ``cache``, the rest slots of ``extra_cache``; token ``t`` reads the first
+      ``lens[t]`` entries of its row; ``extra_indices`` / ``extra_lens`` must be None.
     """
+    kw = dict(out=out, order=order, indptr=indptr, extra_indptr=extra_indptr, combined_window=combined_window,
+              q_scale=q_scale, kv_scale=kv_scale)
     if _backend(backend, q, "q") == "reference":
         return reference.run(decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink,
-                                         scale, fmt, out=out, order=order))
+                                         scale, fmt, **kw))
     args = decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, scale, fmt,
-                       check_ranges=debug_checks_enabled(), out=out, order=order)
+                       check_ranges=debug_checks_enabled(), **kw)
     return triton_attention.run(args)
 
 
@@ -91,37 +109,45 @@ def sparse_attention_prefill(
     scale: float | None = None,
     backend: str = "auto",
     out: torch.Tensor | None = None,
+    *,
+    indptr: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse attention over a bf16 workspace ``kv (S, d)``: ``indices (T, width)`` int32 rows of kv.
+    """Sparse attention over a bf16 workspace ``kv (S, d)``: ``indices (T, width)`` int32 rows of kv, or with
+    ``indptr (T+1,)`` int32 a flat ``(capacity,)`` ragged list (row ``t``: ``indices[indptr[t]:indptr[t+1]]``,
+    ``lens`` None).
 
     Same semantics and returns as :func:`sparse_attention_decode`.
     """
     if _backend(backend, q, "q") == "reference":
-        return reference.run(prefill_args(q, kv, indices, lens, sink, scale, out=out))
+        return reference.run(prefill_args(q, kv, indices, lens, sink, scale, out=out, indptr=indptr))
     return triton_attention.run(prefill_args(q, kv, indices, lens, sink, scale, check_ranges=debug_checks_enabled(),
-                                             out=out))
+                                             out=out, indptr=indptr))
 
 
 def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
-                        fmt: str | None = None, backend: str = "auto") -> None:
+                        fmt: str | None = None, backend: str = "auto",
+                        kv_scale: float | torch.Tensor | None = None) -> None:
     """Quantise ``kv_new (n, d)`` bf16 into the paged ``cache`` at ``slot_mapping (n,)``; ``-1`` is skipped.
+    An fp8_e4m3 cache needs its ``kv_scale`` (a ``(1,)`` float32 tensor, or a number).
 
     The reference checks slot ranges and finiteness (``ValueError``); the Triton kernel does so under
     ``SPARSE_MLA_DEBUG=1`` and otherwise skips out-of-range slots.
     """
     if _backend(backend, kv_new, "kv_new") == "reference":
-        reference.quantize_and_insert(*insert_args(kv_new, cache, slot_mapping, fmt))
+        reference.quantize_and_insert(*insert_args(kv_new, cache, slot_mapping, fmt, kv_scale=kv_scale))
     else:
         triton_cache.quantize_and_insert(*insert_args(kv_new, cache, slot_mapping, fmt,
-                                                      check_values=debug_checks_enabled()))
+                                                      check_values=debug_checks_enabled(), kv_scale=kv_scale))
 
 
 def dequantize_and_gather(cache: torch.Tensor, slots: torch.Tensor, fmt: str | None = None,
-                          backend: str = "auto") -> torch.Tensor:
-    """Dequantised tokens at ``slots`` (any shape; ``-1`` reads as zeros): ``slots.shape + (d,)`` bf16."""
+                          backend: str = "auto", kv_scale: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantised tokens at ``slots`` (any shape; ``-1`` reads as zeros): ``slots.shape + (d,)`` bf16
+    (an fp8_e4m3 cache needs its ``kv_scale``)."""
     if _backend(backend, cache, "cache") == "reference":
-        return reference.dequantize_and_gather(*gather_args(cache, slots, fmt), slots)
-    return triton_cache.dequantize_and_gather(*gather_args(cache, slots, fmt, debug_checks_enabled()), slots)
+        return reference.dequantize_and_gather(*gather_args(cache, slots, fmt, kv_scale=kv_scale), slots)
+    return triton_cache.dequantize_and_gather(*gather_args(cache, slots, fmt, debug_checks_enabled(), kv_scale),
+                                              slots)
 
 
 __all__ = ["sparse_attention_decode", "sparse_attention_prefill", "quantize_and_insert", "dequantize_and_gather",

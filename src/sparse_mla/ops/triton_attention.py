@@ -16,16 +16,42 @@ Out-of-range and ``-1`` indices are never read: the kernel masks them out, whate
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from .. import formats
 from . import gluon_attention
 from .validate import D_V, AttentionArgs, Scope
 
-FMT_BF16, FMT_FP8_V4, FMT_FP8_V32 = 0, 1, 2
-_FMT_CODE = {"bf16": FMT_BF16, "fp8_v4": FMT_FP8_V4, "fp8_v32": FMT_FP8_V32}
+
+
+def kernel_const(value: int | float) -> int | float | tl.constexpr:
+    """A number of :mod:`sparse_mla.formats`' byte-layout table as a global that jit code can read: a constexpr for
+    the compiler (which reads no other globals), the plain number for the CPU interpreter (whose arithmetic
+    leaves a constexpr global wrapped around the tensors it touches)."""
+    return value if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else tl.constexpr(value)
+
+
+# the byte-layout table of sparse_mla.formats as Triton constants
+FMT_BF16 = kernel_const(formats.FMT_BF16)
+FMT_FP8_V4 = kernel_const(formats.FMT_FP8_V4)
+FMT_FP8_V32 = kernel_const(formats.FMT_FP8_V32)
+FMT_FP8_E4M3 = kernel_const(formats.FMT_FP8_E4M3)
+UE8M0_BIAS = kernel_const(formats.UE8M0_BIAS)
+ROPE_DIM = kernel_const(formats.ROPE_DIM)
+V4_TILE = kernel_const(formats.V4_TILE)
+V4_BODY_BYTES = kernel_const(formats.V4_BODY_BYTES)
+V4_SCALE_BYTES = kernel_const(formats.V4_SCALE_BYTES)
+V4_ROPE_OFFSET = kernel_const(formats.V4_ROPE_OFFSET)
+V32_TILE = kernel_const(formats.V32_TILE)
+V32_TOKEN_BYTES = kernel_const(formats.V32_TOKEN_BYTES)
+V32_SCALE_OFFSET = kernel_const(formats.V32_SCALE_OFFSET)
+V32_ROPE_OFFSET = kernel_const(formats.V32_ROPE_OFFSET)
+E4M3_TOKEN_BYTES = kernel_const(formats.E4M3_TOKEN_BYTES)
 LOG2E = 1.4426950408889634
 
 
@@ -36,21 +62,26 @@ def _load_piece(row_ptr, scale_ptr, valid, START: tl.constexpr, WIDTH: tl.conste
 
     row_ptr: ``(BLOCK_N,)`` pointers to each token's first element (bf16 caches) or byte (fp8 caches).
     scale_ptr: fp8_v4 only, pointers to each token's 8 scale bytes.
+    fp8_e4m3 values come back as the plain e4m3 numbers: the per-tensor scale is the caller's (``_scope_pass``).
     """
-    if FMT == 0:
+    if FMT == FMT_BF16:
         vals = tl.load(row_ptr[:, None] + (START + tl.arange(0, WIDTH))[None, :], mask=valid[:, None], other=0.0)
         out = vals.to(DOT)
+    elif FMT == FMT_FP8_E4M3:
+        raw = tl.load(row_ptr[:, None] + (START + tl.arange(0, WIDTH))[None, :], mask=valid[:, None], other=0)
+        out = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DOT)
     else:
-        TILE: tl.constexpr = 64 if FMT == 1 else 128
+        TILE: tl.constexpr = V4_TILE if FMT == FMT_FP8_V4 else V32_TILE
         NT: tl.constexpr = WIDTH // TILE
         t = tl.arange(0, NT)
         cols = START + t[:, None] * TILE + tl.arange(0, TILE)[None, :]
         raw = tl.load(row_ptr[:, None, None] + cols[None, :, :], mask=valid[:, None, None], other=0)
-        if FMT == 1:
-            exps = tl.load(scale_ptr[:, None] + (START // TILE + t)[None, :], mask=valid[:, None], other=127)
+        if FMT == FMT_FP8_V4:
+            exps = tl.load(scale_ptr[:, None] + (START // TILE + t)[None, :], mask=valid[:, None], other=UE8M0_BIAS)
             scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # ue8m0 -> 2^(e-127)
         else:
-            sp = (row_ptr[:, None] + (512 + 4 * (START // TILE + t))[None, :]).to(tl.pointer_type(tl.float32))
+            sp = (row_ptr[:, None] + (V32_SCALE_OFFSET + 4 * (START // TILE + t))[None, :]).to(
+                tl.pointer_type(tl.float32))
             scale = tl.load(sp, mask=valid[:, None], other=1.0)
         vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
         out = tl.reshape(vals, (BLOCK_N, WIDTH)).to(DOT)
@@ -59,41 +90,56 @@ def _load_piece(row_ptr, scale_ptr, valid, START: tl.constexpr, WIDTH: tl.conste
 
 @triton.jit
 def _load_rope(row_ptr, valid, FMT: tl.constexpr, ROPE_OFF: tl.constexpr, DOT: tl.constexpr):
-    """The 64 bf16 rope dims of the gathered tokens: ``(BLOCK_N, 64)``."""
-    cols = tl.arange(0, 64)
-    if FMT == 0:
-        ptrs = row_ptr[:, None] + ROPE_OFF + cols[None, :]
+    """The 64 rope dims of the gathered tokens: ``(BLOCK_N, 64)`` (bf16 in the cache; e4m3 in fp8_e4m3)."""
+    if FMT == FMT_FP8_E4M3:
+        out = _load_piece(row_ptr, row_ptr, valid, ROPE_OFF, ROPE_DIM, FMT, DOT, row_ptr.shape[0])
     else:
-        start: tl.constexpr = ROPE_OFF if FMT == 1 else 528  # fp8_v32: after 512 e4m3 and 16 scale bytes
-        ptrs = (row_ptr + start).to(tl.pointer_type(tl.bfloat16))[:, None] + cols[None, :]
-    return tl.load(ptrs, mask=valid[:, None], other=0.0).to(DOT)
+        cols = tl.arange(0, ROPE_DIM)
+        if FMT == FMT_BF16:
+            ptrs = row_ptr[:, None] + ROPE_OFF + cols[None, :]
+        else:
+            start: tl.constexpr = V4_ROPE_OFFSET if FMT == FMT_FP8_V4 else V32_ROPE_OFFSET
+            ptrs = (row_ptr + start).to(tl.pointer_type(tl.bfloat16))[:, None] + cols[None, :]
+        out = tl.load(ptrs, mask=valid[:, None], other=0.0).to(DOT)
+    return out
+
+
+@triton.jit
+def _token_ptrs(cache_ptr, stride0, slot, FMT: tl.constexpr, BS: tl.constexpr, ROPE_OFF: tl.constexpr):
+    """Pointers to the tokens at ``slot`` of a paged cache: their first element (bf16) or byte (fp8), and
+    (fp8_v4) their scale bytes, which sit after every body of the block."""
+    # bytes (fp8) or elements (bf16) from a token's first byte to the next token's in its block
+    ROW: tl.constexpr = (V4_BODY_BYTES if FMT == FMT_FP8_V4 else V32_TOKEN_BYTES if FMT == FMT_FP8_V32
+                         else E4M3_TOKEN_BYTES if FMT == FMT_FP8_E4M3 else ROPE_OFF + ROPE_DIM)
+    block = slot // BS
+    off = slot - block * BS
+    block_ptr = cache_ptr + block.to(tl.int64) * stride0
+    return block_ptr + off * ROW, block_ptr + BS * V4_BODY_BYTES + off * V4_SCALE_BYTES
 
 
 @triton.jit
 def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
-                cache_ptr, stride0, num_slots, idx_row, length, blk_lo, blk_hi, qk_scale,
+                cache_ptr, stride0, num_slots, idx_row, length, blk_lo, blk_hi, qk_scale, kv_scale,
                 FMT: tl.constexpr, BS: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr,
                 BLOCK_N: tl.constexpr, DOT: tl.constexpr, V_HAS_ROPE: tl.constexpr):
     """Online-softmax update over key blocks ``[blk_lo, blk_hi)`` of one scope (base-2 logits).
 
     The running max is raised only when a block's max exceeds it by more than ``RESCALE_SLACK``
     (then probabilities stay below 2^8), so the accumulators are rescaled on few blocks only.
+    fp8_e4m3 keys stay plain e4m3 numbers: the scores take ``kv_scale`` with ``qk_scale`` (FlashInfer's
+    bmm1 scale) and the probabilities take it before the value dots (its bmm2 scale).
     """
     ROPE_OFF: tl.constexpr = PA + PB + PC
-    # bytes (fp8) or elements (bf16) from a token's first byte to the next token's in its block
-    ROW: tl.constexpr = 576 if FMT == 1 else (656 if FMT == 2 else ROPE_OFF + 64)
     RESCALE_SLACK: tl.constexpr = 8.0
+    if FMT == FMT_FP8_E4M3:
+        qk_scale = qk_scale * kv_scale
     offs = tl.arange(0, BLOCK_N)
     for blk in range(blk_lo, blk_hi):
         j = blk * BLOCK_N + offs
         idx = tl.load(idx_row + j, mask=j < length, other=-1)
         valid = (idx >= 0) & (idx < num_slots)
         slot = tl.where(valid, idx, 0)
-        block = slot // BS
-        off = slot - block * BS
-        block_ptr = cache_ptr + block.to(tl.int64) * stride0
-        row_ptr = block_ptr + off * ROW
-        scale_ptr = block_ptr + BS * 576 + off * 8
+        row_ptr, scale_ptr = _token_ptrs(cache_ptr, stride0, slot, FMT, BS, ROPE_OFF)
         k_a = _load_piece(row_ptr, scale_ptr, valid, 0, PA, FMT, DOT, BLOCK_N)
         k_b = _load_piece(row_ptr, scale_ptr, valid, PA, PB, FMT, DOT, BLOCK_N)
         k_c = _load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, DOT, BLOCK_N)
@@ -117,7 +163,10 @@ def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
             m_i = m_new
         p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
         l_i += tl.sum(p, 1)
-        p_dot = p.to(DOT)
+        if FMT == FMT_FP8_E4M3:
+            p_dot = (p * kv_scale).to(DOT)
+        else:
+            p_dot = p.to(DOT)
         acc_a = tl.dot(p_dot, k_a, acc_a)
         acc_b = tl.dot(p_dot, k_b, acc_b)
         acc_c = tl.dot(p_dot, k_c, acc_c)
@@ -127,10 +176,36 @@ def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
 
 
 @triton.jit
-def _load_q(q_tok, heads, head_mask, stride_qh, START: tl.constexpr, WIDTH: tl.constexpr, DOT: tl.constexpr):
-    """Dims ``[START, START+WIDTH)`` of the token's query heads: ``(H_BLOCK, WIDTH)``."""
+def _load_q(q_tok, heads, head_mask, stride_qh, START: tl.constexpr, WIDTH: tl.constexpr, DOT: tl.constexpr,
+            Q_FP8: tl.constexpr):
+    """Dims ``[START, START+WIDTH)`` of the token's query heads: ``(H_BLOCK, WIDTH)`` (an fp8 q's bytes as their
+    plain e4m3 numbers: ``q_scale`` joins the score scale)."""
     cols = START + tl.arange(0, WIDTH)
-    return tl.load(q_tok + heads[:, None] * stride_qh + cols[None, :], mask=head_mask[:, None], other=0.0).to(DOT)
+    vals = tl.load(q_tok + heads[:, None] * stride_qh + cols[None, :], mask=head_mask[:, None], other=0.0)
+    if Q_FP8:
+        vals = vals.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return vals.to(DOT)
+
+
+@triton.jit
+def _scope_row(idx_ptr, idx_stride, len_ptr, width, tok, skip, RAGGED: tl.constexpr, SKIP: tl.constexpr):
+    """Token ``tok``'s index row in one scope and its length, clamped so no read leaves the index list.
+
+    Padded: row ``tok`` of ``(T, width)`` indices, length ``lens[tok]`` (minus ``skip`` with ``SKIP``: the
+    compressed part of a combined index, whose first ``skip`` columns are the other scope's). Ragged: ``len_ptr``
+    is the ``indptr``, the row is ``idx_ptr[indptr[tok]:indptr[tok+1]]`` of a flat list of ``width`` entries.
+    """
+    if RAGGED:
+        start = tl.minimum(tl.maximum(tl.load(len_ptr + tok), 0), width)
+        length = tl.minimum(tl.maximum(tl.load(len_ptr + tok + 1) - start, 0), width - start)
+        row = idx_ptr + start.to(tl.int64)
+    else:
+        n = tl.load(len_ptr + tok)
+        if SKIP:
+            n = n - skip
+        length = tl.minimum(tl.maximum(n, 0), width)
+        row = idx_ptr + tok.to(tl.int64) * idx_stride
+    return row, length
 
 
 @triton.jit
@@ -158,6 +233,8 @@ def _sparse_mla_kernel(
     HAS_ORDER: tl.constexpr,
     PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr, V_HAS_ROPE: tl.constexpr,
     H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr,
+    kv_scale_ptr, q_scale_ptr, Q_FP8: tl.constexpr, RAGGED0: tl.constexpr, RAGGED1: tl.constexpr,
+    COMBINED: tl.constexpr,
 ):
     head_blocks = tl.cdiv(num_heads, H_BLOCK)  # a token's head blocks are neighbours in the grid
     tok = tl.program_id(0) // head_blocks
@@ -170,16 +247,22 @@ def _sparse_mla_kernel(
     ROPE_OFF: tl.constexpr = PA + PB + PC
 
     q_tok = q_ptr + tok.to(tl.int64) * stride_qt
-    q_a = _load_q(q_tok, heads, head_mask, stride_qh, 0, PA, DOT)
-    q_b = _load_q(q_tok, heads, head_mask, stride_qh, PA, PB, DOT)
-    q_c = _load_q(q_tok, heads, head_mask, stride_qh, PA + PB, PC, DOT)
-    q_r = _load_q(q_tok, heads, head_mask, stride_qh, ROPE_OFF, 64, DOT)
+    q_a = _load_q(q_tok, heads, head_mask, stride_qh, 0, PA, DOT, Q_FP8)
+    q_b = _load_q(q_tok, heads, head_mask, stride_qh, PA, PB, DOT, Q_FP8)
+    q_c = _load_q(q_tok, heads, head_mask, stride_qh, PA + PB, PC, DOT, Q_FP8)
+    q_r = _load_q(q_tok, heads, head_mask, stride_qh, ROPE_OFF, ROPE_DIM, DOT, Q_FP8)
+    if Q_FP8:  # FlashInfer's bmm1 scale: scale · q_scale (· kv_scale, per fp8_e4m3 scope)
+        qk_scale = qk_scale * tl.load(q_scale_ptr)
+    kv_scale = 1.0
+    if (FMT0 == FMT_FP8_E4M3) | (FMT1 == FMT_FP8_E4M3):
+        kv_scale = tl.load(kv_scale_ptr)
 
-    len0 = tl.minimum(tl.maximum(tl.load(l0_ptr + tok), 0), w0)
+    row0, len0 = _scope_row(i0_ptr, i0_stride, l0_ptr, w0, tok, 0, RAGGED0, False)
     nblk0 = tl.cdiv(len0, BLOCK_N)
     len1 = 0
+    row1 = i1_ptr
     if HAS_EXTRA:
-        len1 = tl.minimum(tl.maximum(tl.load(l1_ptr + tok), 0), w1)
+        row1, len1 = _scope_row(i1_ptr, i1_stride, l1_ptr, w1, tok, w0, RAGGED1, COMBINED)
     nblk1 = tl.cdiv(len1, BLOCK_N)
     per_split = tl.cdiv(nblk0 + nblk1, SPLITS)
     lo = split * per_split
@@ -188,18 +271,18 @@ def _sparse_mla_kernel(
     acc_a = tl.zeros((H_BLOCK, PA), tl.float32)
     acc_b = tl.zeros((H_BLOCK, PB), tl.float32)
     acc_c = tl.zeros((H_BLOCK, PC), tl.float32)
-    acc_r = tl.zeros((H_BLOCK, 64), tl.float32)
+    acc_r = tl.zeros((H_BLOCK, ROPE_DIM), tl.float32)
     m_i = tl.full((H_BLOCK,), float("-inf"), tl.float32)
     l_i = tl.zeros((H_BLOCK,), tl.float32)
     acc_a, acc_b, acc_c, acc_r, m_i, l_i = _scope_pass(
         acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
-        c0_ptr, c0_stride0, c0_slots, i0_ptr + tok.to(tl.int64) * i0_stride, len0,
-        tl.minimum(lo, nblk0), tl.minimum(hi, nblk0), qk_scale, FMT0, BS0, PA, PB, PC, BLOCK_N, DOT, V_HAS_ROPE)
+        c0_ptr, c0_stride0, c0_slots, row0, len0,
+        tl.minimum(lo, nblk0), tl.minimum(hi, nblk0), qk_scale, kv_scale, FMT0, BS0, PA, PB, PC, BLOCK_N, DOT, V_HAS_ROPE)
     if HAS_EXTRA:
         acc_a, acc_b, acc_c, acc_r, m_i, l_i = _scope_pass(
             acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
-            c1_ptr, c1_stride0, c1_slots, i1_ptr + tok.to(tl.int64) * i1_stride, len1,
-            tl.maximum(lo, nblk0) - nblk0, hi - nblk0, qk_scale, FMT1, BS1, PA, PB, PC, BLOCK_N, DOT, V_HAS_ROPE)
+            c1_ptr, c1_stride0, c1_slots, row1, len1,
+            tl.maximum(lo, nblk0) - nblk0, hi - nblk0, qk_scale, kv_scale, FMT1, BS1, PA, PB, PC, BLOCK_N, DOT, V_HAS_ROPE)
 
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
@@ -255,9 +338,15 @@ def latent_pieces(dim: int) -> tuple[int, int, int, bool]:
 
 
 def _scope_args(scope: Scope) -> list:
+    """A scope's kernel arguments; a ragged scope passes its ``indptr`` where a padded one passes its lens."""
     cache = scope.cache
-    return [cache, cache.stride(0), scope.num_slots, scope.indices, scope.indices.stride(0), scope.lens,
-            scope.indices.shape[1]]
+    return [cache, cache.stride(0), scope.num_slots, scope.indices, scope.indices.stride(0),
+            scope.lens if scope.indptr is None else scope.indptr, scope.width]
+
+
+def _padded_bf16_q(args: AttentionArgs) -> bool:
+    """Whether ``args`` hold only padded scopes and a bf16 q: all the Gluon kernel reads."""
+    return args.q_scale is None and all(s.indptr is None and not s.len_skip for s in args.scopes)
 
 
 def num_sms(device: torch.device) -> int:
@@ -314,6 +403,8 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
     q = args.q
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if args.q_scale is not None:
+        q = q.view(torch.uint8)  # the kernel reads an fp8 q's bytes
     num_tokens, num_heads, dim = q.shape
     device = q.device
     out = args.out if args.out is not None else torch.empty(num_tokens, num_heads, D_V, dtype=torch.bfloat16,
@@ -323,8 +414,8 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
         return out, lse
     interpret = device.type != "cuda"
     dot_dtype = tl.float32 if interpret else tl.bfloat16  # the CPU interpreter computes bf16 dots wrongly
-    use_gluon = gluon_attention.supported(args) if gluon is None else bool(gluon)
-    if gluon and not gluon_attention.fits(args):
+    use_gluon = _padded_bf16_q(args) and (gluon_attention.supported(args) if gluon is None else bool(gluon))
+    if gluon and not (gluon_attention.fits(args) and _padded_bf16_q(args)):
         raise ValueError("gluon=1 needs a Hopper GPU, 512-d (V4) q and caches, every scope fp8_v4 or every scope "
                          "bf16, and caches whose base and page stride are multiples of 16 bytes; got q "
                          f"{tuple(q.shape)} on {device}, scopes {[s.fmt.name for s in args.scopes]}")
@@ -333,7 +424,7 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
     h_block = h_block or min(64, max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, h_block)
     block_n = block_n or (16 if interpret else 64)
-    max_blocks = sum(triton.cdiv(s.indices.shape[1], block_n) for s in args.scopes)
+    max_blocks = sum(triton.cdiv(s.width, block_n) for s in args.scopes)
     splits = splits or choose_splits(num_tokens, head_blocks, max_blocks, device)
     s0 = args.scopes[0]
     s1 = args.scopes[1] if len(args.scopes) > 1 else s0
@@ -353,8 +444,11 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
                                                             constants)
     else:
         pa, pb, pc, v_has_rope = latent_pieces(dim)
-        constants.update(FMT0=_FMT_CODE[s0.fmt.name], FMT1=_FMT_CODE[s1.fmt.name], PA=pa, PB=pb, PC=pc,
-                         V_HAS_ROPE=v_has_rope, H_BLOCK=h_block, BLOCK_N=block_n, DOT=dot_dtype)
+        constants.update(FMT0=s0.fmt.code, FMT1=s1.fmt.code, PA=pa, PB=pb, PC=pc,
+                         V_HAS_ROPE=v_has_rope, H_BLOCK=h_block, BLOCK_N=block_n, DOT=dot_dtype,
+                         kv_scale_ptr=lse if args.kv_scale is None else args.kv_scale,
+                         q_scale_ptr=lse if args.q_scale is None else args.q_scale, Q_FP8=args.q_scale is not None,
+                         RAGGED0=s0.indptr is not None, RAGGED1=s1.indptr is not None, COMBINED=s1.len_skip > 0)
         launch = {} if interpret else {"num_warps": num_warps or 8, "num_stages": num_stages or default_stages(args)}
         LAST_COMPILED["attention"] = _launch_attention((num_tokens * head_blocks, splits), kernel_args, constants,
                                                        launch)

@@ -11,18 +11,27 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import _FMT_CODE, _load_piece, _load_rope, latent_pieces
+from .. import formats
+from .triton_attention import (FMT_BF16, FMT_FP8_E4M3, FMT_FP8_V4, ROPE_DIM, UE8M0_BIAS, V4_BODY_BYTES,
+                               V4_SCALE_BYTES, V4_TILE, V32_ROPE_OFFSET, V32_SCALE_OFFSET, V32_TILE, V32_TOKEN_BYTES,
+                               _load_piece, _load_rope, _token_ptrs, kernel_const, latent_pieces)
 
-E4M3_MAX = 448.0
+E4M3_MAX = kernel_const(formats.E4M3_MAX)
+MIN_SCALE = kernel_const(formats.MIN_SCALE)
+E4M3_TOKEN_BYTES = kernel_const(formats.E4M3_TOKEN_BYTES)
+V4_NOPE_DIM = kernel_const(formats.V4_NOPE_DIM)
+V4_NUM_TILES = kernel_const(formats.V4_NUM_TILES)
+V32_NOPE_DIM = kernel_const(formats.V32_NOPE_DIM)
+V32_NUM_TILES = kernel_const(formats.V32_NUM_TILES)
 
 
 @triton.jit
 def _tile_exponents(x, MIN_RATIO: tl.constexpr):
     """ceil(log2(max(amax / 448, 1e-4))) of each row of ``x`` (tiles, TILE) float32, from the float bits."""
     amax = tl.max(tl.abs(x), 1)
-    ratio = tl.maximum(tl.math.div_rn(amax, 448.0), MIN_RATIO)
+    ratio = tl.maximum(tl.math.div_rn(amax, E4M3_MAX), MIN_RATIO)
     bits = ratio.to(tl.int32, bitcast=True)
-    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return ((bits >> 23) & 0xFF) - UE8M0_BIAS + ((bits & 0x7FFFFF) != 0).to(tl.int32)
 
 
 @triton.jit
@@ -35,7 +44,9 @@ def _round_half_even(y):
 
 @triton.jit
 def _e4m3_bits(x):
-    """float32 ``|x| <= 448`` -> e4m3fn byte, round half to even, saturating at 448.
+    """float32 ``x`` -> e4m3fn byte, round half to even, saturating at ±448 (±inf too), as the reference
+    quantisers do (``formats.quantize_per_tensor`` clamps before torch's cast). NaN is not handled: the values are
+    finite (checked in the reference and under ``SPARSE_MLA_DEBUG=1``).
 
     Written with integer arithmetic instead of a cast so that the CPU interpreter (whose float8
     cast rounds wrongly) and the GPU produce the same bytes as torch's ``.to(torch.float8_e4m3fn)``.
@@ -56,7 +67,7 @@ def _e4m3_bits(x):
 
 
 @triton.jit
-def _insert_kernel(kv_ptr, kv_stride, slot_ptr, cache_ptr, stride0, num_slots,
+def _insert_kernel(kv_ptr, kv_stride, slot_ptr, cache_ptr, stride0, num_slots, kv_scale_ptr,
                    FMT: tl.constexpr, BS: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -65,78 +76,90 @@ def _insert_kernel(kv_ptr, kv_stride, slot_ptr, cache_ptr, stride0, num_slots,
         off = slot - block * BS
         src = kv_ptr + tok.to(tl.int64) * kv_stride
         block_ptr = cache_ptr + block * stride0
-        if FMT == 0:
+        if FMT == FMT_BF16:
             cols = tl.arange(0, DIM_P2)
             tl.store(block_ptr + off * DIM + cols, tl.load(src + cols, mask=cols < DIM), mask=cols < DIM)
+        elif FMT == FMT_FP8_E4M3:  # e4m3(x / kv_scale), the division rounded as torch's
+            cols = tl.arange(0, E4M3_TOKEN_BYTES)
+            x = tl.load(src + cols).to(tl.float32)
+            q = _e4m3_bits(tl.math.div_rn(x, tl.load(kv_scale_ptr)))
+            tl.store(block_ptr + off * E4M3_TOKEN_BYTES + cols, q)
         else:
-            TILE: tl.constexpr = 64 if FMT == 1 else 128
-            NT: tl.constexpr = 8 if FMT == 1 else 4  # fp8_v4: 7 nope tiles + 1 masked; fp8_v32: 4 tiles
-            NOPE: tl.constexpr = 448 if FMT == 1 else 512
-            ROW: tl.constexpr = 576 if FMT == 1 else 656
+            TILE: tl.constexpr = V4_TILE if FMT == FMT_FP8_V4 else V32_TILE
+            # fp8_v4: 7 nope tiles + 1 masked (one lane per scale byte); fp8_v32: 4 tiles
+            NT: tl.constexpr = V4_SCALE_BYTES if FMT == FMT_FP8_V4 else V32_NUM_TILES
+            NOPE: tl.constexpr = V4_NOPE_DIM if FMT == FMT_FP8_V4 else V32_NOPE_DIM
+            ROW: tl.constexpr = V4_BODY_BYTES if FMT == FMT_FP8_V4 else V32_TOKEN_BYTES
             t = tl.arange(0, NT)
             cols = t[:, None] * TILE + tl.arange(0, TILE)[None, :]
             in_nope = cols < NOPE
             x = tl.load(src + cols, mask=in_nope, other=0.0).to(tl.float32)
-            exps = _tile_exponents(x, 1e-4)
-            inv_scale = ((127 - exps) << 23).to(tl.float32, bitcast=True)  # exact 2^-e
+            exps = _tile_exponents(x, MIN_SCALE)
+            inv_scale = ((UE8M0_BIAS - exps) << 23).to(tl.float32, bitcast=True)  # exact 2^-e
             q = _e4m3_bits(x * inv_scale[:, None])
             row = block_ptr + off * ROW
             tl.store(row + cols, q, mask=in_nope)
-            rope_cols = tl.arange(0, 64)
+            rope_cols = tl.arange(0, ROPE_DIM)
             rope = tl.load(src + NOPE + rope_cols)
-            if FMT == 1:
+            if FMT == FMT_FP8_V4:
                 tl.store((row + NOPE).to(tl.pointer_type(tl.bfloat16)) + rope_cols, rope)
-                scale_bytes = tl.where(t < 7, exps + 127, 0).to(tl.uint8)  # 7 ue8m0 bytes + 1 zero pad
-                tl.store(block_ptr + BS * 576 + off * 8 + t, scale_bytes)
+                scale_bytes = tl.where(t < V4_NUM_TILES, exps + UE8M0_BIAS, 0).to(tl.uint8)  # 7 ue8m0 + 1 zero pad
+                tl.store(block_ptr + BS * V4_BODY_BYTES + off * V4_SCALE_BYTES + t, scale_bytes)
             else:
-                scale = ((exps + 127) << 23).to(tl.float32, bitcast=True)
-                tl.store((row + 512).to(tl.pointer_type(tl.float32)) + t, scale)
-                tl.store((row + 528).to(tl.pointer_type(tl.bfloat16)) + rope_cols, rope)
+                scale = ((exps + UE8M0_BIAS) << 23).to(tl.float32, bitcast=True)
+                tl.store((row + V32_SCALE_OFFSET).to(tl.pointer_type(tl.float32)) + t, scale)
+                tl.store((row + V32_ROPE_OFFSET).to(tl.pointer_type(tl.bfloat16)) + rope_cols, rope)
 
 
 @triton.jit
-def _gather_kernel(cache_ptr, stride0, num_slots, slot_ptr, out_ptr,
+def _store_gathered(dst, vals, kv_scale, START: tl.constexpr, WIDTH: tl.constexpr, FMT: tl.constexpr):
+    """Store dims ``[START, START+WIDTH)`` of a gathered row as bf16 (fp8_e4m3 values times ``kv_scale``)."""
+    if FMT == FMT_FP8_E4M3:
+        vals = vals * kv_scale
+    tl.store(dst + START + tl.arange(0, WIDTH)[None, :], vals.to(tl.bfloat16))
+
+
+@triton.jit
+def _gather_kernel(cache_ptr, stride0, num_slots, slot_ptr, out_ptr, kv_scale_ptr,
                    FMT: tl.constexpr, BS: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr):
     """One output row per program: the dequantised token at ``slots[row]`` (zeros when invalid)."""
     row_id = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + row_id + tl.arange(0, 1)).to(tl.int64)  # a (1,) tensor: a block of one token
     valid = (slot >= 0) & (slot < num_slots)
     safe = tl.where(valid, slot, 0).to(tl.int64)
-    block = safe // BS
-    off = safe - block * BS
-    block_ptr = cache_ptr + block * stride0
     ROPE_OFF: tl.constexpr = PA + PB + PC
-    ROW: tl.constexpr = 576 if FMT == 1 else (656 if FMT == 2 else ROPE_OFF + 64)
-    row_ptr = block_ptr + off * ROW
-    scale_ptr = block_ptr + BS * 576 + off * 8
-    dst = out_ptr + row_id * (ROPE_OFF + 64)
-    a = _load_piece(row_ptr, scale_ptr, valid, 0, PA, FMT, tl.float32, 1)
-    tl.store(dst + tl.arange(0, PA)[None, :], a.to(tl.bfloat16))
-    b = _load_piece(row_ptr, scale_ptr, valid, PA, PB, FMT, tl.float32, 1)
-    tl.store(dst + PA + tl.arange(0, PB)[None, :], b.to(tl.bfloat16))
-    c = _load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, tl.float32, 1)
-    tl.store(dst + PA + PB + tl.arange(0, PC)[None, :], c.to(tl.bfloat16))
-    r = _load_rope(row_ptr, valid, FMT, ROPE_OFF, tl.float32)
-    tl.store(dst + ROPE_OFF + tl.arange(0, 64)[None, :], r.to(tl.bfloat16))
+    row_ptr, scale_ptr = _token_ptrs(cache_ptr, stride0, safe, FMT, BS, ROPE_OFF)
+    kv_scale = 1.0
+    if FMT == FMT_FP8_E4M3:
+        kv_scale = tl.load(kv_scale_ptr)
+    dst = out_ptr + row_id * (ROPE_OFF + ROPE_DIM)
+    _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, 0, PA, FMT, tl.float32, 1), kv_scale, 0, PA, FMT)
+    _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, PA, PB, FMT, tl.float32, 1), kv_scale, PA, PB, FMT)
+    _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, tl.float32, 1), kv_scale,
+                    PA + PB, PC, FMT)
+    _store_gathered(dst, _load_rope(row_ptr, valid, FMT, ROPE_OFF, tl.float32), kv_scale, ROPE_OFF, ROPE_DIM, FMT)
 
 
-def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, fmt, slot_mapping: torch.Tensor) -> None:
+def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, fmt: formats.KVFormat, slot_mapping: torch.Tensor,
+                        kv_scale: torch.Tensor | None = None) -> None:
     """Launch the insert kernel on validated arguments (see :func:`sparse_mla.ops.quantize_and_insert`)."""
     n = kv_new.shape[0]
     if n == 0:
         return
     stride0 = cache.stride(0)
     _insert_kernel[(n,)](kv_new, kv_new.stride(0), slot_mapping, cache, stride0, cache.shape[0] * cache.shape[1],
-                         FMT=_FMT_CODE[fmt.name], BS=cache.shape[1], DIM=fmt.dim,
-                         DIM_P2=triton.next_power_of_2(fmt.dim))
+                         slot_mapping if kv_scale is None else kv_scale,
+                         FMT=fmt.code, BS=cache.shape[1], DIM=fmt.dim, DIM_P2=triton.next_power_of_2(fmt.dim))
 
 
-def dequantize_and_gather(cache: torch.Tensor, fmt, slots: torch.Tensor) -> torch.Tensor:
+def dequantize_and_gather(cache: torch.Tensor, fmt: formats.KVFormat, kv_scale: torch.Tensor | None,
+                          slots: torch.Tensor) -> torch.Tensor:
     """Launch the gather kernel: ``slots`` (any shape) -> ``slots.shape + (d,)`` bf16."""
     flat = slots.reshape(-1).contiguous()
     out = torch.empty(flat.numel(), fmt.dim, dtype=torch.bfloat16, device=cache.device)
     if flat.numel():
         pa, pb, pc, _ = latent_pieces(fmt.dim)
         _gather_kernel[(flat.numel(),)](cache, cache.stride(0), cache.shape[0] * cache.shape[1], flat, out,
-                                        FMT=_FMT_CODE[fmt.name], BS=cache.shape[1], PA=pa, PB=pb, PC=pc)
+                                        flat if kv_scale is None else kv_scale,
+                                        FMT=fmt.code, BS=cache.shape[1], PA=pa, PB=pb, PC=pc)
     return out.view(*slots.shape, fmt.dim)

@@ -6,11 +6,12 @@ same bad inputs with the same ``ValueError`` and see the same normalised argumen
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from .._checks import check_finite, check_index_range, check_no_overlap, check_scale, check_sink, check_tensor
+from .._checks import (check_finite, check_index_range, check_kv_scale, check_no_overlap, check_scale, check_sink,
+                       check_tensor, is_int)
 from ..formats import KVFormat, resolve_cache
 
 D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part of 576)
@@ -28,21 +29,32 @@ class Scope:
     cache: ``(num_blocks, block_size, token_bytes)`` paged cache of format ``fmt``.
     indices: ``(T, width)`` int32 slots (``block * block_size + offset``), ``-1`` = invalid.
     lens: ``(T,)`` int32 in ``[0, width]``.
+    indptr: a ragged scope's ``(T+1,)`` int32 row offsets (then ``indices`` is flat ``(capacity,)``, row ``t``
+    is ``indices[indptr[t]:indptr[t+1]]``, and ``lens`` is None).
+    len_skip: the compressed part of a combined index: row ``t`` has ``lens[t] - len_skip`` entries
+    (``lens`` counts the whole combined row, whose first ``len_skip`` columns are another scope's).
     """
 
     cache: torch.Tensor
     fmt: KVFormat
     indices: torch.Tensor
-    lens: torch.Tensor
+    lens: torch.Tensor | None
+    indptr: torch.Tensor | None = None
+    len_skip: int = 0
 
     @property
     def num_slots(self) -> int:
         return self.cache.shape[0] * self.cache.shape[1]
 
+    @property
+    def width(self) -> int:
+        """The longest row any token can have: the padded width, or a ragged scope's flat capacity."""
+        return self.indices.shape[-1]
+
 
 @dataclass(frozen=True)
 class AttentionArgs:
-    """Normalised arguments: q ``(T, H, d)`` bf16, one or two scopes, sink ``(H,)`` f32 or None."""
+    """Normalised arguments: q ``(T, H, d)`` bf16 or float8_e4m3fn, one or two scopes, sink ``(H,)`` f32 or None."""
 
     q: torch.Tensor
     scopes: tuple[Scope, ...]
@@ -50,14 +62,19 @@ class AttentionArgs:
     scale: float
     out: torch.Tensor | None = None  # (T, H, 512) bf16, contiguous: written in place when given
     order: torch.Tensor | None = None  # (T,) int32 permutation: the order programs take tokens in (ops.order)
+    q_scale: torch.Tensor | None = None  # (1,) float32 when q is float8_e4m3fn: q's values are e4m3 · q_scale
+    kv_scale: torch.Tensor | None = None  # (1,) float32, every fp8_e4m3 scope's per-tensor scale
 
 
 def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None,
-           fmt: str | KVFormat | None, check_ranges: bool, cache_name: str) -> Scope:
+           fmt: str | KVFormat | None, check_ranges: bool, cache_name: str,
+           indptr: torch.Tensor | None = None) -> Scope:
     cache, f = resolve_cache(cache, fmt, cache_name)
     if f.dim != q.shape[-1]:
         raise ValueError(f"q has head dim {q.shape[-1]} but {cache_name} holds {f.name} tokens of dim {f.dim}")
     num_tokens = q.shape[0]
+    if indptr is not None:
+        return _ragged_scope(prefix, q, cache, f, indices, lens, indptr, check_ranges, cache_name)
     check_tensor(f"{prefix}indices", indices, dtype=torch.int32, shape=(num_tokens, None), device=q.device)
     check_tensor(cache_name, cache, device=q.device)
     width = indices.shape[1]
@@ -76,6 +93,50 @@ def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Ten
     return Scope(cache, f, indices, lens)
 
 
+def _ragged_scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, f: KVFormat, indices: torch.Tensor,
+                  lens: torch.Tensor | None, indptr: torch.Tensor, check_ranges: bool, cache_name: str) -> Scope:
+    """A ragged scope (the ROCm AITER form): ``indices`` flat ``(capacity,)`` int32, ``indptr (T+1,)`` int32."""
+    if lens is not None:
+        raise ValueError(f"{prefix}lens must be None when {prefix}indptr is given: row t's length is "
+                         f"{prefix}indptr[t+1] - {prefix}indptr[t]")
+    check_tensor(cache_name, cache, device=q.device)
+    check_tensor(f"{prefix}indices", indices, dtype=torch.int32, ndim=1, device=q.device)
+    check_tensor(f"{prefix}indptr", indptr, dtype=torch.int32, shape=(q.shape[0] + 1,), device=q.device)
+    indices, indptr = indices.contiguous(), indptr.contiguous()
+    if check_ranges:
+        capacity = indices.shape[0]
+        if bool((indptr[0] < 0) | (indptr[-1] > capacity)) or bool((indptr[1:] < indptr[:-1]).any()):
+            raise ValueError(f"{prefix}indptr must be nondecreasing from >= 0 to <= {capacity} (the length of "
+                             f"{prefix}indices), got {indptr[:8].tolist()} …")
+        check_index_range(f"{prefix}indices", indices[int(indptr[0]):int(indptr[-1])],
+                          cache.shape[0] * cache.shape[1])
+    return Scope(cache, f, indices, None, indptr)
+
+
+def _combined_scopes(q: torch.Tensor, cache: torch.Tensor, extra_cache: torch.Tensor, indices: torch.Tensor,
+                     lens: torch.Tensor | None, window: int, fmt: str | KVFormat | None,
+                     check_ranges: bool) -> list[Scope]:
+    """The combined index (FlashInfer TRTLLM-gen's form) as two scopes over one list: ``indices (T, W + K)``,
+    columns ``[0, W)`` slots of ``cache``, columns ``[W, W + K)`` slots of ``extra_cache``; token ``t`` reads
+    the first ``lens[t]`` entries of the whole row (``-1`` entries skipped)."""
+    check_tensor("indices", indices, dtype=torch.int32, shape=(q.shape[0], None), device=q.device)
+    width = indices.shape[1]
+    if not is_int(window) or not 0 <= window <= width:
+        raise ValueError(f"combined_window must be an int in [0, {width}] (the width of indices), got {window!r}")
+    if lens is None:
+        lens = torch.full((q.shape[0],), width, dtype=torch.int32, device=q.device)
+    check_tensor("lens", lens, dtype=torch.int32, shape=(q.shape[0],), device=q.device)
+    swa = _scope("", q, cache, indices[:, :window], lens, fmt, False, "cache")
+    comp = replace(_scope("", q, extra_cache, indices[:, window:], lens, fmt, False, "extra_cache"), len_skip=window)
+    if check_ranges:
+        if q.shape[0] and bool(((lens < 0) | (lens > width)).any()):
+            raise ValueError(f"lens must lie in [0, {width}] (the width of indices)")
+        within = torch.arange(width, device=q.device)[None, :] < lens[:, None]
+        check_index_range("indices", indices[:, :window], swa.num_slots, within[:, :window])
+        check_index_range("indices", indices[:, window:], comp.num_slots, within[:, window:])
+    return [swa, comp]
+
+
 def _sink_and_scale(q: torch.Tensor, sink: torch.Tensor | None, scale: float | None,
                     check_values: bool) -> tuple[torch.Tensor | None, float]:
     if sink is not None:
@@ -86,29 +147,56 @@ def _sink_and_scale(q: torch.Tensor, sink: torch.Tensor | None, scale: float | N
 
 def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=None, extra_lens=None,
                 sink=None, scale=None, fmt=None, check_ranges: bool = True, out=None,
-                cache_name: str = "cache", order=None) -> AttentionArgs:
+                cache_name: str = "cache", order=None, indptr=None, extra_indptr=None, combined_window=None,
+                q_scale=None, kv_scale=None) -> AttentionArgs:
     """Check and normalise the arguments of ``sparse_attention_decode`` (``cache_name``: what errors
     call the first scope's cache; prefill's is its workspace ``kv``)."""
-    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    check_tensor("q", q, dtype=(torch.bfloat16, torch.float8_e4m3fn), ndim=3)
     if q.shape[-1] not in (512, 576):
         raise ValueError(f"q must have head dim 512 (V4) or 576 (V3.2), got {q.shape[-1]}")
-    scopes = [_scope("", q, cache, indices, lens, fmt, check_ranges, cache_name)]
-    if (extra_cache is None) != (extra_indices is None):
-        raise ValueError("extra_cache and extra_indices must be given together")
-    if extra_cache is not None:
-        scopes.append(_scope("extra_", q, extra_cache, extra_indices, extra_lens, fmt, check_ranges, "extra_cache"))
-    elif extra_lens is not None:
-        raise ValueError("extra_lens given without extra_cache / extra_indices")
+    if combined_window is not None:
+        if extra_cache is None or extra_indices is not None or extra_lens is not None or indptr is not None \
+                or extra_indptr is not None:
+            raise ValueError("combined_window needs extra_cache and one (T, W + K) indices with lens; extra_indices, "
+                             "extra_lens, indptr and extra_indptr must be None")
+        scopes = _combined_scopes(q, cache, extra_cache, indices, lens, combined_window, fmt, check_ranges)
+    else:
+        scopes = [_scope("", q, cache, indices, lens, fmt, check_ranges, cache_name, indptr)]
+        if (extra_cache is None) != (extra_indices is None):
+            raise ValueError("extra_cache and extra_indices must be given together")
+        if extra_cache is not None:
+            scopes.append(_scope("extra_", q, extra_cache, extra_indices, extra_lens, fmt, check_ranges, "extra_cache",
+                                 extra_indptr))
+        elif extra_lens is not None or extra_indptr is not None:
+            raise ValueError("extra_lens / extra_indptr given without extra_cache / extra_indices")
     sink, scale = _sink_and_scale(q, sink, scale, check_ranges)
+    q_scale, kv_scale = _fp8_scales(q, scopes, q_scale, kv_scale, check_ranges)
     if out is not None:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(q.shape[0], q.shape[1], D_V), device=q.device)
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
         inputs = {"q": q, "sink": sink}
         for scope, prefix, name in zip(scopes, ("", "extra_"), (cache_name, "extra_cache")):
-            inputs.update({name: scope.cache, f"{prefix}indices": scope.indices, f"{prefix}lens": scope.lens})
+            inputs.update({name: scope.cache, f"{prefix}indices": scope.indices, f"{prefix}lens": scope.lens,
+                           f"{prefix}indptr": scope.indptr})
         check_no_overlap("out", out, inputs)
-    return AttentionArgs(q, tuple(scopes), sink, scale, out, _order(order, q, check_ranges))
+    return AttentionArgs(q, tuple(scopes), sink, scale, out, _order(order, q, check_ranges), q_scale, kv_scale)
+
+
+def _fp8_scales(q: torch.Tensor, scopes: list[Scope], q_scale, kv_scale, check_values: bool
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``q_scale`` (required exactly when q is float8_e4m3fn) and ``kv_scale`` (required exactly when a scope is
+    fp8_e4m3; both fp8_e4m3 caches of a call share it, as FlashInfer's one ``bmm2_scale`` does), each ``(1,)``
+    float32 on q's device."""
+    q_fp8 = q.dtype == torch.float8_e4m3fn
+    if (q_scale is not None) != q_fp8:
+        raise ValueError("q_scale must be given exactly when q is float8_e4m3fn (q's values are e4m3 · q_scale), "
+                         f"got q {q.dtype} and q_scale {'None' if q_scale is None else 'given'}")
+    per_tensor = any(s.fmt.per_tensor for s in scopes)
+    if kv_scale is not None and not per_tensor:
+        raise ValueError(f"kv_scale is only for fp8_e4m3 caches, got {[s.fmt.name for s in scopes]}")
+    return (check_kv_scale(q_scale, q.device, "q_scale", check_values) if q_fp8 else None,
+            check_kv_scale(kv_scale, q.device, "kv_scale", check_values) if per_tensor else None)
 
 
 def _order(order: torch.Tensor | None, q: torch.Tensor, check_values: bool) -> torch.Tensor | None:
@@ -133,7 +221,7 @@ def _order(order: torch.Tensor | None, q: torch.Tensor, check_values: bool) -> t
 
 
 def prefill_args(q, kv, indices, lens=None, sink=None, scale=None, check_ranges: bool = True,
-                 out=None) -> AttentionArgs:
+                 out=None, indptr=None) -> AttentionArgs:
     """Check and normalise ``sparse_attention_prefill``'s arguments; ``kv (S, d)`` becomes a
     one-token-per-block bf16 cache so every backend reads it like a paged scope."""
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
@@ -141,13 +229,23 @@ def prefill_args(q, kv, indices, lens=None, sink=None, scale=None, check_ranges:
     if kv.stride(-1) != 1:
         raise ValueError("kv must have contiguous rows (stride(-1) == 1)")
     return decode_args(q, kv.unsqueeze(1), indices, lens, sink=sink, scale=scale, check_ranges=check_ranges,
-                       out=out, cache_name="kv")
+                       out=out, cache_name="kv", indptr=indptr)
 
 
-def insert_args(kv_new, cache, slot_mapping, fmt=None,
-                check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor, KVFormat, torch.Tensor]:
+def cache_scale(f: KVFormat, kv_scale, device: torch.device, check_values: bool) -> torch.Tensor | None:
+    """``kv_scale`` as ``(1,)`` float32 for an fp8_e4m3 cache (required), None for the others (must be None)."""
+    if not f.per_tensor:
+        if kv_scale is not None:
+            raise ValueError(f"kv_scale is only for fp8_e4m3 caches, got a {f.name} cache")
+        return None
+    return check_kv_scale(kv_scale, device, "kv_scale", check_values)
+
+
+def insert_args(kv_new, cache, slot_mapping, fmt=None, check_values: bool = True, kv_scale=None
+                ) -> tuple[torch.Tensor, torch.Tensor, KVFormat, torch.Tensor, torch.Tensor | None]:
     """Check ``quantize_and_insert``'s arguments; returns ``kv_new`` with unit-stride rows, the paged
-    cache view, its format and ``slot_mapping`` contiguous (the kernel reads both at unit stride).
+    cache view, its format, ``slot_mapping`` contiguous (the kernel reads both at unit stride) and the
+    fp8_e4m3 cache's ``kv_scale`` ``(1,)`` float32 (None for the other formats).
 
     With ``check_values`` (the reference, or ``SPARSE_MLA_DEBUG=1``) also slot ranges and finiteness.
     """
@@ -161,13 +259,15 @@ def insert_args(kv_new, cache, slot_mapping, fmt=None,
         check_finite("kv_new", kv_new[slot_mapping >= 0])
     if kv_new.stride(1) != 1:
         kv_new = kv_new.contiguous()
-    return kv_new, cache, f, slot_mapping.contiguous()
+    return kv_new, cache, f, slot_mapping.contiguous(), cache_scale(f, kv_scale, cache.device, check_values)
 
 
-def gather_args(cache, slots, fmt=None, check_ranges: bool = True) -> tuple[torch.Tensor, KVFormat]:
-    """Check ``dequantize_and_gather``'s arguments; returns the paged cache view and its format."""
+def gather_args(cache, slots, fmt=None, check_ranges: bool = True, kv_scale=None
+                ) -> tuple[torch.Tensor, KVFormat, torch.Tensor | None]:
+    """Check ``dequantize_and_gather``'s arguments; returns the paged cache view, its format and the fp8_e4m3
+    cache's ``kv_scale`` ``(1,)`` float32 (None for the other formats)."""
     cache, f = resolve_cache(cache, fmt)
     check_tensor("slots", slots, dtype=(torch.int32, torch.int64), device=cache.device)
     if check_ranges:
         check_index_range("slots", slots, cache.shape[0] * cache.shape[1])
-    return cache, f
+    return cache, f, cache_scale(f, kv_scale, cache.device, check_ranges)
