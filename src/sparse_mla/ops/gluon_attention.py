@@ -36,6 +36,7 @@ import os
 import torch
 import triton
 
+from ..formats import FMT_BF16, FMT_FP8_V4, FORMAT_CODES, V4_BODY_BYTES, V4_DIM, V4_NOPE_DIM, V4_SCALE_BYTES
 from .order import KEYS_PER_BLOCK
 from .validate import D_V, AttentionArgs
 
@@ -86,7 +87,7 @@ def fits(args: AttentionArgs) -> bool:
     caches ``pages_16_byte_aligned``."""
     q = args.q
     fmts = {s.fmt.name for s in args.scopes}
-    return (gluon is not None and q.is_cuda and q.shape[-1] == 512 and fmts in ({"fp8_v4"}, {"bf16"})
+    return (gluon is not None and q.is_cuda and q.shape[-1] == V4_DIM and fmts in ({"fp8_v4"}, {"bf16"})
             and pages_16_byte_aligned(args) and _is_hopper(q.device))
 
 
@@ -98,8 +99,12 @@ def supported(args: AttentionArgs) -> bool:
 if gluon is not None:
     H_BLOCK = gl.constexpr(HEADS_PER_PROGRAM)
     BLOCK_N = gl.constexpr(KEYS_PER_BLOCK)
-    NOPE = gl.constexpr(448)  # e4m3 dims of a V4 row; the other 64 are bf16 rope
-    DIM = gl.constexpr(512)
+    NOPE = gl.constexpr(V4_NOPE_DIM)  # e4m3 dims of a V4 row; the other 64 are bf16 rope
+    DIM = gl.constexpr(V4_DIM)
+    BODY_BYTES = gl.constexpr(V4_BODY_BYTES)
+    SCALE_BYTES = gl.constexpr(V4_SCALE_BYTES)
+    BF16 = gl.constexpr(FMT_BF16)
+    FP8_V4 = gl.constexpr(FMT_FP8_V4)
     D_OUT = gl.constexpr(D_V)
     HALF = gl.constexpr(256)
     WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
@@ -130,19 +135,19 @@ if gluon is not None:
                     FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr):
         """Pointers to the rows of block ``blk``'s slots ``idx`` (bytes for fp8_v4, elements for bf16),
         to their scale bytes (fp8_v4), and the rows' validity."""
-        ROW: gl.constexpr = 576 if FMT == 1 else 512
+        ROW: gl.constexpr = BODY_BYTES if FMT == FP8_V4 else DIM
         if blk < nblk0:
             valid = (idx >= 0) & (idx < c0_slots)
             slot = gl.where(valid, idx, 0)
             page = c0_ptr + (slot // BS0).to(gl.int64) * c0_stride0
             row = page + (slot % BS0) * ROW
-            scales = page + BS0 * ROW + (slot % BS0) * 8
+            scales = page + BS0 * ROW + (slot % BS0) * SCALE_BYTES
         else:
             valid = (idx >= 0) & (idx < c1_slots)
             slot = gl.where(valid, idx, 0)
             page = c1_ptr + (slot // BS1).to(gl.int64) * c1_stride0
             row = page + (slot % BS1) * ROW
-            scales = page + BS1 * ROW + (slot % BS1) * 8
+            scales = page + BS1 * ROW + (slot % BS1) * SCALE_BYTES
         return row, scales, valid
 
     @gluon.jit
@@ -265,7 +270,7 @@ if gluon is not None:
 
         ``ready``/``free`` are indexed ``2·buffer + half``.
         """
-        if FMT == 1:
+        if FMT == FP8_V4:
             # (rows, 4 tiles, 16 words): a thread holds 16 consecutive bytes of each of 4 tiles of two rows
             words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
             rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words_layout))
@@ -458,7 +463,7 @@ if gluon is not None:
         p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for b in gl.static_range(4):
-            if FMT == 0:
+            if FMT == BF16:
                 mbarrier.init(ready.index(b), count=WARPS * 32)  # every copying thread's cp.async arrival
             elif b % 2 == 0:
                 mbarrier.init(ready.index(b), count=1)  # the copy warpgroup, after its shared-memory stores
@@ -491,7 +496,7 @@ if gluon is not None:
         i1_row = i1_ptr + tok.to(gl.int64) * i1_stride
         gl.thread_barrier()
 
-        math_regs: gl.constexpr = MATH_REGS_FP8 if FMT == 1 else MATH_REGS_BF16
+        math_regs: gl.constexpr = MATH_REGS_FP8 if FMT == FP8_V4 else MATH_REGS_BF16
         gl.warp_specialize([
             (_copy_partition, (k_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
                                c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT, BS0, BS1)),
@@ -510,5 +515,5 @@ def launch(programs: int, kernel_args: tuple, fmt: str, constants: dict):
     """Run the kernel on ``triton_attention.run``'s argument tuple and shared constants (``BS0``, ``BS1``,
     ``HAS_EXTRA``, ``HAS_SINK``, ``HAS_ORDER``, ``SPLITS``); ``programs`` = tokens × head blocks. Returns the
     compiled kernel (for register reports)."""
-    return _attention_kernel[(programs, constants["SPLITS"])](*kernel_args, FMT=1 if fmt == "fp8_v4" else 0,
+    return _attention_kernel[(programs, constants["SPLITS"])](*kernel_args, FMT=FORMAT_CODES[fmt],
                                                               num_warps=PARTITION_WARPS, **constants)

@@ -1,0 +1,199 @@
+"""Other index forms of a step's key lists (DESIGN §3), built from the step metadata's padded lists.
+
+The attention ops read three forms of the same key lists (:func:`sparse_mla.ops.sparse_attention_decode`):
+
+* **padded** (the metadata's own, FlashMLA's): per scope ``indices (T, width)`` + ``lens (T,)``, valid prefix.
+* **ragged** (vLLM's ROCm AITER DeepSeek-V4 backend): per scope ``indptr (T+1,)`` int32 + flat slots
+  ``(capacity,)`` int32, row ``t`` = ``flat[indptr[t]:indptr[t+1]]``; ops: ``indptr=`` / ``extra_indptr=``
+  (prefill: ``indptr=``, e.g. over a workspace chunk's combined rows).
+* **combined** (vLLM's FlashInfer TRTLLM-gen DeepSeek-V4 backend): one row per token over both caches,
+  ``(T, W + K)`` int32: columns ``[0, W)`` the token's SWA slots (its window, ``-1`` after ``swa_lens[t]``),
+  columns ``[W, W + K)`` its compressed slots (valid prefix), and one length per token: ``W + n`` when it has
+  ``n > 0`` compressed entries, else its SWA length; ops: ``combined_window=W``.
+
+Every builder writes into caller-owned, fixed-capacity buffers (allocate them once, refill them each step) with
+no host sync, so a CUDA graph that reads them stays valid. On a CUDA device the Triton twins run (one launch
+each); elsewhere the torch versions, which compute the same values.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_tensor, is_int
+from .metadata import _compressed_picks_torch
+from .ops import triton_index
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: the torch builders still work
+    triton = None
+
+
+def _on_triton(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and triton is not None and triton_index is not None
+
+
+def _check_padded(indices: torch.Tensor, lens: torch.Tensor, prefix: str = "") -> tuple[int, int]:
+    check_tensor(f"{prefix}indices", indices, dtype=torch.int32, ndim=2)
+    check_tensor(f"{prefix}lens", lens, dtype=torch.int32, shape=(indices.shape[0],), device=indices.device)
+    return indices.shape
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ragged
+
+if triton is not None:
+    @triton.jit
+    def _ragged_kernel(idx_ptr, idx_stride, len_ptr, indptr_ptr, flat_ptr, num_rows, width, capacity,
+                       ROWS_BLOCK: tl.constexpr, COLS_BLOCK: tl.constexpr):
+        """Row ``t`` of the padded list into ``flat[indptr[t] : indptr[t+1]]``; ``indptr[t+1]`` = the sum of the
+        clamped lens of rows ``0 … t`` (summed by each program: no second launch); program ``t`` also fills its
+        share of the flat tail past the last row with ``-1``."""
+        t = tl.program_id(0)
+        start = t * 0
+        for r0 in range(0, t, ROWS_BLOCK):
+            r = r0 + tl.arange(0, ROWS_BLOCK)
+            n = tl.load(len_ptr + r, mask=r < t, other=0)
+            start += tl.sum(tl.minimum(tl.maximum(n, 0), width), 0)
+        n_t = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), width)
+        if t == 0:
+            tl.store(indptr_ptr, 0)
+        tl.store(indptr_ptr + t + 1, start + n_t)
+        row = idx_ptr + t.to(tl.int64) * idx_stride
+        for c0 in range(0, n_t, COLS_BLOCK):
+            j = c0 + tl.arange(0, COLS_BLOCK)
+            keep = (j < n_t) & (start + j < capacity)
+            tl.store(flat_ptr + start + j, tl.load(row + j, mask=keep, other=-1), mask=keep)
+        if t == num_rows - 1:  # the last row knows the total: it clears the tail
+            for c0 in range(start + n_t, capacity, COLS_BLOCK):
+                j = c0 + tl.arange(0, COLS_BLOCK)
+                tl.store(flat_ptr + j, tl.full((COLS_BLOCK,), -1, tl.int32), mask=j < capacity)
+
+
+def ragged_from_padded(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor,
+                       out_flat: torch.Tensor) -> None:
+    """The ragged form of a padded scope, written into ``out_indptr`` / ``out_flat``.
+
+    indices: ``(T, width)`` int32, lens: ``(T,)`` int32 (clamped into ``[0, width]``), e.g. a step's
+    ``swa_indices`` / ``swa_lens``, ``c128a_indices`` / ``c128a_lens``, a layer's converted c4a picks, or a
+    prefill workspace chunk's ``indices`` / ``lens``. out_indptr: ``(T+1,)`` int32 receives ``[0, cumsum(lens)]``;
+    out_flat: ``(capacity,)`` int32 receives each row's first ``lens[t]`` entries (``-1`` entries kept: the ops
+    skip them) and ``-1`` after the last row. ``capacity`` must hold the sum of the lens (size it by the step's
+    largest: ``T · width`` always does); entries past it are dropped, never written outside the buffer.
+    """
+    num_tokens, width = _check_padded(indices, lens)
+    check_tensor("out_indptr", out_indptr, dtype=torch.int32, shape=(num_tokens + 1,), device=indices.device)
+    check_tensor("out_flat", out_flat, dtype=torch.int32, ndim=1, device=indices.device)
+    if out_flat.stride(0) != 1 or out_indptr.stride(0) != 1:
+        raise ValueError("out_flat and out_indptr must be contiguous")
+    if num_tokens == 0:
+        out_indptr.zero_()
+        out_flat.fill_(-1)
+        return
+    if indices.stride(1) != 1:
+        indices = indices.contiguous()
+    (_ragged_triton if _on_triton(indices) else _ragged_torch)(indices, lens.contiguous(), out_indptr, out_flat)
+
+
+def _ragged_triton(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor, out_flat: torch.Tensor) -> None:
+    """:func:`ragged_from_padded` in one launch (arguments checked there, at least one row)."""
+    num_tokens, width = indices.shape
+    _ragged_kernel[(num_tokens,)](indices, indices.stride(0), lens, out_indptr, out_flat, num_tokens, width,
+                                  out_flat.shape[0], ROWS_BLOCK=1024, COLS_BLOCK=256)
+
+
+def _ragged_torch(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor, out_flat: torch.Tensor) -> None:
+    """Torch twin of :func:`_ragged_triton` (same arguments): a cumulative sum and one scatter."""
+    width, capacity = indices.shape[1], out_flat.shape[0]
+    n = lens.clamp(0, width)
+    out_indptr[0] = 0
+    torch.cumsum(n, 0, dtype=torch.int32, out=out_indptr[1:])
+    j = torch.arange(width, device=indices.device)[None, :]
+    keep = j < n[:, None]
+    dest = torch.where(keep, out_indptr[:-1, None].long() + j, capacity).clamp_max(capacity)
+    staged = torch.full((capacity + 1,), -1, dtype=torch.int32, device=indices.device)  # slot `capacity`: discards
+    staged.scatter_(0, dest.reshape(-1), torch.where(keep, indices, -1).reshape(-1))
+    out_flat.copy_(staged[:capacity])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# combined (one row per token over both caches)
+
+def _check_combined(swa_indices: torch.Tensor, swa_lens: torch.Tensor, comp_width: int, out_indices: torch.Tensor,
+                    out_lens: torch.Tensor) -> int:
+    num_tokens, window = _check_padded(swa_indices, swa_lens, "swa_")
+    check_tensor("out_indices", out_indices, dtype=torch.int32, shape=(num_tokens, None), device=swa_indices.device)
+    check_tensor("out_lens", out_lens, dtype=torch.int32, shape=(num_tokens,), device=swa_indices.device)
+    if out_indices.shape[1] < window + comp_width:
+        raise ValueError(f"out_indices must have at least {window} + {comp_width} columns (the SWA window, then the "
+                         f"compressed list), got {out_indices.shape[1]}")
+    return window
+
+
+def _fill_window_columns(swa_indices: torch.Tensor, swa_lens: torch.Tensor, out_indices: torch.Tensor,
+                         comp_width: int) -> None:
+    """Columns ``[0, W)`` = each token's SWA slots (``-1`` past its length), columns past ``W + comp_width`` = -1."""
+    window = swa_indices.shape[1]
+    j = torch.arange(window, device=swa_indices.device)[None, :]
+    out_indices[:, :window].copy_(torch.where(j < swa_lens[:, None], swa_indices, -1))
+    out_indices[:, window + comp_width:] = -1
+
+
+def _combined_lens(swa_lens: torch.Tensor, window: int, out_lens: torch.Tensor) -> None:
+    """``out_lens`` holds each token's compressed count ``n``: make it ``W + n`` (``n > 0``), else the SWA length."""
+    torch.where(out_lens > 0, out_lens + window, swa_lens.clamp(0, window), out=out_lens)
+
+
+def combined_from_padded(swa_indices: torch.Tensor, swa_lens: torch.Tensor, comp_indices: torch.Tensor,
+                         comp_lens: torch.Tensor, out_indices: torch.Tensor, out_lens: torch.Tensor) -> None:
+    """The combined index of a step's SWA list and a compressed list (c128a, or a layer's converted c4a picks).
+
+    swa_indices ``(T, W)`` + swa_lens, comp_indices ``(T, K)`` + comp_lens: the metadata's padded lists (valid
+    prefixes). Writes out_indices ``(T, >= W + K)`` int32 (``[SWA row, -1 padded to W][compressed row, -1 padded]``)
+    and out_lens ``(T,)`` int32 (``W + n``, or the SWA length when ``n = 0``). Read it with
+    ``sparse_attention_decode(q, swa_cache, out_indices, out_lens, extra_cache=comp_cache, combined_window=W)``.
+    """
+    num_tokens, comp_width = _check_padded(comp_indices, comp_lens, "comp_")
+    window = _check_combined(swa_indices, swa_lens, comp_width, out_indices, out_lens)
+    if comp_indices.shape[0] != swa_indices.shape[0]:
+        raise ValueError(f"comp_indices has {comp_indices.shape[0]} rows, swa_indices {swa_indices.shape[0]}")
+    _fill_window_columns(swa_indices, swa_lens, out_indices, comp_width)
+    k = torch.arange(comp_width, device=comp_indices.device)[None, :]
+    n = comp_lens.clamp(0, comp_width)
+    out_indices[:, window:window + comp_width].copy_(torch.where(k < n[:, None], comp_indices, -1))
+    out_lens.copy_(n)
+    _combined_lens(swa_lens, window, out_lens)
+
+
+def combined_from_picks(positions: torch.Tensor, token_to_req: torch.Tensor, block_table: torch.Tensor,
+                        block_size: int, ratio: int, topk_local: torch.Tensor, swa_indices: torch.Tensor,
+                        swa_lens: torch.Tensor, out_indices: torch.Tensor, out_lens: torch.Tensor,
+                        out_kept: torch.Tensor) -> None:
+    """The combined index of a C4A layer straight from its indexer's local picks (FlashInfer TRTLLM-gen's decode
+    form): the picks are converted to compressed-cache slots inside the builder, into columns ``[W, W + topk)``.
+
+    positions / token_to_req: the batch's ``(T,)`` int32; block_table / block_size: the compressed kind's (e.g.
+    ``batch.block_tables["c4a"]``, ``batch.block_sizes["c4a"]``); ratio: its compress ratio (4). topk_local
+    ``(T, topk)`` int32 local entry numbers (``-1`` none): a pick is kept only if complete before the token
+    (``(w+1)·ratio <= pos+1``), in order, as :meth:`StepMetadata.c4a_indices` does. swa_indices ``(T, W)`` +
+    swa_lens: the step's SWA list. out_kept ``(T, topk)`` int32 receives the kept local picks (the metadata's
+    ``c4a_local_buffer`` serves). Writes out_indices ``(T, >= W + topk)`` and out_lens as
+    :func:`combined_from_padded`.
+    """
+    check_tensor("topk_local", topk_local, dtype=torch.int32, ndim=2, device=swa_indices.device)
+    num_tokens, topk = topk_local.shape
+    for name, t in (("positions", positions), ("token_to_req", token_to_req)):
+        check_tensor(name, t, dtype=torch.int32, shape=(num_tokens,), device=swa_indices.device)
+    window = _check_combined(swa_indices, swa_lens, topk, out_indices, out_lens)
+    check_tensor("out_kept", out_kept, dtype=torch.int32, shape=(num_tokens, topk), device=swa_indices.device)
+    if not is_int(block_size) or block_size <= 0 or not is_int(ratio) or ratio <= 0:
+        raise ValueError(f"block_size and ratio must be positive ints, got {block_size!r}, {ratio!r}")
+    _fill_window_columns(swa_indices, swa_lens, out_indices, topk)
+    comp = out_indices[:, window:window + topk]
+    build = triton_index.compressed_picks if _on_triton(topk_local) else _compressed_picks_torch
+    build(positions, token_to_req, block_table, block_size, ratio, topk_local, comp, out_lens, out_kept)
+    _combined_lens(swa_lens, window, out_lens)
+
+
+__all__ = ["ragged_from_padded", "combined_from_padded", "combined_from_picks"]
