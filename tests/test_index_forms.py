@@ -85,7 +85,8 @@ def test_ragged_from_padded_torch_and_triton_agree_and_keep_every_row(num_tokens
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     indptr, flat = outs[0]
     assert indptr.tolist() == [0] + torch.cumsum(lens.clamp(0, width), 0).tolist()
-    want = torch.cat([idx[t, : min(int(lens[t]), width)] for t in range(num_tokens)] + [torch.full((max(spare, 0),), -1)])
+    rows = [idx[t, : min(int(lens[t]), width)] for t in range(num_tokens)]
+    want = torch.cat(rows + [torch.full((max(spare, 0),), -1)])
     assert flat.tolist() == want[:capacity].int().tolist()
 
 

@@ -58,8 +58,8 @@ class PagedCache:
 
     ``data`` is the cache tensor the ops take: ``(num_blocks, block_size, token_bytes)``.
     ``kv_scale``: an fp8_e4m3 pool's per-tensor scale, a ``(1,)`` float32 tensor on the pool's device (default
-    1.0; ``kv_scale.fill_(s)`` changes it in place, so graphs that read it stay valid), passed to every op on
-    ``data``; None for the other formats.
+    1.0; a given tensor is kept, not copied: ``kv_scale.fill_(s)`` changes it in place, so graphs that read it
+    stay valid), passed to every op on ``data``; None for the other formats.
     """
 
     def __init__(self, num_blocks: int, block_size: int, fmt: str | KVFormat = "fp8_v4", dim: int | None = None,
@@ -70,7 +70,7 @@ class PagedCache:
         self.allocator = BlockAllocator(num_blocks)
         if not self.fmt.per_tensor and kv_scale is not None:
             raise ValueError(f"kv_scale is only for fp8_e4m3 caches, got a {self.fmt.name} cache")
-        self.kv_scale = (check_kv_scale(1.0 if kv_scale is None else kv_scale, self.data.device).clone()
+        self.kv_scale = (check_kv_scale(1.0 if kv_scale is None else kv_scale, self.data.device)
                          if self.fmt.per_tensor else None)
 
     @property

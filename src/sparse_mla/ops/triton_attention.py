@@ -28,7 +28,6 @@ from . import gluon_attention
 from .validate import D_V, AttentionArgs, Scope
 
 
-
 def kernel_const(value: int | float) -> int | float | tl.constexpr:
     """A number of :mod:`sparse_mla.formats`' byte-layout table as a global that jit code can read: a constexpr for
     the compiler (which reads no other globals), the plain number for the CPU interpreter (whose arithmetic
@@ -89,10 +88,10 @@ def _load_piece(row_ptr, scale_ptr, valid, START: tl.constexpr, WIDTH: tl.conste
 
 
 @triton.jit
-def _load_rope(row_ptr, valid, FMT: tl.constexpr, ROPE_OFF: tl.constexpr, DOT: tl.constexpr):
+def _load_rope(row_ptr, valid, FMT: tl.constexpr, ROPE_OFF: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr):
     """The 64 rope dims of the gathered tokens: ``(BLOCK_N, 64)`` (bf16 in the cache; e4m3 in fp8_e4m3)."""
     if FMT == FMT_FP8_E4M3:
-        out = _load_piece(row_ptr, row_ptr, valid, ROPE_OFF, ROPE_DIM, FMT, DOT, row_ptr.shape[0])
+        out = _load_piece(row_ptr, row_ptr, valid, ROPE_OFF, ROPE_DIM, FMT, DOT, BLOCK_N)
     else:
         cols = tl.arange(0, ROPE_DIM)
         if FMT == FMT_BF16:
@@ -143,7 +142,7 @@ def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
         k_a = _load_piece(row_ptr, scale_ptr, valid, 0, PA, FMT, DOT, BLOCK_N)
         k_b = _load_piece(row_ptr, scale_ptr, valid, PA, PB, FMT, DOT, BLOCK_N)
         k_c = _load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, DOT, BLOCK_N)
-        k_r = _load_rope(row_ptr, valid, FMT, ROPE_OFF, DOT)
+        k_r = _load_rope(row_ptr, valid, FMT, ROPE_OFF, DOT, BLOCK_N)
         s = tl.dot(q_a, tl.trans(k_a))
         s += tl.dot(q_b, tl.trans(k_b))
         s += tl.dot(q_c, tl.trans(k_c))

@@ -82,7 +82,7 @@ def _insert_kernel(kv_ptr, kv_stride, slot_ptr, cache_ptr, stride0, num_slots, k
         elif FMT == FMT_FP8_E4M3:  # e4m3(x / kv_scale), the division rounded as torch's
             cols = tl.arange(0, E4M3_TOKEN_BYTES)
             x = tl.load(src + cols).to(tl.float32)
-            q = _e4m3_bits(tl.math.div_rn(x, tl.load(kv_scale_ptr)))
+            q = _e4m3_bits(tl.math.div_rn(x, tl.broadcast_to(tl.load(kv_scale_ptr), x.shape)))
             tl.store(block_ptr + off * E4M3_TOKEN_BYTES + cols, q)
         else:
             TILE: tl.constexpr = V4_TILE if FMT == FMT_FP8_V4 else V32_TILE
@@ -137,7 +137,7 @@ def _gather_kernel(cache_ptr, stride0, num_slots, slot_ptr, out_ptr, kv_scale_pt
     _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, PA, PB, FMT, tl.float32, 1), kv_scale, PA, PB, FMT)
     _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, tl.float32, 1), kv_scale,
                     PA + PB, PC, FMT)
-    _store_gathered(dst, _load_rope(row_ptr, valid, FMT, ROPE_OFF, tl.float32), kv_scale, ROPE_OFF, ROPE_DIM, FMT)
+    _store_gathered(dst, _load_rope(row_ptr, valid, FMT, ROPE_OFF, tl.float32, 1), kv_scale, ROPE_OFF, ROPE_DIM, FMT)
 
 
 def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, fmt: formats.KVFormat, slot_mapping: torch.Tensor,
