@@ -37,7 +37,8 @@ def _signature(kernel, constexprs: dict, cache_type: str) -> tuple[dict, dict]:
     """Types for the kernel's runtime arguments: pointers, then 32-bit ints (stride-like: div by 16)."""
     pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_o_ptr": "*fp32",
                 "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "order_ptr": "*i32", "c0_ptr": cache_type, "c1_ptr": cache_type,
-                "i0_ptr": "*i32", "i1_ptr": "*i32", "l0_ptr": "*i32", "l1_ptr": "*i32"}
+                "i0_ptr": "*i32", "i1_ptr": "*i32", "l0_ptr": "*i32", "l1_ptr": "*i32", "kv_scale_ptr": "*fp32",
+                "q_scale_ptr": "*fp32"}
     floats = {"qk_scale"}
     sig, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -92,7 +93,7 @@ def main() -> None:
     fmt = {"bf16": ta.FMT_BF16, "fp8_v4": ta.FMT_FP8_V4}[args.fmt]
     constexprs = dict(FMT0=fmt, FMT1=fmt, BS0=256, BS1=64, HAS_EXTRA=True, HAS_SINK=True, HAS_ORDER=True, PA=pa,
                       PB=pb, PC=pc, V_HAS_ROPE=v_has_rope, H_BLOCK=args.heads, BLOCK_N=args.block_n, SPLITS=1,
-                      DOT=tl.bfloat16)
+                      DOT=tl.bfloat16, Q_FP8=False, RAGGED0=False, RAGGED1=False, COMBINED=False)
     constexprs["FMT"] = fmt  # the Gluon kernel's single format code (0 bf16, 1 fp8_v4)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     sig, attrs = _signature(kernel, constexprs, "*bf16" if args.fmt == "bf16" else "*u8")

@@ -246,3 +246,22 @@ def test_form_argument_checks():
     with pytest.raises(ValueError, match="lens must lie"):
         sparse_attention_decode(q, cache.data, idx, torch.tensor([4, 0], dtype=torch.int32), extra_cache=cache.data,
                                 combined_window=1, backend="reference")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_c128a_rows_in_ragged_form(backend):
+    """C128A lists of 0 … 1024 entries per token (a 128K context): the ragged buffer holds only their sum."""
+    gen = torch.Generator().manual_seed(11)
+    swa, _ = filled_cache(gen, 2, 64)
+    comp, _ = filled_cache(gen, 512, 2)
+    lens = torch.tensor([1024, 0, 517], dtype=torch.int32)
+    idx = torch.randint(0, comp.num_slots, (3, 1024), generator=gen, dtype=torch.int32)
+    idx = torch.where(torch.arange(1024)[None, :] < lens[:, None], idx, -1).int()
+    swa_idx, swa_lens = padded_rows(gen, 3, 128, swa.num_slots, "random", repeat=False)
+    q = torch.randn(3, 2, 512, generator=gen).bfloat16()
+    padded = sparse_attention_decode(q, swa.data, swa_idx, swa_lens, comp.data, idx, lens, backend=backend)
+    indptr, flat = to_ragged(idx, lens, spare=0)
+    assert flat.shape == (1541,) and indptr.tolist() == [0, 1024, 1024, 1541]
+    ragged = sparse_attention_decode(q, swa.data, swa_idx, swa_lens, comp.data, flat, None, backend=backend,
+                                     extra_indptr=indptr)
+    assert_same(ragged, padded, exact=backend == "triton")

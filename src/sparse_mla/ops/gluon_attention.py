@@ -36,7 +36,8 @@ import os
 import torch
 import triton
 
-from ..formats import FMT_BF16, FMT_FP8_V4, FORMAT_CODES, V4_BODY_BYTES, V4_DIM, V4_NOPE_DIM, V4_SCALE_BYTES
+from ..formats import (FMT_BF16, FMT_FP8_V4, FORMAT_CODES, UE8M0_BIAS, V4_BODY_BYTES, V4_DIM, V4_NOPE_DIM,
+                       V4_SCALE_BYTES)
 from .order import KEYS_PER_BLOCK
 from .validate import D_V, AttentionArgs
 
@@ -103,6 +104,7 @@ if gluon is not None:
     DIM = gl.constexpr(V4_DIM)
     BODY_BYTES = gl.constexpr(V4_BODY_BYTES)
     SCALE_BYTES = gl.constexpr(V4_SCALE_BYTES)
+    BIAS_WORD = gl.constexpr(UE8M0_BIAS * 0x01010101)  # four ue8m0 bytes of 2^0
     BF16 = gl.constexpr(FMT_BF16)
     FP8_V4 = gl.constexpr(FMT_FP8_V4)
     D_OUT = gl.constexpr(D_V)
@@ -164,7 +166,7 @@ if gluon is not None:
         offs = (SIDE * 4 + tile)[None, :, None] * 16 + word[None, None, :]
         raw = gl.load(rows.to(gl.pointer_type(gl.int32))[:, None, None] + offs,
                       mask=ok[:, None, None] & ~is_rope[None, :, None], other=0)
-        exps = gl.load(scales.to(gl.pointer_type(gl.int32)) + SIDE, mask=ok, other=0x7F7F7F7F)
+        exps = gl.load(scales.to(gl.pointer_type(gl.int32)) + SIDE, mask=ok, other=BIAS_WORD)
         return raw, gl.convert_layout(exps, gl.SliceLayout(1, gl.SliceLayout(2, words_layout)))
 
     @gluon.jit

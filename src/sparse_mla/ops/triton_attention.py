@@ -415,8 +415,9 @@ def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = No
     dot_dtype = tl.float32 if interpret else tl.bfloat16  # the CPU interpreter computes bf16 dots wrongly
     use_gluon = _padded_bf16_q(args) and (gluon_attention.supported(args) if gluon is None else bool(gluon))
     if gluon and not (gluon_attention.fits(args) and _padded_bf16_q(args)):
-        raise ValueError("gluon=1 needs a Hopper GPU, 512-d (V4) q and caches, every scope fp8_v4 or every scope "
-                         "bf16, and caches whose base and page stride are multiples of 16 bytes; got q "
+        raise ValueError("gluon=1 needs a Hopper GPU, 512-d (V4) bf16 q and caches, every scope fp8_v4 or every scope "
+                         "bf16 with padded index lists, and caches whose base and page stride are multiples of 16 "
+                         "bytes; got q "
                          f"{tuple(q.shape)} on {device}, scopes {[s.fmt.name for s in args.scopes]}")
     if use_gluon:
         h_block, block_n = gluon_attention.HEADS_PER_PROGRAM, gluon_attention.KEYS_PER_BLOCK
