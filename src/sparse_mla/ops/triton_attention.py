@@ -187,24 +187,39 @@ def _load_q(q_tok, heads, head_mask, stride_qh, START: tl.constexpr, WIDTH: tl.c
 
 
 @triton.jit
-def _scope_row(idx_ptr, idx_stride, len_ptr, width, tok, skip, RAGGED: tl.constexpr, SKIP: tl.constexpr):
-    """Token ``tok``'s index row in one scope and its length, clamped so no read leaves the index list.
+def _ragged_start(len_ptr, width, tok):
+    """A ragged scope's ``indptr[tok]`` (``len_ptr`` is the indptr), clamped into its flat list of ``width``."""
+    return tl.minimum(tl.maximum(tl.load(len_ptr + tok), 0), width)
 
-    Padded: row ``tok`` of ``(T, width)`` indices, length ``lens[tok]`` (minus ``skip`` with ``SKIP``: the
-    compressed part of a combined index, whose first ``skip`` columns are the other scope's). Ragged: ``len_ptr``
-    is the ``indptr``, the row is ``idx_ptr[indptr[tok]:indptr[tok+1]]`` of a flat list of ``width`` entries.
+
+@triton.jit
+def _scope_len(len_ptr, width, tok, skip, RAGGED: tl.constexpr, SKIP: tl.constexpr):
+    """Token ``tok``'s key count in one scope, clamped so no read leaves the index list.
+
+    Padded: ``lens[tok]`` (minus ``skip`` with ``SKIP``: the compressed part of a combined index, whose first
+    ``skip`` columns are the other scope's), at most ``width``. Ragged: ``indptr[tok+1] - indptr[tok]``, within the
+    flat list of ``width`` entries.
     """
     if RAGGED:
-        start = tl.minimum(tl.maximum(tl.load(len_ptr + tok), 0), width)
+        start = _ragged_start(len_ptr, width, tok)
         length = tl.minimum(tl.maximum(tl.load(len_ptr + tok + 1) - start, 0), width - start)
-        row = idx_ptr + start.to(tl.int64)
     else:
         n = tl.load(len_ptr + tok)
         if SKIP:
             n = n - skip
         length = tl.minimum(tl.maximum(n, 0), width)
+    return length
+
+
+@triton.jit
+def _scope_row(idx_ptr, idx_stride, len_ptr, width, tok, RAGGED: tl.constexpr):
+    """Token ``tok``'s index row in one scope: row ``tok`` of padded ``(T, width)`` indices, or the ragged
+    ``idx_ptr[indptr[tok]:]``."""
+    if RAGGED:
+        row = idx_ptr + _ragged_start(len_ptr, width, tok).to(tl.int64)
+    else:
         row = idx_ptr + tok.to(tl.int64) * idx_stride
-    return row, length
+    return row
 
 
 @triton.jit
@@ -256,12 +271,11 @@ def _sparse_mla_kernel(
     if (FMT0 == FMT_FP8_E4M3) | (FMT1 == FMT_FP8_E4M3):
         kv_scale = tl.load(kv_scale_ptr)
 
-    row0, len0 = _scope_row(i0_ptr, i0_stride, l0_ptr, w0, tok, 0, RAGGED0, False)
+    len0 = _scope_len(l0_ptr, w0, tok, 0, RAGGED0, False)
     nblk0 = tl.cdiv(len0, BLOCK_N)
     len1 = 0
-    row1 = i1_ptr
     if HAS_EXTRA:
-        row1, len1 = _scope_row(i1_ptr, i1_stride, l1_ptr, w1, tok, w0, RAGGED1, COMBINED)
+        len1 = _scope_len(l1_ptr, w1, tok, w0, RAGGED1, COMBINED)
     nblk1 = tl.cdiv(len1, BLOCK_N)
     per_split = tl.cdiv(nblk0 + nblk1, SPLITS)
     lo = split * per_split
@@ -275,13 +289,15 @@ def _sparse_mla_kernel(
     l_i = tl.zeros((H_BLOCK,), tl.float32)
     acc_a, acc_b, acc_c, acc_r, m_i, l_i = _scope_pass(
         acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
-        c0_ptr, c0_stride0, c0_slots, row0, len0,
-        tl.minimum(lo, nblk0), tl.minimum(hi, nblk0), qk_scale, kv_scale, FMT0, BS0, PA, PB, PC, BLOCK_N, DOT, V_HAS_ROPE)
+        c0_ptr, c0_stride0, c0_slots, _scope_row(i0_ptr, i0_stride, l0_ptr, w0, tok, RAGGED0), len0,
+        tl.minimum(lo, nblk0), tl.minimum(hi, nblk0), qk_scale, kv_scale, FMT0, BS0, PA, PB, PC, BLOCK_N, DOT,
+        V_HAS_ROPE)
     if HAS_EXTRA:
         acc_a, acc_b, acc_c, acc_r, m_i, l_i = _scope_pass(
             acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r,
-            c1_ptr, c1_stride0, c1_slots, row1, len1,
-            tl.maximum(lo, nblk0) - nblk0, hi - nblk0, qk_scale, kv_scale, FMT1, BS1, PA, PB, PC, BLOCK_N, DOT, V_HAS_ROPE)
+            c1_ptr, c1_stride0, c1_slots, _scope_row(i1_ptr, i1_stride, l1_ptr, w1, tok, RAGGED1), len1,
+            tl.maximum(lo, nblk0) - nblk0, hi - nblk0, qk_scale, kv_scale, FMT1, BS1, PA, PB, PC, BLOCK_N, DOT,
+            V_HAS_ROPE)
 
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
