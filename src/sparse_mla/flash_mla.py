@@ -80,7 +80,7 @@ def _paged(name: str, cache: torch.Tensor) -> torch.Tensor:
         if cache.shape[-1] in _OTHER_LAYOUTS:
             raise NotImplementedError(f"{name}: the {_OTHER_LAYOUTS[cache.shape[-1]]} FlashMLA layout is not "
                                       "supported; sparse_mla reads fp8_v4 (584 B), fp8_v32 (656 B) and bf16")
-        return cache.view(torch.uint8)
+        return cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
     return cache
 
 
@@ -89,7 +89,7 @@ def _per_token(name: str, lens: torch.Tensor | None, b: int, s_q: int) -> torch.
     if lens is None:
         return None
     check_tensor(name, lens, shape=(b,))
-    return lens if s_q == 1 else lens[:, None].expand(b, s_q).reshape(b * s_q)
+    return lens if s_q == 1 else lens[:, None].expand(b, s_q).contiguous().view(b * s_q)
 
 
 def _tokens(name: str, indices: torch.Tensor, b: int, s_q: int) -> torch.Tensor:
