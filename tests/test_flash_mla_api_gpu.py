@@ -51,6 +51,18 @@ def scope(gen, fmt, dim, num_blocks, block_size, b, s_q, topk, max_len=None):
     return cache, idx, lens
 
 
+def v4_inputs(seed, b, s_q, h_q, comp_blocks, comp_block_size, comp_topk, swa_blocks=16):
+    """V4 decode inputs: q, an SWA scope (topk 128) and a compressed scope, both with ragged lengths
+    (request 1: none), and a sink with +inf at head 0 and -inf at head 1."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    swa = scope(gen, "fp8_v4", 512, swa_blocks, 64, b, s_q, 128, max_len=128)
+    comp = scope(gen, "fp8_v4", 512, comp_blocks, comp_block_size, b, s_q, comp_topk, max_len=comp_topk)
+    q = torch.randn(b, s_q, h_q, 512, generator=gen, device="cuda").to(torch.bfloat16)
+    sink = torch.randn(h_q, generator=gen, device="cuda")
+    sink[0], sink[1] = float("inf"), -float("inf")
+    return q, swa, comp, sink
+
+
 def both_decode(q, cache, idx, **kw):
     """FlashMLA (fresh scheduler, legacy kernels) and ours on the same arguments."""
     fm_sched, _ = flash_mla.get_mla_metadata()
@@ -70,14 +82,8 @@ def check_decode(fm, mine):
 
 @pytest.mark.parametrize("h_q,extra_topk,extra_block", [(64, 512, 64), (128, 1024, 2)])
 def test_v4_decode_matches_flashmla(h_q, extra_topk, extra_block):
-    gen = torch.Generator(device="cuda").manual_seed(h_q + extra_topk)
-    b, s_q = 6, 2
-    swa, swa_idx, swa_lens = scope(gen, "fp8_v4", 512, 16, 64, b, s_q, 128, max_len=128)
-    comp, comp_idx, comp_lens = scope(gen, "fp8_v4", 512, 2 * extra_topk // extra_block, extra_block, b, s_q,
-                                      extra_topk, max_len=extra_topk)
-    q = torch.randn(b, s_q, h_q, 512, generator=gen, device="cuda").to(torch.bfloat16)
-    sink = torch.randn(h_q, generator=gen, device="cuda")
-    sink[0], sink[1] = float("inf"), -float("inf")
+    q, (swa, swa_idx, swa_lens), (comp, comp_idx, comp_lens), sink = v4_inputs(
+        h_q + extra_topk, 6, 2, h_q, 2 * extra_topk // extra_block, extra_block, extra_topk)
     for kw in (dict(topk_length=swa_lens, extra_topk_length=comp_lens),  # ragged: request 1 has no key at all
                dict(extra_topk_length=comp_lens),
                dict()):
@@ -87,18 +93,12 @@ def test_v4_decode_matches_flashmla(h_q, extra_topk, extra_block):
 
 
 def test_v4_decode_ragged_empty_rows_and_sink_inf():
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    b, s_q, h_q = 4, 2, 64
-    swa, swa_idx, swa_lens = scope(gen, "fp8_v4", 512, 8, 64, b, s_q, 128, max_len=128)
-    comp, comp_idx, comp_lens = scope(gen, "fp8_v4", 512, 16, 64, b, s_q, 512, max_len=512)
-    q = torch.randn(b, s_q, h_q, 512, generator=gen, device="cuda").to(torch.bfloat16)
-    sink = torch.randn(h_q, generator=gen, device="cuda")
-    sink[3], sink[5] = float("inf"), -float("inf")
+    q, (swa, swa_idx, swa_lens), (comp, comp_idx, comp_lens), sink = v4_inputs(7, 4, 2, 64, 16, 64, 512, swa_blocks=8)
     fm, mine = both_decode(q, swa, swa_idx, attn_sink=sink, extra_k_cache=comp, extra_indices_in_kvcache=comp_idx,
                            topk_length=swa_lens, extra_topk_length=comp_lens)
     check_decode(fm, mine)
     assert torch.isposinf(mine[1][1]).all() and not mine[0][1].any()  # request 1: no key
-    assert not mine[0][:, :, 3].any()  # sink +inf
+    assert not mine[0][:, :, 0].any()  # sink +inf
 
 
 def test_v4_decode_any_head_count_matches_flashmla_heads():
@@ -168,12 +168,8 @@ def test_prefill_matches_flashmla(d_qk, h_q):
 def test_wrapper_host_overhead():
     """The wrapper's own host time (ours minus the op called directly on the flattened inputs) stays small
     next to FlashMLA's 40-60 us per call; the medians are printed for the record."""
-    gen = torch.Generator(device="cuda").manual_seed(13)
     b, s_q, h_q = 64, 2, 64
-    swa, swa_idx, swa_lens = scope(gen, "fp8_v4", 512, 16, 64, b, s_q, 128, max_len=128)
-    comp, comp_idx, comp_lens = scope(gen, "fp8_v4", 512, 16, 64, b, s_q, 512, max_len=512)
-    q = torch.randn(b, s_q, h_q, 512, generator=gen, device="cuda").to(torch.bfloat16)
-    sink = torch.randn(h_q, generator=gen, device="cuda")
+    q, (swa, swa_idx, swa_lens), (comp, comp_idx, comp_lens), sink = v4_inputs(13, b, s_q, h_q, 16, 64, 512)
     flat = (q.view(b * s_q, h_q, 512), swa.squeeze(2), swa_idx.view(b * s_q, -1), swa_lens.repeat_interleave(s_q),
             comp.squeeze(2), comp_idx.view(b * s_q, -1), comp_lens.repeat_interleave(s_q), sink)
 
