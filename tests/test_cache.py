@@ -63,8 +63,10 @@ def test_allocator_errors():
             alloc.free(bad)
     with pytest.raises(ValueError, match="n must be an int"):
         alloc.allocate(True)
-    with pytest.raises(ValueError, match="num_blocks must be a positive int"):
+    with pytest.raises(TypeError, match="num_blocks must be a positive int"):
         BlockAllocator(2.5)
+    with pytest.raises(ValueError, match="num_blocks must be a positive int"):
+        BlockAllocator(0)
     assert alloc.num_free == 3
     alloc.free([np.int64(got[1])])  # numpy integers are block numbers too
     assert alloc.num_free == 4
@@ -120,6 +122,22 @@ def test_paged_cache_shape_and_properties():
     for fmt, dim in (("fp8_v4", 576), ("fp8_v32", 512)):
         with pytest.raises(ValueError, match=f"dim {dim} does not match format {fmt}"):
             PagedCache(2, 4, fmt, dim=dim)
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((4, 64.0), TypeError, "block_size must be a positive int, got 64.0"),
+    ((2.5, 64), TypeError, "num_blocks must be a positive int, got 2.5"),
+    ((0, 64), ValueError, "num_blocks must be a positive int, got 0"),
+    ((4, -1), ValueError, "block_size must be a positive int, got -1"),
+    ((4, 64, "fp4"), ValueError, "fmt must be one of"),
+    ((4, 64, 8), TypeError, "fmt must be a format name"),
+    ((4, 64, "bf16", 500), ValueError, "dim must be 512 .* or 576"),
+    ((4, 64, "bf16", "512"), TypeError, "dim must be an int"),
+    ((4, 64, "fp8_v4", 576), ValueError, "dim 576 does not match format fp8_v4"),
+])
+def test_paged_cache_arguments_are_named(args, error, match):
+    with pytest.raises(error, match=match):
+        PagedCache(*args)
 
 
 @settings(max_examples=30, deadline=None)

@@ -447,3 +447,11 @@ def test_nan_sink_and_boolean_scale_are_rejected():
         sparse_attention_decode(q, c.data, idx, sink=torch.tensor([0.0, float("nan")]), backend="reference")
     with pytest.raises(ValueError, match="scale must be a positive"):
         sparse_attention_decode(q, c.data, idx, scale=True, backend="reference")
+
+
+def test_q_on_another_device_than_the_cache_is_named():
+    """q is checked against the cache's device before the index tensors are checked against q's."""
+    cache = PagedCache(1, 4, "bf16")
+    q = torch.zeros(2, 1, 512, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="q must be on cache's device cpu, got meta"):
+        sparse_attention_decode(q, cache.data, torch.zeros(2, 3, dtype=torch.int32), backend="reference")

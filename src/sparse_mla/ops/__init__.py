@@ -41,6 +41,16 @@ def _backend(name: str, first: torch.Tensor, first_name: str) -> str:
     return name
 
 
+def attention_kernel(backend: str, q: torch.Tensor, cache: torch.Tensor) -> str:
+    """What ``sparse_attention_decode(q, cache, ..., backend=backend)`` runs: ``"reference"``, ``"triton"`` or
+    ``"gluon"`` (the Hopper kernel, for V4 fp8_v4 / bf16 caches), resolving ``"auto"`` for ``q``'s device."""
+    if _backend(backend, q, "q") == "reference":
+        return "reference"
+    empty = torch.full((q.shape[0], 1), -1, dtype=torch.int32, device=q.device)
+    args = decode_args(q, cache, empty, check_ranges=False)
+    return "gluon" if triton_attention.gluon_attention.supported(args) else "triton"
+
+
 def sparse_attention_decode(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -125,4 +135,4 @@ def dequantize_and_gather(cache: torch.Tensor, slots: torch.Tensor, fmt: str | N
 
 
 __all__ = ["sparse_attention_decode", "sparse_attention_prefill", "quantize_and_insert", "dequantize_and_gather",
-           "longest_first", "BACKENDS"]
+           "longest_first", "attention_kernel", "BACKENDS"]
