@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test clean
+.PHONY: demo test lint clean
 
 $(STAMP): pyproject.toml scripts/setup_venv.sh
 	scripts/setup_venv.sh $(VENV)
@@ -11,8 +11,11 @@ $(STAMP): pyproject.toml scripts/setup_venv.sh
 demo: $(STAMP)
 	$(VENV)/bin/sparse-mla demo
 
-test: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+
+test: lint
+	$(PY) -m pytest -q -n 2 --durations=10 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

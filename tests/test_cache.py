@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dense import fake_quant
@@ -72,7 +72,6 @@ def test_allocator_errors():
     assert alloc.num_free == 4
 
 
-@settings(max_examples=30, deadline=None)
 @given(num_blocks=st.integers(1, 12),
        ops=st.lists(st.tuples(st.booleans(), st.integers(0, 6), st.integers(0, 2**16)), max_size=30))
 def test_allocator_never_hands_out_a_block_twice(num_blocks, ops):
@@ -140,7 +139,6 @@ def test_paged_cache_arguments_are_named(args, error, match):
         PagedCache(*args)
 
 
-@settings(max_examples=30, deadline=None)
 @given(fmt_dim=st.sampled_from(FORMATS), nb=st.integers(1, 4), bs=st.integers(1, 6), n=st.integers(1, 12),
        pad_frac=st.sampled_from([0.0, 0.3]), log_mag=st.integers(-8, 8), seed=st.integers(0, 2**31 - 1))
 def test_write_then_read_round_trip(fmt_dim, nb, bs, n, pad_frac, log_mag, seed):

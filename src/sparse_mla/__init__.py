@@ -61,12 +61,20 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-if TYPE_CHECKING:  # static checkers and IDEs see the names directly
-    from .batch import Request, StepBatch, StepBatchBuilder
-    from .cache import PagedCache
-    from .config import get_config
-    from .formats import KVFormat, get_format
-    from .layer import SparseMLAAttention
-    from .metadata import MetadataSpec, StepMetadata, build_step_metadata
-    from .ops import (dequantize_and_gather, longest_first, quantize_and_insert, sparse_attention_decode,
-                      sparse_attention_prefill)
+if TYPE_CHECKING:  # static checkers and IDEs see the names directly ("X as X": a re-export)
+    from .batch import Request as Request
+    from .batch import StepBatch as StepBatch
+    from .batch import StepBatchBuilder as StepBatchBuilder
+    from .cache import PagedCache as PagedCache
+    from .config import get_config as get_config
+    from .formats import KVFormat as KVFormat
+    from .formats import get_format as get_format
+    from .layer import SparseMLAAttention as SparseMLAAttention
+    from .metadata import MetadataSpec as MetadataSpec
+    from .metadata import StepMetadata as StepMetadata
+    from .metadata import build_step_metadata as build_step_metadata
+    from .ops import dequantize_and_gather as dequantize_and_gather
+    from .ops import longest_first as longest_first
+    from .ops import quantize_and_insert as quantize_and_insert
+    from .ops import sparse_attention_decode as sparse_attention_decode
+    from .ops import sparse_attention_prefill as sparse_attention_prefill

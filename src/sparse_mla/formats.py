@@ -149,7 +149,8 @@ def resolve_cache(cache: torch.Tensor, fmt: str | KVFormat | None = None,
     found = infer_format(cache, name)
     if fmt is not None and get_format(fmt, found.dim if fmt == "bf16" else None) != found:  # bf16: the cache's width
         want = fmt.name if isinstance(fmt, KVFormat) else fmt
-        raise ValueError(f"{name} holds {found.name} data ({cache.dtype}, last axis {cache.shape[-1]}) but fmt is {want!r}"
+        raise ValueError(f"{name} holds {found.name} data ({cache.dtype}, last axis {cache.shape[-1]}) "
+                         f"but fmt is {want!r}"
                          + (f" (dim {fmt.dim})" if isinstance(fmt, KVFormat) else ""))
     return as_paged(cache, found, name), found
 
@@ -216,7 +217,8 @@ def decode_records(records: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     return torch.cat([nope, rope], dim=1)
 
 
-def write_tokens(cache: torch.Tensor, fmt: KVFormat, blocks: torch.Tensor, offsets: torch.Tensor, kv: torch.Tensor) -> None:
+def write_tokens(cache: torch.Tensor, fmt: KVFormat, blocks: torch.Tensor, offsets: torch.Tensor,
+                 kv: torch.Tensor) -> None:
     """Store ``kv (n, d)`` bf16 at ``(blocks[i], offsets[i])`` of a validated paged cache."""
     if fmt.name == "bf16":
         cache[blocks, offsets] = kv
