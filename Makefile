@@ -1,6 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+PYTEST_ARGS ?= --durations=10
 
 .PHONY: demo test lint clean
 
@@ -15,7 +16,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 
 test: lint
-	$(PY) -m pytest -q -n 2 --durations=10 tests
+	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -62,8 +62,8 @@ def run(args: AttentionArgs) -> tuple[torch.Tensor, torch.Tensor]:
         gathered = [gather_scope(s, rows) for s in args.scopes]
         keys = torch.cat([k for k, _ in gathered], dim=1)
         valid = torch.cat([v for _, v in gathered], dim=1)
-        o, l = attend(q[rows], keys, valid, args.sink, args.scale)
-        out[rows], lse[rows] = o.to(torch.bfloat16), l
+        rows_out, rows_lse = attend(q[rows], keys, valid, args.sink, args.scale)
+        out[rows], lse[rows] = rows_out.to(torch.bfloat16), rows_lse
     return out, lse
 
 
