@@ -381,3 +381,17 @@ def test_programs_take_the_tokens_order_names(gluon):
     named = [0, 2, 4]
     assert rel_err(got[named], ref[named]) < 1e-2
     assert (got[[1, 3]] == 7.0).all()
+
+
+def test_attention_kernel_names_what_runs():
+    """``ops.attention_kernel`` resolves ``backend`` to the kernel that ``sparse_attention_decode`` runs."""
+    from sparse_mla.ops import attention_kernel
+
+    cache = PagedCache(1, 64, "fp8_v4", 512, DEVICE)
+    q = torch.zeros(2, 64, 512, dtype=torch.bfloat16, device=DEVICE)
+    assert attention_kernel("reference", q, cache.data) == "reference"
+    assert attention_kernel("triton", q, cache.data) in (("triton", "gluon") if ON_GPU else ("triton",))
+    assert attention_kernel("auto", q, cache.data) == (attention_kernel("triton", q, cache.data) if ON_GPU
+                                                       else "reference")
+    with pytest.raises(ValueError, match="backend must be"):
+        attention_kernel("cuda", q, cache.data)
