@@ -53,9 +53,9 @@ def test_a_token_alone_equals_the_same_token_in_any_batch(monkeypatch, gluon, fm
     alone = [run(slice(t, t + 1)) for t in range(0, big, max(1, big // 6))]
     for n in BATCHES:
         out, lse = run(slice(0, n))
-        for (o, l), t in zip(alone, range(0, big, max(1, big // 6))):
+        for (o, lse_t), t in zip(alone, range(0, big, max(1, big // 6))):
             if t < n:
-                assert torch.equal(out[t], o[0]) and torch.equal(lse[t], l[0]), (n, t)
+                assert torch.equal(out[t], o[0]) and torch.equal(lse[t], lse_t[0]), (n, t)
     # and it is the attention: the reference agrees
     ref, _ = sparse_attention_decode(q, swa.data, i0, l0, comp.data, i1, l1, sink, backend="reference")
     got = run(slice(0, big))[0]

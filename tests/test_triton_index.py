@@ -3,19 +3,18 @@ uses the Triton ones; here they run in the interpreter)."""
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from helpers import DEVICE
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
 from sparse_mla.metadata import (MetadataSpec, _compressed_picks_torch, _step_lists_torch, _step_lists_triton,
                                  allocate_metadata)
 from sparse_mla.ops.triton_index import compressed_picks
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
 
 
-@settings(max_examples=15, deadline=None)
 @given(lengths=st.lists(st.tuples(st.integers(1, 600), st.integers(1, 6)), min_size=1, max_size=4),
        window=st.sampled_from([1, 5, 8]), topk=st.sampled_from([1, 7, 16]), padding=st.integers(0, 3),
        seed=st.integers(0, 2**31 - 1), kinds=st.sampled_from([("swa", "c4a", "c128a"), ("swa",), ("swa", "c4a"),

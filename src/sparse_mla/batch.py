@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ._checks import is_int
-from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, LAYER_KINDS, V4_KINDS
+from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, V4_KINDS
 
 
 @dataclass

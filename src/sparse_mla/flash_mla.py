@@ -168,7 +168,8 @@ def flash_mla_with_kvcache(
                          "uint8 / int8 / float8_e4m3fn bytes, bf16 caches bfloat16")
     if kv_format is not None:
         if kv_format not in _KV_FORMAT_BYTES:
-            raise NotImplementedError(f"kv_format={kv_format!r} is not supported: use None, 'V4' (584 B) or 'V32' (656 B)")
+            raise NotImplementedError(f"kv_format={kv_format!r} is not supported: use None, 'V4' (584 B) or "
+                                      f"'V32' (656 B)")
         if not is_fp8 or k_cache.shape[-1] != _KV_FORMAT_BYTES[kv_format]:
             raise ValueError(f"kv_format={kv_format!r} needs {_KV_FORMAT_BYTES[kv_format]}-byte fp8 tokens, but "
                              f"k_cache is {k_cache.dtype} with last axis {k_cache.shape[-1]}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 
 from . import reference
+from ..formats import resolve_cache
+from . import dispatch
 from .dispatch import BACKENDS, backend_for, check_backend_name
 from .order import longest_first
 from .validate import debug_checks_enabled, decode_args, gather_args, insert_args, prefill_args
@@ -16,6 +18,16 @@ try:
     from . import triton_attention, triton_cache, triton_index
 except ImportError:  # no Triton on this platform: the reference backend still works
     triton_attention = triton_cache = triton_index = None
+
+
+def attention_kernel(backend: str, q: torch.Tensor, cache: torch.Tensor) -> str:
+    """What ``sparse_attention_decode(q, cache, ..., backend=backend)`` runs: ``"reference"``, ``"triton"`` or
+    ``"gluon"`` (the Hopper kernel, for V4 fp8_v4 / bf16 caches), resolving ``"auto"`` for ``q``'s device."""
+    if backend_for(backend, q, "q") == "reference":
+        return "reference"
+    paged, fmt = resolve_cache(cache)
+    return dispatch.attention_kernel(q.device, q.shape[-1], frozenset({fmt.name}),
+                                     triton_attention.pages_16_byte_aligned(paged))
 
 
 def sparse_attention_decode(
@@ -106,4 +118,4 @@ def dequantize_and_gather(cache: torch.Tensor, slots: torch.Tensor, fmt: str | N
 
 
 __all__ = ["sparse_attention_decode", "sparse_attention_prefill", "quantize_and_insert", "dequantize_and_gather",
-           "longest_first", "BACKENDS"]
+           "longest_first", "attention_kernel", "check_backend_name", "BACKENDS"]

@@ -23,7 +23,7 @@ from triton.runtime.errors import OutOfResources
 
 from . import dispatch, gluon_attention
 from .launch import Launch, cached_launch
-from .validate import D_V, AttentionArgs, Scope
+from .validate import D_V, AttentionArgs
 
 FMT_BF16, FMT_FP8_V4, FMT_FP8_V32 = 0, 1, 2
 _FMT_CODE = {"bf16": FMT_BF16, "fp8_v4": FMT_FP8_V4, "fp8_v32": FMT_FP8_V32}

@@ -92,6 +92,8 @@ def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=No
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
     if q.shape[-1] not in (512, 576):
         raise ValueError(f"q must have head dim 512 (V4) or 576 (V3.2), got {q.shape[-1]}")
+    if isinstance(cache, torch.Tensor) and cache.device != q.device:  # before the indices are checked against q
+        raise ValueError(f"q must be on {cache_name}'s device {cache.device}, got {q.device}")
     scopes = [_scope("", q, cache, indices, lens, fmt, check_ranges, cache_name)]
     if (extra_cache is None) != (extra_indices is None):
         raise ValueError("extra_cache and extra_indices must be given together")
