@@ -214,7 +214,6 @@ BAD_DECODE = [
     ("is_fp8_kvcache", ValueError, dict(is_fp8_kvcache=False)),
     ("kv_format", ValueError, dict(kv_format="V32")),
     ("kv_format", NotImplementedError, dict(kv_format="V41")),
-    ("enable_batch_invariant", NotImplementedError, dict(enable_batch_invariant=True)),
     ("descale_q", NotImplementedError, dict(descale_q=torch.ones(1))),
 ]
 

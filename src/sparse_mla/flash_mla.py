@@ -139,8 +139,11 @@ def flash_mla_with_kvcache(
     ``(b, s_q, h_q)`` buffer, FlashMLA's strides): natural-log sum of ``exp(scores)`` over valid keys, sink
     excluded; ``+inf`` (and a zero output row) where a token has no valid key.
 
-    Not supported (``NotImplementedError``): ``indices=None`` (dense decoding), ``enable_batch_invariant``,
-    ``descale_q`` / ``descale_k``, the V4.1 / V3.2-no-RoPE layouts.
+    ``enable_batch_invariant=True``: each token's output is bitwise independent of the rest of the batch
+    (``sparse_attention_decode(batch_invariant=True)``).
+
+    Not supported (``NotImplementedError``): ``indices=None`` (dense decoding), ``descale_q`` / ``descale_k``,
+    the V4.1 / V3.2-no-RoPE layouts.
     """
     if indices is None:
         raise NotImplementedError("indices=None (dense MLA decoding, with block_table / cache_seqlens / causal) is "
@@ -154,9 +157,6 @@ def flash_mla_with_kvcache(
         raise ValueError("causal must be False when sparse attention is enabled (indices given)")
     if head_dim_v != HEAD_DIM_V:
         raise ValueError(f"head_dim_v must be {HEAD_DIM_V}, got {head_dim_v!r}")
-    if enable_batch_invariant:
-        raise NotImplementedError("enable_batch_invariant=True is not supported: the decode kernels may split a "
-                                  "token's keys depending on the batch size")
     if descale_q is not None or descale_k is not None:
         raise NotImplementedError("descale_q / descale_k belong to FlashMLA's dense fp8 decoding, not supported")
     check_tensor("q", q, ndim=4)
@@ -181,7 +181,8 @@ def flash_mla_with_kvcache(
         out, lse = sparse_attention_decode(
             q.reshape(b * s_q, h_q, d), k_cache, _tokens("indices", indices, b, s_q),
             _per_token("topk_length", topk_length, b, s_q), extra_k_cache, extra_idx,
-            _per_token("extra_topk_length", extra_topk_length, b, s_q), attn_sink, softmax_scale, backend="auto")
+            _per_token("extra_topk_length", extra_topk_length, b, s_q), attn_sink, softmax_scale, backend="auto",
+            batch_invariant=bool(enable_batch_invariant))
     except ValueError as err:
         raise _renamed(err, "decode") from err
     return out.view(b, s_q, h_q, HEAD_DIM_V), lse.view(b, s_q, h_q).transpose(1, 2)
