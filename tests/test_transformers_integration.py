@@ -23,7 +23,7 @@ def _v4_model():
     torch.manual_seed(0)
     cfg = transformers.DeepseekV4Config(
         vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
-        head_dim=512, q_lora_rank=32, n_routed_experts=4, num_experts_per_tok=2, hc_mult=2,
+        head_dim=512, q_lora_rank=32, n_routed_experts=4, num_experts_per_tok=2, hc_mult=2, hc_sinkhorn_iters=2,
         layer_types=["compressed_sparse_attention", "sliding_attention", "heavily_compressed_attention"],
         mlp_layer_types=["moe"] * 3, sliding_window=16, o_groups=2, o_lora_rank=16, index_n_heads=2,
         index_head_dim=64, index_topk=4, max_position_embeddings=1024, pad_token_id=0, eos_token_id=None)
