@@ -54,7 +54,6 @@ What HF does, read in transformers 5.23.0 (``models/deepseek_v4/modeling_deepsee
 """
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -137,6 +136,7 @@ class SparseMLAIntegration:
         self.kinds = self._kinds()
         self.window = self.config.sliding_window if self.family == "v4" else 1
         self.topk = self.config.index_topk
+        self.absorption: dict[int, Absorption] = {}  # V3.2: layer index -> its kv_b_proj split
         self.layers = [self._make_layer(a) for a in self.attentions]
         self._sessions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._step: _Step | None = None
@@ -177,7 +177,6 @@ class SparseMLAIntegration:
 
     def _make_layer(self, attn: torch.nn.Module) -> SparseMLAAttention:
         if self.family == "v32":
-            self.absorption = getattr(self, "absorption", {})
             self.absorption[attn.layer_idx] = Absorption.from_kv_b_proj(
                 attn.kv_b_proj.weight.to(self.device), attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim,
                 attn.kv_lora_rank)
