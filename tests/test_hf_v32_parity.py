@@ -3,9 +3,9 @@ sparse-mla's ``dsa`` layer fed HF's own absorbed queries, latents and indexer pi
 
 Steps through HF's own cache: a prefill, a chunk on the cached prefix, then decode steps. Per step,
 HF's per-head attention output (the input of ``o_proj``, i.e. after ``W_UV``) must match
-``Absorption.expand_output(layer(...))`` within 1e-2 relative Frobenius error (bf16 cache). An fp8_v32
-cache (e4m3 latents, per-128 fp32 scales) is compared with the same HF run (unquantised latents), at the
-tolerance measured for it (see ``FP8_TOL``). A float64 dense check (no sparse-mla kernel) first pins HF's
+``Absorption.expand_output(layer(...))`` within 1e-2 relative Frobenius error (bf16 cache; measured
+<= 2.4e-3). An fp8_v32 cache (e4m3 latents, per-128 fp32 scales) is within ``FP8_TOL`` of the same HF run
+(unquantised latents; measured <= 2.8e-2) and within 1e-2 of HF's semantics on the dequantised latents. A float64 dense check (no sparse-mla kernel) first pins HF's
 semantics: picks after the query and padding never count; a repeated pick counts once.
 """
 import pytest
@@ -20,6 +20,7 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf  # noqa
 from sparse_mla.absorption import Absorption  # noqa: E402
 from sparse_mla.config import LAYER_KINDS  # noqa: E402
 from sparse_mla.oracle import masked_attention  # noqa: E402
+from sparse_mla.scenario import dequantized  # noqa: E402
 
 needs_dsa = pytest.mark.xfail("dsa" not in LAYER_KINDS, reason="dsa layer not merged", strict=False)
 
@@ -76,18 +77,23 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def test_dense_reference_reproduces_hf(hf_run):
-    """Absorbed attention over the 576-d latents, masked to picks <= position (float64), is HF's output."""
-    attn, steps = hf_run
+def dense(attn, st, latents):
+    """HF's semantics in float64: absorbed attention over ``latents (T, 576)``, masked to picks <= position
+    (a repeated pick counts once), expanded by W_UV: ``(n, H, V)``."""
     ab = Absorption.from_kv_b_proj(attn.kv_b_proj.weight.double(), HEADS, NOPE, V, 512)
+    q = torch.cat([torch.bmm(st["q_nope"].double().transpose(0, 1), ab.w_uk).transpose(0, 1), st["q_pe"]], -1)
+    pos = torch.arange(st["prefix"], st["prefix"] + st["n"])
+    mask = torch.zeros(st["n"], latents.shape[0], dtype=torch.bool).scatter_(1, st["picks"].long(), True)
+    mask &= torch.arange(latents.shape[0])[None, :] <= pos[:, None]
+    out, _ = masked_attention(q, latents.double(), mask, None, attn.scaling)
+    return ab.expand_output(out)
+
+
+def test_dense_reference_reproduces_hf(hf_run):
+    """The float64 dense attention over the latents is HF's output: HF's semantics, pinned without sparse-mla."""
+    attn, steps = hf_run
     for st in steps:
-        q = torch.cat([torch.bmm(st["q_nope"].double().transpose(0, 1), ab.w_uk).transpose(0, 1), st["q_pe"]], -1)
-        pos = torch.arange(st["prefix"], st["prefix"] + st["n"])
-        keys = st["latents"].double()
-        mask = torch.zeros(st["n"], keys.shape[0], dtype=torch.bool).scatter_(1, st["picks"].long(), True)
-        mask &= torch.arange(keys.shape[0])[None, :] <= pos[:, None]
-        out, _ = masked_attention(q, keys, mask, None, attn.scaling)
-        assert rel(ab.expand_output(out), st["out"]) < 1e-5
+        assert rel(dense(attn, st, st["latents"]), st["out"]) < 1e-5
     assert steps[0]["picks"].shape[1] == TOPK and (steps[-1]["picks"] < steps[-1]["prefix"] + 1).all()
 
 
@@ -117,7 +123,11 @@ def _ours(attn, steps, kv_format):
         picks[: st["n"], : st["picks"].shape[1]] = st["picks"]
         out = layer(q, meta, {"dsa": cache}, topk_indices=picks)
         assert (out[st["n"]:] == 0).all()
-        errs.append(rel(ab.expand_output(out[: st["n"]].float()), st["out"]))
+        ours = ab.expand_output(out[: st["n"]].float())
+        errs.append(rel(ours, st["out"]))
+        if kv_format != "bf16":  # against HF's semantics on the latents the cache holds
+            held = dequantized(st["latents"][:seq].to(torch.bfloat16), cache.fmt)
+            assert rel(ours, dense(attn, st, held)) < 1e-2
     return errs
 
 

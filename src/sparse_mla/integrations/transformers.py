@@ -152,8 +152,12 @@ class SparseMLAIntegration:
                 if hasattr(attn.compressor, "indexer"):
                     self._hooks.append(attn.compressor.indexer.register_forward_hook(self._capture_picks(i)))
         from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
         AttentionInterface.register(ATTENTION_NAME, _attention)
+        # HF builds masks only for implementations with a mask function; V3.2's indexer needs one (additive,
+        # as eager's) to keep its picks causal. The sparse-mla layer itself never reads it.
+        AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
         model.set_attn_implementation(ATTENTION_NAME)
 
     def remove(self) -> None:
