@@ -18,11 +18,8 @@ if transformers.__version__ != "5.23.0":
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf  # noqa: E402
 
 from sparse_mla.absorption import Absorption  # noqa: E402
-from sparse_mla.config import LAYER_KINDS  # noqa: E402
 from sparse_mla.oracle import masked_attention  # noqa: E402
 from sparse_mla.scenario import dequantized  # noqa: E402
-
-needs_dsa = pytest.mark.xfail("dsa" not in LAYER_KINDS, reason="dsa layer not merged", strict=False)
 
 TOPK, HEADS, NOPE, V = 8, 4, 16, 16
 STEPS = [(0, 40), (40, 25), (65, 1), (66, 1), (67, 1)]  # (cached prefix, new tokens): prefill, chunk, decodes
@@ -131,7 +128,6 @@ def _ours(attn, steps, kv_format):
     return errs
 
 
-@needs_dsa
 @pytest.mark.parametrize("kv_format, tol", [("bf16", 1e-2), ("fp8_v32", FP8_TOL)])
 def test_dsa_layer_matches_hf(hf_run, kv_format, tol):
     errs = _ours(*hf_run, kv_format)
