@@ -13,38 +13,42 @@ different lengths (left-padded). Only transformers 5.23.0 is supported (checked)
 What HF does, read in transformers 5.23.0 (``models/deepseek_v4/modeling_deepseek_v4.py`` = V4,
 ``models/deepseek_v32/modeling_deepseek_v32.py`` = V3.2), and how it maps to sparse-mla:
 
-* Extension points: ``DeepseekV4Attention.forward`` (V4 l. 855-871) and
-  ``DeepseekV32Attention.forward`` (V3.2 l. 460-472) call
-  ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)``; we register ours
-  there. V4 hands it ``q (B, H, S, 512)`` and ``kv`` = ``[the sliding-window cache's keys + the new
-  ones | every compressed entry so far]`` (l. 829-840) with a dense mask; the compressed entries
-  come from ``DeepseekV4{CSA,HCA}Compressor.forward`` and the picks from ``DeepseekV4Indexer.forward``,
-  which we read with forward hooks (their outputs, untouched). V3.2 passes the indexer's picks
-  itself as ``indices=`` to any implementation other than eager/sdpa (l. 444-458), with q and keys
-  already expanded per head (``expand_kv``): we take the latents from ``kv_a_layernorm``'s output
-  (a forward hook) and the rope half of the keys, and absorb q with :class:`Absorption`.
+* Extension points: ``DeepseekV4Attention.forward`` (V4 l. 857) and ``DeepseekV32Attention.forward``
+  (V3.2 l. 460) call ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)``; we
+  register ours there. HF builds masks only for implementations registered in
+  ``AttentionMaskInterface`` (``masking_utils.py`` l. 733, 841) and V3.2's indexer needs one (l. 439),
+  so ``"sparse_mla"`` is registered there too, with eager's additive mask; our layer never reads it.
+  V4 hands the function ``q (B, H, S, 512)`` and ``kv`` = ``[the sliding-window cache's keys + the new
+  ones | every compressed entry so far]`` (l. 836-843) with a dense mask; the compressed entries come
+  from ``DeepseekV4{CSA,HCA}Compressor.forward`` and the picks from ``DeepseekV4Indexer.forward``, which
+  we read with forward hooks (their outputs, untouched). V3.2 passes the indexer's picks itself as
+  ``indices=`` to any implementation other than eager/sdpa (l. 444-458), with q and keys already
+  expanded per head (``expand_kv``): we take the latents from ``kv_a_layernorm``'s output (a forward
+  hook) and the rope half of the keys, and absorb q with :class:`Absorption`.
 * Inverse rope (V4): HF rotates the rope dims of the attention output back by the query position
   (``apply_rotary_pos_emb(..., cos, -sin)``, l. 879) *after* the attention function returns; the
   sparse-mla layer returns the output before that rotation, so HF's module does it, here and in
   eager alike. We apply nothing.
-* Repeated picks: HF turns picks into a mask (V4 ``block_bias.scatter_``, l. 717-719; V3.2
-  ``index_mask.scatter``, l. 447-449), so an entry picked twice counts once. HF's own picks are a
+* Repeated picks: HF turns picks into a mask (V4 ``block_bias.scatter_``, l. 712; V3.2
+  ``index_mask ... .scatter``, l. 447-449), so an entry picked twice counts once. HF's own picks are a
   ``topk`` (distinct), so our layer (which attends to a repeated pick twice) sees the same keys.
 * Invisible picks: V4's indexer replaces picks of entries not complete before the query with ``-1``
-  (``(pos+1)//4`` threshold, l. 661-667), our ``c4a`` rule; V3.2's indexer takes ``topk`` over
-  masked scores (l. 232-241), so while a row has fewer keys than ``index_topk`` it also picks future
-  or padding keys, which the causal mask then drops; our ``dsa`` layer drops picks after the query.
+  (``(pos+1)//4`` threshold, l. 589-595), our ``c4a`` rule; V3.2's indexer takes
+  ``min(index_topk, keys)`` over masked scores (l. 240), so while a row has fewer keys than
+  ``index_topk`` it also picks future or padding keys, which the causal mask then drops; our ``dsa``
+  layer drops picks after the query.
 * Batched ``generate`` left-pads: the 2-D ``attention_mask`` is 0 on the pads and
   ``position_ids = cumsum(mask) - 1`` (``generation/utils.py`` l. 894-916), so a real token's
   position counts only real tokens. We build one request per batch row with ``seq_len`` = real
   tokens so far (``mask[b].sum()``) and ``query_len`` = real tokens this step (``mask[b, -S:].sum()``):
-  our positions equal HF's ``position_ids``; pad tokens are not in the batch (their output is 0, as
-  HF's fully masked rows with a sink give). V3.2's picks index HF's padded key axis: we subtract the
-  row's pads. V4's compressors pool *padded* token windows (entry ``w`` of a row with ``p`` pads
-  covers its real positions ``4w-p …``; ``entry_count`` is shared by the batch, l. 228-232): we take
-  HF's entries as they are and apply visibility ``(w+1)·r <= pos+1`` on the real position, as HF's
-  prefill masks do (l. 594-602, 661). One HF quirk we do not copy: HCA in a decode step (``S == 1``)
-  returns no mask (l. 590), so a left-padded row sees the entries of the *padded* length,
+  our positions equal HF's ``position_ids`` (checked; a padded batch without ``position_ids`` is a
+  ``ValueError``, since HF then gives the pads positions). Pad tokens are not in the batch (their
+  output is 0, as HF's fully masked rows with a sink give). V3.2's picks index HF's padded key axis:
+  we subtract the row's pads. V4's compressors pool *padded* token windows (entry ``w`` of a row with
+  ``p`` pads covers its real positions ``4w-p …``; ``entry_count`` is shared by the batch, l. 216): we
+  take HF's entries as they are and apply visibility ``(w+1)·r <= pos+1`` on the real position, as
+  HF's prefill masks do (l. 446-453, 589). One HF quirk we do not copy: HCA in a decode step
+  (``S == 1``) returns no mask (l. 443), so a left-padded row sees the entries of the *padded* length,
   ``(padded_pos+1)//128``; we keep ``(pos+1)//128``. The two differ only while a row's pads push its
   padded length across a multiple of 128 ahead of its real length.
 * Caches: HF's ``DynamicCache`` (V4: ``DeepseekV4HCACache`` / ``DeepseekV4CSACache`` layers) still
@@ -107,7 +111,6 @@ class _Step:
     rows: torch.Tensor  # (num_tokens,) int64: the flat HF index b * S + s of each batch token
     req_rows: list[int]  # the HF batch row of each request
     pads: torch.Tensor  # (B,) int64: left pads of each HF row (tokens before its first real one)
-    seq: int  # S, tokens per HF row this step
     captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> compressor / latent output
     picks: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> V4 indexer picks (B, S, k)
 
@@ -155,8 +158,7 @@ class SparseMLAIntegration:
         from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
         AttentionInterface.register(ATTENTION_NAME, _attention)
-        # HF builds masks only for implementations with a mask function; V3.2's indexer needs one (additive,
-        # as eager's) to keep its picks causal. The sparse-mla layer itself never reads it.
+        # HF builds masks only for implementations with a mask function; V3.2's indexer needs one
         AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
         model.set_attn_implementation(ATTENTION_NAME)
 
@@ -268,7 +270,7 @@ class SparseMLAIntegration:
         meta = build_step_metadata(batch, MetadataSpec(window=self.window, topk=self.topk))
         rows = torch.cat([b * seq + torch.arange(seq - query_lens[b], seq) for b in order]).to(self.device)
         pads = (mask.shape[1] - mask.sum(1)).to(self.device)
-        return _Step(session, batch, meta, rows, order, pads, seq)
+        return _Step(session, batch, meta, rows, order, pads)
 
     def _grow(self, session: _Session, row: int, kind: str, blocks: int) -> None:
         """Give batch row ``row`` ``blocks`` blocks of ``kind`` (numbered in order of need)."""
@@ -287,7 +289,7 @@ class SparseMLAIntegration:
                 if old is not None and old.num_blocks >= used:
                     continue
                 size = max(used, 2 * old.num_blocks if old is not None else used)
-                new = PagedCache(size, DEFAULT_BLOCK_SIZE.get(kind, 64), self.kv_format, 576 if kind == "dsa" else 512,
+                new = PagedCache(size, DEFAULT_BLOCK_SIZE[kind], self.kv_format, 576 if kind == "dsa" else 512,
                                  self.device)
                 if old is not None:
                     new.data[: old.num_blocks].copy_(old.data)
@@ -322,7 +324,8 @@ class SparseMLAIntegration:
             q = self.absorption[idx].absorb_query(q[..., :nope], q[..., nope:])
             latents = torch.cat([step.captured[idx], key[:, 0, -seq:, nope:]], dim=-1)
             caches["dsa"].write(tokens(latents).to(torch.bfloat16), batch.slot_mapping)
-            local = torch.where(indices >= 0, indices - step.pads[:, None, None].to(indices.device), -1)
+            local = indices - step.pads[:, None, None].to(indices.device)  # padded key axis -> request-local
+            local = torch.where((indices >= 0) & (local >= 0), local, -1)
             picks = _pad_picks(tokens(local.to(torch.int32)), self.topk)
             out = layer(q, step.meta, caches, topk_indices=picks)
             out = self.absorption[idx].expand_output(out.float())
