@@ -122,6 +122,24 @@ def test_errors(v4):
         enable_sparse_mla(torch.nn.Linear(2, 2))
     with pytest.raises(RuntimeError, match="supports transformers"):
         check_transformers_version("5.22.0")
+    ids, mask = _inputs()
+    integration = enable_sparse_mla(model)
+    try:
+        with torch.no_grad():
+            right = mask.flip(1)
+            with pytest.raises(ValueError, match="0 only on left padding"):
+                model(ids, attention_mask=right, position_ids=(right.cumsum(-1) - 1).clamp_min(0))
+            with pytest.raises(ValueError, match="position_ids must count the real tokens"):
+                model(ids, attention_mask=mask, position_ids=torch.arange(PROMPT)[None].expand(2, -1))
+            with pytest.raises(ValueError, match="never saw"):
+                cache = transformers.DynamicCache(config=model.config)
+                integration.remove()
+                model(ids[:1, :4], past_key_values=cache)
+                integration = enable_sparse_mla(model)
+                model(ids[:1, 4:8], past_key_values=cache)
+    finally:
+        integration.remove()
+    assert model.config._attn_implementation == "eager"
 
 
 
