@@ -75,7 +75,7 @@ def test_v4_generate_matches_eager(v4):
 
 def test_v4_fp8_cache_prefill(v4):
     """fp8_v4 caches (e4m3 nope dims, per-64 power-of-two scales): logits of a batched prefill against HF
-    eager on the unquantised latents. Measured 1.3e-2 / 1.6e-2 max relative error per row."""
+    eager on the unquantised latents: measured 3.5e-2 / 3.8e-2 relative Frobenius error per row."""
     model, ids, mask, _ = v4
     positions = (mask.cumsum(-1) - 1).clamp_min(0)  # as generate() makes them
     with torch.no_grad():
