@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -51,9 +52,10 @@ def test_model_layers_follow_the_presets():
 
 
 @pytest.mark.skipif("dsa" not in LAYER_KINDS, reason="the dsa layer kind has not landed")
-def test_v32_benchmark_smoke_writes_the_expected_json(tmp_path):
+def test_v32_benchmark_smoke_writes_the_expected_json(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("bench_v32", os.path.join(BENCHMARKS, "bench_v32.py"))
     bench_v32 = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_v32", bench_v32)  # its dataclasses look their module up
     spec.loader.exec_module(bench_v32)
     assert bench_v32.run(_args(bench_v32, ["--smoke", "--out", str(tmp_path)])) == 0
     result = json.loads((tmp_path / "bench_v32.json").read_text())
