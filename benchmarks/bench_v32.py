@@ -42,7 +42,7 @@ from sparse_mla.config import get_config
 from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import MetadataSpec, StepMetadata, build_step_metadata
 from sparse_mla.ops import dequantize_and_gather
-from sparse_mla.timing import graphed, host_us, load_flash_mla, rel, timed_rounds, warm_up_gpu
+from sparse_mla.timing import graphed, host_median_us, load_flash_mla, rel, timed_rounds, warm_up_gpu
 
 D_QK, D_V, BLOCK = 576, 512, 64
 CFG = get_config("deepseek-v3.2")
@@ -230,11 +230,11 @@ def decode_part(pool: Pool, batches: list[int], s_qs: list[int], heads_list: lis
                 fns = {"ours": lambda: layer(q, step.meta, step.caches, step.picks, out=out)}
                 fns["ours"]()
                 row = dict(heads=heads, batch=b, s_q=s_q, topk=env.sizes.topk, context=pool.seq_len,
-                           ours_host_us=host_us(fns["ours"], env.sizes.host_calls))
+                           ours_host_us=host_median_us(fns["ours"], env.sizes.host_calls))
                 if env.flash_mla is not None:
                     fm = FlashMLADecode(env.flash_mla, step, q, CFG.softmax_scale)
                     row.update(flashmla_heads=fm.q.shape[2], rel_err=rel(out, fm.output()),
-                               flashmla_host_us=host_us(fm, env.sizes.host_calls))
+                               flashmla_host_us=host_median_us(fm, env.sizes.host_calls))
                     fns["flashmla"] = fm
                 row.update(_alternating(fns, env, env.graphs))
                 if "flashmla_us" in row:
@@ -260,7 +260,7 @@ def prefill_part(heads: int, env: Env) -> list[dict]:
             fns[mode]()
         row = dict(heads=heads, prefix=prefix, tokens=chunk, topk=env.sizes.topk,
                    rel_err_paged_vs_workspace=rel(outs["paged"], outs["workspace"]),
-                   host_us={mode: host_us(fn, min(10, env.sizes.host_calls)) for mode, fn in fns.items()})
+                   host_us={mode: host_median_us(fn, min(10, env.sizes.host_calls)) for mode, fn in fns.items()})
         if env.flash_mla is not None:
             fm = FlashMLAPrefill(env.flash_mla, step, q, CFG.softmax_scale)
             fm_out = fm()[:, :heads]
@@ -270,7 +270,6 @@ def prefill_part(heads: int, env: Env) -> list[dict]:
         if "flashmla_us" in row:
             row.update({f"ratio_{mode}": row[f"{mode}_us"] / row["flashmla_us"] for mode in ("paged", "workspace")})
         rows.append(row)
-        del pool, step
     return rows
 
 
@@ -290,9 +289,9 @@ def step_part(pool: Pool, env: Env) -> list[dict]:
 
     fns = {"ours": ours}
     row = dict(layers=layers, batch=b, s_q=2, heads=heads, topk=env.sizes.topk, context=pool.seq_len,
-               layer_host_us=host_us(lambda: layer(q, step.meta, step.caches, step.picks, out=out),
+               layer_host_us=host_median_us(lambda: layer(q, step.meta, step.caches, step.picks, out=out),
                                      env.sizes.host_calls),
-               build_step_metadata_host_us=host_us(step.build, env.sizes.host_calls))
+               build_step_metadata_host_us=host_median_us(step.build, env.sizes.host_calls))
     if env.flash_mla is not None:
         fm = FlashMLADecode(env.flash_mla, step, q, CFG.softmax_scale)
 

@@ -61,6 +61,13 @@ def host_us(fn: Callable[[], object], calls: int = 50) -> float:
     return elapsed / calls * 1e6
 
 
+def host_median_us(fn: Callable[[], object], calls: int = 50, groups: int = 5) -> float:
+    """Median host time of one call of ``fn`` (us): :func:`host_us` over ``min(groups, calls)`` groups of
+    the ``calls``, so one descheduled group does not move it."""
+    groups = max(1, min(groups, calls))
+    return statistics.median(host_us(fn, calls // groups) for _ in range(groups))
+
+
 def timed_rounds(fns: Sequence[Callable[[], object]], rep_ms: int = 100, rounds: int = 3) -> list[float]:
     """Medians over ``rounds`` of timing each of ``fns`` in turn (us): clock or load drift during a run
     then moves all of them alike instead of skewing their ratios."""
