@@ -35,14 +35,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from sparse_mla.batch import Request, StepBatch, StepBatchBuilder, slots_of
-from sparse_mla.benchmark import fill_random
+from sparse_mla.batch import Request, StepBatchBuilder, slots_of
+from sparse_mla.benchmark import Env, Step, fill_random, prepare, run_info
 from sparse_mla.cache import PagedCache
 from sparse_mla.config import get_config
 from sparse_mla.layer import SparseMLAAttention
-from sparse_mla.metadata import MetadataSpec, StepMetadata, build_step_metadata
+from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.ops import dequantize_and_gather
-from sparse_mla.timing import graphed, host_median_us, load_flash_mla, rel, timed_rounds, warm_up_gpu
+from sparse_mla.timing import graphed, host_median_us, load_flash_mla, rel, timed_rounds
 
 D_QK, D_V, BLOCK = 576, 512, 64
 CFG = get_config("deepseek-v3.2")
@@ -73,18 +73,6 @@ class Sizes:
 
 
 @dataclass
-class Env:
-    device: torch.device
-    backend: str
-    flash_mla: ModuleType | None
-    graphs: bool
-    rep_ms: int
-    rounds: int
-    sizes: Sizes
-    console: Console
-
-
-@dataclass
 class Pool:
     """A paged dsa cache of ``len(tables)`` requests of ``seq_len`` tokens, random latents, blocks shuffled."""
 
@@ -93,21 +81,7 @@ class Pool:
     seq_len: int
 
 
-@dataclass
-class Step:
-    """A V3.2 step over requests of a :class:`Pool`: batch, metadata, the indexer's picks ``(T, topk)``."""
-
-    batch: StepBatch
-    spec: MetadataSpec
-    meta: StepMetadata
-    caches: dict[str, PagedCache]
-    picks: torch.Tensor
-
-    def build(self) -> StepMetadata:
-        return build_step_metadata(self.batch, self.spec, out=self.meta)
-
-
-def make_pool(num_requests: int, seq_len: int, env: Env, seed: int) -> Pool:
+def make_pool(num_requests: int, seq_len: int, env: Env[Sizes], seed: int) -> Pool:
     """A cache holding ``num_requests`` requests of ``seq_len`` tokens (every slot written)."""
     per_request = math.ceil(seq_len / BLOCK)
     cache = PagedCache(num_requests * per_request, BLOCK, env.sizes.kv_format, D_QK, env.device)
@@ -127,7 +101,7 @@ def dsa_picks(positions: torch.Tensor, topk: int, max_len: int, gen: torch.Gener
     return torch.nn.functional.pad(picks, (0, topk - picks.shape[1]), value=-1)
 
 
-def make_step(pool: Pool, num_requests: int, query_len: int, env: Env, seed: int) -> Step:
+def make_step(pool: Pool, num_requests: int, query_len: int, env: Env[Sizes], seed: int) -> Step:
     """A step of the pool's first ``num_requests`` requests, ``query_len`` new tokens each (2 or fewer: decode)."""
     requests = [Request(pool.seq_len, query_len, {"dsa": pool.tables[r]}) for r in range(num_requests)]
     builder = StepBatchBuilder(num_requests * query_len, num_requests, pool.seq_len, kinds=("dsa",),
@@ -139,12 +113,12 @@ def make_step(pool: Pool, num_requests: int, query_len: int, env: Env, seed: int
     return Step(batch, spec, build_step_metadata(batch, spec), {"dsa": pool.cache}, picks)
 
 
-def make_layer(heads: int, env: Env, prefill_mode: str = "paged") -> SparseMLAAttention:
+def make_layer(heads: int, env: Env[Sizes], prefill_mode: str = "paged") -> SparseMLAAttention:
     return SparseMLAAttention("dsa", heads, head_dim=D_QK, topk=env.sizes.topk, scale=CFG.softmax_scale,
                               backend=env.backend, prefill_mode=prefill_mode)
 
 
-def queries(tokens: int, heads: int, env: Env, seed: int) -> torch.Tensor:
+def queries(tokens: int, heads: int, env: Env[Sizes], seed: int) -> torch.Tensor:
     """Random absorbed queries ``(tokens, heads, 576)`` bf16."""
     q = torch.randn(tokens, heads, D_QK, generator=torch.Generator().manual_seed(seed)) * 0.5
     return q.to(torch.bfloat16).to(env.device)
@@ -210,13 +184,13 @@ class FlashMLAPrefill:
 # ---------------------------------------------------------------------------------------------- parts
 
 
-def _alternating(fns: dict[str, Callable[[], object]], env: Env, graph: bool) -> dict[str, float]:
+def _alternating(fns: dict[str, Callable[[], object]], env: Env[Sizes], graph: bool) -> dict[str, float]:
     """``{name}_us`` of each function, timed alternating (as CUDA-graph replays when ``graph``)."""
     run = [graphed(fn) if graph else fn for fn in fns.values()]
     return {f"{name}_us": t for name, t in zip(fns, timed_rounds(run, env.rep_ms, env.rounds))}
 
 
-def decode_part(pool: Pool, batches: list[int], s_qs: list[int], heads_list: list[int], env: Env) -> list[dict]:
+def decode_part(pool: Pool, batches: list[int], s_qs: list[int], heads_list: list[int], env: Env[Sizes]) -> list[dict]:
     """One dsa layer per (batch, s_q, heads): ours vs FlashMLA, outputs compared, graph replays timed."""
     rows = []
     for heads in heads_list:
@@ -243,7 +217,7 @@ def decode_part(pool: Pool, batches: list[int], s_qs: list[int], heads_list: lis
     return rows
 
 
-def prefill_part(heads: int, env: Env) -> list[dict]:
+def prefill_part(heads: int, env: Env[Sizes]) -> list[dict]:
     """A chunk after each prefix: ours paged-direct and workspace vs FlashMLA's gather + sparse prefill."""
     rows = []
     for prefix in env.sizes.prefixes:
@@ -273,7 +247,7 @@ def prefill_part(heads: int, env: Env) -> list[dict]:
     return rows
 
 
-def step_part(pool: Pool, env: Env) -> list[dict]:
+def step_part(pool: Pool, env: Env[Sizes]) -> list[dict]:
     """The whole V3.2 decode step (metadata build + every layer), ours vs FlashMLA, eager and graph."""
     b, layers, heads = env.sizes.step_batch, env.sizes.step_layers, env.sizes.step_heads
     env.console.log(f"step: {layers} layers, batch {b} x 2 tokens, h_q {heads}")
@@ -375,27 +349,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "no FlashMLA, no graphs")
 
 
-def _env(args: argparse.Namespace, console: Console) -> Env:
+def _env(args: argparse.Namespace, console: Console) -> Env[Sizes]:
     if args.smoke:
         args.batches, args.s_q, args.heads, args.prefill_heads = [2], [1, 2], [4, 2], 4
-        return Env(torch.device("cpu"), "reference", None, False, args.rep, 1, Sizes.of(True), console)
+        return Env(torch.device("cpu"), "reference", None, False, args.rep, 1, Sizes.of(True), 0, console)
     return Env(torch.device("cuda"), "auto", None if args.no_flashmla else load_flash_mla(), True, args.rep,
-               args.rounds, Sizes.of(False), console)
+               args.rounds, Sizes.of(False), 0, console)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``args.parts``; print the tables, write ``bench_v32.json``. Returns 2 without CUDA (unless --smoke)."""
     console = Console(width=160)
-    if not args.smoke and not torch.cuda.is_available():
-        console.print("bench_v32 needs a CUDA GPU (FlashMLA's V3.2 kernels: Hopper and the sgl-flash-mla wheel, "
-                      "optional). On a CPU run it with --smoke.")
-        return 2
-    env = _env(args, console)
     start = time.perf_counter()
-    if env.device.type == "cuda":
-        warm_up_gpu()
-    result = dict(device=torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu", torch=torch.__version__,
-                  flashmla=env.flash_mla is not None, kv_format=env.sizes.kv_format, smoke=args.smoke, graphs=env.graphs,
+    env = prepare(args, console, "bench_v32 needs a CUDA GPU (FlashMLA's V3.2 kernels: Hopper and the sgl-flash-mla "
+                  "wheel, optional).", _env)
+    if env is None:
+        return 2
+    result = dict(run_info(env), kv_format=env.sizes.kv_format, smoke=args.smoke, graphs=env.graphs,
                   scale=CFG.softmax_scale)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_v32.json")

@@ -31,7 +31,7 @@ import platform
 import time
 from dataclasses import dataclass, replace
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Generic, TypeVar
 
 import torch
 from rich.console import Console
@@ -86,9 +86,13 @@ class Sizes:
                        kv_format=self.kv_format or cfg.kv_format)
 
 
+SizesT = TypeVar("SizesT")
+
+
 @dataclass
-class Env:
-    """What every case needs: device, backend, FlashMLA (or None), whether to capture graphs, timing reps."""
+class Env(Generic[SizesT]):
+    """What every case needs: device, backend, FlashMLA (or None), whether to capture graphs, timing reps,
+    the run's sizes (:class:`Sizes` here; ``benchmarks/bench_v32.py`` has its own), seed, console."""
 
     device: torch.device
     backend: str
@@ -96,7 +100,7 @@ class Env:
     graphs: bool
     rep_ms: int
     rounds: int
-    sizes: Sizes
+    sizes: SizesT
     seed: int
     console: Console
 
@@ -109,7 +113,7 @@ class Step:
     spec: MetadataSpec
     meta: StepMetadata
     caches: dict[str, PagedCache]
-    picks: torch.Tensor  # (T, topk) int32 local c4a entries, valid prefix, -1 after
+    picks: torch.Tensor  # (T, topk) int32 indexer picks (c4a: local entries; dsa: positions), valid prefix, -1 after
 
     def build(self) -> StepMetadata:
         """The step's metadata work: ``build_step_metadata`` into the step's buffers."""
@@ -159,7 +163,7 @@ def make_step(lengths: list[tuple[int, int]], cfg: ModelConfig, device: torch.de
     return Step(batch, spec, build_step_metadata(batch, spec), caches, picks.to(device))
 
 
-def make_layers(cfg: ModelConfig, env: Env, **options) -> dict[str, SparseMLAAttention]:
+def make_layers(cfg: ModelConfig, env: Env[Sizes], **options) -> dict[str, SparseMLAAttention]:
     """One :class:`SparseMLAAttention` per V4 kind (random sinks, seeded), with extra layer ``options``."""
     gen = torch.Generator().manual_seed(env.seed + 7)
     heads = cfg.num_heads
@@ -240,13 +244,13 @@ def flash_mla_prefill(flash_mla: ModuleType, step: Step, layer: SparseMLAAttenti
 # ---------------------------------------------------------------------------------------------- decode
 
 
-def _contexts(batch: int, env: Env) -> list[int]:
+def _contexts(batch: int, env: Env[Sizes]) -> list[int]:
     lo, hi = env.sizes.context
     gen = torch.Generator().manual_seed(env.seed + batch)
     return torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
 
 
-def _queries(step: Step, heads: int, env: Env) -> dict[str, torch.Tensor]:
+def _queries(step: Step, heads: int, env: Env[Sizes]) -> dict[str, torch.Tensor]:
     """One random ``(T, heads, 512)`` bf16 query per kind (shared by the layers of that kind)."""
     gen = torch.Generator().manual_seed(env.seed + 11)
     t = step.batch.token_capacity
@@ -274,7 +278,7 @@ def flash_mla_step(step: Step, fm: FlashMLADecode, kinds: list[str], q: dict[str
     return run
 
 
-def _step_times(fns: list[Callable[[], None]], env: Env) -> dict[str, list[float]]:
+def _step_times(fns: list[Callable[[], None]], env: Env[Sizes]) -> dict[str, list[float]]:
     """Eager and (with ``env.graphs``) graph-replay times, us, of ``fns`` timed alternating."""
     times = {"eager": timed_rounds(fns, env.rep_ms, env.rounds)}
     if env.graphs:
@@ -294,7 +298,7 @@ def _host_times(step: Step, layers: dict[str, SparseMLAAttention], kinds: list[s
 
 
 def _batch_invariant(step: Step, cfg: ModelConfig, kinds: list[str], q: dict[str, torch.Tensor],
-                     outs: dict[str, torch.Tensor], env: Env) -> dict | None:
+                     outs: dict[str, torch.Tensor], env: Env[Sizes]) -> dict | None:
     """The step with ``batch_invariant=True`` layers: times and each kind's rel err against the default
     layers' outputs ``outs`` (None when the layer does not take the argument)."""
     if not batch_invariant_supported():
@@ -308,14 +312,14 @@ def _batch_invariant(step: Step, cfg: ModelConfig, kinds: list[str], q: dict[str
     return row
 
 
-def _warn_if_apart(errors: dict[str, float], case: str, env: Env, tolerance: float = 1e-2) -> None:
+def _warn_if_apart(errors: dict[str, float], case: str, env: Env[Sizes], tolerance: float = 1e-2) -> None:
     """Say so when ours and FlashMLA disagree past bf16 noise (the timings then compare different work)."""
     apart = {k: e for k, e in errors.items() if not e < tolerance}
     if apart:
         env.console.log(f"[red]{case}: ours and FlashMLA disagree: rel err {apart} (>= {tolerance:g})[/red]")
 
 
-def decode_case(name: str, env: Env) -> dict:
+def decode_case(name: str, env: Env[Sizes]) -> dict:
     """One decode case (a model, a batch size): outputs compared, then timed. Returns its JSON row."""
     model, full_batch = DECODE_CASES[name]
     cfg = env.sizes.model(MODELS[model])
@@ -355,7 +359,7 @@ def decode_case(name: str, env: Env) -> dict:
 # ---------------------------------------------------------------------------------------------- prefill
 
 
-def prefill_case(name: str, env: Env) -> list[dict]:
+def prefill_case(name: str, env: Env[Sizes]) -> list[dict]:
     """A prefill chunk on a cached prefix, one c4a and one c128a layer: ours paged-direct and workspace, and
     FlashMLA's gather + ``flash_mla_sparse_fwd``. Returns one JSON row per layer kind."""
     cfg = env.sizes.model(MODELS[PREFILL_CASES[name]])
@@ -477,7 +481,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "no FlashMLA, no graphs")
 
 
-def _env(args: argparse.Namespace, console: Console) -> Env:
+def _env(args: argparse.Namespace, console: Console) -> Env[Sizes]:
     if args.smoke:
         return Env(torch.device("cpu"), "reference", None, False, args.rep, 1, Sizes.of(True), args.seed, console)
     flash_mla = None if args.no_flashmla else load_flash_mla()
@@ -485,7 +489,21 @@ def _env(args: argparse.Namespace, console: Console) -> Env:
                args.seed, console)
 
 
-def _versions(env: Env) -> dict:
+def prepare(args: argparse.Namespace, console: Console, needs: str,
+            make_env: Callable[[argparse.Namespace, Console], Env]) -> Env | None:
+    """The run's :class:`Env` (``make_env``), the GPU warmed up; None, after printing ``needs``, on a machine
+    without CUDA unless ``args.smoke``."""
+    if not args.smoke and not torch.cuda.is_available():
+        console.print(f"{needs} On a CPU run it with --smoke.")
+        return None
+    env = make_env(args, console)
+    if env.device.type == "cuda":
+        warm_up_gpu()
+    return env
+
+
+def run_info(env: Env) -> dict:
+    """What a result was measured on: device, torch, triton and flash_mla versions."""
     fm = env.flash_mla
     out = dict(device=torch.cuda.get_device_name() if env.device.type == "cuda" else f"cpu ({platform.machine()})",
                torch=torch.__version__, flash_mla=getattr(fm, "__version__", "unknown") if fm else None)
@@ -501,15 +519,12 @@ def run(args: argparse.Namespace) -> int:
     """Run the cases in ``args.cases``; print the table, write ``bench_step.json`` (+ ``.png``) to ``args.out``.
     Returns 0, or 2 without a CUDA GPU (unless ``--smoke``)."""
     console = Console(width=170)
-    if not args.smoke and not torch.cuda.is_available():
-        console.print("sparse-mla bench needs a CUDA GPU (Hopper for the fast kernels; FlashMLA, the sgl-flash-mla "
-                      "wheel, optional: without it ours is timed alone). On a CPU run it with --smoke.")
-        return 2
-    env = _env(args, console)
     start = time.perf_counter()
-    if env.device.type == "cuda":
-        warm_up_gpu()
-    result = dict(_versions(env), smoke=args.smoke, graphs=env.graphs, rep_ms=env.rep_ms, rounds=env.rounds,
+    env = prepare(args, console, "sparse-mla bench needs a CUDA GPU (Hopper for the fast kernels; FlashMLA, the "
+                  "sgl-flash-mla wheel, optional: without it ours is timed alone).", _env)
+    if env is None:
+        return 2
+    result = dict(run_info(env), smoke=args.smoke, graphs=env.graphs, rep_ms=env.rep_ms, rounds=env.rounds,
                   batch_invariant_supported=batch_invariant_supported(), cases=list(args.cases),
                   decode=[], prefill=[])
     os.makedirs(args.out, exist_ok=True)
