@@ -434,7 +434,7 @@ def results_table(result: dict) -> Table:
 
 
 def write_plot(result: dict, path: str, console: Console) -> None:
-    """Bar chart of decode step times (graph and eager) and prefill layer times, ours vs FlashMLA."""
+    """Bars of ours vs FlashMLA: decode step times (graph and eager) on the left, prefill layer times on the right."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -442,22 +442,23 @@ def write_plot(result: dict, path: str, console: Console) -> None:
     except ImportError:
         console.log("matplotlib is not installed: no plot (pip install matplotlib)")
         return
-    bars = []  # (label, ours us, FlashMLA us or None)
-    for r in result["decode"]:
-        for mode in ("graph", "eager"):
-            if f"ours_{mode}_us" in r:
-                bars.append((f"{r['case']}\n{mode}", r[f"ours_{mode}_us"], r.get(f"flashmla_{mode}_us")))
-    for r in result["prefill"]:
-        for mode in ("paged", "workspace"):
-            bars.append((f"{r['case']}\n{r['kind']} {mode}", r[f"{mode}_us"], r.get("flashmla_us")))
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(bars)), 4.5))
-    x = range(len(bars))
-    ax.bar([i - 0.2 for i in x], [b[1] / 1e3 for b in bars], 0.4, label="sparse-mla")
-    ax.bar([i + 0.2 for i in x], [(b[2] or 0) / 1e3 for b in bars], 0.4, label="FlashMLA")
-    ax.set_xticks(list(x), [b[0] for b in bars], fontsize=7)
-    ax.set_ylabel("ms")
-    ax.set_title(f"step times, {result['device']}")
-    ax.legend()
+    decode = [(f"{r['case']}\n{mode}", r[f"ours_{mode}_us"], r.get(f"flashmla_{mode}_us"))
+              for r in result["decode"] for mode in ("graph", "eager") if f"ours_{mode}_us" in r]
+    prefill = [(f"{r['case']}\n{r['kind']} {mode}", r[f"{mode}_us"], r.get("flashmla_us"))
+               for r in result["prefill"] for mode in ("paged", "workspace")]
+    panels = [(title, bars) for title, bars in (("decode step", decode), ("prefill layer", prefill)) if bars]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(6, 1.2 * (len(decode) + len(prefill))), 4.5),
+                             squeeze=False)
+    for ax, (title, bars) in zip(axes[0], panels):
+        x = range(len(bars))
+        ax.bar([i - 0.2 for i in x], [b[1] / 1e3 for b in bars], 0.4, label="sparse-mla")
+        ax.bar([i + 0.2 for i in x], [(b[2] or 0) / 1e3 for b in bars], 0.4, label="FlashMLA")
+        ax.set_xticks(list(x), [b[0] for b in bars], fontsize=7)
+        ax.set_ylabel("ms")
+        ax.set_title(f"{title}, {result['device']}")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
