@@ -325,7 +325,8 @@ def tables(result: dict) -> list[Table]:
             ms = lambda k: f"{r[k] / 1e3:.2f}" if k in r else "-"  # noqa: E731
             t.add_row(str(r["layers"]), str(r["batch"]), ms("ours_graph_us"), ms("flashmla_graph_us"),
                       _f(r, "ratio_graph", ".2f"), ms("ours_eager_us"), ms("flashmla_eager_us"),
-                      _f(r, "ratio_eager", ".2f"), f"{r['layer_host_us']:.0f}", f"{r['build_step_metadata_host_us']:.0f}")
+                      _f(r, "ratio_eager", ".2f"), f"{r['layer_host_us']:.0f}",
+                      f"{r['build_step_metadata_host_us']:.0f}")
         out.append(t)
     return out
 

@@ -142,8 +142,9 @@ def fill_random(cache: PagedCache, gen: torch.Generator, chunk: int = 1 << 18) -
 
 
 def make_step(lengths: list[tuple[int, int]], cfg: ModelConfig, device: torch.device, seed: int) -> Step:
-    """A step of requests ``(seq_len, query_len)`` (decodes first) over fp8 caches of every V4 kind, filled with
-    random latents, blocks in random order; the indexer's picks and the step's metadata."""
+    """A step of requests ``(seq_len, query_len)`` (decodes first) over caches of every V4 kind in ``cfg``'s format,
+    every slot written with random latents, blocks in random order; the indexer's picks and the step's metadata.
+    ``max_model_len`` is the longest request rounded up to :data:`LEN_ALIGN`."""
     gen = torch.Generator().manual_seed(seed)
     max_len = math.ceil(max(s for s, _ in lengths) / LEN_ALIGN) * LEN_ALIGN
     caches, tables = {}, {}
@@ -289,10 +290,11 @@ def _step_times(fns: list[Callable[[], None]], env: Env[Sizes]) -> dict[str, lis
 def _host_times(step: Step, layers: dict[str, SparseMLAAttention], kinds: list[str], q: dict[str, torch.Tensor],
                 outs: dict[str, torch.Tensor], calls: int) -> dict[str, float]:
     """Host us of one call of each kind's layer, and of the step's metadata build."""
-    times = {kind: host_median_us(lambda kind=kind: layers[kind](q[kind], step.meta, step.caches,
-                                                          step.picks if kind == "c4a" else None, out=outs[kind]),
-                           calls)
-             for kind in sorted(set(kinds))}
+    def call(kind: str) -> Callable[[], torch.Tensor]:
+        return lambda: layers[kind](q[kind], step.meta, step.caches, step.picks if kind == "c4a" else None,
+                                    out=outs[kind])
+
+    times = {kind: host_median_us(call(kind), calls) for kind in sorted(set(kinds))}
     times["build_step_metadata"] = host_median_us(step.build, calls)
     return times
 
@@ -333,7 +335,8 @@ def decode_case(name: str, env: Env[Sizes]) -> dict:
     outs = {kind: torch.empty_like(q[kind]) for kind in COMPRESS_RATIO}
     ours = our_step(step, layers, kinds, q, outs)
     ours()
-    row = dict(case=name, model=cfg.name, layers=len(kinds), layer_kinds={k: kinds.count(k) for k in sorted(set(kinds))},
+    row = dict(case=name, model=cfg.name, layers=len(kinds),
+               layer_kinds={k: kinds.count(k) for k in sorted(set(kinds))},
                heads=heads, topk=cfg.index_topk, batch=len(contexts), tokens=step.batch.num_tokens,
                context=dict(min=min(contexts), max=max(contexts), mean=sum(contexts) / len(contexts)))
     fns = [ours]
