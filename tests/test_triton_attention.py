@@ -211,7 +211,7 @@ def test_out_is_written_in_place(backend):
                                 .transpose(0, 1))
 
 
-@pytest.mark.skipif(ON_GPU, reason="replaces the kernel with a stub")
+@pytest.mark.skipif(ON_GPU, reason="replaces the kernel launch with a stub")
 def test_launch_falls_back_to_one_stage_when_shared_memory_runs_out(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
@@ -220,22 +220,32 @@ def test_launch_falls_back_to_one_stage_when_shared_memory_runs_out(monkeypatch)
     stages_tried = []
     fitting = {"stages": 1}  # the deepest pipeline the stub GPU's shared memory holds
 
-    class SmallSharedMemoryKernel:
-        def __getitem__(self, grid):
-            def launch(*args, num_stages=1, **kwargs):
-                stages_tried.append(num_stages)
-                if num_stages > fitting["stages"]:
-                    raise OutOfResources(197632, 101376, "shared memory")
-                return "compiled"
-            return launch
+    def stub_launch(kernel_name, constexprs, options):
+        def launch(grid, *args):
+            stages_tried.append(dict(options)["num_stages"])
+            if dict(options)["num_stages"] > fitting["stages"]:
+                raise OutOfResources(197632, 101376, "shared memory")
+        return launch
 
-    monkeypatch.setattr(triton_attention, "_sparse_mla_kernel", SmallSharedMemoryKernel())
-    assert triton_attention._launch_attention((1,), (), {}, {"num_warps": 8, "num_stages": 2}) == "compiled"
+    cache = PagedCache(2, 4, "bf16")
+    q = torch.zeros(1, 2, 512, dtype=torch.bfloat16)
+    idx, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+
+    def plan_with_stages(stages):
+        plan = triton_attention.AttentionPlan((1, 2, 512), torch.device("cpu"), [(cache.fmt, 4, idx, lens)], False,
+                                              None)
+        plan._options = (("num_warps", 8), ("num_stages", stages))
+        plan.attention = stub_launch("triton", (), plan._options)
+        return plan
+
+    monkeypatch.setattr(triton_attention, "_launch", stub_launch)
+    out = torch.empty(1, 2, 512, dtype=torch.bfloat16)
+    plan_with_stages(2)(q, out, None, 1.0, (cache.data,))
     assert stages_tried == [2, 1]
     stages_tried.clear()
     fitting["stages"] = 0
     with pytest.raises(OutOfResources):
-        triton_attention._launch_attention((1,), (), {}, {"num_warps": 8, "num_stages": 1})
+        plan_with_stages(1)(q, out, None, 1.0, (cache.data,))
     assert stages_tried == [1]
 
 
@@ -347,16 +357,14 @@ def test_fp8_cache_off_a_4_byte_boundary_is_rejected(fmt, dim):
 def test_cache_off_a_16_byte_boundary_gives_the_same_attention(fmt, shift):
     """A cache whose pages start off a 16-byte boundary (on a 4-byte one for fp8) is read correctly: the Hopper
     kernel copies with 16-byte cp.async, so it leaves such caches to the Triton kernel."""
-    from sparse_mla.ops import gluon_attention
-    from sparse_mla.ops.validate import decode_args
+    from sparse_mla.ops.triton_attention import pages_16_byte_aligned
 
     gen = torch.Generator().manual_seed(32)
     num_tokens, width = (8, 100) if ON_GPU else (3, 20)
     cache, idx, lens = random_scope(gen, fmt, 512, num_tokens, width, 4, 64)
     shifted = shifted_copy(cache.data, shift)
     q = torch.randn(num_tokens, 64 if ON_GPU else 2, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
-    assert gluon_attention.pages_16_byte_aligned(decode_args(q, cache.data, idx, lens))
-    assert not gluon_attention.pages_16_byte_aligned(decode_args(q, shifted, idx, lens))
+    assert pages_16_byte_aligned(cache.data) and not pages_16_byte_aligned(shifted)
     ref = sparse_attention_decode(q, cache.data, idx, lens, backend="reference")
     check_close(sparse_attention_decode(q, shifted, idx, lens, backend="triton"), ref)
 

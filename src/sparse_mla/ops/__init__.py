@@ -5,12 +5,10 @@ backend can be forced by name. All backends share the argument checks of :mod:`.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .._checks import check_tensor
 from . import reference
+from .dispatch import BACKENDS, backend_for, check_backend_name
 from .order import longest_first
 from .validate import debug_checks_enabled, decode_args, gather_args, insert_args, prefill_args
 
@@ -18,27 +16,6 @@ try:
     from . import triton_attention, triton_cache, triton_index
 except ImportError:  # no Triton on this platform: the reference backend still works
     triton_attention = triton_cache = triton_index = None
-
-BACKENDS = ("reference", "triton")
-
-
-def check_backend_name(name: str) -> None:
-    """``name`` is ``"auto"`` or one of :data:`BACKENDS`."""
-    if name != "auto" and name not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {name!r}")
-
-
-def _backend(name: str, first: torch.Tensor, first_name: str) -> str:
-    """The backend to run: ``name`` resolved for the device of the op's first tensor argument."""
-    device = check_tensor(first_name, first).device
-    check_backend_name(name)
-    if name == "auto":
-        return "triton" if device.type == "cuda" and triton_attention is not None else "reference"
-    if name == "triton" and triton_attention is None:
-        raise ValueError("backend 'triton' needs the triton package, which is not installed")
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise ValueError(f"backend 'triton' needs CUDA tensors (got {device}), or TRITON_INTERPRET=1 on the CPU")
-    return name
 
 
 def sparse_attention_decode(
@@ -55,6 +32,7 @@ def sparse_attention_decode(
     backend: str = "auto",
     out: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention of each query token over two index scopes of paged caches.
 
@@ -73,13 +51,16 @@ def sparse_attention_decode(
     order: ``(T,)`` int32, a permutation of the tokens: the order the GPU kernels start them in, which
     changes their speed, never their results. ``longest_first(lens, extra_lens)``, computed once per step,
     keeps ragged lists from leaving SMs idle at the end (up to 22 % faster on C128A decode).
+    batch_invariant: a token's output is bitwise the same whatever else is in the batch (its key list is
+    split by its own length alone, see ``triton_attention.INVARIANT_SPLIT_BLOCKS``); the reference is
+    batch-invariant anyway.
     """
-    if _backend(backend, q, "q") == "reference":
+    if backend_for(backend, q, "q") == "reference":
         return reference.run(decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink,
                                          scale, fmt, out=out, order=order))
     args = decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, scale, fmt,
                        check_ranges=debug_checks_enabled(), out=out, order=order)
-    return triton_attention.run(args)
+    return triton_attention.run(args, batch_invariant=batch_invariant)
 
 
 def sparse_attention_prefill(
@@ -96,7 +77,7 @@ def sparse_attention_prefill(
 
     Same semantics and returns as :func:`sparse_attention_decode`.
     """
-    if _backend(backend, q, "q") == "reference":
+    if backend_for(backend, q, "q") == "reference":
         return reference.run(prefill_args(q, kv, indices, lens, sink, scale, out=out))
     return triton_attention.run(prefill_args(q, kv, indices, lens, sink, scale, check_ranges=debug_checks_enabled(),
                                              out=out))
@@ -109,7 +90,7 @@ def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, slot_mapping:
     The reference checks slot ranges and finiteness (``ValueError``); the Triton kernel does so under
     ``SPARSE_MLA_DEBUG=1`` and otherwise skips out-of-range slots.
     """
-    if _backend(backend, kv_new, "kv_new") == "reference":
+    if backend_for(backend, kv_new, "kv_new") == "reference":
         reference.quantize_and_insert(*insert_args(kv_new, cache, slot_mapping, fmt))
     else:
         triton_cache.quantize_and_insert(*insert_args(kv_new, cache, slot_mapping, fmt,
@@ -119,7 +100,7 @@ def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, slot_mapping:
 def dequantize_and_gather(cache: torch.Tensor, slots: torch.Tensor, fmt: str | None = None,
                           backend: str = "auto") -> torch.Tensor:
     """Dequantised tokens at ``slots`` (any shape; ``-1`` reads as zeros): ``slots.shape + (d,)`` bf16."""
-    if _backend(backend, cache, "cache") == "reference":
+    if backend_for(backend, cache, "cache") == "reference":
         return reference.dequantize_and_gather(*gather_args(cache, slots, fmt), slots)
     return triton_cache.dequantize_and_gather(*gather_args(cache, slots, fmt, debug_checks_enabled()), slots)
 
