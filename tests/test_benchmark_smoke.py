@@ -61,4 +61,6 @@ def test_v32_benchmark_smoke_writes_the_expected_json(tmp_path, monkeypatch):
     result = json.loads((tmp_path / "bench_v32.json").read_text())
     assert {"decode", "prefill", "step"} <= set(result)
     assert result["decode"] and result["prefill"] and result["step"]
-    assert all(r["ours_us"] > 0 for r in result["decode"] + result["step"])
+    assert all(r["ours_us"] > 0 for r in result["decode"]) and result["step"][0]["ours_eager_us"] > 0
+    for r in result["prefill"]:
+        assert r["paged_us"] > 0 and r["workspace_us"] > 0 and r["rel_err_paged_vs_workspace"] < 1e-2

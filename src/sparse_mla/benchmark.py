@@ -39,9 +39,9 @@ from rich.table import Table
 
 from .batch import Request, StepBatch, StepBatchBuilder, blocks_needed
 from .cache import PagedCache
-from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, ModelConfig, get_config
+from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, V4_KINDS, ModelConfig, get_config
 from .layer import SparseMLAAttention, shared_workspace
-from .metadata import MetadataSpec, StepMetadata, build_step_metadata, convert_compressed_picks, workspace_indices
+from .metadata import MetadataSpec, StepMetadata, build_step_metadata, convert_picks, workspace_indices
 from .ops import dequantize_and_gather
 from .scenario import random_picks
 from .timing import graphed, host_median_us, load_flash_mla, rel, timed_rounds, warm_up_gpu
@@ -148,13 +148,13 @@ def make_step(lengths: list[tuple[int, int]], cfg: ModelConfig, device: torch.de
     gen = torch.Generator().manual_seed(seed)
     max_len = math.ceil(max(s for s, _ in lengths) / LEN_ALIGN) * LEN_ALIGN
     caches, tables = {}, {}
-    for kind in COMPRESS_RATIO:
+    for kind in V4_KINDS:
         need = [blocks_needed(s, kind) for s, _ in lengths]
         caches[kind] = PagedCache(sum(need) + 1, DEFAULT_BLOCK_SIZE[kind], cfg.kv_format, cfg.head_dim, device)
         fill_random(caches[kind], torch.Generator(device=device).manual_seed(seed + len(tables)))
         blocks = torch.randperm(sum(need), generator=gen).split(need)
         tables[kind] = [b.tolist() for b in blocks]
-    requests = [Request(s, q, {k: tables[k][i] for k in COMPRESS_RATIO}) for i, (s, q) in enumerate(lengths)]
+    requests = [Request(s, q, {k: tables[k][i] for k in V4_KINDS}) for i, (s, q) in enumerate(lengths)]
     builder = StepBatchBuilder(sum(q for _, q in lengths), len(lengths), max_len, decode_threshold=MTP_TOKENS,
                                device=device, num_blocks={k: c.num_blocks for k, c in caches.items()})
     batch = builder.build(requests)
@@ -172,7 +172,7 @@ def make_layers(cfg: ModelConfig, env: Env[Sizes], **options) -> dict[str, Spars
                                      topk=cfg.index_topk if kind == "c4a" else None, scale=cfg.softmax_scale,
                                      sink=torch.randn(heads, generator=gen).to(env.device), backend=env.backend,
                                      **options)
-            for kind in COMPRESS_RATIO}
+            for kind in V4_KINDS}
 
 
 def batch_invariant_supported() -> bool:
@@ -195,7 +195,7 @@ class FlashMLADecode:
                              f"{MTP_TOKENS} tokens and the batch must have no padding")
         self.fm, self.step, self.layers = flash_mla, step, layers
         self.b = batch.num_reqs
-        self.sched = {kind: flash_mla.get_mla_metadata()[0] for kind in COMPRESS_RATIO}
+        self.sched = {kind: flash_mla.get_mla_metadata()[0] for kind in V4_KINDS}
         self.lengths = {kind: torch.empty(self.b, dtype=torch.int32, device=batch.device) for kind in ("c4a", "c128a")}
 
     def _per_request(self, rows: torch.Tensor) -> torch.Tensor:
@@ -228,7 +228,7 @@ def flash_mla_prefill(flash_mla: ModuleType, step: Step, layer: SparseMLAAttenti
     our workspace mode uses), ``dequantize_and_gather`` into the shared bf16 workspace, then
     ``flash_mla_sparse_fwd`` on ``q (n, H, 512)``, workspace ``(rows, 1, 512)``, indices ``(n, 1, width)``."""
     meta, data = step.meta, {k: c.data for k, c in step.caches.items()}
-    local = convert_compressed_picks(meta, step.picks, "c4a")[2] if layer.kind == "c4a" else None
+    local = convert_picks(meta, step.picks, "c4a")[2] if layer.kind == "c4a" else None
     ws_all = shared_workspace(q.device, layer.workspace_bytes // (2 * layer.head_dim), layer.head_dim)
     for chunk in meta.workspace_plan(layer.kind, layer.workspace_bytes, layer.head_dim):
         ws = ws_all[: chunk.num_rows]
@@ -256,7 +256,7 @@ def _queries(step: Step, heads: int, env: Env[Sizes]) -> dict[str, torch.Tensor]
     gen = torch.Generator().manual_seed(env.seed + 11)
     t = step.batch.token_capacity
     return {kind: (torch.randn(t, heads, D_V, generator=gen) * 0.5).to(torch.bfloat16).to(env.device)
-            for kind in COMPRESS_RATIO}
+            for kind in V4_KINDS}
 
 
 def our_step(step: Step, layers: dict[str, SparseMLAAttention], kinds: list[str], q: dict[str, torch.Tensor],
@@ -332,7 +332,7 @@ def decode_case(name: str, env: Env[Sizes]) -> dict:
     step = make_step([(c, MTP_TOKENS) for c in contexts], cfg, env.device, env.seed)
     layers = make_layers(cfg, env)
     q = _queries(step, heads, env)
-    outs = {kind: torch.empty_like(q[kind]) for kind in COMPRESS_RATIO}
+    outs = {kind: torch.empty_like(q[kind]) for kind in V4_KINDS}
     ours = our_step(step, layers, kinds, q, outs)
     ours()
     row = dict(case=name, model=cfg.name, layers=len(kinds),
