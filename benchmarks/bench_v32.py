@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparse_mla.batch import Request, StepBatchBuilder, slots_of
-from sparse_mla.benchmark import Env, Step, fill_random, prepare, run_info
+from sparse_mla.benchmark import Env, Step, fill_random, flash_mla_side, prepare, run_info
 from sparse_mla.cache import PagedCache
 from sparse_mla.config import get_config
 from sparse_mla.layer import SparseMLAAttention
@@ -184,6 +184,14 @@ class FlashMLAPrefill:
 # ---------------------------------------------------------------------------------------------- parts
 
 
+def _add_flash_mla(fns: dict[str, Callable[[], object]], row: dict, case: str, env: Env[Sizes],
+                   set_up: Callable[[], Callable[[], object]]) -> None:
+    """``fns["flashmla"]`` from :func:`~sparse_mla.benchmark.flash_mla_side` (nothing when it is not timed)."""
+    fn = flash_mla_side(row, case, env, set_up)
+    if fn is not None:
+        fns["flashmla"] = fn
+
+
 def _alternating(fns: dict[str, Callable[[], object]], env: Env[Sizes], graph: bool) -> dict[str, float]:
     """``{name}_us`` of each function, timed alternating (as CUDA-graph replays when ``graph``)."""
     run = [graphed(fn) if graph else fn for fn in fns.values()]
@@ -205,11 +213,13 @@ def decode_part(pool: Pool, batches: list[int], s_qs: list[int], heads_list: lis
                 fns["ours"]()
                 row = dict(heads=heads, batch=b, s_q=s_q, topk=env.sizes.topk, context=pool.seq_len,
                            ours_host_us=host_median_us(fns["ours"], env.sizes.host_calls))
-                if env.flash_mla is not None:
+                def set_up() -> FlashMLADecode:  # called at once, in this iteration
                     fm = FlashMLADecode(env.flash_mla, step, q, CFG.softmax_scale)
                     row.update(flashmla_heads=fm.q.shape[2], rel_err=rel(out, fm.output()),
                                flashmla_host_us=host_median_us(fm, env.sizes.host_calls))
-                    fns["flashmla"] = fm
+                    return fm
+
+                _add_flash_mla(fns, row, f"decode h_q {heads} b {b} s_q {s_q}", env, set_up)
                 row.update(_alternating(fns, env, env.graphs))
                 if "flashmla_us" in row:
                     row["ratio"] = row["ours_us"] / row["flashmla_us"]
@@ -235,11 +245,13 @@ def prefill_part(heads: int, env: Env[Sizes]) -> list[dict]:
         row = dict(heads=heads, prefix=prefix, tokens=chunk, topk=env.sizes.topk,
                    rel_err_paged_vs_workspace=rel(outs["paged"], outs["workspace"]),
                    host_us={mode: host_median_us(fn, min(10, env.sizes.host_calls)) for mode, fn in fns.items()})
-        if env.flash_mla is not None:
+        def set_up() -> FlashMLAPrefill:  # called at once, in this iteration
             fm = FlashMLAPrefill(env.flash_mla, step, q, CFG.softmax_scale)
             fm_out = fm()[:, :heads]
             row["rel_err"] = {mode: rel(out, fm_out) for mode, out in outs.items()}
-            fns["flashmla"] = fm
+            return fm
+
+        _add_flash_mla(fns, row, f"prefill after {prefix}", env, set_up)
         row.update(_alternating(fns, env, graph=False))
         if "flashmla_us" in row:
             row.update({f"ratio_{mode}": row[f"{mode}_us"] / row["flashmla_us"] for mode in ("paged", "workspace")})
@@ -266,15 +278,18 @@ def step_part(pool: Pool, env: Env[Sizes]) -> list[dict]:
                layer_host_us=host_median_us(lambda: layer(q, step.meta, step.caches, step.picks, out=out),
                                      env.sizes.host_calls),
                build_step_metadata_host_us=host_median_us(step.build, env.sizes.host_calls))
-    if env.flash_mla is not None:
+    def set_up() -> Callable[[], None]:
         fm = FlashMLADecode(env.flash_mla, step, q, CFG.softmax_scale)
+        fm()
 
         def flash() -> None:
             step.build()
             for _ in range(layers):
                 fm()
 
-        fns["flashmla"] = flash
+        return flash
+
+    _add_flash_mla(fns, row, "step", env, set_up)
     for graph in (False, True) if env.graphs else (False,):
         times = _alternating(fns, env, graph)
         mode = "graph" if graph else "eager"

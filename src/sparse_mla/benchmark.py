@@ -314,6 +314,24 @@ def _batch_invariant(step: Step, cfg: ModelConfig, kinds: list[str], q: dict[str
     return row
 
 
+FLASH_MLA_ERRORS = (RuntimeError, AssertionError, TypeError, ValueError)
+
+
+def flash_mla_side(row: dict, case: str, env: Env, set_up: Callable[[], Callable[[], object]]
+                   ) -> Callable[[], object] | None:
+    """FlashMLA's side of a case: ``set_up()`` (runs it once, compares outputs, fills ``row``; returns what to
+    time), or None when FlashMLA is not timed or rejects the case (its wheel's legacy path may refuse an
+    argument): then ``row["flashmla_error"]`` says why, and the case times ours alone."""
+    if env.flash_mla is None:
+        return None
+    try:
+        return set_up()
+    except FLASH_MLA_ERRORS as err:
+        row["flashmla_error"] = f"{type(err).__name__}: {err}"
+        env.console.log(f"[red]{case}: FlashMLA failed, timing ours alone: {row['flashmla_error']}[/red]")
+        return None
+
+
 def _warn_if_apart(errors: dict[str, float], case: str, env: Env[Sizes], tolerance: float = 1e-2) -> None:
     """Say so when ours and FlashMLA disagree past bf16 noise (the timings then compare different work)."""
     apart = {k: e for k, e in errors.items() if not e < tolerance}
@@ -339,15 +357,17 @@ def decode_case(name: str, env: Env[Sizes]) -> dict:
                layer_kinds={k: kinds.count(k) for k in sorted(set(kinds))},
                heads=heads, topk=cfg.index_topk, batch=len(contexts), tokens=step.batch.num_tokens,
                context=dict(min=min(contexts), max=max(contexts), mean=sum(contexts) / len(contexts)))
-    fns = [ours]
-    if env.flash_mla is not None:
+
+    def set_up() -> Callable[[], None]:
         fm = FlashMLADecode(env.flash_mla, step, layers)
         fm.prepare()
         row["rel_err"] = {k: rel(outs[k], fm.call(k, q[k]).reshape_as(outs[k])) for k in sorted(set(kinds))}
         _warn_if_apart(row["rel_err"], name, env)
         row["flashmla_host_us"] = {k: host_median_us(lambda k=k: fm.call(k, q[k]), env.sizes.host_calls)
                                    for k in sorted(set(kinds))}
-        fns.append(flash_mla_step(step, fm, kinds, q))
+        return flash_mla_step(step, fm, kinds, q)
+
+    fns = [ours] + [fn for fn in (flash_mla_side(row, name, env, set_up),) if fn is not None]
     env.console.log(f"{name}: timing")
     row["host_us"] = _host_times(step, layers, kinds, q, outs, env.sizes.host_calls)
     step_calls = max(1, env.sizes.host_calls // 5)  # an eager step launches every layer: fewer calls
@@ -381,17 +401,23 @@ def prefill_case(name: str, env: Env[Sizes]) -> list[dict]:
         outs = {mode: torch.empty(chunk, heads, D_V, dtype=torch.bfloat16, device=env.device) for mode in modes}
         fns = {mode: (lambda layer=layer, out=outs[mode]: layer(q, step.meta, step.caches, picks, out=out))
                for mode, layer in modes.items()}
-        if env.flash_mla is not None:
-            outs["flashmla"] = torch.empty_like(outs["paged"])
-            fns["flashmla"] = lambda: flash_mla_prefill(env.flash_mla, step, modes["paged"], q, outs["flashmla"])
         for fn in fns.values():
             fn()
         row = dict(case=name, model=cfg.name, kind=kind, heads=heads, prefix=prefix, tokens=chunk,
                    host_us={mode: host_median_us(fns[mode], min(10, env.sizes.host_calls)) for mode in modes},
                    rel_err_paged_vs_workspace=rel(outs["paged"], outs["workspace"]))
-        if "flashmla" in outs:
-            row["rel_err"] = {mode: rel(outs[mode], outs["flashmla"]) for mode in modes}
+
+        def set_up() -> Callable[[], None]:  # called at once, in this iteration
+            out, layer = torch.empty_like(outs["paged"]), modes["paged"]
+            run = lambda: flash_mla_prefill(env.flash_mla, step, layer, q, out)  # noqa: E731
+            run()
+            row["rel_err"] = {mode: rel(outs[mode], out) for mode in modes}
             _warn_if_apart(row["rel_err"], f"{name} {kind}", env)
+            return run
+
+        fm = flash_mla_side(row, f"{name} {kind}", env, set_up)
+        if fm is not None:
+            fns["flashmla"] = fm
         row.update({f"{mode}_us": t for mode, t in zip(fns, timed_rounds(list(fns.values()), env.rep_ms, env.rounds))})
         if "flashmla_us" in row:
             row.update({f"ratio_{mode}": row[f"{mode}_us"] / row["flashmla_us"] for mode in modes})
