@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -35,16 +34,16 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from sparse_mla.batch import Request, StepBatchBuilder, slots_of
+from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed, slots_of
 from sparse_mla.benchmark import Env, Step, fill_random, flash_mla_side, prepare, run_info
 from sparse_mla.cache import PagedCache
-from sparse_mla.config import get_config
+from sparse_mla.config import DEFAULT_BLOCK_SIZE, get_config
 from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.ops import dequantize_and_gather
 from sparse_mla.timing import graphed, host_median_us, load_flash_mla, rel, timed_rounds
 
-D_QK, D_V, BLOCK = 576, 512, 64
+D_QK, D_V, BLOCK = 576, 512, DEFAULT_BLOCK_SIZE["dsa"]
 CFG = get_config("deepseek-v3.2")
 PARTS = ("decode", "prefill", "step")
 
@@ -83,7 +82,7 @@ class Pool:
 
 def make_pool(num_requests: int, seq_len: int, env: Env[Sizes], seed: int) -> Pool:
     """A cache holding ``num_requests`` requests of ``seq_len`` tokens (every slot written)."""
-    per_request = math.ceil(seq_len / BLOCK)
+    per_request = blocks_needed(seq_len, "dsa")
     cache = PagedCache(num_requests * per_request, BLOCK, env.sizes.kv_format, D_QK, env.device)
     fill_random(cache, torch.Generator(device=env.device).manual_seed(seed))
     blocks = torch.randperm(cache.num_blocks, generator=torch.Generator().manual_seed(seed))
