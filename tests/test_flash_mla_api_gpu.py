@@ -130,8 +130,10 @@ def test_v32_decode_matches_flashmla(h_q):
     check_decode(fm, mine)
     # FlashMLA's V3.2 kernels take no topk_length ("V3.2 does not support dynamic topk length": the -1 padding
     # carries the lengths); ours also honours one
-    check_decode(fm, ours.flash_mla_with_kvcache(q, cache, None, None, 512, OUR_SCHED, None, softmax_scale=0.1352,
-                                                 indices=idx, is_fp8_kvcache=True, topk_length=lens))
+    past = torch.arange(topk, device="cuda")[None, None, :] >= lens[:, None, None]
+    fm_cut, _ = both_decode(q, cache, idx.masked_fill(past, -1), softmax_scale=0.1352)
+    check_decode(fm_cut, ours.flash_mla_with_kvcache(q, cache, None, None, 512, OUR_SCHED, None, softmax_scale=0.1352,
+                                                     indices=idx, is_fp8_kvcache=True, topk_length=lens))
 
 
 @pytest.mark.parametrize("d_qk,h_q", [(512, 64), (512, 128), (576, 64), (576, 128)])
