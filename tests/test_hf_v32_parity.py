@@ -6,7 +6,8 @@ HF's per-head attention output (the input of ``o_proj``, i.e. after ``W_UV``) mu
 ``Absorption.expand_output(layer(...))`` within 1e-2 relative Frobenius error (bf16 cache; measured
 <= 2.4e-3). An fp8_v32 cache (e4m3 latents, per-128 fp32 scales) is within ``FP8_TOL`` of the same HF run
 (unquantised latents; measured <= 2.8e-2) and within 1e-2 of HF's semantics on the dequantised latents.
-A float64 dense check (no sparse-mla kernel) first pins HF's semantics: picks after the query and padding never count; a repeated pick counts once.
+A float64 dense check (no sparse-mla kernel) first pins HF's semantics: picks after the query and
+padding never count; a repeated pick counts once.
 """
 import pytest
 import torch

@@ -195,20 +195,20 @@ def test_launch_falls_back_to_one_stage_when_shared_memory_runs_out(monkeypatch)
     idx, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
 
     def plan_with_stages(stages):
-        plan = triton_attention.AttentionPlan((1, 2, 512), torch.device("cpu"), [(cache.fmt, 4, idx, lens)], False,
-                                              None)
+        plan = triton_attention.AttentionPlan((1, 2, 512), torch.device("cpu"), [(cache.fmt, 4, 4)], False, False)
         plan._options = (("num_warps", 8), ("num_stages", stages))
         plan.attention = stub_launch("triton", (), plan._options)
         return plan
 
     monkeypatch.setattr(triton_attention, "_launch", stub_launch)
-    out = torch.empty(1, 2, 512, dtype=torch.bfloat16)
-    plan_with_stages(2)(q, out, None, 1.0, (cache.data,))
+    out, lse = torch.empty(1, 2, 512, dtype=torch.bfloat16), torch.empty(1, 2)
+    call = (q, out, lse, None, 1.0, (cache.data,), (idx,), (lens,), None)
+    plan_with_stages(2)(*call)
     assert stages_tried == [2, 1]
     stages_tried.clear()
     fitting["stages"] = 0
     with pytest.raises(OutOfResources):
-        plan_with_stages(1)(q, out, None, 1.0, (cache.data,))
+        plan_with_stages(1)(*call)
     assert stages_tried == [1]
 
 

@@ -37,13 +37,13 @@ def test_triton_builders_equal_torch_builders(lengths, window, topk, padding, se
     metas = [allocate_metadata(b, MetadataSpec(window, topk)) for _ in range(2)]
     for meta in metas:  # garbage everywhere: every value must be written
         for buf in (meta.is_valid_token, meta.swa_indices, meta.swa_lens, meta.c128a_indices, meta.c128a_lens,
-                    meta.picks_indices, meta.picks_local, meta.picks_lens):
+                    meta.picks_indices, meta.picks_local, meta.picks_lens, meta.picks_bound):
             if buf is not None:
                 buf.fill_(7)
     _step_lists_triton(b, metas[0])
     _step_lists_torch(b, metas[1])
     for name in ("is_valid_token", "swa_indices", "swa_lens", "c128a_indices", "c128a_lens", "picks_indices",
-                 "picks_local", "picks_lens"):
+                 "picks_local", "picks_lens", "picks_bound"):
         got, want = getattr(metas[0], name), getattr(metas[1], name)
         assert (got is None) == (want is None) and (got is None or torch.equal(got, want)), name
     if "c4a" not in kinds:

@@ -74,7 +74,9 @@ class StepMetadata:
     ``(T, ceil(max_model_len/128))`` + c128a_lens (``None`` when the batch has no c128a block table).
     picks_indices / picks_lens / picks_local ``(T, topk)``, ``(T,)``, ``(T, topk)``: the picks kind's
     (``picks_kind``: c4a or dsa) converted picks, filled per layer by :meth:`c4a_indices` /
-    :meth:`dsa_indices`. decode_orders: ``(T,)`` per ordered kind, see :meth:`decode_order`.
+    :meth:`dsa_indices`; picks_bound ``(T,)``: ``min(topk, entries visible to the token)``, what any layer's
+    picks count can reach (the decode order's estimate). decode_orders: ``(T,)`` per ordered kind, see
+    :meth:`decode_order`.
     """
 
     batch: StepBatch
@@ -87,6 +89,7 @@ class StepMetadata:
     picks_indices: torch.Tensor | None
     picks_lens: torch.Tensor | None
     picks_local: torch.Tensor | None
+    picks_bound: torch.Tensor | None
     decode_orders: dict[str, torch.Tensor] = field(default_factory=dict)
     _plans: dict = field(default_factory=dict, repr=False)
 
@@ -212,7 +215,7 @@ def allocate_metadata(batch: StepBatch, spec: MetadataSpec) -> StepMetadata:
     return StepMetadata(
         batch, spec, torch.empty(cap, **i32), rows(spec.window, "swa" in kinds), rows(None, "swa" in kinds),
         rows(n128, "c128a" in kinds), rows(None, "c128a" in kinds),
-        rows(spec.topk, has_picks), rows(None, has_picks), rows(spec.topk, has_picks),
+        rows(spec.topk, has_picks), rows(None, has_picks), rows(spec.topk, has_picks), rows(None, has_picks),
         {k: torch.empty(cap, **i32) for k in ORDERED_KINDS if k in kinds})
 
 
@@ -254,10 +257,10 @@ def _window_indices_torch(batch: StepBatch, kind: str, indices: torch.Tensor, le
     lens.copy_(count)
 
 
-def _picks_buffers(meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def _picks_buffers(meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     if meta.picks_indices is None:
         return None
-    return meta.picks_indices, meta.picks_local, meta.picks_lens
+    return meta.picks_indices, meta.picks_local, meta.picks_lens, meta.picks_bound
 
 
 def _step_lists_triton(batch: StepBatch, out: StepMetadata) -> None:
@@ -267,9 +270,11 @@ def _step_lists_triton(batch: StepBatch, out: StepMetadata) -> None:
     def window_list(kind: str, indices: torch.Tensor | None, lens: torch.Tensor | None):
         return None if indices is None else triton_index.WindowList(tables[kind], sizes[kind], indices, lens)
 
+    picks = _picks_buffers(out)
     triton_index.step_lists(batch.positions, batch.token_to_req, out.is_valid_token,
                             window_list("swa", out.swa_indices, out.swa_lens),
-                            window_list("c128a", out.c128a_indices, out.c128a_lens), _picks_buffers(out))
+                            window_list("c128a", out.c128a_indices, out.c128a_lens), picks,
+                            COMPRESS_RATIO[out.picks_kind] if picks is not None else 1)
 
 
 def _step_lists_torch(batch: StepBatch, out: StepMetadata) -> None:
@@ -283,6 +288,7 @@ def _step_lists_torch(batch: StepBatch, out: StepMetadata) -> None:
     if picks is not None:  # until a layer converts its picks: nothing visible
         for buf, empty in zip(picks, (-1, -1, 0)):
             buf.fill_(empty)
+        out.picks_bound.copy_(_visible_entries(batch, COMPRESS_RATIO[out.picks_kind]).clamp_max(out.spec.topk))
 
 
 def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),
@@ -309,17 +315,13 @@ def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),
 
 def _fill_decode_orders(meta: StepMetadata) -> None:
     """Each ordered kind's decode order, from its lists' lengths: the SWA lens plus the c128a lens, or for the
-    picks kinds ``min(topk, visible entries)``, an upper bound of every layer's picks (not known when the step
-    starts)."""
+    picks kinds ``picks_bound``, an upper bound of every layer's picks (not known when the step starts)."""
     rows = slice(0, meta.batch.num_decode_tokens)
     if rows.stop == 0:
         return
     swa = None if meta.swa_lens is None else meta.swa_lens[rows]
     for kind, buf in meta.decode_orders.items():
-        if kind == "c128a":
-            extra = meta.c128a_lens[rows]
-        else:
-            extra = _visible_entries(meta.batch, COMPRESS_RATIO[kind])[rows].clamp_max(meta.spec.topk)
+        extra = (meta.c128a_lens if kind == "c128a" else meta.picks_bound)[rows]
         if swa is None:
             fill_longest_first(extra, None, buf[rows])
         else:

@@ -92,45 +92,47 @@ class LayerPlan:
             if self.n_tok > self.n_dec and mode == "paged":  # many waves of programs: their order hardly matters
                 parts.append((slice(self.n_dec, self.n_tok), None))
         self.workspace = mode == "workspace" and self.n_tok > self.n_dec
-        self.parts = []
+        self.parts = []  # (rows, order, launch or None (reference), index rows per scope, lens per scope)
         for rows, order in parts:
+            indices = tuple(idx[rows] for _, idx, _ in scopes)
+            lens = tuple(ln[rows] for _, _, ln in scopes)
             launch = None
             if self.impl == "triton":
                 from .ops.triton_attention import AttentionPlan  # needs Triton: only this backend gets here
 
                 launch = AttentionPlan(
                     (rows.stop - rows.start, layer.num_heads, layer.head_dim), batch.device,
-                    [(views[k].fmt, views[k].tensor.shape[1], idx[rows], lens[rows]) for k, idx, lens in scopes],
-                    layer.sink is not None, order, batch_invariant=layer.batch_invariant,
-                    pages_16_byte_aligned=all(v.aligned for v in views.values()))
-            self.parts.append((rows, order, launch))
+                    [(views[k].fmt, views[k].tensor.shape[1], idx.shape[1]) for k, idx, _ in scopes],
+                    layer.sink is not None, order is not None, batch_invariant=layer.batch_invariant,
+                    pages_16_byte_aligned=all(v.aligned for v in views.values()), scratch=True)
+            self.parts.append((rows, order, launch, indices, lens))
+        # the LSE the kernels write and the layer drops
+        self.lse = torch.empty(self.capacity, layer.num_heads, dtype=torch.float32, device=batch.device)
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, caches: tuple[torch.Tensor, ...],
                  kept_picks: torch.Tensor | None, sink: torch.Tensor | None, scale: float) -> None:
         """Attention of every token into ``out``; padding rows get zeros. q / out: ``(T, H, d)`` / ``(T, H, 512)``
         with unit-stride rows / contiguous; caches: the scopes' cache tensors in scope order; kept_picks: the
         layer's kept picks (c4a / dsa, for the workspace mode); sink / scale: the calling layer's."""
-        for rows, order, launch in self.parts:
+        for rows, order, launch, indices, lens in self.parts:
             q_rows = q if rows.start == 0 else q[rows]  # row 0 on: the same pointer, and the plan knows the count
             out_rows = out if rows.start == 0 else out[rows]
             if launch is not None:
-                launch(q_rows, out_rows, sink, scale, caches)
+                launch(q_rows, out_rows, self.lse, sink, scale, caches, indices, lens, order)
             else:
                 n = rows.stop - rows.start
-                self._reference(q_rows[:n], out_rows[:n], caches, rows, order, sink, scale)
+                self._reference(q_rows[:n], out_rows[:n], caches, indices, lens, order, sink, scale)
         if self.workspace:
             self._prefill_workspace(q, out, caches, kept_picks, sink, scale)
         if self.n_tok < self.capacity:
             out[self.n_tok:].zero_()
 
-    def _reference(self, q, out, caches, rows: slice, order, sink, scale) -> None:
-        (c0, (_, i0, l0)), *rest = zip(caches, self.scopes)
+    def _reference(self, q, out, caches, indices, lens, order, sink, scale) -> None:
         extra = {}
-        if rest:
-            c1, (_, i1, l1) = rest[0]
-            extra = dict(extra_cache=c1, extra_indices=i1[rows], extra_lens=l1[rows])
-        sparse_attention_decode(q, c0, i0[rows], l0[rows], sink=sink, scale=scale, backend=self.backend, out=out,
-                                order=order, **extra)
+        if len(caches) > 1:
+            extra = dict(extra_cache=caches[1], extra_indices=indices[1], extra_lens=lens[1])
+        sparse_attention_decode(q, caches[0], indices[0], lens[0], sink=sink, scale=scale, backend=self.backend,
+                                out=out, order=order, **extra)
 
     def _prefill_workspace(self, q, out, caches, kept_picks, sink, scale) -> None:
         from .layer import shared_workspace

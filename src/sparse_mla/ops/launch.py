@@ -42,6 +42,12 @@ def fingerprint(args: tuple) -> tuple:
                  else type(a) for a in args)
 
 
+def _launch_hooks_installed() -> bool:
+    """Whether a profiler hooked kernel launches (Triton 3.6 keeps a chain of hooks, empty by default)."""
+    hook = _knobs.runtime.launch_enter_hook
+    return bool(getattr(hook, "calls", hook))
+
+
 class Launch:
     """One kernel with fixed constexprs and launch options, launched as ``launch(grid, *args)``.
 
@@ -70,7 +76,7 @@ class Launch:
                                       for n, p in zip(names, [p for p in params if p.is_constexpr]))
 
     def __call__(self, grid: tuple, *args):
-        if not self._fast or args[0].device.type != "cuda" or _knobs.runtime.launch_enter_hook is not None:
+        if not self._fast or args[0].device.type != "cuda" or _launch_hooks_installed():
             return self.kernel[grid](*args, **self.kwargs)
         device = args[0].device.index
         key = (device, fingerprint(args))

@@ -16,6 +16,8 @@ Out-of-range and ``-1`` indices are never read: the kernel masks them out, whate
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import triton
 import triton.language as tl
@@ -314,22 +316,25 @@ def _launch(kernel_name: str, constexprs: tuple, options: tuple) -> Launch:
 
 
 class AttentionPlan:
-    """One attention launch decided ahead of its tensors: which kernel, grid, splits, scratch buffers, the
-    index scopes. Made per call by :func:`run`, or once per step and layer kind by the layer's step plan;
-    called with any ``q`` / ``out`` / ``sink`` / ``scale`` / caches of the planned shapes, formats and alignment.
+    """One attention launch decided ahead of its tensors: which kernel, grid, splits, the launches and the
+    constexprs. Made once per step and layer kind by the layer's step plan, or by :func:`run` for each new
+    geometry of the ops' calls; called with any tensors of the planned shapes, formats and alignment.
 
-    q_shape: ``(T, H, d)``. scopes: per scope ``(fmt, block_size, indices (T, width), lens (T,))``. has_sink:
-    whether calls pass a sink. order: ``(T,)`` int32 or None. batch_invariant: see :data:`INVARIANT_SPLIT_BLOCKS`.
-    pages_16_byte_aligned: whether every cache the calls pass has 16-byte aligned base and page stride.
-    The remaining keyword arguments override tuned launch choices (benchmarks sweep them).
+    q_shape: ``(T, H, d)``. scopes: per scope ``(fmt, block_size, width)``: the cache's format and block size,
+    the index rows' width. has_sink / has_order: whether calls pass a sink / an order. batch_invariant: see
+    :data:`INVARIANT_SPLIT_BLOCKS`. pages_16_byte_aligned: whether every cache the calls pass has a 16-byte
+    aligned base and page stride. scratch: keep the split partials' buffers in the plan (a plan used on one
+    stream, as the layer's are) instead of allocating them per call. The remaining keyword arguments override
+    tuned launch choices (benchmarks sweep them).
     """
 
     def __init__(self, q_shape: tuple[int, int, int], device: torch.device, scopes: list, has_sink: bool,
-                 order: torch.Tensor | None, *, batch_invariant: bool = False, pages_16_byte_aligned: bool = True,
-                 block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, h_block: int | None = None, gluon: int | None = None) -> None:
+                 has_order: bool, *, batch_invariant: bool = False, pages_16_byte_aligned: bool = True,
+                 scratch: bool = False, block_n: int | None = None, splits: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None, h_block: int | None = None,
+                 gluon: int | None = None) -> None:
         num_tokens, num_heads, dim = q_shape
-        formats = frozenset(f.name for f, _, _, _ in scopes)
+        formats = frozenset(f.name for f, _, _ in scopes)
         interpret = device.type != "cuda"
         self.kernel = dispatch.attention_kernel(device, dim, formats, pages_16_byte_aligned, gluon)
         if self.kernel == "gluon":
@@ -337,7 +342,7 @@ class AttentionPlan:
         h_block = h_block or min(64, max(16, triton.next_power_of_2(num_heads)))
         head_blocks = triton.cdiv(num_heads, h_block)
         block_n = block_n or (16 if interpret else 64)
-        max_blocks = sum(triton.cdiv(idx.shape[1], block_n) for _, _, idx, _ in scopes)
+        max_blocks = sum(triton.cdiv(width, block_n) for _, _, width in scopes)
         split_blocks = 0
         if batch_invariant:
             split_blocks = max(1, INVARIANT_SPLIT_BLOCKS * 64 // block_n)  # the same keys per split on every kernel
@@ -345,19 +350,11 @@ class AttentionPlan:
         splits = splits or choose_splits(num_tokens, head_blocks, max_blocks, device)
         self.q_shape, self.device, self.splits = q_shape, device, splits
         self.partial = splits > 1 or batch_invariant
-        f32 = dict(dtype=torch.float32, device=device)
-        self.lse = torch.empty(num_tokens, num_heads, **f32)
-        self.part_o = self.part_lse = None
-        if self.partial:
-            self.part_o = torch.empty(splits, num_tokens, num_heads, D_V, **f32)
-            self.part_lse = torch.empty(splits, num_tokens, num_heads, **f32)
-        (f0, bs0, i0, l0), *rest = scopes
-        f1, bs1, i1, l1 = rest[0] if rest else scopes[0]
-        # the scope tensors every call passes; a missing second scope repeats the first (never read: HAS_EXTRA)
-        self.index_args = ((i0, i0.stride(0), l0, i0.shape[1]), (i1, i1.stride(0), l1, i1.shape[1]))
-        self.has_extra = bool(rest)
-        self.order = order
-        constants = dict(BS0=bs0, BS1=bs1, HAS_EXTRA=self.has_extra, HAS_SINK=has_sink, HAS_ORDER=order is not None,
+        self.has_extra = len(scopes) > 1
+        self._scratch = self._partials() if self.partial and scratch else None
+        (f0, bs0, _), *rest = scopes
+        f1, bs1, _ = rest[0] if rest else scopes[0]
+        constants = dict(BS0=bs0, BS1=bs1, HAS_EXTRA=self.has_extra, HAS_SINK=has_sink, HAS_ORDER=has_order,
                          SPLITS=splits, SPLIT_BLOCKS=split_blocks)
         if self.kernel == "gluon":
             constants["FMT"] = 1 if formats == frozenset({"fp8_v4"}) else 0
@@ -372,28 +369,30 @@ class AttentionPlan:
         self._constants, self._options = tuple(constants.items()), tuple(options.items())
         self.attention = _launch(self.kernel, self._constants, self._options)
         self.grid = (num_tokens * head_blocks, splits)
-        self.combine = None
-        if self.partial:
-            self.combine = _launch("combine", (("SPLITS", splits), ("HAS_SINK", has_sink)), ())
+        self.combine = _launch("combine", (("SPLITS", splits), ("HAS_SINK", has_sink)), ()) if self.partial else None
 
-    def __call__(self, q: torch.Tensor, out: torch.Tensor, sink: torch.Tensor | None, scale: float,
-                 caches: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Launch on ``q (T, H, d)`` with unit-stride rows into ``out (T, H, 512)`` (contiguous), ``caches``
-        one paged cache per scope. Returns the LSE ``(T, H)`` (this plan's buffer: the next call overwrites it)."""
+    def _partials(self) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens, num_heads, _ = self.q_shape
+        f32 = dict(dtype=torch.float32, device=self.device)
+        return (torch.empty(self.splits, num_tokens, num_heads, D_V, **f32),
+                torch.empty(self.splits, num_tokens, num_heads, **f32))
+
+    def __call__(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None,
+                 scale: float, caches: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...],
+                 lens: tuple[torch.Tensor, ...], order: torch.Tensor | None) -> None:
+        """Launch on ``q (T, H, d)`` with unit-stride rows into ``out (T, H, 512)`` (contiguous) and ``lse (T, H)``
+        float32; per scope a paged cache, its index rows ``(T, width)`` (unit stride along a row) and lens
+        ``(T,)`` (contiguous); ``order (T,)`` int32 when planned with one."""
         num_tokens, num_heads, _ = self.q_shape
         if num_tokens == 0 or num_heads == 0:
-            return self.lse
-        lse = self.lse
-        c0 = caches[0]
-        c1 = caches[1] if self.has_extra else c0
-        (i0, s0, l0, w0), (i1, s1, l1, w1) = self.index_args
-        part_o = self.part_o if self.partial else out
-        part_lse = self.part_lse if self.partial else lse
+            return
+        c0, i0, l0 = caches[0], indices[0], lens[0]
+        c1, i1, l1 = (caches[1], indices[1], lens[1]) if self.has_extra else (c0, i0, l0)
+        part_o, part_lse = (self._scratch or self._partials()) if self.partial else (out, lse)
         sink_arg = lse if sink is None else sink
-        args = (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink_arg,
-                lse if self.order is None else self.order,
-                c0, c0.stride(0), c0.shape[0] * c0.shape[1], i0, s0, l0, w0,
-                c1, c1.stride(0), c1.shape[0] * c1.shape[1], i1, s1, l1, w1,
+        args = (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink_arg, lse if order is None else order,
+                c0, c0.stride(0), c0.shape[0] * c0.shape[1], i0, i0.stride(0), l0, i0.shape[1],
+                c1, c1.stride(0), c1.shape[0] * c1.shape[1], i1, i1.stride(0), l1, i1.shape[1],
                 num_tokens, num_heads, scale * LOG2E)
         try:
             compiled = self.attention(self.grid, *args)
@@ -407,24 +406,39 @@ class AttentionPlan:
         if compiled is not None:
             LAST_COMPILED["attention"] = compiled
         if self.combine is not None:
-            self.combine((num_tokens * num_heads,), self.part_o, self.part_lse, out, lse, sink_arg,
-                         num_tokens * num_heads, num_heads)
-        return lse
+            self.combine((num_tokens * num_heads,), part_o, part_lse, out, lse, sink_arg, num_tokens * num_heads,
+                         num_heads)
+
+
+_PLANS: OrderedDict[tuple, AttentionPlan] = OrderedDict()  # the ops' plans, by geometry (least recently used out)
+_MAX_PLANS = 64
 
 
 def run(args: AttentionArgs, batch_invariant: bool = False, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plan and launch the attention kernel (and the combine kernel when the key lists are split) for checked
-    arguments. On Hopper with V4 fp8_v4 or bf16 scopes the kernel is ``gluon_attention``'s (``gluon=0`` forces
-    this module's Triton kernel, ``gluon=1`` the Gluon one); see :class:`AttentionPlan` for the overrides."""
+    """Launch the attention kernel (and the combine kernel when the key lists are split) for checked arguments,
+    through the plan of their geometry (made on first sight). On Hopper with V4 fp8_v4 or bf16 scopes the kernel
+    is ``gluon_attention``'s (``gluon=0`` forces this module's Triton kernel, ``gluon=1`` the Gluon one); see
+    :class:`AttentionPlan` for the overrides."""
     q = args.q
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = args.out if args.out is not None else torch.empty(*q.shape[:2], D_V, dtype=torch.bfloat16, device=q.device)
-    scopes = [(s.fmt, s.cache.shape[1], s.indices, s.lens) for s in args.scopes]
+    lse = torch.empty(*q.shape[:2], dtype=torch.float32, device=q.device)
+    scopes = tuple((s.fmt, s.cache.shape[1], s.indices.shape[1]) for s in args.scopes)
     aligned = all(pages_16_byte_aligned(s.cache) for s in args.scopes)
-    plan = AttentionPlan(tuple(q.shape), q.device, scopes, args.sink is not None, args.order,
-                         batch_invariant=batch_invariant, pages_16_byte_aligned=aligned, **overrides)
-    lse = plan(q, out, args.sink, args.scale, tuple(s.cache for s in args.scopes))
+    key = (tuple(q.shape), q.device, scopes, args.sink is not None, args.order is not None, batch_invariant, aligned,
+           tuple(sorted(overrides.items())))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = AttentionPlan(tuple(q.shape), q.device, list(scopes), args.sink is not None,
+                                           args.order is not None, batch_invariant=batch_invariant,
+                                           pages_16_byte_aligned=aligned, **overrides)
+        if len(_PLANS) > _MAX_PLANS:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    plan(q, out, lse, args.sink, args.scale, tuple(s.cache for s in args.scopes),
+         tuple(s.indices for s in args.scopes), tuple(s.lens for s in args.scopes), args.order)
     return out, lse
 
 

@@ -48,11 +48,13 @@ def _window_row(t, pos, req, table_ptr, table_stride, max_blocks, idx_ptr, idx_s
 def _step_kernel(pos_ptr, req_ptr, valid_ptr,
                  swa_table, swa_table_stride, swa_max_blocks, swa_idx, swa_idx_stride, swa_len, swa_width,
                  c128_table, c128_table_stride, c128_max_blocks, c128_idx, c128_idx_stride, c128_len, c128_width,
-                 c4_idx, c4_idx_stride, c4_local, c4_local_stride, c4_len, topk,
+                 c4_idx, c4_idx_stride, c4_local, c4_local_stride, c4_len, c4_bound, topk,
                  SWA_BS: tl.constexpr, SWA_P2: tl.constexpr, C128_BS: tl.constexpr, C128_P2: tl.constexpr,
-                 TOPK_P2: tl.constexpr, HAS_SWA: tl.constexpr, HAS_C128A: tl.constexpr, HAS_C4A: tl.constexpr):
-    """Everything ``build_step_metadata`` writes for token ``t``: validity, SWA row, C128A row, and
-    the picks buffers (c4a or dsa) emptied until a layer converts its picks."""
+                 TOPK_P2: tl.constexpr, HAS_SWA: tl.constexpr, HAS_C128A: tl.constexpr, HAS_C4A: tl.constexpr,
+                 PICKS_RATIO: tl.constexpr):
+    """Everything ``build_step_metadata`` writes for token ``t``: validity, SWA row, C128A row, the picks
+    buffers (c4a or dsa) emptied until a layer converts its picks, and the bound of any layer's picks count,
+    ``min(topk, entries visible)``."""
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     req = tl.maximum(tl.load(req_ptr + t), 0)
@@ -69,6 +71,7 @@ def _step_kernel(pos_ptr, req_ptr, valid_ptr,
         tl.store(c4_idx + t.to(tl.int64) * c4_idx_stride + j, none, mask=j < topk)
         tl.store(c4_local + t.to(tl.int64) * c4_local_stride + j, none, mask=j < topk)
         tl.store(c4_len + t, 0)
+        tl.store(c4_bound + t, tl.minimum(tl.where(pos >= 0, (pos + 1) // PICKS_RATIO, 0), topk))
 
 
 @triton.jit
@@ -108,27 +111,30 @@ class WindowList(NamedTuple):
 
 def step_lists(positions: torch.Tensor, token_to_req: torch.Tensor, out_valid: torch.Tensor,
                swa: WindowList | None, c128a: WindowList | None,
-               picks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+               picks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None, picks_ratio: int = 1
+               ) -> None:
     """The step's shared index lists in one launch: ``out_valid (T,)`` (position >= 0), the SWA window
     rows (when ``swa``), every complete C128A entry (when ``c128a``), and the picks buffers
-    ``(indices, local, lens)`` reset to empty (when ``picks``)."""
+    ``(indices, local, lens, bound)`` (when ``picks``): reset to empty, and ``bound`` = ``min(topk,
+    (pos + 1) // picks_ratio)``."""
     num_tokens = positions.shape[0]
     if not num_tokens:
         return
     # an absent list is never touched (HAS_*): the valid flags fill its arguments
     stand_in = WindowList(out_valid[None, :], 1, out_valid[None, :], out_valid)
     lists = [swa or stand_in, c128a or stand_in]
-    p_idx, p_local, p_len = picks if picks is not None else (stand_in.indices, stand_in.indices, out_valid)
+    p_idx, p_local, p_len, p_bound = picks if picks is not None else (stand_in.indices, stand_in.indices,
+                                                                        out_valid, out_valid)
     topk = p_idx.shape[1]
     args = [a for lst in lists for a in (lst.table, lst.table.stride(0), lst.table.shape[1], lst.indices,
                                         lst.indices.stride(0), lst.lens, lst.indices.shape[1])]
     constexprs = dict(SWA_BS=lists[0].block_size, SWA_P2=triton.next_power_of_2(lists[0].indices.shape[1]),
                       C128_BS=lists[1].block_size, C128_P2=triton.next_power_of_2(lists[1].indices.shape[1]),
                       TOPK_P2=triton.next_power_of_2(topk), HAS_SWA=swa is not None, HAS_C128A=c128a is not None,
-                      HAS_C4A=picks is not None)
+                      HAS_C4A=picks is not None, PICKS_RATIO=picks_ratio)
     cached_launch(_step_kernel, tuple(constexprs.items()))(
         (num_tokens,), positions, token_to_req, out_valid, *args, p_idx, p_idx.stride(0), p_local,
-        p_local.stride(0), p_len, topk)
+        p_local.stride(0), p_len, p_bound, topk)
 
 
 def compressed_picks(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor, block_size: int,
