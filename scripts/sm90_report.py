@@ -28,6 +28,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from sparse_mla.formats import FORMAT_CODES  # noqa: E402
 from sparse_mla.ops import triton_attention as ta  # noqa: E402
 
 PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"  # the ptxas whose PTX version Triton targets
@@ -90,10 +91,10 @@ def main() -> None:
 
         kernel, source_type = gluon_attention._attention_kernel, GluonASTSource
         args.warps = gluon_attention.PARTITION_WARPS  # of the default partition; the kernel adds two more groups
-    fmt = {"bf16": ta.FMT_BF16, "fp8_v4": ta.FMT_FP8_V4}[args.fmt]
+    fmt = FORMAT_CODES[args.fmt]
     constexprs = dict(FMT0=fmt, FMT1=fmt, BS0=256, BS1=64, HAS_EXTRA=True, HAS_SINK=True, HAS_ORDER=True, PA=pa,
                       PB=pb, PC=pc, V_HAS_ROPE=v_has_rope, H_BLOCK=args.heads, BLOCK_N=args.block_n, SPLITS=1,
-                      DOT=tl.bfloat16, Q_FP8=False, RAGGED0=False, RAGGED1=False, COMBINED=False)
+                      SPLIT_BLOCKS=0, DOT=tl.bfloat16, Q_FP8=False, RAGGED0=False, RAGGED1=False, COMBINED=False)
     constexprs["FMT"] = fmt  # the Gluon kernel's single format code (0 bf16, 1 fp8_v4)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     sig, attrs = _signature(kernel, constexprs, "*bf16" if args.fmt == "bf16" else "*u8")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from strategies import step_lengths
@@ -173,7 +173,7 @@ def test_block_numbers_past_a_cache_are_rejected_when_its_size_is_given():
 def test_bad_builder_arguments():
     with pytest.raises(ValueError, match="decode_threshold must be >= 1"):
         StepBatchBuilder(16, 4, 256, decode_threshold=0)
-    with pytest.raises(ValueError, match="kinds must include 'swa'"):
+    with pytest.raises(ValueError, match="kinds must be V4 kinds including 'swa'"):
         StepBatchBuilder(16, 4, 256, kinds=("c4a",))
     with pytest.raises(ValueError, match=r"block_sizes\['swa'\] must be an int >= 1, got 0"):
         StepBatchBuilder(16, 4, 256, block_sizes={"swa": 0})

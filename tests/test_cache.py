@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dense import fake_quant
@@ -63,14 +63,15 @@ def test_allocator_errors():
             alloc.free(bad)
     with pytest.raises(ValueError, match="n must be an int"):
         alloc.allocate(True)
-    with pytest.raises(ValueError, match="num_blocks must be a positive int"):
+    with pytest.raises(TypeError, match="num_blocks must be a positive int"):
         BlockAllocator(2.5)
+    with pytest.raises(ValueError, match="num_blocks must be a positive int"):
+        BlockAllocator(0)
     assert alloc.num_free == 3
     alloc.free([np.int64(got[1])])  # numpy integers are block numbers too
     assert alloc.num_free == 4
 
 
-@settings(max_examples=30, deadline=None)
 @given(num_blocks=st.integers(1, 12),
        ops=st.lists(st.tuples(st.booleans(), st.integers(0, 6), st.integers(0, 2**16)), max_size=30))
 def test_allocator_never_hands_out_a_block_twice(num_blocks, ops):
@@ -122,7 +123,22 @@ def test_paged_cache_shape_and_properties():
             PagedCache(2, 4, fmt, dim=dim)
 
 
-@settings(max_examples=30, deadline=None)
+@pytest.mark.parametrize("args,error,match", [
+    ((4, 64.0), TypeError, "block_size must be a positive int, got 64.0"),
+    ((2.5, 64), TypeError, "num_blocks must be a positive int, got 2.5"),
+    ((0, 64), ValueError, "num_blocks must be a positive int, got 0"),
+    ((4, -1), ValueError, "block_size must be a positive int, got -1"),
+    ((4, 64, "fp4"), ValueError, "fmt must be one of"),
+    ((4, 64, 8), TypeError, "fmt must be a format name"),
+    ((4, 64, "bf16", 500), ValueError, "dim must be 512 .* or 576"),
+    ((4, 64, "bf16", "512"), TypeError, "dim must be an int"),
+    ((4, 64, "fp8_v4", 576), ValueError, "dim 576 does not match format fp8_v4"),
+])
+def test_paged_cache_arguments_are_named(args, error, match):
+    with pytest.raises(error, match=match):
+        PagedCache(*args)
+
+
 @given(fmt_dim=st.sampled_from(FORMATS), nb=st.integers(1, 4), bs=st.integers(1, 6), n=st.integers(1, 12),
        pad_frac=st.sampled_from([0.0, 0.3]), log_mag=st.integers(-8, 8), seed=st.integers(0, 2**31 - 1))
 def test_write_then_read_round_trip(fmt_dim, nb, bs, n, pad_frac, log_mag, seed):

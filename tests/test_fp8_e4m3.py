@@ -88,7 +88,8 @@ def test_format_table_and_cache_layout():
         infer_format(torch.zeros(2, 4, 576, dtype=torch.float8_e4m3fn))
     kv = awkward_values(torch.Generator().manual_seed(4), 8).view(2, 4, 512)
     blocks = quantize_blocks(kv, "fp8_e4m3", kv_scale=0.5)
-    assert torch.equal(dequantize_blocks(blocks, kv_scale=0.5).double(), (model_quant(kv, 0.5) * 0.5).bfloat16().double())
+    want = (model_quant(kv, 0.5) * 0.5).bfloat16().double()
+    assert torch.equal(dequantize_blocks(blocks, kv_scale=0.5).double(), want)
     with pytest.raises(ValueError, match="kv_scale is required"):
         quantize_blocks(kv, "fp8_e4m3")
 
@@ -157,8 +158,11 @@ def test_scale_algebra(backend):
     gen = torch.Generator().manual_seed(6)
     swa, comp, (i0, l0, i1, l1), _ = make_case(gen, kv_scale=0.05)
     q8 = (torch.randn(4, 3, 512, generator=gen) * 40).to(torch.float8_e4m3fn)
-    run = lambda scale, q_scale, kv_scale: sparse_attention_decode(
-        q8, swa.data, i0, l0, comp.data, i1, l1, backend=backend, scale=scale, q_scale=q_scale, kv_scale=kv_scale)
+
+    def run(scale, q_scale, kv_scale):
+        return sparse_attention_decode(q8, swa.data, i0, l0, comp.data, i1, l1, backend=backend, scale=scale,
+                                       q_scale=q_scale, kv_scale=kv_scale)
+
     base_out, base_lse = run(0.07, 0.125, 0.05)
     out, lse = run(0.035, 0.25, 0.05)
     assert torch.equal(out, base_out) and torch.equal(lse, base_lse)
@@ -170,7 +174,10 @@ def test_scale_argument_checks():
     gen = torch.Generator().manual_seed(7)
     swa, comp, (i0, l0, i1, l1), _ = make_case(gen)
     q = torch.randn(4, 3, 512, generator=gen).bfloat16()
-    call = lambda q=q, **kw: sparse_attention_decode(q, swa.data, i0, l0, backend="reference", **kw)
+
+    def call(q=q, **kw):
+        return sparse_attention_decode(q, swa.data, i0, l0, backend="reference", **kw)
+
     with pytest.raises(ValueError, match="kv_scale is required"):
         call()
     with pytest.raises(ValueError, match="kv_scale must be a positive"):

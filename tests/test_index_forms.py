@@ -212,7 +212,7 @@ def test_step_metadata_through_every_form(backend):
     combined_from_picks(batch.positions, batch.token_to_req, batch.block_tables["c4a"], batch.block_sizes["c4a"], 4,
                         local, meta.swa_indices, meta.swa_lens, comb4, lens4, kept)
     c4a_idx, c4a_lens = meta.c4a_indices(local)
-    assert torch.equal(comb4[:, window:], c4a_idx) and torch.equal(kept, meta.c4a_local_buffer)
+    assert torch.equal(comb4[:, window:], c4a_idx) and torch.equal(kept, meta.picks_local)
     padded4 = sparse_attention_decode(q, swa.data, meta.swa_indices, meta.swa_lens, c4a.data, c4a_idx, c4a_lens,
                                       sink=sink, backend=backend)
     assert_same(sparse_attention_decode(q, swa.data, comb4, lens4, extra_cache=c4a.data, sink=sink, backend=backend,
@@ -225,8 +225,10 @@ def test_form_argument_checks():
     q = torch.randn(2, 2, 512, generator=gen).bfloat16()
     idx = torch.zeros(2, 3, dtype=torch.int32)
     flat, indptr = torch.zeros(5, dtype=torch.int32), torch.tensor([0, 2, 5], dtype=torch.int32)
-    call = lambda **kw: sparse_attention_decode(q, cache.data, **{"indices": flat, "indptr": indptr, **kw},
-                                                backend="reference")
+
+    def call(**kw):
+        return sparse_attention_decode(q, cache.data, **{"indices": flat, "indptr": indptr, **kw}, backend="reference")
+
     with pytest.raises(ValueError, match="lens must be None"):
         call(lens=torch.ones(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="indptr must be nondecreasing"):

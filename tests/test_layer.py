@@ -18,6 +18,7 @@ from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
 from sparse_mla.cache import PagedCache
 from sparse_mla.formats import decode_records, encode_records, get_format
 from sparse_mla import layer as layer_module
+from sparse_mla import plan as plan_module
 from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.oracle import DenseOracle
@@ -84,8 +85,8 @@ def test_invisible_indexer_picks_are_dropped_never_attended():
 def test_decode_calls_take_the_step_s_decode_order(monkeypatch, kind):
     """Decode rows go to the op with the metadata's order (compressed kinds), paged prefill rows without."""
     calls = []
-    op = layer_module.sparse_attention_decode
-    monkeypatch.setattr(layer_module, "sparse_attention_decode",
+    op = plan_module.sparse_attention_decode
+    monkeypatch.setattr(plan_module, "sparse_attention_decode",
                         lambda q, *a, order=None, **kw: calls.append((q.shape[0], order)) or op(q, *a, order=order, **kw))
     sc = make_scenario([(300, 1), (40, 1), (200, 1), (20, 6)], window=8, topk=4, block_sizes=SIZES, decode_threshold=1)
     q = torch.randn(sc.batch.token_capacity, 2, 512).to(torch.bfloat16)
@@ -221,8 +222,8 @@ def i32(*shape):
 
 @pytest.mark.parametrize("make,match", [
     (lambda s: call(s, "c4a", 3), r"topk_indices must be given to a c4a layer"),
-    (lambda s: call(s, "swa", picks=i32(7, 3)), r"topk_indices must be given only to a c4a layer, not to this swa"),
-    (lambda s: call(s, "c128a", picks=i32(7, 3)), r"only to a c4a layer"),
+    (lambda s: call(s, "swa", picks=i32(7, 3)), r"topk_indices must be given only to a c4a or dsa layer, not to this swa"),
+    (lambda s: call(s, "c128a", picks=i32(7, 3)), r"only to a c4a or dsa layer"),
     (lambda s: call(s, "c4a", 3, picks=i32(7, 3).long()), r"topk_indices must have dtype torch.int32, got torch.int64"),
     (lambda s: call(s, "c4a", 3, picks=i32(6, 3)), r"topk_indices must have shape \(7, 3\)"),
     (lambda s: call(s, "c4a", 5, picks=i32(7, 5)), r"the step's metadata has topk 3, this layer 5"),

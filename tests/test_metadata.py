@@ -10,23 +10,24 @@ from hypothesis import strategies as st
 
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
 from strategies import step_lengths
-from sparse_mla.metadata import (MetadataSpec, build_step_metadata, compact_rows, convert_compressed_picks,
+from sparse_mla.metadata import (MetadataSpec, build_step_metadata, compact_rows, convert_picks,
                                  plan_prefill_workspace, workspace_indices)
 
 SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
 RATIO = {"swa": 1, "c4a": 4, "c128a": 128}
 
 
-def make_batch(lengths, threshold=1, padding=0, seed=0, max_model_len=None):
-    """A batch whose block tables are random distinct physical blocks."""
+def make_batch(lengths, threshold=1, padding=0, seed=0, max_model_len=None, builder=None):
+    """A batch whose block tables are random distinct physical blocks (from ``builder``, or a new one)."""
     rng = random.Random(seed)
     requests = []
     for s, q in lengths:
         tables = {k: rng.sample(range(1000), blocks_needed(s, k, SIZES[k])) for k in SIZES}
         requests.append(Request(s, q, tables))
     n_tok = sum(q for _, q in lengths)
-    builder = StepBatchBuilder(n_tok + padding, len(lengths), max_model_len or max(s for s, _ in lengths),
-                               block_sizes=SIZES, decode_threshold=threshold)
+    if builder is None:
+        builder = StepBatchBuilder(n_tok + padding, len(lengths), max_model_len or max(s for s, _ in lengths),
+                                   block_sizes=SIZES, decode_threshold=threshold)
     return builder.build(requests), requests
 
 
@@ -80,7 +81,7 @@ def test_c4a_picks_become_a_valid_prefix_of_visible_global_slots(case, topk):
     picks = torch.randint(-1, max(s for s, _ in lengths) // 4 + 3, (batch.token_capacity, topk), generator=gen)
     picks[:, 0] = 10**6
     picks = picks.to(torch.int32)
-    idx, lens, kept = convert_compressed_picks(meta, picks, "c4a")
+    idx, lens, kept = convert_picks(meta, picks, "c4a")
     for t, (r, p) in enumerate(token_list(lengths)):
         visible = [w for w in picks[t].tolist() if w >= 0 and (w + 1) * 4 <= p + 1]  # order kept
         assert kept[t].tolist() == visible + [-1] * (topk - len(visible))
@@ -124,8 +125,8 @@ def test_decode_orders_put_the_tokens_with_most_key_blocks_first_refilled_each_s
         assert order.tolist() == [0, 2, 3, 1]  # 4, 3, 4, 4 blocks (c128a: 3, 2, 3, 3)
     # the next step, same capacities, other decode lengths: the same buffers, refilled
     ptrs = {k: meta.decode_order(k).data_ptr() for k in extra}
-    nxt = build_step_metadata(make_batch([(70, 1), (64, 1), (900, 1), (530, 1), (140, 140)], padding=3)[0],
-                              spec, out=meta)
+    nxt = build_step_metadata(make_batch([(70, 1), (64, 1), (900, 1), (530, 1), (140, 140)],
+                                         builder=batch.builder)[0], spec, out=meta)
     for kind in extra:
         assert nxt.decode_order(kind).data_ptr() == ptrs[kind]
         assert nxt.decode_order(kind).tolist() == [2, 3, 0, 1]  # 900 and 530 first; 70 (2 swa blocks) before 64
@@ -152,11 +153,11 @@ def test_buffers_are_refilled_in_place_across_steps():
                               for s, q in lengths])
 
     first = build_step_metadata(step([(300, 10), (40, 5)]), spec)
-    ptrs = [t.data_ptr() for t in (first.swa_indices, first.swa_lens, first.c128a_indices, first.c4a_buffer)]
+    ptrs = [t.data_ptr() for t in (first.swa_indices, first.swa_lens, first.c128a_indices, first.picks_indices)]
     second = build_step_metadata(step([(301, 1)]), spec, out=first)
     assert second is first
     assert [t.data_ptr() for t in (second.swa_indices, second.swa_lens, second.c128a_indices,
-                                   second.c4a_buffer)] == ptrs
+                                   second.picks_indices)] == ptrs
     assert second.swa_lens.tolist() == [8] + [0] * 15 and second.c128a_lens.tolist() == [2] + [0] * 15
     with pytest.raises(ValueError, match="out's swa_indices has shape"):
         build_step_metadata(step([(301, 1)]), MetadataSpec(window=16, topk=4), out=first)
@@ -175,8 +176,8 @@ def test_bad_picks_and_specs_raise_value_error():
         build_step_metadata(batch, None)
     with pytest.raises(TypeError, match="out must be a StepMetadata"):
         build_step_metadata(batch, MetadataSpec(window=4, topk=3), out=5)
-    with pytest.raises(ValueError, match="kind must be a compressed kind of this batch"):
-        convert_compressed_picks(meta, torch.zeros(2, 3, dtype=torch.int32), "swa")
+    with pytest.raises(ValueError, match="kind must be a kind of this batch that takes indexer picks"):
+        convert_picks(meta, torch.zeros(2, 3, dtype=torch.int32), "swa")
     with pytest.raises(ValueError, match="kind must be one of this batch's kinds"):
         batch.new_entries("c8a")
     with pytest.raises(ValueError, match="head_dim must be 512"):
@@ -209,7 +210,7 @@ def test_workspace_plan_covers_every_prefill_token_with_the_same_keys(case, kind
     meta = build_step_metadata(batch, MetadataSpec(window=window, topk=topk))
     gen = torch.Generator().manual_seed(seed)
     picks = torch.randint(-1, 80, (batch.token_capacity, topk), generator=gen, dtype=torch.int32)
-    _, _, kept = convert_compressed_picks(meta, picks, "c4a")
+    _, _, kept = convert_picks(meta, picks, "c4a")
     tokens = token_list(lengths)
     need = max([min(window, p + 1) + (p + 1) // RATIO[kind] * (RATIO[kind] > 1)
                 for t, (_, p) in enumerate(tokens) if t >= batch.num_decode_tokens], default=0)
@@ -230,7 +231,7 @@ def test_workspace_plan_covers_every_prefill_token_with_the_same_keys(case, kind
             if kind == "c128a":
                 want += [("c", s) for s in meta.c128a_indices[t, : meta.c128a_lens[t]].tolist()]
             elif kind == "c4a":
-                want += [("c", s) for s in meta.c4a_buffer[t, : meta.c4a_lens_buffer[t]].tolist()]
+                want += [("c", s) for s in meta.picks_indices[t, : meta.picks_lens[t]].tolist()]
             assert got == sorted(want), f"token {t}"
     assert covered == list(range(batch.num_decode_tokens, batch.num_tokens))
 

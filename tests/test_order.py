@@ -2,22 +2,18 @@
 version and its Triton kernel (on a CPU under ``TRITON_INTERPRET=1``)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from helpers import DEVICE, KERNEL_RUNS, ON_GPU, sized
 from sparse_mla.ops import longest_first
 from sparse_mla.ops.order import KEYS_PER_BLOCK, longest_first_torch
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-KERNEL_RUNS = ON_GPU or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+KERNEL_TOKENS = sized(cpu=[1, 127, 128, 300], cuda=[1, 127, 128, 300, 4099])
 
 
-@settings(max_examples=60, deadline=None)
 @given(lens=st.lists(st.tuples(st.integers(-3, 700), st.integers(0, 1100)), min_size=1, max_size=40))
 def test_tokens_come_most_key_blocks_first_ties_in_token_order(lens):
     l0 = torch.tensor([a for a, _ in lens], dtype=torch.int32)
@@ -30,7 +26,7 @@ def test_tokens_come_most_key_blocks_first_ties_in_token_order(lens):
 
 
 @pytest.mark.skipif(not KERNEL_RUNS, reason="the Triton kernel needs a GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("n", [1, 127, 128, 300] + ([4099] if ON_GPU else []))
+@pytest.mark.parametrize("n", KERNEL_TOKENS)
 @pytest.mark.parametrize("two_scopes", [False, True])
 def test_kernel_gives_the_torch_order(n, two_scopes):
     from sparse_mla.ops import triton_index

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dense import dense_attention, fake_quant
@@ -37,7 +37,8 @@ def make_sink(kind: str, num_heads: int, gen: torch.Generator) -> torch.Tensor |
     return sink
 
 
-def make_indices(gen, choices: torch.Tensor, num_tokens: int, width: int, feats: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def make_indices(gen, choices: torch.Tensor, num_tokens: int, width: int,
+                 feats: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """indices (T, width) drawn from ``choices``, with -1 holes, duplicates, empty rows and garbage beyond lens."""
     idx = choices[torch.randint(0, choices.numel(), (num_tokens, width), generator=gen)].int()
     idx[torch.rand(num_tokens, width, generator=gen) < feats["p_invalid"]] = -1
@@ -103,7 +104,6 @@ FEATURES = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=40, deadline=None)
 @given(fmt_dim=st.sampled_from(FORMATS), num_tokens=st.integers(1, 8), num_heads=st.integers(1, 16),
        widths=st.lists(st.integers(1, 40), min_size=1, max_size=2), block_size=st.sampled_from([1, 2, 4, 16, 64]),
        sink_kind=st.sampled_from(SINKS), scale=st.sampled_from([None, 0.02, 0.2]),
@@ -240,7 +240,6 @@ def test_entries_beyond_lens_are_ignored_even_out_of_range():
 # ------------------------------------------------------------------------------ prefill (workspace)
 
 
-@settings(max_examples=30, deadline=None)
 @given(dim=st.sampled_from([512, 576]), num_tokens=st.integers(1, 8), num_heads=st.integers(1, 16),
        num_rows=st.integers(1, 40), width=st.integers(1, 40), sink_kind=st.sampled_from(SINKS),
        scale=st.sampled_from([None, 0.05]), feats=FEATURES, seed=st.integers(0, 2**31 - 1))
@@ -362,7 +361,8 @@ def test_bad_inputs_raise_value_error_naming_the_argument(kwargs, match):
 
 
 def test_non_tensor_arguments_raise_type_error():
-    for op, first in ((sparse_attention_decode, "q"), (quantize_and_insert, "kv_new"), (dequantize_and_gather, "cache")):
+    for op, first in ((sparse_attention_decode, "q"), (quantize_and_insert, "kv_new"),
+                      (dequantize_and_gather, "cache")):
         with pytest.raises(TypeError, match=f"^{first} must be a torch.Tensor, got NoneType"):
             op(None, None, None)
     with pytest.raises(TypeError, match="^indices must be a torch.Tensor"):
@@ -447,3 +447,11 @@ def test_nan_sink_and_boolean_scale_are_rejected():
         sparse_attention_decode(q, c.data, idx, sink=torch.tensor([0.0, float("nan")]), backend="reference")
     with pytest.raises(ValueError, match="scale must be a positive"):
         sparse_attention_decode(q, c.data, idx, scale=True, backend="reference")
+
+
+def test_q_on_another_device_than_the_cache_is_named():
+    """q is checked against the cache's device before the index tensors are checked against q's."""
+    cache = PagedCache(1, 4, "bf16")
+    q = torch.zeros(2, 1, 512, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="q must be on cache's device cpu, got meta"):
+        sparse_attention_decode(q, cache.data, torch.zeros(2, 3, dtype=torch.int32), backend="reference")

@@ -8,45 +8,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import DEVICE, ON_GPU, check_close, random_scope, random_sink, rel_err, sized
 from sparse_mla.cache import PagedCache
 from sparse_mla.ops import sparse_attention_decode, sparse_attention_prefill
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 FORMATS = [("fp8_v4", 512), ("bf16", 512), ("fp8_v32", 576), ("bf16", 576)]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-20)).item()
-
-
-def random_scope(gen, fmt, dim, num_tokens, width, num_blocks, block_size, lens_mode="random"):
-    """A NaN-poisoned paged cache with a random subset of slots written, and random indices into it."""
-    cache = PagedCache(num_blocks, block_size, fmt, dim, DEVICE)
-    cache.poison()
-    num_slots = num_blocks * block_size
-    used = torch.randperm(num_slots, generator=gen)[: max(1, num_slots * 3 // 4)].to(DEVICE)
-    cache.write((torch.randn(used.numel(), dim, generator=gen) * 2).to(torch.bfloat16).to(DEVICE), used.int())
-    pick = torch.randint(0, used.numel(), (num_tokens, width), generator=gen).to(DEVICE)
-    indices = used[pick].int()
-    indices[torch.rand(num_tokens, width, generator=gen).to(DEVICE) < 0.1] = -1
-    if lens_mode == "full":
-        lens = torch.full((num_tokens,), width, dtype=torch.int32, device=DEVICE)
-    else:
-        lens = torch.randint(0, width + 1, (num_tokens,), generator=gen).int().to(DEVICE)
-        lens[0] = width
-        if num_tokens > 2:
-            lens[1] = 0
-            indices[2] = -1  # a row whose every entry is invalid
-    return cache, indices, lens
-
-
-def random_sink(gen, num_heads):
-    sink = torch.randn(num_heads, generator=gen)
-    sink[:: 3] = float("-inf")
-    if num_heads > 1:
-        sink[1] = float("inf")
-    return sink.to(DEVICE)
+# what the tests run at: interpreter-sized on a CPU, serving-sized on a GPU
+SIZE = sized(
+    cpu=dict(decode=[(1, 2, 20), (3, 3, 37), (17, 2, 16)], swa_width=12, swa_blocks=(3, 8), extra_blocks=(4, 4),
+             prefill_heads=[1, 20], prefill=(6, 50, 33), aligned=(3, 20, 2), order=(5, 3, 12, 30, 8),
+             order_gluon=[None], order_cases=[("fp8_v4", 512, None), ("bf16", 512, None), ("fp8_v32", 576, None)]),
+    cuda=dict(decode=[(1, 64, 640), (7, 128, 2048), (16, 64, 1152), (64, 32, 128), (100, 16, 300), (128, 48, 1152)],
+              swa_width=128, swa_blocks=(8, 64), extra_blocks=(64, 64), prefill_heads=[64, 128, 24],
+              prefill=(300, 4096, 1152), aligned=(8, 100, 64), order=(150, 72, 128, 700, 64), order_gluon=[None, 0],
+              order_cases=[("fp8_v4", 512, None), ("bf16", 512, None), ("fp8_v32", 576, None),
+                           ("fp8_v4", 512, 0)]),  # the Triton kernel where Gluon is the default
+)
 
 
 def decode_both(q, scopes, sink, splits=None, gluon=None):
@@ -66,27 +43,13 @@ def decode_both(q, scopes, sink, splits=None, gluon=None):
     return got, ref
 
 
-def check_close(got, ref):
-    (out, lse), (ref_out, ref_lse) = got, ref
-    assert not out.isnan().any(), "NaN in the kernel's output"
-    assert rel_err(out, ref_out) < 1e-2
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isinf(lse) & (lse > 0), ~finite), "+inf LSE exactly on the rows with no key"
-    assert torch.allclose(lse[finite], ref_lse[finite], atol=2e-3, rtol=1e-3)
-    assert (out[~finite] == 0).all()
-
-
-SIZES = ([(1, 64, 640), (7, 128, 2048), (16, 64, 1152), (64, 32, 128), (100, 16, 300), (128, 48, 1152)]
-         if ON_GPU else [(1, 2, 20), (3, 3, 37), (17, 2, 16)])
-
-
 @pytest.mark.parametrize("fmt,dim", FORMATS)
-@pytest.mark.parametrize("num_heads,num_tokens,width", SIZES)
+@pytest.mark.parametrize("num_heads,num_tokens,width", SIZE["decode"])
 def test_decode_two_scopes_matches_reference(fmt, dim, num_heads, num_tokens, width):
     gen = torch.Generator().manual_seed(hash((fmt, dim, num_heads, width)) % 2**31)
-    swa_width = min(width, 128 if ON_GPU else 12)
-    scopes = [random_scope(gen, fmt, dim, num_tokens, swa_width, 8 if ON_GPU else 3, 64 if ON_GPU else 8),
-              random_scope(gen, fmt, dim, num_tokens, width, 64 if ON_GPU else 4, 64 if ON_GPU else 4)]
+    swa_width = min(width, SIZE["swa_width"])
+    scopes = [random_scope(gen, fmt, dim, num_tokens, swa_width, *SIZE["swa_blocks"]),
+              random_scope(gen, fmt, dim, num_tokens, width, *SIZE["extra_blocks"])]
     q = torch.randn(num_tokens, num_heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     check_close(*decode_both(q, scopes, random_sink(gen, num_heads)))
 
@@ -172,10 +135,10 @@ def test_debug_mode_rejects_out_of_range(monkeypatch):
                                 backend="triton")
 
 
-@pytest.mark.parametrize("num_heads", [1, 20] if not ON_GPU else [64, 128, 24])
+@pytest.mark.parametrize("num_heads", SIZE["prefill_heads"])
 def test_prefill_workspace_matches_reference(num_heads):
     gen = torch.Generator().manual_seed(num_heads)
-    num_tokens, rows, width = (6, 50, 33) if not ON_GPU else (300, 4096, 1152)
+    num_tokens, rows, width = SIZE["prefill"]
     kv = torch.randn(rows, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
     kv[rows // 2:] = float("nan")  # rows never indexed
     idx = torch.randint(0, rows // 2, (num_tokens, width), generator=gen).int().to(DEVICE)
@@ -211,7 +174,7 @@ def test_out_is_written_in_place(backend):
                                 .transpose(0, 1))
 
 
-@pytest.mark.skipif(ON_GPU, reason="replaces the kernel with a stub")
+@pytest.mark.skipif(ON_GPU, reason="replaces the kernel launch with a stub")
 def test_launch_falls_back_to_one_stage_when_shared_memory_runs_out(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
@@ -220,22 +183,32 @@ def test_launch_falls_back_to_one_stage_when_shared_memory_runs_out(monkeypatch)
     stages_tried = []
     fitting = {"stages": 1}  # the deepest pipeline the stub GPU's shared memory holds
 
-    class SmallSharedMemoryKernel:
-        def __getitem__(self, grid):
-            def launch(*args, num_stages=1, **kwargs):
-                stages_tried.append(num_stages)
-                if num_stages > fitting["stages"]:
-                    raise OutOfResources(197632, 101376, "shared memory")
-                return "compiled"
-            return launch
+    def stub_launch(kernel_name, constexprs, options):
+        def launch(grid, *args):
+            stages_tried.append(dict(options)["num_stages"])
+            if dict(options)["num_stages"] > fitting["stages"]:
+                raise OutOfResources(197632, 101376, "shared memory")
+        return launch
 
-    monkeypatch.setattr(triton_attention, "_sparse_mla_kernel", SmallSharedMemoryKernel())
-    assert triton_attention._launch_attention((1,), (), {}, {"num_warps": 8, "num_stages": 2}) == "compiled"
+    cache = PagedCache(2, 4, "bf16")
+    q = torch.zeros(1, 2, 512, dtype=torch.bfloat16)
+    idx, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+
+    def plan_with_stages(stages):
+        plan = triton_attention.AttentionPlan((1, 2, 512), torch.device("cpu"), [(cache.fmt, 4, 4)], False, False)
+        plan._options = (("num_warps", 8), ("num_stages", stages))
+        plan.attention = stub_launch("triton", (), plan._options)
+        return plan
+
+    monkeypatch.setattr(triton_attention, "_launch", stub_launch)
+    out, lse = torch.empty(1, 2, 512, dtype=torch.bfloat16), torch.empty(1, 2)
+    call = (q, out, lse, None, 1.0, (cache.data,), (idx,), (lens,), None)
+    plan_with_stages(2)(*call)
     assert stages_tried == [2, 1]
     stages_tried.clear()
     fitting["stages"] = 0
     with pytest.raises(OutOfResources):
-        triton_attention._launch_attention((1,), (), {}, {"num_warps": 8, "num_stages": 1})
+        plan_with_stages(1)(*call)
     assert stages_tried == [1]
 
 
@@ -347,22 +320,19 @@ def test_fp8_cache_off_a_4_byte_boundary_is_rejected(fmt, dim):
 def test_cache_off_a_16_byte_boundary_gives_the_same_attention(fmt, shift):
     """A cache whose pages start off a 16-byte boundary (on a 4-byte one for fp8) is read correctly: the Hopper
     kernel copies with 16-byte cp.async, so it leaves such caches to the Triton kernel."""
-    from sparse_mla.ops import gluon_attention
-    from sparse_mla.ops.validate import decode_args
+    from sparse_mla.ops.triton_attention import pages_16_byte_aligned
 
     gen = torch.Generator().manual_seed(32)
-    num_tokens, width = (8, 100) if ON_GPU else (3, 20)
+    num_tokens, width, num_heads = SIZE["aligned"]
     cache, idx, lens = random_scope(gen, fmt, 512, num_tokens, width, 4, 64)
     shifted = shifted_copy(cache.data, shift)
-    q = torch.randn(num_tokens, 64 if ON_GPU else 2, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
-    assert gluon_attention.pages_16_byte_aligned(decode_args(q, cache.data, idx, lens))
-    assert not gluon_attention.pages_16_byte_aligned(decode_args(q, shifted, idx, lens))
+    q = torch.randn(num_tokens, num_heads, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    assert pages_16_byte_aligned(cache.data) and not pages_16_byte_aligned(shifted)
     ref = sparse_attention_decode(q, cache.data, idx, lens, backend="reference")
     check_close(sparse_attention_decode(q, shifted, idx, lens, backend="triton"), ref)
 
 
-@pytest.mark.parametrize("fmt,dim,gluon", [("fp8_v4", 512, None), ("bf16", 512, None), ("fp8_v32", 576, None)]
-                         + ([("fp8_v4", 512, 0)] if ON_GPU else []))  # the Triton kernel where Gluon is the default
+@pytest.mark.parametrize("fmt,dim,gluon", SIZE["order_cases"])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_token_order_changes_no_bit(fmt, dim, splits, gluon):
     """Programs taking tokens longest-first, or in any permuted order, compute the same bits."""
@@ -370,10 +340,9 @@ def test_token_order_changes_no_bit(fmt, dim, splits, gluon):
     from sparse_mla.ops.validate import decode_args
 
     gen = torch.Generator().manual_seed(100 * splits + dim + len(fmt))
-    num_tokens, num_heads = (150, 72) if ON_GPU else (9, 3)
-    width0, width1 = (128, 700) if ON_GPU else (12, 30)
-    (c0, i0, l0), (c1, i1, l1) = (random_scope(gen, fmt, dim, num_tokens, width0, 4, 64 if ON_GPU else 8),
-                                  random_scope(gen, fmt, dim, num_tokens, width1, 16, 64 if ON_GPU else 8))
+    num_tokens, num_heads, width0, width1, block_size = SIZE["order"]
+    (c0, i0, l0), (c1, i1, l1) = (random_scope(gen, fmt, dim, num_tokens, width0, 4, block_size),
+                                  random_scope(gen, fmt, dim, num_tokens, width1, 16, block_size))
     q = torch.randn(num_tokens, num_heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     sink = random_sink(gen, num_heads)
     kw = dict(extra_cache=c1.data, extra_indices=i1, extra_lens=l1, sink=sink)
@@ -402,7 +371,7 @@ def test_bad_token_orders_are_named(monkeypatch, backend):
             sparse_attention_decode(q, cache.data, idx, lens, backend=backend, order=order)
 
 
-@pytest.mark.parametrize("gluon", [None, 0] if ON_GPU else [None])
+@pytest.mark.parametrize("gluon", SIZE["order_gluon"])
 def test_programs_take_the_tokens_order_names(gluon):
     """Without debug checks a bad order is not caught. The kernels clamp each entry into range: the tokens it
     names are computed (and right), the others left unwritten, and nothing outside the op's tensors is touched."""
@@ -420,3 +389,17 @@ def test_programs_take_the_tokens_order_names(gluon):
     named = [0, 2, 4]
     assert rel_err(got[named], ref[named]) < 1e-2
     assert (got[[1, 3]] == 7.0).all()
+
+
+def test_attention_kernel_names_what_runs():
+    """``ops.attention_kernel`` resolves ``backend`` to the kernel that ``sparse_attention_decode`` runs."""
+    from sparse_mla.ops import attention_kernel
+
+    cache = PagedCache(1, 64, "fp8_v4", 512, DEVICE)
+    q = torch.zeros(2, 64, 512, dtype=torch.bfloat16, device=DEVICE)
+    assert attention_kernel("reference", q, cache.data) == "reference"
+    assert attention_kernel("triton", q, cache.data) in (("triton", "gluon") if ON_GPU else ("triton",))
+    assert attention_kernel("auto", q, cache.data) == (attention_kernel("triton", q, cache.data) if ON_GPU
+                                                       else "reference")
+    with pytest.raises(ValueError, match="backend must be"):
+        attention_kernel("cuda", q, cache.data)

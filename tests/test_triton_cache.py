@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import DEVICE
 from sparse_mla.formats import allocate_cache
 from sparse_mla.ops import dequantize_and_gather, quantize_and_insert
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FORMATS = [("fp8_v4", 512), ("fp8_v32", 576), ("bf16", 512), ("bf16", 576)]
 
 

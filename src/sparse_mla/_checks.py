@@ -16,6 +16,15 @@ def is_int(v: object) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def check_positive_int(name: str, v: object) -> int:
+    """``v`` is an integer (Python or numpy, not a bool: else ``TypeError``) of at least 1 (else ``ValueError``)."""
+    if not is_int(v):
+        raise TypeError(f"{name} must be a positive int, got {v!r} ({type(v).__name__})")
+    if v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
+
+
 def check_tensor(
     name: str,
     t: object,

@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ._checks import is_int
-from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, LAYER_KINDS
+from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, V4_KINDS
 
 
 @dataclass
@@ -21,8 +21,8 @@ class Request:
     """One request of a step.
 
     seq_len: tokens cached after this step (prefix + new); query_len: new tokens this step.
-    block_tables: physical block numbers per cache kind (``"swa"``, ``"c4a"``, ``"c128a"``); each
-    must cover the request's ``seq_len`` tokens (:func:`blocks_needed`).
+    block_tables: physical block numbers per cache kind (``"swa"``, ``"c4a"``, ``"c128a"``, or V3.2's
+    ``"dsa"``); each must cover the request's ``seq_len`` tokens (:func:`blocks_needed`).
     """
 
     seq_len: int
@@ -37,9 +37,12 @@ class StepBatch:
     Device tensors (views of the builder's buffers):
     seq_lens, query_lens: ``(num_reqs,)``; query_start_loc: ``(num_reqs + 1,)``;
     positions, token_to_req, slot_mapping: ``(token_capacity,)``, ``-1`` on padding rows (slot_mapping
-    is the SWA-cache slot of each new token, where the engine writes its latent);
+    is the raw-token cache's slot of each new token — ``swa``, or ``dsa`` for V3.2 — where the engine
+    writes its latent);
     block_tables[kind]: ``(num_reqs, max_blocks)``, ``-1`` padded.
     Host copies (``*_host``, Python lists) let planners avoid a device sync.
+    builder / build_number: the :class:`StepBatchBuilder` that owns the buffers and which of its builds this
+    is; the buffers hold this batch only while ``is_current`` (the builder's next build refills them).
     """
 
     num_reqs: int
@@ -59,6 +62,26 @@ class StepBatch:
     seq_lens_host: list[int]
     query_lens_host: list[int]
     query_start_loc_host: list[int]
+    builder: StepBatchBuilder | None = None
+    build_number: int = 0
+    max_block: dict[str, int] = field(default_factory=dict)  # per kind, the largest block number the tables use
+
+    @property
+    def is_current(self) -> bool:
+        """Whether the builder's buffers still hold this batch (no later ``build`` has refilled them)."""
+        return self.builder is None or self.builder.builds == self.build_number
+
+    def check_current(self) -> None:
+        """``ValueError`` if a later build of the same builder has refilled this batch's buffers."""
+        if not self.is_current:
+            raise ValueError(f"stale step: this batch (and any metadata built from it) is build {self.build_number} "
+                             f"of its StepBatchBuilder, which has built step {self.builder.builds} since and refilled "
+                             f"the buffers; build the metadata again from the new batch")
+
+    @property
+    def raw_kind(self) -> str:
+        """The raw-token cache kind: ``"swa"`` (V4) or ``"dsa"`` (V3.2)."""
+        return "dsa" if "dsa" in self.block_tables else "swa"
 
     @property
     def token_capacity(self) -> int:
@@ -112,7 +135,7 @@ def entries_needed(seq_len: int, kind: str) -> int:
     """Cache entries a request of ``seq_len`` tokens occupies in the cache of ``kind``."""
     if kind not in COMPRESS_RATIO:
         raise ValueError(f"kind must be one of {tuple(COMPRESS_RATIO)}, got {kind!r}")
-    return seq_len if kind == "swa" else seq_len // COMPRESS_RATIO[kind]
+    return seq_len // COMPRESS_RATIO[kind]
 
 
 def blocks_needed(seq_len: int, kind: str, block_size: int | None = None) -> int:
@@ -135,7 +158,7 @@ class StepBatchBuilder:
     """
 
     def __init__(self, max_tokens: int, max_reqs: int, max_model_len: int,
-                 kinds: Sequence[str] = LAYER_KINDS, block_sizes: dict[str, int] | None = None,
+                 kinds: Sequence[str] = V4_KINDS, block_sizes: dict[str, int] | None = None,
                  decode_threshold: int = 1, device: torch.device | str = "cpu",
                  num_blocks: Mapping[str, int] | None = None) -> None:
         if decode_threshold < 1:
@@ -143,8 +166,9 @@ class StepBatchBuilder:
         if min(max_tokens, max_reqs, max_model_len) < 1:
             raise ValueError(f"max_tokens, max_reqs and max_model_len must be positive, got "
                              f"{max_tokens}, {max_reqs}, {max_model_len}")
-        if "swa" not in kinds or any(k not in LAYER_KINDS for k in kinds):
-            raise ValueError(f"kinds must include 'swa' and be among {LAYER_KINDS}, got {tuple(kinds)}")
+        if isinstance(kinds, str) or not (tuple(kinds) == ("dsa",) or ("swa" in kinds and set(kinds) <= set(V4_KINDS))):
+            raise ValueError(f"kinds must be V4 kinds including 'swa' (from {V4_KINDS}) or V3.2's ('dsa',), "
+                             f"got {kinds!r}")
         _check_per_kind("block_sizes", block_sizes, kinds, 1)
         _check_per_kind("num_blocks", num_blocks, kinds, 0)
         self.num_blocks = dict(num_blocks or {})
@@ -162,8 +186,9 @@ class StepBatchBuilder:
         self._slot_mapping = torch.full((max_tokens,), -1, **i32)
         self.max_blocks = {k: blocks_needed(max_model_len, k, self.block_sizes[k]) for k in self.kinds}
         self._tables = {k: torch.full((max_reqs, max(1, self.max_blocks[k])), -1, **i32) for k in self.kinds}
+        self.builds = 0  # how many steps build() has filled the buffers with (StepBatch.build_number)
 
-    def _check(self, requests: Sequence[Request]) -> int:
+    def _check(self, requests: Sequence[Request]) -> tuple[int, dict[str, tuple[torch.Tensor, int]]]:
         if not 0 < len(requests) <= self.max_reqs:
             raise ValueError(f"requests must hold 1 to {self.max_reqs} requests, got {len(requests)}")
         num_decodes, seen_prefill = 0, False
@@ -198,7 +223,7 @@ class StepBatchBuilder:
             raise ValueError(f"requests hold {total} new tokens, more than max_tokens={self.max_tokens}")
         return num_decodes, {kind: self._table_rows(kind, requests) for kind in self.kinds}
 
-    def _table_rows(self, kind: str, requests: Sequence[Request]) -> torch.Tensor:
+    def _table_rows(self, kind: str, requests: Sequence[Request]) -> tuple[torch.Tensor, int]:
         """The requests' ``kind`` block tables as ``(n, width)`` int32 rows padded with -1, checked in one
         pass over the whole step: the blocks a request's ``seq_len`` needs must be ints >= 0 whose slots
         fit int32 and, with ``num_blocks``, lie inside the cache."""
@@ -220,11 +245,12 @@ class StepBatchBuilder:
             if bool(bad.any()):
                 r, c = (int(i) for i in bad.nonzero()[0])
                 raise ValueError(f"request {r}: block table for {kind!r} " + what.format(b=int(rows[r, c])))
-        return rows.to(torch.int32)
+        return rows.to(torch.int32), int(torch.where(used, rows, -1).max()) if rows.numel() else -1
 
     def build(self, requests: Sequence[Request]) -> StepBatch:
         """Fill the buffers from ``requests`` (decodes first) and return views of them."""
         num_decodes, table_rows = self._check(requests)
+        self.builds += 1
         n = len(requests)
         seq_host = [int(r.seq_len) for r in requests]
         qlen_host = [int(r.query_len) for r in requests]
@@ -235,7 +261,7 @@ class StepBatchBuilder:
         self._seq_lens[:n].copy_(torch.tensor(seq_host, dtype=torch.int32))
         self._query_lens[:n].copy_(torch.tensor(qlen_host, dtype=torch.int32))
         self._query_start_loc[: n + 1].copy_(torch.tensor(qsl_host, dtype=torch.int32))
-        for kind, rows in table_rows.items():
+        for kind, (rows, _) in table_rows.items():
             self._tables[kind][:n].copy_(rows)
         dev_qsl, dev_seq, dev_q = self._query_start_loc[: n + 1], self._seq_lens[:n], self._query_lens[:n]
         tok = torch.arange(num_tokens, device=self.device, dtype=torch.int32)
@@ -247,14 +273,16 @@ class StepBatchBuilder:
             buf[num_tokens:].fill_(-1)
         self._positions[:num_tokens] = pos
         self._token_to_req[:num_tokens] = req_of_tok
-        self._slot_mapping[:num_tokens] = slots_of(self._tables["swa"], req_of_tok, pos, self.block_sizes["swa"])
+        raw = "dsa" if "dsa" in self.kinds else "swa"
+        self._slot_mapping[:num_tokens] = slots_of(self._tables[raw], req_of_tok, pos, self.block_sizes[raw])
         return StepBatch(
             num_reqs=n, num_decodes=num_decodes, num_decode_tokens=qsl_host[num_decodes], num_tokens=num_tokens,
             seq_lens=dev_seq, query_lens=dev_q, query_start_loc=dev_qsl, positions=self._positions,
             token_to_req=self._token_to_req, slot_mapping=self._slot_mapping,
             block_tables={k: self._tables[k][:n] for k in self.kinds}, block_sizes=dict(self.block_sizes),
             max_model_len=self.max_model_len, decode_threshold=self.decode_threshold,
-            seq_lens_host=seq_host, query_lens_host=qlen_host, query_start_loc_host=qsl_host)
+            seq_lens_host=seq_host, query_lens_host=qlen_host, query_start_loc_host=qsl_host,
+            builder=self, build_number=self.builds, max_block={k: m for k, (_, m) in table_rows.items()})
 
 
 def _check_per_kind(name: str, values: Mapping[str, int] | None, kinds: Sequence[str], least: int) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_kv_scale, is_int
+from ._checks import check_kv_scale, check_positive_int, is_int
 from .formats import KVFormat, allocate_cache, get_format
 from .ops import dequantize_and_gather, quantize_and_insert
 
@@ -16,9 +16,7 @@ class BlockAllocator:
     """Hands out physical block numbers ``0 … num_blocks-1``; never gives one block out twice."""
 
     def __init__(self, num_blocks: int) -> None:
-        if not is_int(num_blocks) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        self.num_blocks = num_blocks
+        self.num_blocks = check_positive_int("num_blocks", num_blocks)
         self._free = list(range(num_blocks - 1, -1, -1))
         self._used: set[int] = set()
 
@@ -65,8 +63,8 @@ class PagedCache:
     def __init__(self, num_blocks: int, block_size: int, fmt: str | KVFormat = "fp8_v4", dim: int | None = None,
                  device: torch.device | str = "cpu", kv_scale: float | torch.Tensor | None = None) -> None:
         self.fmt = get_format(fmt, dim)
-        self.block_size = block_size
-        self.data = allocate_cache(self.fmt, num_blocks, block_size, device, self.fmt.dim)
+        self.data = allocate_cache(self.fmt, num_blocks, block_size, device, self.fmt.dim)  # checks the sizes
+        self.block_size = int(block_size)
         self.allocator = BlockAllocator(num_blocks)
         if not self.fmt.per_tensor and kv_scale is not None:
             raise ValueError(f"kv_scale is only for fp8_e4m3 caches, got a {self.fmt.name} cache")

@@ -1,7 +1,7 @@
 """Model presets: the attention-relevant numbers of the DeepSeek models we serve.
 
-Layer kinds (DESIGN §1): ``swa`` (compress ratio 1), ``c4a`` (ratio 4, indexer top-k), ``c128a``
-(ratio 128, every complete entry).
+Layer kinds (DESIGN §1): V4's ``swa`` (compress ratio 1), ``c4a`` (ratio 4, indexer top-k), ``c128a``
+(ratio 128, every complete entry), and V3.2's ``dsa`` (raw tokens, indexer top-k, no window).
 """
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ from dataclasses import dataclass
 
 from ._checks import is_int
 
-LAYER_KINDS = ("swa", "c4a", "c128a")
-COMPRESS_RATIO = {"swa": 1, "c4a": 4, "c128a": 128}
-KIND_OF_RATIO = {ratio: kind for kind, ratio in COMPRESS_RATIO.items()}
+V4_KINDS = ("swa", "c4a", "c128a")
+LAYER_KINDS = V4_KINDS + ("dsa",)
+COMPRESS_RATIO = {"swa": 1, "c4a": 4, "c128a": 128, "dsa": 1}
+KIND_OF_RATIO = {1: "swa", 4: "c4a", 128: "c128a"}  # V4 layers by their compress ratio
+# Kinds whose layers take the indexer's picks (``topk_indices``): local c4a entries, or dsa raw positions.
+PICKS_KINDS = ("c4a", "dsa")
 # Tokens per block of each cache (DESIGN §2): 64 raw tokens; compressed blocks cover 256 raw tokens.
-DEFAULT_BLOCK_SIZE = {"swa": 64, "c4a": 64, "c128a": 2}
+DEFAULT_BLOCK_SIZE = {"swa": 64, "c4a": 64, "c128a": 2, "dsa": 64}
 
 
 @dataclass(frozen=True)
@@ -40,10 +43,11 @@ class ModelConfig:
         return len(self.compress_ratios)
 
     def layer_kind(self, layer: int) -> str:
-        """The kind (``swa``, ``c4a`` or ``c128a``) of layer ``layer``, in ``[0, num_layers)``."""
+        """The kind of layer ``layer``, in ``[0, num_layers)``: ``swa``, ``c4a`` or ``c128a`` (V4), ``dsa``
+        (V3.2, a model without a sliding window)."""
         if not is_int(layer) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
-        return KIND_OF_RATIO[self.compress_ratios[layer]]
+        return "dsa" if self.window == 0 else KIND_OF_RATIO[self.compress_ratios[layer]]
 
 
 def _ratios(pattern: list[int]) -> tuple[int, ...]:

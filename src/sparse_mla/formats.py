@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_finite, check_kv_scale, check_tensor
+from ._checks import check_finite, check_kv_scale, check_positive_int, check_tensor, is_int
 
 # ---- the byte-layout table: every number of every format, named once (the kernels import these) ----
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -97,6 +97,10 @@ FORMAT_NAMES = ("bf16", "fp8_v4", "fp8_v32", "fp8_e4m3")
 def get_format(fmt: str | KVFormat, dim: int | None = None) -> KVFormat:
     """The :class:`KVFormat` named ``fmt``. ``dim`` picks the width of ``bf16`` (512, the default,
     or 576); for the fp8 formats, whose width is fixed, a given ``dim`` must match it."""
+    if not isinstance(fmt, (str, KVFormat)):
+        raise TypeError(f"fmt must be a format name, one of {FORMAT_NAMES}, or a KVFormat; got {type(fmt).__name__}")
+    if dim is not None and not is_int(dim):
+        raise TypeError(f"dim must be an int or None, got {dim!r} ({type(dim).__name__})")
     if isinstance(fmt, KVFormat):
         f = fmt
     elif fmt == "fp8_v4":
@@ -129,8 +133,7 @@ def block_bytes(fmt: str | KVFormat, block_size: int, dim: int | None = None) ->
     fp8_v4 pads each block up to a multiple of 576 bytes, as FlashMLA does.
     """
     f = get_format(fmt, dim)
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    check_positive_int("block_size", block_size)
     raw = block_size * f.token_bytes
     if f.name == "fp8_v4":
         return math.ceil(raw / V4_BODY_BYTES) * V4_BODY_BYTES
@@ -195,7 +198,8 @@ def resolve_cache(cache: torch.Tensor, fmt: str | KVFormat | None = None,
     found = infer_format(cache, name)
     if fmt is not None and get_format(fmt, found.dim if fmt == "bf16" else None) != found:  # bf16: the cache's width
         want = fmt.name if isinstance(fmt, KVFormat) else fmt
-        raise ValueError(f"{name} holds {found.name} data ({cache.dtype}, last axis {cache.shape[-1]}) but fmt is {want!r}"
+        raise ValueError(f"{name} holds {found.name} data ({cache.dtype}, last axis {cache.shape[-1]}) "
+                         f"but fmt is {want!r}"
                          + (f" (dim {fmt.dim})" if isinstance(fmt, KVFormat) else ""))
     return as_paged(cache, found, name), found
 
@@ -284,8 +288,8 @@ def decode_records(records: torch.Tensor, fmt: KVFormat, kv_scale: torch.Tensor 
 
 def write_tokens(cache: torch.Tensor, fmt: KVFormat, blocks: torch.Tensor, offsets: torch.Tensor, kv: torch.Tensor,
                  kv_scale: torch.Tensor | None = None) -> None:
-    """Store ``kv (n, d)`` bf16 at ``(blocks[i], offsets[i])`` of a validated paged cache (:func:`as_paged`'s
-    view); ``kv_scale``: fp8_e4m3's ``(1,)`` float32."""
+    """Store ``kv (n, d)`` bf16 at ``(blocks[i], offsets[i])`` of a validated paged cache; ``kv_scale``:
+    fp8_e4m3's ``(1,)`` float32."""
     if fmt.name == "bf16":
         cache[blocks, offsets] = kv
         return
@@ -307,10 +311,7 @@ def allocate_cache(fmt: str | KVFormat, num_blocks: int, block_size: int, device
                    dim: int | None = None) -> torch.Tensor:
     """A zeroed paged cache ``(num_blocks, block_size, token_bytes)``, a view of one contiguous buffer."""
     f = get_format(fmt, dim)
-    if num_blocks <= 0:
-        raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    num_blocks, block_size = check_positive_int("num_blocks", num_blocks), check_positive_int("block_size", block_size)
     if f.name == "bf16":
         return torch.zeros(num_blocks, block_size, f.dim, dtype=torch.bfloat16, device=device)
     stride0 = block_bytes(f, block_size)

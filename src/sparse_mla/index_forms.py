@@ -178,7 +178,7 @@ def combined_from_picks(positions: torch.Tensor, token_to_req: torch.Tensor, blo
     ``(T, topk)`` int32 local entry numbers (``-1`` none): a pick is kept only if complete before the token
     (``(w+1)·ratio <= pos+1``), in order, as :meth:`StepMetadata.c4a_indices` does. swa_indices ``(T, W)`` +
     swa_lens: the step's SWA list. out_kept ``(T, topk)`` int32 receives the kept local picks (the metadata's
-    ``c4a_local_buffer`` serves). Writes out_indices ``(T, >= W + topk)`` and out_lens as
+    ``picks_local`` serves). Writes out_indices ``(T, >= W + topk)`` and out_lens as
     :func:`combined_from_padded`.
     """
     check_tensor("topk_local", topk_local, dtype=torch.int32, ndim=2, device=swa_indices.device)

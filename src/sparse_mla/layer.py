@@ -1,17 +1,16 @@
-"""SparseMLAAttention: one DeepSeek-V4 attention layer over paged caches (DESIGN §5)."""
+"""SparseMLAAttention: one DeepSeek-V4 or V3.2 sparse attention layer over paged caches (DESIGN §5)."""
 from __future__ import annotations
 
 import torch
 
 from ._checks import check_scale, check_sink, check_tensor, is_int
-from .cache import PagedCache
-from .config import COMPRESS_RATIO, LAYER_KINDS
-from .formats import FORMAT_NAMES, infer_format
-from .metadata import StepMetadata, convert_compressed_picks, workspace_indices
-from .ops import check_backend_name, dequantize_and_gather, sparse_attention_decode, sparse_attention_prefill
+from .config import COMPRESS_RATIO, LAYER_KINDS, PICKS_KINDS
+from .formats import FORMAT_NAMES
+from .metadata import StepMetadata, convert_picks
+from .ops.dispatch import check_backend_name
 from .ops.validate import D_V
+from .plan import PREFILL_MODES, LayerPlan, resolve_cache_arg
 
-PREFILL_MODES = ("paged", "workspace")
 DEFAULT_WORKSPACE_BYTES = 64 << 20
 # One bf16 workspace per (device, head_dim), shared by every layer: layers of a step run one after
 # another on one stream, so a model needs a single workspace, not one per layer.
@@ -28,25 +27,31 @@ def shared_workspace(device: torch.device, rows: int, head_dim: int) -> torch.Te
 
 
 class SparseMLAAttention(torch.nn.Module):
-    """Sparse MLA attention of one layer kind: ``swa``, ``c4a`` (indexer top-k) or ``c128a``.
+    """Sparse MLA attention of one layer kind: V4's ``swa``, ``c4a`` (indexer top-k) or ``c128a``, or V3.2's
+    ``dsa`` (indexer top-k over raw tokens, 576-d absorbed queries).
 
-    kind / compress_ratio: the layer kind (ratio 1, 4 or 128; give either). window: the SWA window W
-    (the step metadata must be built with the same). topk: the indexer width (c4a only). scale:
-    softmax scale, default ``head_dim ** -0.5``. sink: ``(num_heads,)`` float32 per-head sink logits
-    (None: no sink), registered as a buffer. backend: ``"auto"``, ``"reference"`` or ``"triton"``.
-    kv_format: if given, every cache the layer reads must hold this format.
+    kind / compress_ratio: the layer kind (V4 ratio 1, 4 or 128; give either). window: the SWA window W
+    (the step metadata must be built with the same; unused by dsa). topk: the indexer width (c4a and dsa).
+    scale: softmax scale; V4 defaults to ``head_dim ** -0.5``; a dsa layer must be given its model's
+    (``qk_head_dim ** -0.5 · mscale²``, :func:`sparse_mla.config.get_config` ``("deepseek-v3.2").softmax_scale``),
+    never ``576 ** -0.5``. sink: ``(num_heads,)`` float32 per-head sink logits (None: no sink), registered as a
+    buffer. backend: ``"auto"``, ``"reference"`` or ``"triton"``. kv_format: if given, every cache the layer
+    reads must hold this format. batch_invariant: each token's output is bitwise independent of the rest of the
+    batch (GPU kernels; see ``sparse_attention_decode``).
 
-    Decode tokens (the batch's first ``num_decode_tokens``) read the paged caches directly. Prefill
-    tokens do too by default (``prefill_mode="paged"``); ``"workspace"`` gathers each chunk's keys
-    into a bf16 workspace of at most ``workspace_bytes`` first (FlashMLA's prefill path; one workspace
-    per device is shared by all layers, see :func:`shared_workspace`). The layer
-    reads caches only: the engine inserts the step's new KV and compressed entries before ``forward``.
+    Decode tokens (the batch's first ``num_decode_tokens``) read the paged caches directly, longest key lists
+    first. Prefill tokens do too by default (``prefill_mode="paged"``); ``"mixed"`` runs every token in one
+    launch (no decode order); ``"workspace"`` gathers each chunk's keys into a bf16 workspace of at most
+    ``workspace_bytes`` first (FlashMLA's prefill path; one workspace per device is shared by all layers, see
+    :func:`shared_workspace`). The layer reads caches only: the engine inserts the step's new KV and compressed
+    entries before ``forward``.
     """
 
     def __init__(self, kind: str, num_heads: int, head_dim: int = 512, window: int = 128, *,
                  compress_ratio: int | None = None, topk: int | None = None, scale: float | None = None,
                  sink: torch.Tensor | None = None, backend: str = "auto", prefill_mode: str = "paged",
-                 workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, kv_format: str | None = None) -> None:
+                 workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, kv_format: str | None = None,
+                 batch_invariant: bool = False) -> None:
         super().__init__()
         if kind not in LAYER_KINDS:
             raise ValueError(f"kind must be one of {LAYER_KINDS}, got {kind!r}")
@@ -55,15 +60,20 @@ class SparseMLAAttention(torch.nn.Module):
                              f"(ratio {COMPRESS_RATIO[kind]})")
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
-        if kind == "c4a" and not topk:
-            raise ValueError("topk (the indexer width) is required for a c4a layer")
+        if kind in PICKS_KINDS and not topk:
+            raise ValueError(f"topk (the indexer width) is required for a {kind} layer")
         if not all(is_int(v) and v >= 1 for v in (num_heads, window)):
             raise ValueError(f"num_heads and window must be positive ints, got {num_heads!r}, {window!r}")
-        if head_dim not in (512, 576):
-            raise ValueError(f"head_dim must be 512 (V4) or 576 (V3.2), got {head_dim}")
+        want_dim = 576 if kind == "dsa" else 512
+        if head_dim != want_dim:
+            raise ValueError(f"head_dim must be {want_dim} for a {kind} layer "
+                             f"({'V3.2: 512 latent + 64 rope' if kind == 'dsa' else 'V4'}), got {head_dim!r}")
+        if kind == "dsa" and scale is None:
+            raise ValueError("scale is required for a dsa layer: V3.2's is qk_head_dim ** -0.5 * mscale ** 2 "
+                             "(get_config('deepseek-v3.2').softmax_scale), not 576 ** -0.5")
         if workspace_bytes < 2 * head_dim:
             raise ValueError(f"workspace_bytes must hold at least one {head_dim}-d bf16 row, got {workspace_bytes}")
-        if kind == "c4a" and not (is_int(topk) and topk >= 1):
+        if kind in PICKS_KINDS and not (is_int(topk) and topk >= 1):
             raise ValueError(f"topk must be a positive int, got {topk!r}")
         if sink is not None:
             check_sink(sink, num_heads)  # its values once here, not on every step
@@ -71,12 +81,13 @@ class SparseMLAAttention(torch.nn.Module):
         if kv_format is not None and kv_format not in FORMAT_NAMES:
             raise ValueError(f"kv_format must be None or one of {FORMAT_NAMES}, got {kv_format!r}")
         self.kind, self.num_heads, self.head_dim, self.window = kind, num_heads, head_dim, window
-        self.topk = topk if kind == "c4a" else None
+        self.topk = topk if kind in PICKS_KINDS else None
         self.compress_ratio = COMPRESS_RATIO[kind]
         self.scale = check_scale(head_dim ** -0.5 if scale is None else scale)
         self.register_buffer("sink", sink)
         self.backend, self.prefill_mode, self.workspace_bytes = backend, prefill_mode, workspace_bytes
-        self.kv_format = kv_format
+        self.kv_format, self.batch_invariant = kv_format, bool(batch_invariant)
+        self.cache_kinds = ("dsa",) if kind == "dsa" else ("swa",) if kind == "swa" else ("swa", kind)
 
     def extra_repr(self) -> str:
         return (f"kind={self.kind}, num_heads={self.num_heads}, head_dim={self.head_dim}, window={self.window}, "
@@ -88,105 +99,109 @@ class SparseMLAAttention(torch.nn.Module):
                 topk_indices: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the step's tokens.
 
-        q: ``(T, num_heads, head_dim)`` bf16, T = the batch's token capacity. meta: the step's
-        :class:`~sparse_mla.metadata.StepMetadata` (None: warm-up, which only reserves the workspace
-        and zeroes ``out``). caches: ``{"swa": ..., kind: ...}``, each a :class:`PagedCache` or its
-        tensor. topk_indices: ``(T, topk)`` int32 local C4A entry numbers from the indexer (c4a
-        layers only; picks a token cannot see yet are dropped). Returns ``out (T, num_heads, 512)``
-        bf16 (written in place when given); padding tokens get zeros.
+        q: ``(T, num_heads, head_dim)`` bf16, T = the batch's token capacity (dsa: absorbed queries
+        ``[q_nope · W_UK | q_pe]``). meta: the step's :class:`~sparse_mla.metadata.StepMetadata` (None: warm-up,
+        which only reserves the workspace and zeroes ``out``); metadata whose batch's builder has built another
+        step since is stale: ``ValueError``. caches: ``{kind: cache}`` for the kinds this layer reads
+        (``swa`` and its own kind; dsa: ``dsa``), each a :class:`PagedCache` or its tensor. topk_indices: the
+        indexer's picks, ``(T, topk)`` int32 (c4a: local compressed entry numbers; dsa: request-local token
+        positions; ``-1`` none; picks a token cannot see yet are dropped). Returns ``out (T, num_heads, 512)``
+        bf16 (written in place when given), before V4's inverse rope on the output's rope dims; padding tokens
+        get zeros.
         """
-        check_tensor("q", q, dtype=torch.bfloat16, shape=(None, self.num_heads, self.head_dim))
-        if out is None:
-            out = torch.empty(q.shape[0], self.num_heads, D_V, dtype=torch.bfloat16, device=q.device)
-        check_tensor("out", out, dtype=torch.bfloat16, shape=(q.shape[0], self.num_heads, D_V), device=q.device)
+        dim = self.head_dim
         if meta is None:
+            check_tensor("q", q, dtype=torch.bfloat16, shape=(None, self.num_heads, dim))
+            out = self._out(q, out, q.shape[0])
             if self.prefill_mode == "workspace":
                 self._workspace_buffer(q.device)
             return out.zero_()
-        if not isinstance(meta, StepMetadata):
+        if type(meta) is not StepMetadata:
             raise TypeError(f"meta must be the step's StepMetadata (or None), got {type(meta).__name__}")
         batch = meta.batch
-        if q.shape[0] != batch.token_capacity:
-            raise ValueError(f"q has {q.shape[0]} tokens, the step's token capacity is {batch.token_capacity}")
-        if meta.spec.window != self.window:
+        batch.check_current()
+        capacity, device = batch.token_capacity, batch.device
+        if (type(q) is not torch.Tensor or q.dtype is not torch.bfloat16 or q.shape != (capacity, self.num_heads, dim)
+                or q.device != device):  # the full check only on a miss: it names what is wrong
+            check_tensor("q", q, dtype=torch.bfloat16, shape=(None, self.num_heads, dim))
+            if q.shape[0] != capacity:
+                raise ValueError(f"q has {q.shape[0]} tokens, the step's token capacity is {capacity}")
+            check_tensor("q", q, device=device)
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        out = self._out(q, out, capacity)
+        if self.kind != "dsa" and meta.spec.window != self.window:
             raise ValueError(f"the step's metadata has window {meta.spec.window}, this layer {self.window}")
-        data = self._caches(meta, caches)
-        scopes = [(data["swa"], meta.swa_indices, meta.swa_lens)]
-        local = None
-        if self.kind == "c4a":
+        plan, caches_t = self._plan(meta, caches)
+        kept = None
+        if self.kind in PICKS_KINDS:
             if topk_indices is None:
-                raise ValueError("topk_indices must be given to a c4a layer: the indexer's local picks, (T, topk) int32")
+                raise ValueError(f"topk_indices must be given to a {self.kind} layer: the indexer's picks, "
+                                 f"(T, topk) int32")
             if meta.spec.topk != self.topk:
                 raise ValueError(f"the step's metadata has topk {meta.spec.topk}, this layer {self.topk}")
-            idx, lens, local = convert_compressed_picks(meta, topk_indices, "c4a")
-            scopes.append((data["c4a"], idx, lens))
+            kept = convert_picks(meta, topk_indices, self.kind)[2]
         elif topk_indices is not None:
-            raise ValueError(f"topk_indices must be given only to a c4a layer, not to this {self.kind} layer")
-        elif self.kind == "c128a":
-            if meta.c128a_indices is None:
-                raise ValueError("the step's metadata was built from a batch without a 'c128a' block table")
-            scopes.append((data["c128a"], meta.c128a_indices, meta.c128a_lens))
-        n_dec, n_tok = batch.num_decode_tokens, batch.num_tokens
-        if n_dec:
-            self._paged(q, scopes, slice(0, n_dec), out, meta.decode_order(self.kind))
-        if n_tok > n_dec:
-            if self.prefill_mode == "paged":  # many waves of programs: their order hardly matters
-                self._paged(q, scopes, slice(n_dec, n_tok), out)
-            else:
-                self._prefill_workspace(q, meta, data, local, out)
-        out[n_tok:].zero_()
+            raise ValueError(f"topk_indices must be given only to a c4a or dsa layer, not to this {self.kind} layer")
+        plan(q, out, caches_t, kept, self.sink, self.scale)
         return out
 
     # ------------------------------------------------------------------ helpers
 
-    def _caches(self, meta: StepMetadata, caches: dict | None) -> dict[str, torch.Tensor]:
-        """The cache tensors this layer reads, checked against the layer and the step's block tables."""
-        needed = ("swa",) if self.kind == "swa" else ("swa", self.kind)
-        if not isinstance(caches, dict):
-            raise ValueError(f"caches must be a dict of kind -> PagedCache or tensor, got {type(caches).__name__}")
-        data, formats = {}, {}
-        for kind in needed:
-            if kind not in caches:
-                raise ValueError(f"caches has no {kind!r} cache, which a {self.kind} layer reads "
-                                 f"(got {sorted(caches)})")
-            c = caches[kind]
-            t = c.data if isinstance(c, PagedCache) else c
-            name = f"caches[{kind!r}]"
-            fmt = infer_format(t, name)
-            if self.kv_format is not None and fmt.name != self.kv_format:
-                raise ValueError(f"{name} holds {fmt.name} data, but the layer's kv_format is {self.kv_format!r}")
-            if fmt.dim != self.head_dim:
-                raise ValueError(f"{name} holds {fmt.dim}-d tokens, the layer's head_dim is {self.head_dim}")
-            if t.dim() not in (3, 4) or t.shape[1] != meta.batch.block_sizes[kind]:
-                raise ValueError(f"{name} has blocks of {t.shape[1] if t.dim() > 1 else '?'} entries, the step's "
-                                 f"block tables use {meta.batch.block_sizes[kind]}")
-            if t.device != meta.batch.device:
-                raise ValueError(f"{name} is on {t.device}, the step's metadata on {meta.batch.device}")
-            data[kind], formats[kind] = t, fmt.name
-        if len(set(formats.values())) > 1:
-            raise ValueError(f"cache format mismatch: the layer's caches hold different formats {formats}")
-        return data
-
-    def _paged(self, q: torch.Tensor, scopes, rows: slice, out: torch.Tensor,
-               order: torch.Tensor | None = None) -> None:
-        (cache, idx, lens), *rest = scopes
-        extra = {}
-        if rest:
-            extra = dict(extra_cache=rest[0][0], extra_indices=rest[0][1][rows], extra_lens=rest[0][2][rows])
-        sparse_attention_decode(q[rows], cache, idx[rows], lens[rows], sink=self.sink, scale=self.scale,
-                                backend=self.backend, out=out[rows], order=order, **extra)
-
     def _workspace_buffer(self, device: torch.device) -> torch.Tensor:
+        """This layer's view of the shared workspace (``workspace_bytes`` of ``head_dim``-wide bf16 rows)."""
         return shared_workspace(device, self.workspace_bytes // (2 * self.head_dim), self.head_dim)
 
-    def _prefill_workspace(self, q, meta: StepMetadata, data: dict, local, out: torch.Tensor) -> None:
-        ws_all = self._workspace_buffer(q.device)
-        for chunk in meta.workspace_plan(self.kind, self.workspace_bytes, self.head_dim):
-            ws = ws_all[: chunk.num_rows]
-            n_c = chunk.compressed_slots.shape[0]
-            if n_c:
-                ws[:n_c] = dequantize_and_gather(data[self.kind], chunk.compressed_slots, backend=self.backend)
-            ws[n_c:] = dequantize_and_gather(data["swa"], chunk.swa_slots, backend=self.backend)
-            idx, lens = workspace_indices(meta, chunk, local)
-            sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, self.sink, self.scale, backend=self.backend,
-                                     out=out[chunk.tokens])
+    def _out(self, q: torch.Tensor, out: torch.Tensor | None, rows: int) -> torch.Tensor:
+        if out is None:
+            return torch.empty(rows, self.num_heads, D_V, dtype=torch.bfloat16, device=q.device)
+        if (type(out) is not torch.Tensor or out.dtype is not torch.bfloat16 or out.shape != (rows, self.num_heads, D_V)
+                or out.device != q.device):
+            check_tensor("out", out, dtype=torch.bfloat16, shape=(rows, self.num_heads, D_V), device=q.device)
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        return out
+
+    def _plan(self, meta: StepMetadata, caches: dict | None) -> tuple[LayerPlan, tuple[torch.Tensor, ...]]:
+        """This step's plan for this layer's configuration and caches (made on the first call of the step), and
+        the cache tensors in its scope order."""
+        if not isinstance(caches, dict):
+            raise ValueError(f"caches must be a dict of kind -> PagedCache or tensor, got {type(caches).__name__}")
+        views = {}
+        for kind in self.cache_kinds:
+            c = caches.get(kind)
+            if c is None:
+                raise ValueError(f"caches has no {kind!r} cache, which a {self.kind} layer reads (got {sorted(caches)})")
+            views[kind] = resolve_cache_arg(c, f"caches[{kind!r}]")
+        key = (self.kind, self.num_heads, self.backend, self.prefill_mode, self.workspace_bytes, self.batch_invariant,
+               self.sink is not None, self.kv_format, tuple(v.key for v in views.values()))
+        plan = meta.plan(key, lambda: self._make_plan(meta, views))
+        return plan, tuple(views[k].tensor for k in plan.cache_kinds)
+
+    def _make_plan(self, meta: StepMetadata, views: dict) -> LayerPlan:
+        """Check this layer against the step and its caches (once per step and configuration), then plan."""
+        batch = meta.batch
+        formats = {kind: v.fmt.name for kind, v in views.items()}
+        if len(set(formats.values())) > 1:
+            raise ValueError(f"cache format mismatch: the layer's caches hold different formats {formats}")
+        for kind, view in views.items():
+            name = f"caches[{kind!r}]"
+            if kind not in batch.block_tables:
+                raise ValueError(f"a {self.kind} layer reads the {kind!r} cache, but the step's batch has no {kind!r} "
+                                 f"block table (its kinds: {batch.kinds}); build the batch with kinds including "
+                                 f"{kind!r}")
+            if self.kv_format is not None and view.fmt.name != self.kv_format:
+                raise ValueError(f"{name} holds {view.fmt.name} data, but the layer's kv_format is {self.kv_format!r}")
+            if view.fmt.dim != self.head_dim:
+                raise ValueError(f"{name} holds {view.fmt.dim}-d tokens ({view.fmt.name}), the layer's head_dim is "
+                                 f"{self.head_dim}")
+            if view.tensor.shape[1] != batch.block_sizes[kind]:
+                raise ValueError(f"{name} has blocks of {view.tensor.shape[1]} entries, the step's block tables use "
+                                 f"{batch.block_sizes[kind]}")
+            needed = batch.max_block.get(kind, -1) + 1
+            if view.tensor.shape[0] < needed:
+                raise ValueError(f"{name} has {view.tensor.shape[0]} blocks, but the step's {kind!r} block tables "
+                                 f"name block {needed - 1}: the cache is smaller than the block tables")
+            if view.tensor.device != batch.device:
+                raise ValueError(f"{name} is on {view.tensor.device}, the step's metadata on {batch.device}")
+        return LayerPlan(meta, self, views)

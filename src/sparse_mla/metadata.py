@@ -1,19 +1,26 @@
 """Step metadata (DESIGN §3): per-token index lists into the paged caches, built once per step.
 
 Every list is a *valid prefix*: valid slots first, ``-1`` after, ``lens`` = their count. Built with
-vectorised torch on the batch's device (no loop over tokens), into fixed-size int32 buffers that
-the next step refills (``build_step_metadata(batch, spec, out=last_step_meta)``), so the decode
-path can be captured in a CUDA graph.
+vectorised torch or one Triton launch on the batch's device (no loop over tokens), into fixed-size int32
+buffers that the next step refills (``build_step_metadata(batch, spec, out=last_step_meta)``), so a whole
+decode step can be captured in a CUDA graph.
 
 * SWA: token at position ``p`` sees raw tokens ``max(0, p-W+1) … p``.
 * C128A: every compressed entry ``w`` with ``(w+1)·128 <= p+1``, i.e. entries ``0 … (p+1)//128 - 1``.
 * C4A: the indexer's picks (local entry numbers) that are visible, ``(w+1)·4 <= p+1``, converted to
   global slots per layer by :meth:`StepMetadata.c4a_indices`; an invisible pick is dropped, not an error
   (a pick below -1 or past ``max_model_len``'s entries is one, checked under ``SPARSE_MLA_DEBUG=1``).
-* Decode order (:meth:`StepMetadata.decode_order`): per compressed kind, the decode tokens longest
-  key lists first, the order the attention kernels take them in (``sparse_mla.ops.order``).
+* DSA (V3.2): the indexer's picks are request-local raw positions; a pick after the token's own position is
+  dropped; converted per layer by :meth:`StepMetadata.dsa_indices` (the c4a rule with ratio 1).
+* Decode order (:meth:`StepMetadata.decode_order`): per kind with long lists, the decode tokens longest key
+  lists first, the order the attention kernels take them in (``sparse_mla.ops.order``).
 * Prefill workspace plan (:meth:`StepMetadata.workspace_plan`): for backends that gather the keys of
   prefill tokens into a bf16 workspace, chunks of prefill tokens whose keys fit a byte budget.
+* Layer plans (:meth:`StepMetadata.layer_plan`): what a layer call needs beyond its own tensors, resolved
+  once per step (``sparse_mla.plan``).
+
+Metadata is only as current as its batch: once the batch's builder builds another step, its buffers hold
+that step, and using this metadata is a ``ValueError`` (:meth:`StepBatch.check_current`).
 """
 from __future__ import annotations
 
@@ -24,15 +31,18 @@ import torch
 
 from ._checks import check_index_range, check_tensor
 from .batch import StepBatch, entries_needed, slots_of
-from .config import COMPRESS_RATIO
+from .config import COMPRESS_RATIO, PICKS_KINDS
 from .ops import triton_index
+from .ops.dispatch import builders_use_triton
 from .ops.order import fill_longest_first
 from .ops.validate import debug_checks_enabled
+
+ORDERED_KINDS = ("c4a", "c128a", "dsa")  # kinds whose decode tokens get a longest-first order
 
 
 @dataclass(frozen=True)
 class MetadataSpec:
-    """What the step's layers need: the SWA window ``W`` and the C4A indexer width (top-k)."""
+    """What the step's layers need: the SWA window ``W`` (V4) and the indexer width (top-k: c4a, dsa)."""
 
     window: int = 128
     topk: int = 512
@@ -60,24 +70,37 @@ class StepMetadata:
     """Index lists of one step, shared by all layers. Row ``t`` belongs to token ``t`` of the batch
     (``token_capacity`` rows; padding rows have length 0).
 
-    swa_indices ``(T, W)`` + swa_lens ``(T,)``; c128a_indices ``(T, ceil(max_model_len/128))`` +
-    c128a_lens (``None`` when the batch has no c128a block table). The c4a buffers ``(T, topk)`` are
-    filled per layer by :meth:`c4a_indices` from the indexer's picks. decode_orders: ``(T,)`` per
-    compressed kind, see :meth:`decode_order`.
+    swa_indices ``(T, W)`` + swa_lens ``(T,)`` (``None`` for a V3.2 batch); c128a_indices
+    ``(T, ceil(max_model_len/128))`` + c128a_lens (``None`` when the batch has no c128a block table).
+    picks_indices / picks_lens / picks_local ``(T, topk)``, ``(T,)``, ``(T, topk)``: the picks kind's
+    (``picks_kind``: c4a or dsa) converted picks, filled per layer by :meth:`c4a_indices` /
+    :meth:`dsa_indices`; picks_bound ``(T,)``: ``min(topk, entries visible to the token)``, what any layer's
+    picks count can reach (the decode order's estimate). decode_orders: ``(T,)`` per ordered kind, see
+    :meth:`decode_order`.
     """
 
     batch: StepBatch
     spec: MetadataSpec
     is_valid_token: torch.Tensor
-    swa_indices: torch.Tensor
-    swa_lens: torch.Tensor
+    swa_indices: torch.Tensor | None
+    swa_lens: torch.Tensor | None
     c128a_indices: torch.Tensor | None
     c128a_lens: torch.Tensor | None
-    c4a_buffer: torch.Tensor | None
-    c4a_lens_buffer: torch.Tensor | None
-    c4a_local_buffer: torch.Tensor | None
+    picks_indices: torch.Tensor | None
+    picks_lens: torch.Tensor | None
+    picks_local: torch.Tensor | None
+    picks_bound: torch.Tensor | None
     decode_orders: dict[str, torch.Tensor] = field(default_factory=dict)
     _plans: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def picks_kind(self) -> str | None:
+        """The kind whose layers convert indexer picks into :attr:`picks_indices`: ``c4a``, ``dsa`` or None."""
+        return next((k for k in PICKS_KINDS if k in self.batch.block_tables), None)
+
+    def check_current(self) -> None:
+        """``ValueError`` if this metadata's batch is stale (its builder has built another step since)."""
+        self.batch.check_current()
 
     def c4a_indices(self, topk_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global C4A slots from the indexer's local picks, compacted to a valid prefix.
@@ -85,10 +108,19 @@ class StepMetadata:
         topk_local: ``(T, topk)`` int32 local entry numbers (``-1`` none). A pick ``w`` is kept only if
         entry ``w`` is complete before the token (``(w+1)·4 <= pos+1``); others are dropped, never
         attended. Kept picks keep their order. Picks are expected to be distinct (a top-k): an entry
-        picked twice is attended twice, as FlashMLA's sparse kernels do. Returns (indices ``(T, topk)``
-        int32, lens ``(T,)`` int32), views of this step's buffers: the next call overwrites them.
+        picked twice is attended twice, as FlashMLA's sparse kernels do (``SPARSE_MLA_DEBUG=1`` rejects
+        repeats). Returns (indices ``(T, topk)`` int32, lens ``(T,)`` int32), views of this step's buffers:
+        the next call overwrites them.
         """
-        return convert_compressed_picks(self, topk_local, "c4a")[:2]
+        return convert_picks(self, topk_local, "c4a")[:2]
+
+    def dsa_indices(self, topk_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """V3.2: cache slots of the indexer's picks, compacted to a valid prefix.
+
+        topk_positions: ``(T, topk)`` int32 request-local token positions (``-1`` none); a pick after the
+        token's own position is dropped. Otherwise as :meth:`c4a_indices`.
+        """
+        return convert_picks(self, topk_positions, "dsa")[:2]
 
     def decode_order(self, kind: str) -> torch.Tensor | None:
         """The attention ops' ``order`` for this step's decode tokens in layers of ``kind``: their
@@ -101,42 +133,59 @@ class StepMetadata:
     def workspace_plan(self, kind: str, budget_bytes: int, head_dim: int = 512) -> list["WorkspaceChunk"]:
         """The prefill workspace plan of layers of ``kind`` (see :func:`plan_prefill_workspace`),
         built on first use and shared by every layer of the step that asks for the same budget."""
-        key = (kind, budget_bytes, head_dim)
+        key = ("workspace", kind, budget_bytes, head_dim)
         if key not in self._plans:
             self._plans[key] = plan_prefill_workspace(self, kind, budget_bytes, head_dim)
         return self._plans[key]
 
-
-def _use_triton(batch: StepBatch) -> bool:
-    """On a CUDA device the index lists come from the Triton builders, else torch."""
-    return batch.device.type == "cuda" and triton_index is not None
+    def plan(self, key: tuple, make):
+        """The step-scoped plan stored under ``key``, made by ``make()`` on first use (cleared by each build)."""
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = make()
+        return plan
 
 
 def _visible_entries(batch: StepBatch, ratio: int) -> torch.Tensor:
-    """Compressed entries complete before each token: ``(pos + 1) // ratio`` (0 for padding)."""
+    """Compressed entries complete before each token: ``(pos + 1) // ratio`` (0 for padding); for ratio 1
+    (dsa) the raw positions ``0 … pos``."""
     return torch.where(batch.positions >= 0, (batch.positions + 1) // ratio, 0)
 
 
-def convert_compressed_picks(meta: StepMetadata, local: torch.Tensor, kind: str = "c4a"
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Local picks -> (global slots, lens, the kept local numbers), each row a valid prefix.
+def convert_picks(meta: StepMetadata, local: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+    """The indexer's picks -> (cache slots, lens, the kept picks themselves), each row a valid prefix.
 
-    Written into the step's c4a buffers, which the returned tensors are views of.
+    kind: ``"c4a"`` (picks are local compressed entries) or ``"dsa"`` (request-local raw positions). Written
+    into the step's picks buffers, which the returned tensors are views of.
     """
     batch = meta.batch
-    if kind == "swa" or kind not in batch.block_tables:
-        raise ValueError(f"kind must be a compressed kind of this batch {tuple(batch.block_tables)}, got {kind!r}")
-    if meta.c4a_buffer is None:
-        raise ValueError("the step's metadata was built from a batch without a 'c4a' block table")
+    if kind not in PICKS_KINDS or kind not in batch.block_tables:
+        raise ValueError(f"kind must be a kind of this batch that takes indexer picks "
+                         f"{tuple(k for k in PICKS_KINDS if k in batch.block_tables)}, got {kind!r}")
     check_tensor("topk_indices", local, dtype=torch.int32, shape=(batch.token_capacity, meta.spec.topk),
                  device=batch.device)
-    if debug_checks_enabled():  # a device sync: only in debug mode, like the ops' index checks
-        check_index_range("topk_indices", local, entries_needed(batch.max_model_len, kind),
-                          valid=meta.is_valid_token.bool()[:, None].expand_as(local))  # padding rows are never read
-    build = triton_index.compressed_picks if _use_triton(batch) else _compressed_picks_torch
+    if debug_checks_enabled():  # device syncs: only in debug mode, like the ops' index checks
+        check_picks(meta, local, kind)
+    build = triton_index.compressed_picks if builders_use_triton(batch.device) else _compressed_picks_torch
     build(batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
-          COMPRESS_RATIO[kind], local, meta.c4a_buffer, meta.c4a_lens_buffer, meta.c4a_local_buffer)
-    return meta.c4a_buffer, meta.c4a_lens_buffer, meta.c4a_local_buffer
+          COMPRESS_RATIO[kind], local, meta.picks_indices, meta.picks_lens, meta.picks_local)
+    return meta.picks_indices, meta.picks_lens, meta.picks_local
+
+
+def check_picks(meta: StepMetadata, local: torch.Tensor, kind: str) -> None:
+    """The debug-mode checks of a layer's picks (they sync): every pick of a real token is ``-1`` or an entry
+    the model can hold (``[0, max_model_len // ratio)``), and no entry is picked twice in a row (the model
+    counts a pick once; the kernels would attend to a repeat twice)."""
+    valid = meta.is_valid_token.bool()  # padding rows are never read
+    check_index_range("topk_indices", local, entries_needed(meta.batch.max_model_len, kind),
+                      valid=valid[:, None].expand_as(local))
+    rows = torch.sort(torch.where(valid[:, None], local, -1), dim=1).values
+    repeated = (rows[:, 1:] == rows[:, :-1]) & (rows[:, 1:] >= 0)
+    if bool(repeated.any()):
+        t, j = (int(i) for i in repeated.nonzero()[0])
+        raise ValueError(f"topk_indices row {t} picks entry {int(rows[t, j])} more than once: picks must be "
+                         f"distinct (a top-k), the model attends to each entry once")
 
 
 def _compressed_picks_torch(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor,
@@ -154,22 +203,32 @@ def allocate_metadata(batch: StepBatch, spec: MetadataSpec) -> StepMetadata:
     """Fresh buffers sized for ``batch``'s token capacity, ``spec`` and its cache kinds."""
     cap, dev = batch.token_capacity, batch.device
     i32 = dict(dtype=torch.int32, device=dev)
-    has_c4a, has_c128a = "c4a" in batch.block_tables, "c128a" in batch.block_tables
+    kinds = batch.block_tables
+
+    def rows(width: int | None, present: bool) -> torch.Tensor | None:
+        if not present:
+            return None
+        return torch.empty(cap, **i32) if width is None else torch.empty(cap, width, **i32)
+
+    has_picks = any(k in kinds for k in PICKS_KINDS)
     n128 = math.ceil(batch.max_model_len / COMPRESS_RATIO["c128a"])
     return StepMetadata(
-        batch, spec, torch.empty(cap, **i32), torch.empty(cap, spec.window, **i32), torch.empty(cap, **i32),
-        torch.empty(cap, n128, **i32) if has_c128a else None, torch.empty(cap, **i32) if has_c128a else None,
-        torch.empty(cap, spec.topk, **i32) if has_c4a else None, torch.empty(cap, **i32) if has_c4a else None,
-        torch.empty(cap, spec.topk, **i32) if has_c4a else None,
-        {k: torch.empty(cap, **i32) for k, present in (("c4a", has_c4a), ("c128a", has_c128a)) if present})
+        batch, spec, torch.empty(cap, **i32), rows(spec.window, "swa" in kinds), rows(None, "swa" in kinds),
+        rows(n128, "c128a" in kinds), rows(None, "c128a" in kinds),
+        rows(spec.topk, has_picks), rows(None, has_picks), rows(spec.topk, has_picks), rows(None, has_picks),
+        {k: torch.empty(cap, **i32) for k in ORDERED_KINDS if k in kinds})
 
 
 def _check_reusable(out: StepMetadata, batch: StepBatch, spec: MetadataSpec) -> None:
+    if out.batch.builder is not batch.builder:
+        raise ValueError("out was built from another StepBatchBuilder's batch: metadata buffers (and CUDA graphs "
+                         "captured on them) belong to the builder whose batches filled them; build without out= "
+                         "for this builder")
+    kinds = batch.block_tables
     fresh_shapes = {
-        "swa_indices": (batch.token_capacity, spec.window),
-        "c128a_indices": (batch.token_capacity, math.ceil(batch.max_model_len / 128))
-        if "c128a" in batch.block_tables else None,
-        "c4a_buffer": (batch.token_capacity, spec.topk) if "c4a" in batch.block_tables else None,
+        "swa_indices": (batch.token_capacity, spec.window) if "swa" in kinds else None,
+        "c128a_indices": (batch.token_capacity, math.ceil(batch.max_model_len / 128)) if "c128a" in kinds else None,
+        "picks_indices": (batch.token_capacity, spec.topk) if any(k in kinds for k in PICKS_KINDS) else None,
     }
     for name, shape in fresh_shapes.items():
         buf = getattr(out, name)
@@ -180,8 +239,9 @@ def _check_reusable(out: StepMetadata, batch: StepBatch, spec: MetadataSpec) -> 
 
 
 def _window_indices_torch(batch: StepBatch, kind: str, indices: torch.Tensor, lens: torch.Tensor) -> None:
-    """Torch twin of the window rows of :func:`sparse_mla.ops.triton_index.step_lists`. SWA: slots of positions ``max(0, p-W+1) … p`` (W = the width of ``indices``); c128a: every
-    complete entry ``0 … (p+1)//128 - 1``. Written into ``indices`` / ``lens`` as valid prefixes."""
+    """Torch twin of the window rows of :func:`sparse_mla.ops.triton_index.step_lists`. SWA: slots of positions
+    ``max(0, p-W+1) … p`` (W = the width of ``indices``); c128a: every complete entry ``0 … (p+1)//128 - 1``.
+    Written into ``indices`` / ``lens`` as valid prefixes."""
     pos, width = batch.positions, indices.shape[1]
     valid = pos >= 0
     j = torch.arange(width, device=pos.device, dtype=torch.int32)[None, :]
@@ -197,37 +257,44 @@ def _window_indices_torch(batch: StepBatch, kind: str, indices: torch.Tensor, le
     lens.copy_(count)
 
 
-def _c4a_buffers(meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    if meta.c4a_buffer is None:
+def _picks_buffers(meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    if meta.picks_indices is None:
         return None
-    return meta.c4a_buffer, meta.c4a_local_buffer, meta.c4a_lens_buffer
+    return meta.picks_indices, meta.picks_local, meta.picks_lens, meta.picks_bound
 
 
 def _step_lists_triton(batch: StepBatch, out: StepMetadata) -> None:
-    """Fill ``out``'s shared lists (validity, SWA, C128A, emptied C4A buffers) in one launch."""
+    """Fill ``out``'s shared lists (validity, SWA, C128A, emptied picks buffers) in one launch."""
     tables, sizes = batch.block_tables, batch.block_sizes
-    swa = triton_index.WindowList(tables["swa"], sizes["swa"], out.swa_indices, out.swa_lens)
-    c128a = None if out.c128a_indices is None else triton_index.WindowList(
-        tables["c128a"], sizes["c128a"], out.c128a_indices, out.c128a_lens)
-    triton_index.step_lists(batch.positions, batch.token_to_req, out.is_valid_token, swa, c128a, _c4a_buffers(out))
+
+    def window_list(kind: str, indices: torch.Tensor | None, lens: torch.Tensor | None):
+        return None if indices is None else triton_index.WindowList(tables[kind], sizes[kind], indices, lens)
+
+    picks = _picks_buffers(out)
+    triton_index.step_lists(batch.positions, batch.token_to_req, out.is_valid_token,
+                            window_list("swa", out.swa_indices, out.swa_lens),
+                            window_list("c128a", out.c128a_indices, out.c128a_lens), picks,
+                            COMPRESS_RATIO[out.picks_kind] if picks is not None else 1)
 
 
 def _step_lists_torch(batch: StepBatch, out: StepMetadata) -> None:
     """Torch twin of :func:`_step_lists_triton`."""
     out.is_valid_token.copy_(batch.positions >= 0)
-    _window_indices_torch(batch, "swa", out.swa_indices, out.swa_lens)
+    if out.swa_indices is not None:
+        _window_indices_torch(batch, "swa", out.swa_indices, out.swa_lens)
     if out.c128a_indices is not None:
         _window_indices_torch(batch, "c128a", out.c128a_indices, out.c128a_lens)
-    c4a = _c4a_buffers(out)
-    if c4a is not None:  # until a layer converts its picks: nothing visible
-        for buf, empty in zip(c4a, (-1, -1, 0)):
+    picks = _picks_buffers(out)
+    if picks is not None:  # until a layer converts its picks: nothing visible
+        for buf, empty in zip(picks, (-1, -1, 0)):
             buf.fill_(empty)
+        out.picks_bound.copy_(_visible_entries(batch, COMPRESS_RATIO[out.picks_kind]).clamp_max(out.spec.topk))
 
 
 def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),
                         out: StepMetadata | None = None) -> StepMetadata:
-    """Build the step's metadata; with ``out`` (an earlier step's metadata of the same capacities),
-    refill its buffers in place and return it."""
+    """Build the step's metadata; with ``out`` (an earlier step's metadata of the same builder and
+    capacities), refill its buffers in place and return it. CUDA-graph capturable with ``out``."""
     for name, value, cls in (("batch", batch, StepBatch), ("spec", spec, MetadataSpec)):
         if not isinstance(value, cls):
             raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
@@ -235,28 +302,30 @@ def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),
         raise TypeError(f"out must be a StepMetadata (an earlier step's) or None, got {type(out).__name__}")
     if spec.window < 1 or spec.topk < 1:
         raise ValueError(f"spec.window and spec.topk must be positive, got {spec}")
+    batch.check_current()
     if out is None:
         out = allocate_metadata(batch, spec)
     else:
         _check_reusable(out, batch, spec)
     out.batch, out.spec, out._plans = batch, spec, {}
-    (_step_lists_triton if _use_triton(batch) else _step_lists_torch)(batch, out)
+    (_step_lists_triton if builders_use_triton(batch.device) else _step_lists_torch)(batch, out)
     _fill_decode_orders(out)
     return out
 
 
 def _fill_decode_orders(meta: StepMetadata) -> None:
-    """Each compressed kind's decode order, from the SWA lens plus that kind's: the c128a lens, or for c4a
-    ``min(topk, visible entries)``, an upper bound of every layer's picks (not known when the step starts)."""
+    """Each ordered kind's decode order, from its lists' lengths: the SWA lens plus the c128a lens, or for the
+    picks kinds ``picks_bound``, an upper bound of every layer's picks (not known when the step starts)."""
     rows = slice(0, meta.batch.num_decode_tokens)
     if rows.stop == 0:
         return
+    swa = None if meta.swa_lens is None else meta.swa_lens[rows]
     for kind, buf in meta.decode_orders.items():
-        if kind == "c128a":
-            extra = meta.c128a_lens[rows]
+        extra = (meta.c128a_lens if kind == "c128a" else meta.picks_bound)[rows]
+        if swa is None:
+            fill_longest_first(extra, None, buf[rows])
         else:
-            extra = _visible_entries(meta.batch, COMPRESS_RATIO[kind])[rows].clamp_max(meta.spec.topk)
-        fill_longest_first(meta.swa_lens[rows], extra, buf[rows])
+            fill_longest_first(swa, extra, buf[rows])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,8 +361,17 @@ class WorkspaceChunk:
 
 
 def _segment_rows(p0: int, p1: int, window: int, ratio: int) -> int:
-    """Workspace rows of a segment whose tokens sit at positions ``p0 … p1``."""
-    return p1 - max(0, p0 - window + 1) + 1 + ((p1 + 1) // ratio if ratio > 1 else 0)
+    """Workspace rows of a segment whose tokens sit at positions ``p0 … p1``: its window's raw tokens
+    (``window`` 0: none, V3.2) plus the ``(p1+1) // ratio`` entries its last token can see (``ratio`` 0: none)."""
+    return (p1 - max(0, p0 - window + 1) + 1 if window else 0) + ((p1 + 1) // ratio if ratio else 0)
+
+
+def _workspace_geometry(meta: StepMetadata, kind: str) -> tuple[int, int]:
+    """(window, ratio) of ``kind``'s workspace segments: swa = (W, 0), c4a / c128a = (W, r), dsa = (0, 1)
+    (every raw position up to the token's, no window part)."""
+    if kind == "dsa":
+        return 0, 1
+    return meta.spec.window, (COMPRESS_RATIO[kind] if kind != "swa" else 0)
 
 
 def plan_prefill_workspace(meta: StepMetadata, kind: str, budget_bytes: int,
@@ -306,12 +384,12 @@ def plan_prefill_workspace(meta: StepMetadata, kind: str, budget_bytes: int,
     is split between chunks. Planning runs on the host from the batch's host copies (no device sync);
     only the per-chunk index tensors are built on the device, vectorised.
     """
-    if kind not in COMPRESS_RATIO:
-        raise ValueError(f"kind must be one of {tuple(COMPRESS_RATIO)}, got {kind!r}")
+    if kind not in meta.batch.block_tables:
+        raise ValueError(f"kind must be one of this batch's kinds {meta.batch.kinds}, got {kind!r}")
     if head_dim not in (512, 576):
         raise ValueError(f"head_dim must be 512 (V4) or 576 (V3.2), got {head_dim!r}")
-    batch, window = meta.batch, meta.spec.window
-    ratio = COMPRESS_RATIO[kind]
+    batch = meta.batch
+    window, ratio = _workspace_geometry(meta, kind)
     budget = budget_bytes // (2 * head_dim)
     chunks: list[list[tuple[int, int, int]]] = []  # per chunk: (request, first position, last position)
     current: list[tuple[int, int, int]] = []
@@ -347,13 +425,13 @@ def plan_prefill_workspace(meta: StepMetadata, kind: str, budget_bytes: int,
 
 
 def _build_chunk(meta: StepMetadata, kind: str, segs: list[tuple[int, int, int]]) -> WorkspaceChunk:
-    batch, window, dev = meta.batch, meta.spec.window, meta.batch.device
-    ratio = COMPRESS_RATIO[kind]
+    batch, dev = meta.batch, meta.batch.device
+    window, ratio = _workspace_geometry(meta, kind)
     i32 = dict(dtype=torch.int32, device=dev)
     qsl, seq, qlen = batch.query_start_loc_host, batch.seq_lens_host, batch.query_lens_host
-    n_comp = [(p1 + 1) // ratio if ratio > 1 else 0 for _, _, p1 in segs]
+    n_comp = [(p1 + 1) // ratio if ratio else 0 for _, _, p1 in segs]
     swa_start = [max(0, p0 - window + 1) for _, p0, _ in segs]
-    n_swa = [p1 - s + 1 for (_, _, p1), s in zip(segs, swa_start)]
+    n_swa = [p1 - s + 1 if window else 0 for (_, _, p1), s in zip(segs, swa_start)]
     n_tok = [p1 - p0 + 1 for _, p0, p1 in segs]
     total_c = sum(n_comp)
     comp_base = [sum(n_comp[:i]) for i in range(len(segs))]
@@ -375,11 +453,16 @@ def _build_chunk(meta: StepMetadata, kind: str, segs: list[tuple[int, int, int]]
     comp_req = per_item(reqs, n_comp)
     compressed_slots = (slots_of(batch.block_tables[kind], comp_req, ramp(n_comp), batch.block_sizes[kind])
                         if total_c else torch.empty(0, **i32))
+    tokens = slice(first_row, last_row + 1)
+    pos = batch.positions[tokens]
+    if not window:  # dsa: no window part
+        chunk = WorkspaceChunk(kind, tokens, total_c, compressed_slots, torch.empty(0, **i32),
+                               torch.empty(pos.shape[0], 0, **i32), torch.zeros(pos.shape[0], **i32),
+                               per_item(comp_base, n_tok), None, None)
+        return chunk
     swa_req = per_item(reqs, n_swa)
     swa_pos = per_item(swa_start, n_swa) + ramp(n_swa)
     swa_slots = slots_of(batch.block_tables["swa"], swa_req, swa_pos, batch.block_sizes["swa"])
-    tokens = slice(first_row, last_row + 1)
-    pos = batch.positions[tokens]
     lens = meta.swa_lens[tokens]
     # token at p: window keys at positions p-lens+1 … p -> rows swa_base + (position - swa_start)
     first_key_row = per_item(swa_base, n_tok) + pos - lens + 1 - per_item(swa_start, n_tok)
@@ -387,7 +470,7 @@ def _build_chunk(meta: StepMetadata, kind: str, segs: list[tuple[int, int, int]]
     swa_rows = torch.where(j < lens[:, None], first_key_row[:, None] + j, -1)
     chunk = WorkspaceChunk(kind, tokens, total_c + sum(n_swa), compressed_slots, swa_slots, swa_rows, lens,
                            per_item(comp_base, n_tok), None, None)
-    if kind == "c4a":
+    if kind in PICKS_KINDS:  # the lists depend on each layer's picks: workspace_indices
         return chunk
     idx, lens = workspace_indices(meta, chunk)
     return WorkspaceChunk(kind, tokens, chunk.num_rows, compressed_slots, swa_slots, swa_rows, chunk.swa_lens,
@@ -398,8 +481,8 @@ def workspace_indices(meta: StepMetadata, chunk: WorkspaceChunk,
                       kept_local: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each chunk token's workspace rows: ``[its window][its visible compressed entries]``, compacted.
 
-    kept_local: c4a only, ``(T, topk)`` the kept local picks of every batch token (the third result of
-    :func:`convert_compressed_picks`). Returns (indices ``(n, width)`` int32, lens ``(n,)`` int32).
+    kept_local: c4a / dsa only, ``(T, topk)`` the kept picks of every batch token (the third result of
+    :func:`convert_picks`). Returns (indices ``(n, width)`` int32, lens ``(n,)`` int32).
     """
     if chunk.kind == "swa":
         return chunk.swa_rows, chunk.swa_lens
@@ -410,7 +493,7 @@ def workspace_indices(meta: StepMetadata, chunk: WorkspaceChunk,
         comp = torch.where(e < n[:, None], base + e, -1)
     else:
         if kept_local is None:
-            raise ValueError("a c4a workspace chunk needs the layer's kept local picks (kept_local)")
+            raise ValueError(f"a {chunk.kind} workspace chunk needs the layer's kept picks (kept_local)")
         local = kept_local[chunk.tokens]
         comp = torch.where(local >= 0, base + local, -1)
     return compact_rows(torch.cat([chunk.swa_rows, comp], dim=1))

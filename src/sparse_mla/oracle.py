@@ -3,7 +3,8 @@
 It keeps each request's raw latents and compressed entries as plain tensors (the values the caches
 hold, dequantised), builds a visibility mask over all of a request's keys from each token's position
 — the window ``max(0, p-W+1) … p``, compressed visibility ``(w+1)·r <= p+1`` and, for c4a, the
-indexer's picks — and runs a dense masked softmax with the sink. It shares no index code with
+indexer's picks; for V3.2's dsa, the picked raw positions ``<= p`` — and runs a dense masked softmax with
+the sink (a repeated pick counts once, as the model's mask does). It shares no index code with
 :mod:`sparse_mla.metadata` or :mod:`sparse_mla.ops`: no slots, no block tables, no index lists.
 """
 from __future__ import annotations
@@ -33,7 +34,8 @@ class DenseOracle:
         self.compressed: dict[str, dict[int, torch.Tensor]] = {"c4a": {}, "c128a": {}}
 
     def set_raw(self, r: int, latents: torch.Tensor, start: int = 0) -> None:
-        """Request ``r``'s raw latents ``(n, d)`` for positions ``start … start+n-1``."""
+        """Request ``r``'s raw latents ``(n, d)`` for positions ``start … start+n-1`` (V4's SWA keys, or V3.2's
+        dsa keys)."""
         self.raw[r] = (start, latents.detach().cpu())
 
     def set_compressed(self, kind: str, r: int, entries: torch.Tensor) -> None:
@@ -46,8 +48,8 @@ class DenseOracle:
                    picks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys of request ``r`` and which of them each token sees.
 
-        positions: ``(n,)`` token positions; picks: c4a only, ``(n, k)`` local entry numbers (``-1``
-        none, any value allowed: invisible or out-of-range picks are simply not visible).
+        positions: ``(n,)`` token positions; picks: c4a / dsa only, ``(n, k)`` local entry numbers (c4a) or raw
+        positions (dsa) (``-1`` none, any value allowed: invisible or out-of-range picks are simply not visible).
         Returns keys ``(K, d)`` float64 (raw latents, then compressed entries) and mask ``(n, K)`` bool.
         """
         if kind not in LAYER_KINDS:
@@ -55,6 +57,8 @@ class DenseOracle:
         start, raw = self.raw[r]
         p = positions.detach().cpu().long()[:, None]
         key_pos = torch.arange(start, start + raw.shape[0])[None, :]
+        if kind == "dsa":
+            return self._checked(r, kind, raw.double(), _picked(picks, p.shape[0], raw.shape[0], start) & (key_pos <= p))
         lo = (p - self.window + 1).clamp_min(0)
         if p.numel() and (bool((lo < start).any()) or bool((p >= start + raw.shape[0]).any())):
             raise ValueError(f"request {r}: a token sees raw positions the oracle was not given "
@@ -67,15 +71,13 @@ class DenseOracle:
             w = torch.arange(comp.shape[0])[None, :]
             visible = (w + 1) * ratio <= p + 1
             if kind == "c4a":
-                picked = torch.zeros(p.shape[0], comp.shape[0] + 1, dtype=torch.bool)
-                if picks is not None:
-                    pk = picks.detach().cpu().long()
-                    pk = torch.where((pk >= 0) & (pk < comp.shape[0]), pk, comp.shape[0])  # others -> dump column
-                    picked.scatter_(1, pk, True)
-                visible &= picked[:, : comp.shape[0]]
+                visible &= _picked(picks, p.shape[0], comp.shape[0])
             masks.append(visible)
             keys.append(comp)
-        keys, mask = torch.cat(keys).double(), torch.cat(masks, dim=1)
+        return self._checked(r, kind, torch.cat(keys).double(), torch.cat(masks, dim=1))
+
+    @staticmethod
+    def _checked(r: int, kind: str, keys: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         unknown = keys.isnan().any(dim=1)  # entries the caller never filled in: fine while nobody sees them
         if bool((mask & unknown[None, :]).any()):
             raise ValueError(f"request {r}: a token sees a {kind} key the oracle holds as unknown (NaN)")
@@ -104,6 +106,17 @@ class DenseOracle:
             o, l = masked_attention(q[rows], keys, mask, sink, scale)
             out[rows], lse[rows] = o, l
         return out, lse
+
+
+def _picked(picks: torch.Tensor | None, n: int, num_keys: int, first: int = 0) -> torch.Tensor:
+    """``(n, num_keys)`` bool: which of keys ``first … first+num_keys-1`` each token's ``picks (n, k)`` name
+    (any value allowed: ``-1`` and picks outside that range name nothing; a repeat names its key once)."""
+    picked = torch.zeros(n, num_keys + 1, dtype=torch.bool)
+    if picks is not None:
+        pk = picks.detach().cpu().long() - first
+        pk = torch.where((pk >= 0) & (pk < num_keys) & (picks.detach().cpu() >= 0), pk, num_keys)  # others -> dump
+        picked.scatter_(1, pk, True)
+    return picked[:, :num_keys]
 
 
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor | None,

@@ -3,8 +3,8 @@ latents, indexer picks, the step's metadata, and the dense oracle holding the sa
 
 Used by the demo and the tests. Caches are poisoned first (every byte 0xFF = NaN) and only the keys
 some token of this step may see are written: the SWA tokens inside a window of this step's tokens,
-every complete c128a entry, and the c4a entries some token picked. A kernel that reads any other
-slot turns its output NaN.
+every complete c128a entry, and the c4a entries some token picked (V4); the raw tokens some token picked
+(V3.2, ``dim=576``: one ``dsa`` cache). A kernel that reads any other slot turns its output NaN.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from .batch import Request, StepBatch, StepBatchBuilder, blocks_needed, slots_of
 from .cache import PagedCache
-from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE
+from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, V4_KINDS
 from .formats import KVFormat, decode_records, encode_records
 from .metadata import MetadataSpec, StepMetadata, build_step_metadata
 from .oracle import DenseOracle
@@ -29,6 +29,7 @@ class Scenario:
     caches: dict[str, PagedCache]
     oracle: DenseOracle
     topk_local: torch.Tensor  # (token_capacity, topk) int32 indexer picks: distinct, some invisible, some -1
+    # (c4a: local compressed entries; V3.2 scenarios: request-local raw positions, for the dsa layer)
 
     def token_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(request, position) of every token row, from ``lengths`` alone (``-1`` for padding rows)."""
@@ -45,7 +46,7 @@ class Scenario:
         padding rows -> 0)."""
         req, pos = self.token_positions()
         rows = torch.arange(self.batch.token_capacity) if tokens is None else torch.as_tensor(tokens, dtype=torch.long)
-        picks = self.topk_local.cpu()[rows] if kind == "c4a" else None
+        picks = self.topk_local.cpu()[rows] if kind in ("c4a", "dsa") else None
         out, _ = self.oracle.attend(q.cpu()[rows], req[rows], pos[rows], kind, sink, scale, picks)
         return out
 
@@ -56,12 +57,13 @@ def dequantized(kv: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
 
 
 def random_picks(positions: torch.Tensor, topk: int, gen: torch.Generator, num_entries: int,
-                 invisible: int = 3, drop: float = 0.1) -> torch.Tensor:
-    """Indexer-like picks: per token, ``topk`` distinct entries among ``0 … (pos+1)//4 - 1 + invisible``
-    (so a few are not visible yet), a fraction ``drop`` replaced by ``-1``; ``-1`` rows for padding."""
+                 invisible: int = 3, drop: float = 0.1, ratio: int = 4) -> torch.Tensor:
+    """Indexer-like picks: per token, ``topk`` distinct entries among ``0 … (pos+1)//ratio - 1 + invisible``
+    (so a few are not visible yet), a fraction ``drop`` replaced by ``-1``; ``-1`` rows for padding.
+    ratio 4: c4a entries; ratio 1: V3.2's raw positions."""
     n = positions.shape[0]
     width = max(1, num_entries + invisible)
-    limit = torch.where(positions >= 0, (positions + 1) // 4 + invisible, 0)
+    limit = torch.where(positions >= 0, (positions + 1) // ratio + invisible, 0)
     scores = torch.rand(n, width, generator=gen)
     scores = scores.masked_fill(torch.arange(width)[None, :] >= limit[:, None], -1.0)
     k = min(topk, width)
@@ -79,12 +81,13 @@ def make_scenario(lengths: list[tuple[int, int]], *, window: int = 128, topk: in
                   picks: torch.Tensor | None = None) -> Scenario:
     """lengths: ``(seq_len, query_len)`` per request, decodes first; ``padding`` extra token rows.
 
-    picks: the indexer's ``(token_capacity, topk)`` int32 local c4a picks (default: :func:`random_picks`);
-    only picked entries are written to the c4a cache.
+    picks: the indexer's ``(token_capacity, topk)`` int32 picks (default: :func:`random_picks`); only picked
+    entries are written to the c4a (V4) or dsa (V3.2, ``dim=576``) cache.
     """
     gen = torch.Generator().manual_seed(seed)
-    sizes = {k: (block_sizes or {}).get(k, DEFAULT_BLOCK_SIZE[k]) for k in COMPRESS_RATIO}
-    caches, tables = {}, {k: [] for k in COMPRESS_RATIO}
+    kinds = ("dsa",) if dim == 576 else V4_KINDS
+    sizes = {k: (block_sizes or {}).get(k, DEFAULT_BLOCK_SIZE[k]) for k in kinds}
+    caches, tables = {}, {k: [] for k in kinds}
     for kind, bs in sizes.items():
         need = [blocks_needed(s, kind, bs) for s, _ in lengths]
         caches[kind] = PagedCache(sum(need) + 2, bs, fmt, dim, device)
@@ -94,26 +97,32 @@ def make_scenario(lengths: list[tuple[int, int]], *, window: int = 128, topk: in
         for n in need:
             tables[kind].append(blocks[:n].tolist())
             blocks = blocks[n:]
-    requests = [Request(s, q, {k: tables[k][i] for k in COMPRESS_RATIO}) for i, (s, q) in enumerate(lengths)]
+    requests = [Request(s, q, {k: tables[k][i] for k in kinds}) for i, (s, q) in enumerate(lengths)]
     max_len = max(s for s, _ in lengths)
     num_tokens = sum(q for _, q in lengths)
-    builder = StepBatchBuilder(num_tokens + padding, len(lengths), max_len, block_sizes=sizes,
+    builder = StepBatchBuilder(num_tokens + padding, len(lengths), max_len, kinds=kinds, block_sizes=sizes,
                                decode_threshold=decode_threshold, device=device,
                                num_blocks={k: c.num_blocks for k, c in caches.items()})
     batch = builder.build(requests)
     oracle = DenseOracle(window)
+    picks_kind = "dsa" if "dsa" in kinds else "c4a"
+    ratio = COMPRESS_RATIO[picks_kind]
     if picks is None:
-        picks = random_picks(batch.positions.cpu(), topk, gen, max_len // 4)
+        picks = random_picks(batch.positions.cpu(), topk, gen, max_len // ratio, ratio=ratio)
     picks = picks.cpu()
     token_req = batch.token_to_req.cpu()
     i32 = dict(dtype=torch.int32, device=device)
-    writes: dict[str, list[tuple[int, torch.Tensor]]] = {k: [] for k in COMPRESS_RATIO}  # (request, entries)
+    writes: dict[str, list[tuple[int, torch.Tensor]]] = {k: [] for k in kinds}  # (request, entries)
     for r, (seq_len, q_len) in enumerate(lengths):
+        mine = picks[token_req == r]
+        picked = torch.unique(mine[(mine >= 0) & (mine < seq_len // ratio)])
+        if picks_kind == "dsa":
+            writes["dsa"].append((r, picked))
+            continue
         first = max(0, seq_len - q_len - (window - 1))  # earliest position any token of this step sees
         writes["swa"].append((r, torch.arange(first, seq_len)))
         writes["c128a"].append((r, torch.arange(seq_len // 128)))
-        mine = picks[token_req == r]
-        writes["c4a"].append((r, torch.unique(mine[(mine >= 0) & (mine < seq_len // 4)])))
+        writes["c4a"].append((r, picked))
     for kind, items in writes.items():
         req = torch.cat([torch.full((len(e),), r) for r, e in items]).to(**i32)
         entries = torch.cat([e for _, e in items]).to(**i32)
@@ -127,6 +136,10 @@ def make_scenario(lengths: list[tuple[int, int]], *, window: int = 128, topk: in
             start += len(e)
             if kind == "swa":
                 oracle.set_raw(r, mine, int(e[0]) if len(e) else 0)
+            elif kind == "dsa":  # picked raw tokens; the others stay unknown (NaN) to the oracle
+                full = torch.full((lengths[r][0], dim), math.nan)
+                full[e.long()] = mine
+                oracle.set_raw(r, full)
             else:
                 full = torch.full((lengths[r][0] // COMPRESS_RATIO[kind], dim), math.nan)
                 full[e.long()] = mine  # entries nobody sees stay unknown (NaN) to the oracle too

@@ -5,12 +5,12 @@ backend can be forced by name. All backends share the argument checks of :mod:`.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .._checks import check_tensor
 from . import reference
+from ..formats import resolve_cache
+from . import dispatch
+from .dispatch import BACKENDS, backend_for, check_backend_name
 from .order import longest_first
 from .validate import debug_checks_enabled, decode_args, gather_args, insert_args, prefill_args
 
@@ -19,26 +19,16 @@ try:
 except ImportError:  # no Triton on this platform: the reference backend still works
     triton_attention = triton_cache = triton_index = None
 
-BACKENDS = ("reference", "triton")
 
-
-def check_backend_name(name: str) -> None:
-    """``name`` is ``"auto"`` or one of :data:`BACKENDS`."""
-    if name != "auto" and name not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {name!r}")
-
-
-def _backend(name: str, first: torch.Tensor, first_name: str) -> str:
-    """The backend to run: ``name`` resolved for the device of the op's first tensor argument."""
-    device = check_tensor(first_name, first).device
-    check_backend_name(name)
-    if name == "auto":
-        return "triton" if device.type == "cuda" and triton_attention is not None else "reference"
-    if name == "triton" and triton_attention is None:
-        raise ValueError("backend 'triton' needs the triton package, which is not installed")
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise ValueError(f"backend 'triton' needs CUDA tensors (got {device}), or TRITON_INTERPRET=1 on the CPU")
-    return name
+def attention_kernel(backend: str, q: torch.Tensor, cache: torch.Tensor) -> str:
+    """What ``sparse_attention_decode(q, cache, ..., backend=backend)`` runs: ``"reference"``, ``"triton"`` or
+    ``"gluon"`` (the Hopper kernel, for V4 fp8_v4 / bf16 caches), resolving ``"auto"`` for ``q``'s device."""
+    if backend_for(backend, q, "q") == "reference":
+        return "reference"
+    paged, fmt = resolve_cache(cache)
+    return dispatch.attention_kernel(q.device, q.shape[-1], frozenset({fmt.name}),
+                                     triton_attention.pages_16_byte_aligned(paged),
+                                     q_fp8=q.dtype == torch.float8_e4m3fn)
 
 
 def sparse_attention_decode(
@@ -55,6 +45,7 @@ def sparse_attention_decode(
     backend: str = "auto",
     out: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
+    batch_invariant: bool = False,
     *,
     indptr: torch.Tensor | None = None,
     extra_indptr: torch.Tensor | None = None,
@@ -71,7 +62,7 @@ def sparse_attention_decode(
     indices / extra_indices: ``(T, width)`` int32 slots, ``-1`` invalid; token ``t`` attends to the
     first ``lens[t]`` entries of each (``lens``: ``(T,)`` int32, default the full width).
     sink: ``(H,)`` float32 logits joining the softmax denominator only. scale defaults to d**-0.5.
-    fmt: the caches' format name (``"fp8_v4"``, ``"bf16"``, ``"fp8_v32"``), optional: the format is
+    fmt: the caches' format name (``"fp8_v4"``, ``"bf16"``, ``"fp8_v32"``, ``"fp8_e4m3"``), optional: the format is
     inferred from each cache's dtype and last axis, and a given ``fmt`` is checked against it.
     backend: ``"auto"`` (the Triton kernels on a CUDA device, else the reference), ``"reference"``
     (plain PyTorch) or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``).
@@ -81,6 +72,9 @@ def sparse_attention_decode(
     order: ``(T,)`` int32, a permutation of the tokens: the order the GPU kernels start them in, which
     changes their speed, never their results. ``longest_first(lens, extra_lens)``, computed once per step,
     keeps ragged lists from leaving SMs idle at the end (up to 22 % faster on C128A decode).
+    batch_invariant: a token's output is bitwise the same whatever else is in the batch (its key list is
+    split by its own length alone, see ``triton_attention.INVARIANT_SPLIT_BLOCKS``); the reference is
+    batch-invariant anyway.
 
     Other index forms (:mod:`sparse_mla.index_forms` builds them):
 
@@ -89,15 +83,18 @@ def sparse_attention_decode(
     * combined (FlashInfer TRTLLM-gen's): ``combined_window=W`` makes ``indices (T, W + K)`` one list over both
       caches, columns ``< W`` slots of ``cache``, the rest slots of ``extra_cache``; token ``t`` reads the first
       ``lens[t]`` entries of its row; ``extra_indices`` / ``extra_lens`` must be None.
+
+    ``q_scale`` / ``kv_scale``: a positive number or a one-element float32 tensor on q's device (read at run
+    time: no sync, CUDA graphs see updates).
     """
     kw = dict(out=out, order=order, indptr=indptr, extra_indptr=extra_indptr, combined_window=combined_window,
               q_scale=q_scale, kv_scale=kv_scale)
-    if _backend(backend, q, "q") == "reference":
+    if backend_for(backend, q, "q") == "reference":
         return reference.run(decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink,
                                          scale, fmt, **kw))
     args = decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, scale, fmt,
                        check_ranges=debug_checks_enabled(), **kw)
-    return triton_attention.run(args)
+    return triton_attention.run(args, batch_invariant=batch_invariant)
 
 
 def sparse_attention_prefill(
@@ -118,7 +115,7 @@ def sparse_attention_prefill(
 
     Same semantics and returns as :func:`sparse_attention_decode`.
     """
-    if _backend(backend, q, "q") == "reference":
+    if backend_for(backend, q, "q") == "reference":
         return reference.run(prefill_args(q, kv, indices, lens, sink, scale, out=out, indptr=indptr))
     return triton_attention.run(prefill_args(q, kv, indices, lens, sink, scale, check_ranges=debug_checks_enabled(),
                                              out=out, indptr=indptr))
@@ -133,7 +130,7 @@ def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, slot_mapping:
     The reference checks slot ranges and finiteness (``ValueError``); the Triton kernel does so under
     ``SPARSE_MLA_DEBUG=1`` and otherwise skips out-of-range slots.
     """
-    if _backend(backend, kv_new, "kv_new") == "reference":
+    if backend_for(backend, kv_new, "kv_new") == "reference":
         reference.quantize_and_insert(*insert_args(kv_new, cache, slot_mapping, fmt, kv_scale=kv_scale))
     else:
         triton_cache.quantize_and_insert(*insert_args(kv_new, cache, slot_mapping, fmt,
@@ -144,11 +141,11 @@ def dequantize_and_gather(cache: torch.Tensor, slots: torch.Tensor, fmt: str | N
                           backend: str = "auto", kv_scale: float | torch.Tensor | None = None) -> torch.Tensor:
     """Dequantised tokens at ``slots`` (any shape; ``-1`` reads as zeros): ``slots.shape + (d,)`` bf16
     (an fp8_e4m3 cache needs its ``kv_scale``)."""
-    if _backend(backend, cache, "cache") == "reference":
+    if backend_for(backend, cache, "cache") == "reference":
         return reference.dequantize_and_gather(*gather_args(cache, slots, fmt, kv_scale=kv_scale), slots)
     return triton_cache.dequantize_and_gather(*gather_args(cache, slots, fmt, debug_checks_enabled(), kv_scale),
                                               slots)
 
 
 __all__ = ["sparse_attention_decode", "sparse_attention_prefill", "quantize_and_insert", "dequantize_and_gather",
-           "longest_first", "BACKENDS"]
+           "longest_first", "attention_kernel", "check_backend_name", "BACKENDS"]

@@ -30,16 +30,14 @@ Gluon's API is experimental: the kernel is used with the Triton versions it was 
 """
 from __future__ import annotations
 
-import functools
 import os
 
-import torch
 import triton
 
-from ..formats import (FMT_BF16, FMT_FP8_V4, FORMAT_CODES, UE8M0_BIAS, V4_BODY_BYTES, V4_DIM, V4_NOPE_DIM,
+from ..formats import (FMT_BF16, FMT_FP8_V4, UE8M0_BIAS, V4_BODY_BYTES, V4_DIM, V4_NOPE_DIM,
                        V4_SCALE_BYTES)
 from .order import KEYS_PER_BLOCK
-from .validate import D_V, AttentionArgs
+from .validate import D_V
 
 try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any mismatch disables this path
     from triton.experimental import gluon
@@ -69,32 +67,6 @@ def enabled() -> bool:
     if gluon is None or choice == "0":
         return False
     return choice == "1" or triton.__version__.startswith(VALIDATED_TRITON)
-
-
-@functools.lru_cache(maxsize=None)
-def _is_hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] == 9
-
-
-def pages_16_byte_aligned(args: AttentionArgs) -> bool:
-    """Whether every cache's base and page stride are multiples of 16 bytes: the kernel copies bf16 rows and
-    the fp8_v4 rope with 16-byte ``cp.async``, which cannot be split finer than 4 bytes."""
-    return all(s.cache.data_ptr() % 16 == 0 and s.cache.stride(0) * s.cache.element_size() % 16 == 0
-               for s in args.scopes)
-
-
-def fits(args: AttentionArgs) -> bool:
-    """Whether this kernel can compute ``args``: Hopper, V4 dims, every scope fp8_v4 or every scope bf16,
-    caches ``pages_16_byte_aligned``."""
-    q = args.q
-    fmts = {s.fmt.name for s in args.scopes}
-    return (gluon is not None and q.is_cuda and q.shape[-1] == V4_DIM and fmts in ({"fp8_v4"}, {"bf16"})
-            and pages_16_byte_aligned(args) and _is_hopper(q.device))
-
-
-def supported(args: AttentionArgs) -> bool:
-    """Whether to run ``args`` on this kernel by default: it fits and the Gluon path is ``enabled``."""
-    return fits(args) and enabled()
 
 
 if gluon is not None:
@@ -202,7 +174,7 @@ if gluon is not None:
 
     @gluon.jit
     def _row_outputs(m_i, l_i, rows_layout: gl.constexpr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                     tok, hb, split, num_tokens, num_heads, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr,
+                     tok, hb, split, num_tokens, num_heads, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr,
                      STORE_LSE: gl.constexpr = True):
         """The rows' heads, output factor (1/l, with the sink unless the row is a split's partial) and
         destination row block (``out`` or the split's partial rows); with ``STORE_LSE``, stores the LSE."""
@@ -214,7 +186,7 @@ if gluon is not None:
         inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
         lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) / 1.4426950408889634)
         factor = inv_l
-        if SPLITS == 1:
+        if not PARTIAL:
             if HAS_SINK:
                 sink = gl.load(sink_ptr + heads, mask=head_mask, other=float("-inf"))
                 factor = factor / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse)))
@@ -326,7 +298,7 @@ if gluon is not None:
                         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
                         c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
                         tok, hb, split, num_tokens, num_heads, qk_scale,
-                        HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, WG: gl.constexpr):
+                        HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, WG: gl.constexpr):
         """Warpgroup ``WG``: the logits of block 2j+WG of each pair, output dims [256·WG, 256·WG + 256)."""
         OTHER: gl.constexpr = 1 - WG
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -416,10 +388,10 @@ if gluon is not None:
         mbarrier.wait(l_bar, 0)
         l_all = l_smem.index(0).load(rows_layout) + l_smem.index(1).load(rows_layout)
         heads, factor, dst = _row_outputs(m_i, l_all, o_rows, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
-                                          sink_ptr, tok, hb, split, num_tokens, num_heads, HAS_SINK, SPLITS,
+                                          sink_ptr, tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL,
                                           WG == 1)  # one warpgroup stores the LSE
         vals = acc * factor[:, None]
-        if SPLITS == 1:
+        if not PARTIAL:
             # Q is dead once both warpgroups are here: stage the bf16 rows in this warpgroup's half of it,
             # so that each thread stores 16 consecutive bytes
             stage = q_smem.index(0).slice(WG * HALF, HALF, dim=1)
@@ -442,7 +414,7 @@ if gluon is not None:
         c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
         num_tokens, num_heads, qk_scale,
         FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
-        HAS_ORDER: gl.constexpr, SPLITS: gl.constexpr,
+        HAS_ORDER: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr,
     ):
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -491,9 +463,13 @@ if gluon is not None:
         if HAS_EXTRA:
             len1 = gl.minimum(gl.maximum(gl.load(l1_ptr + tok), 0), w1)
         nblk1 = gl.cdiv(len1, BLOCK_N)
-        per_split = gl.cdiv(nblk0 + nblk1, SPLITS)
+        if SPLIT_BLOCKS > 0:  # batch-invariant: as triton_attention's kernel
+            per_split = SPLIT_BLOCKS
+        else:
+            per_split = gl.cdiv(nblk0 + nblk1, SPLITS)
         lo = split * per_split
         hi = gl.minimum(lo + per_split, nblk0 + nblk1)
+        PARTIAL: gl.constexpr = (SPLITS > 1) | (SPLIT_BLOCKS > 0)  # write a split's partial row, not the output
         i0_row = i0_ptr + tok.to(gl.int64) * i0_stride
         i1_row = i1_ptr + tok.to(gl.int64) * i1_stride
         gl.thread_barrier()
@@ -505,17 +481,10 @@ if gluon is not None:
             (_math_partition, (q_smem, k_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
                                out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
                                c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
-                               tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, SPLITS, 0)),
+                               tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, PARTIAL, 0)),
             (_math_partition, (q_smem, k_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
                                out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
                                c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
-                               tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, SPLITS, 1)),
+                               tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, PARTIAL, 1)),
         ], [WARPS, WARPS], [math_regs, math_regs])
 
-
-def launch(programs: int, kernel_args: tuple, fmt: str, constants: dict):
-    """Run the kernel on ``triton_attention.run``'s argument tuple and shared constants (``BS0``, ``BS1``,
-    ``HAS_EXTRA``, ``HAS_SINK``, ``HAS_ORDER``, ``SPLITS``); ``programs`` = tokens × head blocks. Returns the
-    compiled kernel (for register reports)."""
-    return _attention_kernel[(programs, constants["SPLITS"])](*kernel_args, FMT=FORMAT_CODES[fmt],
-                                                              num_warps=PARTITION_WARPS, **constants)

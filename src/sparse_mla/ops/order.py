@@ -11,11 +11,10 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_no_overlap, check_tensor
+from .dispatch import HAVE_TRITON, builders_use_triton
 
-try:
+if HAVE_TRITON:
     from . import triton_index
-except ImportError:  # no Triton on this platform: the torch version serves
-    triton_index = None
 
 KEYS_PER_BLOCK = 64  # the GPU kernels' key block: a program's time goes by these
 RANK_KERNEL_MAX_TOKENS = 8192  # the rank kernel's work grows as T²: past this a sort is cheaper (H100)
@@ -48,7 +47,7 @@ def longest_first(lens: torch.Tensor, extra_lens: torch.Tensor | None = None,
 def fill_longest_first(lens: torch.Tensor, extra_lens: torch.Tensor | None, out: torch.Tensor) -> None:
     """:func:`longest_first` into ``out`` without its argument checks, for callers whose buffers are known
     good (the step metadata, once per step)."""
-    if lens.is_cuda and triton_index is not None and lens.shape[0] <= RANK_KERNEL_MAX_TOKENS:
+    if builders_use_triton(lens.device) and lens.shape[0] <= RANK_KERNEL_MAX_TOKENS:
         triton_index.longest_first(lens, extra_lens, KEYS_PER_BLOCK, out)
     else:
         out.copy_(longest_first_torch(lens, extra_lens))

@@ -38,8 +38,9 @@ def gather_scope(scope: Scope, tokens: slice, kv_scale: torch.Tensor | None = No
     valid = within & (idx >= 0) & (idx < scope.num_slots)
     if scope.num_slots == 0:  # an empty cache: nothing to read, every entry invalid
         return torch.zeros(n, width, scope.fmt.dim, device=idx.device), valid
-    safe = torch.where(valid, idx, 0).reshape(-1)
-    keys = read_tokens(scope.cache, scope.fmt, safe // bs, safe % bs, kv_scale).view(n, width, scope.fmt.dim)
+    # tokens share most keys (overlapping windows, common entries): dequantise each slot once
+    slots, inverse = torch.unique(torch.where(valid, idx, 0), return_inverse=True)
+    keys = read_tokens(scope.cache, scope.fmt, slots // bs, slots % bs, kv_scale)[inverse]
     keys = torch.where(valid[..., None], keys, 0.0)  # unused slots may hold NaN: never let them in
     return keys, valid
 
@@ -81,8 +82,8 @@ def run(args: AttentionArgs) -> tuple[torch.Tensor, torch.Tensor]:
         gathered = [gather_scope(s, rows, args.kv_scale) for s in args.scopes]
         keys = torch.cat([k for k, _ in gathered], dim=1)
         valid = torch.cat([v for _, v in gathered], dim=1)
-        o, l = attend(q[rows], keys, valid, args.sink, args.scale)
-        out[rows], lse[rows] = o.to(torch.bfloat16), l
+        rows_out, rows_lse = attend(q[rows], keys, valid, args.sink, args.scale)
+        out[rows], lse[rows] = rows_out.to(torch.bfloat16), rows_lse
     return out, lse
 
 

@@ -16,7 +16,7 @@ Out-of-range and ``-1`` indices are never read: the kernel masks them out, whate
 """
 from __future__ import annotations
 
-import os
+from collections import OrderedDict
 
 import torch
 import triton
@@ -24,15 +24,16 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from .. import formats
-from . import gluon_attention
-from .validate import D_V, AttentionArgs, Scope
+from . import dispatch, gluon_attention
+from .launch import Launch, cached_launch
+from .validate import D_V, AttentionArgs
 
 
 def kernel_const(value: int | float) -> int | float | tl.constexpr:
     """A number of :mod:`sparse_mla.formats`' byte-layout table as a global that jit code can read: a constexpr for
     the compiler (which reads no other globals), the plain number for the CPU interpreter (whose arithmetic
     leaves a constexpr global wrapped around the tensors it touches)."""
-    return value if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else tl.constexpr(value)
+    return value if dispatch.interpreting() else tl.constexpr(value)
 
 
 # the byte-layout table of sparse_mla.formats as Triton constants
@@ -242,13 +243,12 @@ def _sparse_mla_kernel(
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, order_ptr,
     c0_ptr, c0_stride0, c0_slots, i0_ptr, i0_stride, l0_ptr, w0,
     c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
-    num_tokens, num_heads, qk_scale,
+    num_tokens, num_heads, qk_scale, kv_scale_ptr, q_scale_ptr,
     FMT0: tl.constexpr, FMT1: tl.constexpr, BS0: tl.constexpr, BS1: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr, V_HAS_ROPE: tl.constexpr,
-    H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr,
-    kv_scale_ptr, q_scale_ptr, Q_FP8: tl.constexpr, RAGGED0: tl.constexpr, RAGGED1: tl.constexpr,
-    COMBINED: tl.constexpr,
+    H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
+    DOT: tl.constexpr, Q_FP8: tl.constexpr, RAGGED0: tl.constexpr, RAGGED1: tl.constexpr, COMBINED: tl.constexpr,
 ):
     head_blocks = tl.cdiv(num_heads, H_BLOCK)  # a token's head blocks are neighbours in the grid
     tok = tl.program_id(0) // head_blocks
@@ -277,7 +277,10 @@ def _sparse_mla_kernel(
     if HAS_EXTRA:
         len1 = _scope_len(l1_ptr, w1, tok, w0, RAGGED1, COMBINED)
     nblk1 = tl.cdiv(len1, BLOCK_N)
-    per_split = tl.cdiv(nblk0 + nblk1, SPLITS)
+    if SPLIT_BLOCKS > 0:  # batch-invariant: the cut depends on this token's lists alone
+        per_split = SPLIT_BLOCKS
+    else:
+        per_split = tl.cdiv(nblk0 + nblk1, SPLITS)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, nblk0 + nblk1)
 
@@ -303,7 +306,7 @@ def _sparse_mla_kernel(
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     # natural-log LSE of the real keys; -inf marks an empty partial, +inf an empty final row
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
-    if SPLITS == 1:
+    if SPLITS == 1 and SPLIT_BLOCKS == 0:
         factor = inv_l
         if HAS_SINK:
             sink = tl.load(sink_ptr + heads, mask=head_mask, other=float("-inf"))
@@ -324,16 +327,21 @@ def _sparse_mla_kernel(
 
 @triton.jit
 def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, sink_ptr, num_rows, num_heads,
-                    SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HAS_SINK: tl.constexpr):
-    """Merge ``SPLITS`` partial rows (normalised outputs + LSE) of one (token, head) and apply the sink."""
+                    SPLITS: tl.constexpr, HAS_SINK: tl.constexpr):
+    """Merge the ``SPLITS`` partial rows (normalised outputs + LSE) of one (token, head) and apply the sink.
+
+    The partials are summed one after another in split order, and empty ones (LSE ``-inf``) are skipped
+    exactly, so a row's result depends on its own non-empty partials only, not on ``SPLITS`` (batch invariance).
+    """
     row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, SPLITS_P2)
-    smask = s < SPLITS
-    lse_s = tl.load(part_lse_ptr + s * num_rows + row, mask=smask, other=float("-inf"))
-    m = tl.max(lse_s, 0)
+    m = tl.load(part_lse_ptr + row)
+    for s in range(1, SPLITS):
+        m = tl.maximum(m, tl.load(part_lse_ptr + s * num_rows + row))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_safe)
-    total = tl.sum(w, 0)
+    total = 0.0
+    for s in range(SPLITS):
+        lse_s = tl.load(part_lse_ptr + s * num_rows + row)
+        total = tl.where(lse_s == float("-inf"), total, total + tl.exp(lse_s - m_safe))
     empty = total == 0.0
     lse = m_safe + tl.log(tl.where(empty, 1.0, total))
     factor = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
@@ -341,8 +349,11 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, sink_ptr, num_ro
         sink = tl.load(sink_ptr + row % num_heads)
         factor = factor / (1.0 + tl.exp(sink - lse))
     cols = tl.arange(0, 512)
-    parts = tl.load(part_o_ptr + (s[:, None] * num_rows + row) * 512 + cols[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(parts * (w * factor)[:, None], 0)
+    out = tl.zeros([512], tl.float32)
+    for s in range(SPLITS):
+        lse_s = tl.load(part_lse_ptr + s * num_rows + row)
+        part = tl.load(part_o_ptr + (s * num_rows + row) * 512 + cols)
+        out = tl.where(lse_s == float("-inf"), out, out + part * (tl.exp(lse_s - m_safe) * factor))
     tl.store(out_ptr + row * 512 + cols, out.to(out_ptr.dtype.element_ty))
     tl.store(lse_ptr + row, tl.where(empty, float("inf"), lse))
 
@@ -350,18 +361,6 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, sink_ptr, num_ro
 def latent_pieces(dim: int) -> tuple[int, int, int, bool]:
     """(PA, PB, PC, V_HAS_ROPE): nope split into power-of-two pieces; V4's V includes the rope dims."""
     return (256, 128, 64, True) if dim == 512 else (256, 128, 128, False)
-
-
-def _scope_args(scope: Scope) -> list:
-    """A scope's kernel arguments; a ragged scope passes its ``indptr`` where a padded one passes its lens."""
-    cache = scope.cache
-    return [cache, cache.stride(0), scope.num_slots, scope.indices, scope.indices.stride(0),
-            scope.lens if scope.indptr is None else scope.indptr, scope.width]
-
-
-def _padded_bf16_q(args: AttentionArgs) -> bool:
-    """Whether ``args`` hold only padded scopes and a bf16 q: all the Gluon kernel reads."""
-    return args.q_scale is None and all(s.indptr is None and not s.len_skip for s in args.scopes)
 
 
 def num_sms(device: torch.device) -> int:
@@ -383,94 +382,182 @@ def choose_splits(num_tokens: int, head_blocks: int, max_blocks: int, device: to
     return int(max(1, min(sms // programs, max_blocks // 2, 32)))
 
 
-def default_stages(args: AttentionArgs) -> int:
+# Batch-invariant mode: every token's key list is cut into splits of this many key blocks, whatever the batch,
+# and the splits are always merged by the combine kernel (also a token of one split), so a token's output
+# depends on its own lists alone. 16 blocks = 1024 keys: V4-Flash's c4a rows (128 + 512 keys) are one split.
+INVARIANT_SPLIT_BLOCKS = 16
+
+
+def default_stages(formats: frozenset[str]) -> int:
     """Pipeline depth of the key loop: 2 when every scope is bf16, else 1.
 
     bf16 key tiles go from the gather straight into the dots, so Triton turns their loads into
     asynchronous copies one block ahead (28 % faster prefill on an H100). fp8 tiles pass through
     the dequantisation first; pipelining them only added spills (BENCHMARKS.md, prefetch/stages).
     """
-    return 2 if all(s.fmt.name == "bf16" for s in args.scopes) else 1
+    return 2 if formats == frozenset({"bf16"}) else 1
 
 
-def _launch_attention(grid: tuple, kernel_args: tuple, constants: dict, launch: dict):
-    try:
-        return _sparse_mla_kernel[grid](*kernel_args, **constants, **launch)
-    except OutOfResources:
-        if launch.get("num_stages", 1) == 1:
-            raise
-        # a GPU with less shared memory than an H100's cannot hold two pipelined key tiles
-        return _sparse_mla_kernel[grid](*kernel_args, **constants, **{**launch, "num_stages": 1})
+LAST_COMPILED: dict[str, object] = {}  # the last JIT-launched attention kernel, for register/spill reports
 
 
-LAST_COMPILED: dict[str, object] = {}  # the last launch's compiled kernel, for register/spill reports
+def _launch(kernel_name: str, constexprs: tuple, options: tuple) -> Launch:
+    """The shared :class:`Launch` of the ``"triton"``, ``"gluon"`` or ``"combine"`` kernel."""
+    kernel = {"triton": _sparse_mla_kernel, "combine": _combine_kernel}.get(kernel_name)
+    if kernel is None:
+        kernel = gluon_attention._attention_kernel
+    return cached_launch(kernel, constexprs, options)
 
 
-def run(args: AttentionArgs, block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
-        num_stages: int | None = None, h_block: int | None = None, gluon: int | None = None
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the attention kernel (and the combine kernel when the key lists are split).
+class AttentionPlan:
+    """One attention launch decided ahead of its tensors: which kernel, grid, splits, the launches and the
+    constexprs. Made once per step and layer kind by the layer's step plan, or by :func:`run` for each new
+    geometry of the ops' calls; called with any tensors of the planned shapes, formats and alignment.
 
-    On Hopper with V4 fp8_v4 or bf16 scopes the kernel is ``gluon_attention``'s (``gluon=0`` forces this
-    module's Triton kernel, ``gluon=1`` the Gluon one). The other keyword arguments override the
-    tuned launch choices of the Triton kernel (benchmarks sweep them).
+    q_shape: ``(T, H, d)``. scopes: per scope ``(fmt, block_size, width)``: the cache's format and block size,
+    the index rows' width (a ragged scope's: the longest row it can hold, at most its flat capacity).
+    ragged: per scope, whether its index list is ragged (an ``indptr`` where a padded scope has its lens).
+    combined: the two scopes are the parts of one combined index (FlashInfer's form): scope 0 its first
+    ``width0`` columns, scope 1 the rest, and both calls' lens the whole row's count. q_fp8: q is
+    float8_e4m3fn (calls pass its ``q_scale``). has_sink / has_order: whether calls pass a sink / an order. batch_invariant: see
+    :data:`INVARIANT_SPLIT_BLOCKS`. pages_16_byte_aligned: whether every cache the calls pass has a 16-byte
+    aligned base and page stride. scratch: keep the split partials' buffers in the plan (a plan used on one
+    stream, as the layer's are) instead of allocating them per call. The remaining keyword arguments override
+    tuned launch choices (benchmarks sweep them).
     """
+
+    def __init__(self, q_shape: tuple[int, int, int], device: torch.device, scopes: list, has_sink: bool,
+                 has_order: bool, *, batch_invariant: bool = False, pages_16_byte_aligned: bool = True,
+                 scratch: bool = False, ragged: tuple[bool, ...] = (), combined: bool = False, q_fp8: bool = False,
+                 block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None, h_block: int | None = None, gluon: int | None = None) -> None:
+        num_tokens, num_heads, dim = q_shape
+        formats = frozenset(f.name for f, _, _ in scopes)
+        interpret = device.type != "cuda"
+        ragged = tuple(bool(r) for r in ragged) + (False,) * (len(scopes) - len(ragged))
+        if combined and (len(scopes) != 2 or any(ragged)):
+            raise ValueError("a combined index has two padded scopes")
+        self.q_fp8 = q_fp8
+        self.kernel = dispatch.attention_kernel(device, dim, formats, pages_16_byte_aligned, gluon,
+                                                padded=not (any(ragged) or combined), q_fp8=q_fp8)
+        if self.kernel == "gluon":
+            h_block, block_n = gluon_attention.HEADS_PER_PROGRAM, gluon_attention.KEYS_PER_BLOCK
+        h_block = h_block or min(64, max(16, triton.next_power_of_2(num_heads)))
+        head_blocks = triton.cdiv(num_heads, h_block)
+        block_n = block_n or (16 if interpret else 64)
+        max_blocks = sum(triton.cdiv(width, block_n) for _, _, width in scopes)
+        split_blocks = 0
+        if batch_invariant:
+            split_blocks = max(1, INVARIANT_SPLIT_BLOCKS * 64 // block_n)  # the same keys per split on every kernel
+            splits = max(1, triton.cdiv(max_blocks, split_blocks))
+        splits = splits or choose_splits(num_tokens, head_blocks, max_blocks, device)
+        self.q_shape, self.device, self.splits = q_shape, device, splits
+        self.partial = splits > 1 or batch_invariant
+        self.has_extra = len(scopes) > 1
+        self._scratch = self._partials() if self.partial and scratch else None
+        (f0, bs0, _), *rest = scopes
+        f1, bs1, _ = rest[0] if rest else scopes[0]
+        constants = dict(BS0=bs0, BS1=bs1, HAS_EXTRA=self.has_extra, HAS_SINK=has_sink, HAS_ORDER=has_order,
+                         SPLITS=splits, SPLIT_BLOCKS=split_blocks)
+        if self.kernel == "gluon":
+            constants["FMT"] = 1 if formats == frozenset({"fp8_v4"}) else 0
+            options = {"num_warps": gluon_attention.PARTITION_WARPS}
+        else:
+            pa, pb, pc, v_has_rope = latent_pieces(dim)
+            constants.update(FMT0=f0.code, FMT1=f1.code, PA=pa, PB=pb, PC=pc,
+                             V_HAS_ROPE=v_has_rope, H_BLOCK=h_block, BLOCK_N=block_n,
+                             DOT=tl.float32 if interpret else tl.bfloat16,  # the interpreter's bf16 dots are wrong
+                             Q_FP8=q_fp8, RAGGED0=ragged[0], RAGGED1=ragged[-1] and self.has_extra,
+                             COMBINED=combined)
+            options = {} if interpret else {"num_warps": num_warps or 8,
+                                            "num_stages": num_stages or default_stages(formats)}
+        self._constants, self._options = tuple(constants.items()), tuple(options.items())
+        self.attention = _launch(self.kernel, self._constants, self._options)
+        self.grid = (num_tokens * head_blocks, splits)
+        self.combine = _launch("combine", (("SPLITS", splits), ("HAS_SINK", has_sink)), ()) if self.partial else None
+
+    def _partials(self) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens, num_heads, _ = self.q_shape
+        f32 = dict(dtype=torch.float32, device=self.device)
+        return (torch.empty(self.splits, num_tokens, num_heads, D_V, **f32),
+                torch.empty(self.splits, num_tokens, num_heads, **f32))
+
+    def __call__(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None,
+                 scale: float, caches: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...],
+                 lens: tuple[torch.Tensor, ...], order: torch.Tensor | None, q_scale: torch.Tensor | None = None,
+                 kv_scale: torch.Tensor | None = None) -> None:
+        """Launch on ``q (T, H, d)`` with unit-stride rows into ``out (T, H, 512)`` (contiguous) and ``lse (T, H)``
+        float32; per scope a paged cache, its index rows ``(T, width)`` (unit stride along a row) and lens
+        ``(T,)`` (contiguous) — a ragged scope its flat ``(capacity,)`` list and its ``indptr (T+1,)`` in their
+        place, a combined index's two scopes its column ranges ``[:, :W]`` / ``[:, W:]`` and the row lens twice;
+        ``order (T,)`` int32 when planned with one; ``q_scale`` (an fp8 q) / ``kv_scale`` (fp8_e4m3 caches):
+        ``(1,)`` float32."""
+        num_tokens, num_heads, _ = self.q_shape
+        if num_tokens == 0 or num_heads == 0:
+            return
+        if self.q_fp8:
+            q = q.view(torch.uint8)  # the kernel reads an fp8 q's bytes
+        c0, i0, l0 = caches[0], indices[0], lens[0]
+        c1, i1, l1 = (caches[1], indices[1], lens[1]) if self.has_extra else (c0, i0, l0)
+        part_o, part_lse = (self._scratch or self._partials()) if self.partial else (out, lse)
+        sink_arg = lse if sink is None else sink
+        args = (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink_arg, lse if order is None else order,
+                c0, c0.stride(0), c0.shape[0] * c0.shape[1], i0, i0.stride(0), l0, i0.shape[-1],
+                c1, c1.stride(0), c1.shape[0] * c1.shape[1], i1, i1.stride(0), l1, i1.shape[-1],
+                num_tokens, num_heads, scale * LOG2E)
+        if self.kernel == "triton":  # the Gluon kernel reads neither (dispatch gives it no fp8 q or fp8_e4m3)
+            args += (lse if kv_scale is None else kv_scale, lse if q_scale is None else q_scale)
+        try:
+            compiled = self.attention(self.grid, *args)
+        except OutOfResources:
+            if self.kernel == "gluon" or dict(self._options).get("num_stages", 1) == 1:
+                raise
+            # a GPU with less shared memory than an H100's cannot hold two pipelined key tiles
+            self._options = tuple({**dict(self._options), "num_stages": 1}.items())
+            self.attention = _launch(self.kernel, self._constants, self._options)
+            compiled = self.attention(self.grid, *args)
+        if compiled is not None:
+            LAST_COMPILED["attention"] = compiled
+        if self.combine is not None:
+            self.combine((num_tokens * num_heads,), part_o, part_lse, out, lse, sink_arg, num_tokens * num_heads,
+                         num_heads)
+
+
+_PLANS: OrderedDict[tuple, AttentionPlan] = OrderedDict()  # the ops' plans, by geometry (least recently used out)
+_MAX_PLANS = 64
+
+
+def run(args: AttentionArgs, batch_invariant: bool = False, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the attention kernel (and the combine kernel when the key lists are split) for checked arguments,
+    through the plan of their geometry (made on first sight). On Hopper with V4 fp8_v4 or bf16 scopes the kernel
+    is ``gluon_attention``'s (``gluon=0`` forces this module's Triton kernel, ``gluon=1`` the Gluon one); see
+    :class:`AttentionPlan` for the overrides."""
     q = args.q
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if args.q_scale is not None:
-        q = q.view(torch.uint8)  # the kernel reads an fp8 q's bytes
-    num_tokens, num_heads, dim = q.shape
-    device = q.device
-    out = args.out if args.out is not None else torch.empty(num_tokens, num_heads, D_V, dtype=torch.bfloat16,
-                                                                device=device)
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
-    if num_tokens == 0 or num_heads == 0:
-        return out, lse
-    interpret = device.type != "cuda"
-    dot_dtype = tl.float32 if interpret else tl.bfloat16  # the CPU interpreter computes bf16 dots wrongly
-    use_gluon = _padded_bf16_q(args) and (gluon_attention.supported(args) if gluon is None else bool(gluon))
-    if gluon and not (gluon_attention.fits(args) and _padded_bf16_q(args)):
-        raise ValueError("gluon=1 needs a Hopper GPU, 512-d (V4) bf16 q and caches, every scope fp8_v4 or every scope "
-                         "bf16 with padded index lists, and caches whose base and page stride are multiples of 16 "
-                         "bytes; got q "
-                         f"{tuple(q.shape)} on {device}, scopes {[s.fmt.name for s in args.scopes]}")
-    if use_gluon:
-        h_block, block_n = gluon_attention.HEADS_PER_PROGRAM, gluon_attention.KEYS_PER_BLOCK
-    h_block = h_block or min(64, max(16, triton.next_power_of_2(num_heads)))
-    head_blocks = triton.cdiv(num_heads, h_block)
-    block_n = block_n or (16 if interpret else 64)
-    max_blocks = sum(triton.cdiv(s.width, block_n) for s in args.scopes)
-    splits = splits or choose_splits(num_tokens, head_blocks, max_blocks, device)
-    s0 = args.scopes[0]
-    s1 = args.scopes[1] if len(args.scopes) > 1 else s0
-    part_o = part_lse = out
-    if splits > 1:
-        part_o = torch.empty(splits, num_tokens, num_heads, D_V, dtype=torch.float32, device=device)
-        part_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32, device=device)
-    sink = args.sink if args.sink is not None else lse
-    # both kernels take the same arguments; the constants below are common to them too
-    order = args.order if args.order is not None else lse
-    kernel_args = (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink, order,
-                   *_scope_args(s0), *_scope_args(s1), num_tokens, num_heads, args.scale * LOG2E)
-    constants = dict(BS0=s0.cache.shape[1], BS1=s1.cache.shape[1], HAS_EXTRA=len(args.scopes) > 1,
-                     HAS_SINK=args.sink is not None, HAS_ORDER=args.order is not None, SPLITS=splits)
-    if use_gluon:
-        LAST_COMPILED["attention"] = gluon_attention.launch(num_tokens * head_blocks, kernel_args, s0.fmt.name,
-                                                            constants)
+    out = args.out if args.out is not None else torch.empty(*q.shape[:2], D_V, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(*q.shape[:2], dtype=torch.float32, device=q.device)
+    scopes = tuple((s.fmt, s.cache.shape[1], s.width) for s in args.scopes)
+    forms = dict(ragged=tuple(s.indptr is not None for s in args.scopes),
+                 combined=any(s.len_skip for s in args.scopes), q_fp8=args.q_scale is not None)
+    aligned = all(pages_16_byte_aligned(s.cache) for s in args.scopes)
+    key = (tuple(q.shape), q.device, scopes, args.sink is not None, args.order is not None, batch_invariant, aligned,
+           tuple(forms.items()), tuple(sorted(overrides.items())))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = AttentionPlan(tuple(q.shape), q.device, list(scopes), args.sink is not None,
+                                           args.order is not None, batch_invariant=batch_invariant,
+                                           pages_16_byte_aligned=aligned, **forms, **overrides)
+        if len(_PLANS) > _MAX_PLANS:
+            _PLANS.popitem(last=False)
     else:
-        pa, pb, pc, v_has_rope = latent_pieces(dim)
-        constants.update(FMT0=s0.fmt.code, FMT1=s1.fmt.code, PA=pa, PB=pb, PC=pc,
-                         V_HAS_ROPE=v_has_rope, H_BLOCK=h_block, BLOCK_N=block_n, DOT=dot_dtype,
-                         kv_scale_ptr=lse if args.kv_scale is None else args.kv_scale,
-                         q_scale_ptr=lse if args.q_scale is None else args.q_scale, Q_FP8=args.q_scale is not None,
-                         RAGGED0=s0.indptr is not None, RAGGED1=s1.indptr is not None, COMBINED=s1.len_skip > 0)
-        launch = {} if interpret else {"num_warps": num_warps or 8, "num_stages": num_stages or default_stages(args)}
-        LAST_COMPILED["attention"] = _launch_attention((num_tokens * head_blocks, splits), kernel_args, constants,
-                                                       launch)
-    if splits > 1:
-        _combine_kernel[(num_tokens * num_heads,)](
-            part_o, part_lse, out, lse, sink, num_tokens * num_heads, num_heads,
-            SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), HAS_SINK=args.sink is not None,
-        )
+        _PLANS.move_to_end(key)
+    plan(q, out, lse, args.sink, args.scale, tuple(s.cache for s in args.scopes),
+         tuple(s.indices for s in args.scopes), tuple(s.lens if s.indptr is None else s.indptr for s in args.scopes),
+         args.order, args.q_scale, args.kv_scale)
     return out, lse
+
+
+def pages_16_byte_aligned(cache: torch.Tensor) -> bool:
+    """Whether a cache's base and page stride are multiples of 16 bytes (the Gluon kernel's condition)."""
+    return cache.data_ptr() % 16 == 0 and cache.stride(0) * cache.element_size() % 16 == 0

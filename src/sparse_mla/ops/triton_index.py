@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cached_launch
+
 
 @triton.jit
 def _slots(table_row, entry, valid, BS: tl.constexpr, MAX_BLOCKS):
@@ -46,17 +48,20 @@ def _window_row(t, pos, req, table_ptr, table_stride, max_blocks, idx_ptr, idx_s
 def _step_kernel(pos_ptr, req_ptr, valid_ptr,
                  swa_table, swa_table_stride, swa_max_blocks, swa_idx, swa_idx_stride, swa_len, swa_width,
                  c128_table, c128_table_stride, c128_max_blocks, c128_idx, c128_idx_stride, c128_len, c128_width,
-                 c4_idx, c4_idx_stride, c4_local, c4_local_stride, c4_len, topk,
+                 c4_idx, c4_idx_stride, c4_local, c4_local_stride, c4_len, c4_bound, topk,
                  SWA_BS: tl.constexpr, SWA_P2: tl.constexpr, C128_BS: tl.constexpr, C128_P2: tl.constexpr,
-                 TOPK_P2: tl.constexpr, HAS_C128A: tl.constexpr, HAS_C4A: tl.constexpr):
-    """Everything ``build_step_metadata`` writes for token ``t``: validity, SWA row, C128A row, and
-    the C4A buffers emptied until a layer converts its picks."""
+                 TOPK_P2: tl.constexpr, HAS_SWA: tl.constexpr, HAS_C128A: tl.constexpr, HAS_C4A: tl.constexpr,
+                 PICKS_RATIO: tl.constexpr):
+    """Everything ``build_step_metadata`` writes for token ``t``: validity, SWA row, C128A row, the picks
+    buffers (c4a or dsa) emptied until a layer converts its picks, and the bound of any layer's picks count,
+    ``min(topk, entries visible)``."""
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     req = tl.maximum(tl.load(req_ptr + t), 0)
     tl.store(valid_ptr + t, (pos >= 0).to(tl.int32))
-    _window_row(t, pos, req, swa_table, swa_table_stride, swa_max_blocks, swa_idx, swa_idx_stride, swa_len,
-                swa_width, 1, SWA_BS, SWA_P2)
+    if HAS_SWA:
+        _window_row(t, pos, req, swa_table, swa_table_stride, swa_max_blocks, swa_idx, swa_idx_stride, swa_len,
+                    swa_width, 1, SWA_BS, SWA_P2)
     if HAS_C128A:
         _window_row(t, pos, req, c128_table, c128_table_stride, c128_max_blocks, c128_idx, c128_idx_stride,
                     c128_len, c128_width, 128, C128_BS, C128_P2)
@@ -66,6 +71,7 @@ def _step_kernel(pos_ptr, req_ptr, valid_ptr,
         tl.store(c4_idx + t.to(tl.int64) * c4_idx_stride + j, none, mask=j < topk)
         tl.store(c4_local + t.to(tl.int64) * c4_local_stride + j, none, mask=j < topk)
         tl.store(c4_len + t, 0)
+        tl.store(c4_bound + t, tl.minimum(tl.where(pos >= 0, (pos + 1) // PICKS_RATIO, 0), topk))
 
 
 @triton.jit
@@ -103,25 +109,32 @@ class WindowList(NamedTuple):
     lens: torch.Tensor
 
 
-def step_lists(positions: torch.Tensor, token_to_req: torch.Tensor, out_valid: torch.Tensor, swa: WindowList,
-               c128a: WindowList | None, c4a: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+def step_lists(positions: torch.Tensor, token_to_req: torch.Tensor, out_valid: torch.Tensor,
+               swa: WindowList | None, c128a: WindowList | None,
+               picks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None, picks_ratio: int = 1
+               ) -> None:
     """The step's shared index lists in one launch: ``out_valid (T,)`` (position >= 0), the SWA window
-    rows, every complete C128A entry (when ``c128a``), and the C4A buffers ``(indices, local, lens)``
-    reset to empty (when ``c4a``)."""
+    rows (when ``swa``), every complete C128A entry (when ``c128a``), and the picks buffers
+    ``(indices, local, lens, bound)`` (when ``picks``): reset to empty, and ``bound`` = ``min(topk,
+    (pos + 1) // picks_ratio)``."""
     num_tokens = positions.shape[0]
     if not num_tokens:
         return
-    lists = [swa, c128a or swa]  # an absent list is never touched (HAS_C128A); swa fills its arguments
-    c4_idx, c4_local, c4_len = c4a if c4a is not None else (swa.indices, swa.indices, swa.lens)
-    topk = c4_idx.shape[1]
+    # an absent list is never touched (HAS_*): the valid flags fill its arguments
+    stand_in = WindowList(out_valid[None, :], 1, out_valid[None, :], out_valid)
+    lists = [swa or stand_in, c128a or stand_in]
+    p_idx, p_local, p_len, p_bound = picks if picks is not None else (stand_in.indices, stand_in.indices,
+                                                                        out_valid, out_valid)
+    topk = p_idx.shape[1]
     args = [a for lst in lists for a in (lst.table, lst.table.stride(0), lst.table.shape[1], lst.indices,
                                         lst.indices.stride(0), lst.lens, lst.indices.shape[1])]
-    _step_kernel[(num_tokens,)](positions, token_to_req, out_valid, *args, c4_idx, c4_idx.stride(0), c4_local,
-                                c4_local.stride(0), c4_len, topk,
-                                SWA_BS=swa.block_size, SWA_P2=triton.next_power_of_2(swa.indices.shape[1]),
-                                C128_BS=lists[1].block_size, C128_P2=triton.next_power_of_2(lists[1].indices.shape[1]),
-                                TOPK_P2=triton.next_power_of_2(topk), HAS_C128A=c128a is not None,
-                                HAS_C4A=c4a is not None)
+    constexprs = dict(SWA_BS=lists[0].block_size, SWA_P2=triton.next_power_of_2(lists[0].indices.shape[1]),
+                      C128_BS=lists[1].block_size, C128_P2=triton.next_power_of_2(lists[1].indices.shape[1]),
+                      TOPK_P2=triton.next_power_of_2(topk), HAS_SWA=swa is not None, HAS_C128A=c128a is not None,
+                      HAS_C4A=picks is not None, PICKS_RATIO=picks_ratio)
+    cached_launch(_step_kernel, tuple(constexprs.items()))(
+        (num_tokens,), positions, token_to_req, out_valid, *args, p_idx, p_idx.stride(0), p_local,
+        p_local.stride(0), p_len, p_bound, topk)
 
 
 def compressed_picks(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor, block_size: int,
@@ -131,10 +144,10 @@ def compressed_picks(positions: torch.Tensor, token_to_req: torch.Tensor, table:
     ``out_kept (T, topk)`` receives the kept picks themselves, compacted the same way."""
     num_tokens, topk = local.shape
     if num_tokens:
-        _picks_kernel[(num_tokens,)](positions, token_to_req, table, table.stride(0), table.shape[1], local,
-                                     local.stride(0), out_indices, out_indices.stride(0), out_lens, out_kept,
-                                     out_kept.stride(0), topk,
-                                     RATIO=ratio, BS=block_size, TOPK_P2=triton.next_power_of_2(topk))
+        constexprs = (("RATIO", ratio), ("BS", block_size), ("TOPK_P2", triton.next_power_of_2(topk)))
+        cached_launch(_picks_kernel, constexprs)(
+            (num_tokens,), positions, token_to_req, table, table.stride(0), table.shape[1], local, local.stride(0),
+            out_indices, out_indices.stride(0), out_lens, out_kept, out_kept.stride(0), topk)
 
 
 @triton.jit
@@ -174,5 +187,5 @@ def longest_first(lens: torch.Tensor, extra_lens: torch.Tensor | None, keys_per_
         lens = lens.contiguous()
         second = lens if extra_lens is None else extra_lens.contiguous()
         block = 128
-        _order_kernel[(triton.cdiv(n, block),)](lens, second, order, n, HAS_L1=extra_lens is not None,
-                                               KEYS_PER_BLOCK=keys_per_block, BLOCK=block)
+        constexprs = (("HAS_L1", extra_lens is not None), ("KEYS_PER_BLOCK", keys_per_block), ("BLOCK", block))
+        cached_launch(_order_kernel, constexprs)((triton.cdiv(n, block),), lens, second, order, n)

@@ -154,6 +154,8 @@ def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=No
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float8_e4m3fn), ndim=3)
     if q.shape[-1] not in (512, 576):
         raise ValueError(f"q must have head dim 512 (V4) or 576 (V3.2), got {q.shape[-1]}")
+    if isinstance(cache, torch.Tensor) and cache.device != q.device:  # before the indices are checked against q
+        raise ValueError(f"q must be on {cache_name}'s device {cache.device}, got {q.device}")
     if combined_window is not None:
         if extra_cache is None or extra_indices is not None or extra_lens is not None or indptr is not None \
                 or extra_indptr is not None:

@@ -1,0 +1,261 @@
+"""FlashMLA-compatible sparse attention API (DESIGN §4): switch an engine by changing one import.
+
+``from flash_mla import get_mla_metadata, flash_mla_with_kvcache, flash_mla_sparse_fwd`` becomes
+``from sparse_mla.flash_mla import ...``. Names, argument order, defaults, shapes and returns follow
+FlashMLA's Python interface as shipped in the ``sgl-flash-mla==1.0.0`` wheel, for its **sparse**
+modes; the work is done by :func:`sparse_mla.ops.sparse_attention_decode` /
+:func:`sparse_mla.ops.sparse_attention_prefill` (the reference on the CPU, the Triton / Gluon kernels
+on CUDA). Differences from FlashMLA (see docs/flash_mla.md):
+
+* any head count (FlashMLA: 64 or 128), any device, bf16 caches as well as fp8;
+* the scheduler object holds nothing: reusing it across layers whose ``topk_length`` differ is safe;
+* ``flash_mla_sparse_fwd`` returns ``max_logits = None`` unless ``compute_max_logits=True`` (it costs
+  a second pass over the keys, which the attention kernels do not make);
+* out-of-range decode indices are never read (FlashMLA reads any index but ``-1``).
+
+The wrapper only reshapes (views) and forwards: the ops do the argument checks, and their errors
+are re-raised under FlashMLA's argument names.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from ._checks import check_tensor
+from .ops import sparse_attention_decode, sparse_attention_prefill
+
+HEAD_DIM_V = 512
+_FP8_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)  # the byte dtypes FlashMLA accepts for caches
+_KV_FORMAT_BYTES = {"V4": 584, "V32": 656}  # FlashMLA's kv_format names of the layouts we implement
+_OTHER_LAYOUTS = {528: "V4.1 fp8 / V3.2-no-RoPE (528 B)", 288: "V4.1 fp4 (288 B)"}  # FlashMLA has them, we don't
+_CHUNK_ELEMS = 1 << 25  # gathered key floats per chunk of compute_max_logits
+
+
+class FlashMLASchedMeta:
+    """The scheduler object of :func:`get_mla_metadata`: accepted by :func:`flash_mla_with_kvcache`, holds nothing.
+
+    FlashMLA's object caches split-KV scheduling computed from the first call's ``topk_length``
+    values and silently reuses it (stale) when a later call's values differ. Our kernels choose
+    their grid per call from shapes alone, so nothing result-affecting is recorded here: one object
+    can serve every layer, step and ``topk_length`` pattern.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "sparse_mla.flash_mla.FlashMLASchedMeta()"
+
+
+def get_mla_metadata(*args: object, **kwargs: object) -> tuple[FlashMLASchedMeta, None]:
+    """``(scheduler, None)``, like FlashMLA's; arguments (its old interface's) are accepted and unused."""
+    return FlashMLASchedMeta(), None
+
+
+_RENAMES = {  # the ops' argument names -> FlashMLA's (decode, prefill)
+    "decode": {"cache": "k_cache", "extra_cache": "extra_k_cache", "extra_indices": "extra_indices_in_kvcache",
+               "lens": "topk_length", "extra_lens": "extra_topk_length", "sink": "attn_sink",
+               "scale": "softmax_scale"},
+    "prefill": {"lens": "topk_length", "sink": "attn_sink", "scale": "sm_scale"},
+}
+_WORDS = {kind: re.compile(r"\b(" + "|".join(sorted(names, key=len, reverse=True)) + r")\b")
+          for kind, names in _RENAMES.items()}
+
+
+def _renamed(err: ValueError, kind: str) -> ValueError:
+    """``err`` with the ops' argument names replaced by FlashMLA's."""
+    names = _RENAMES[kind]
+    return ValueError(_WORDS[kind].sub(lambda m: names[m.group(1)], str(err)))
+
+
+def _paged(name: str, cache: torch.Tensor) -> torch.Tensor:
+    """A FlashMLA cache ``(num_blocks, block_size, 1, bytes)`` checked for what only this API rejects;
+    fp8 / int8 caches become uint8 views (the byte dtype the ops read)."""
+    check_tensor(name, cache, ndim=4)
+    if cache.shape[2] != 1:
+        raise ValueError(f"{name} must be (num_blocks, block_size, 1, bytes_per_token): one KV head, "
+                         f"got shape {tuple(cache.shape)}")
+    if cache.dtype in _FP8_DTYPES:
+        if cache.shape[-1] in _OTHER_LAYOUTS:
+            raise NotImplementedError(f"{name}: the {_OTHER_LAYOUTS[cache.shape[-1]]} FlashMLA layout is not "
+                                      "supported; sparse_mla reads fp8_v4 (584 B), fp8_v32 (656 B) and bf16")
+        return cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
+    return cache
+
+
+def _per_token(name: str, lens: torch.Tensor | None, b: int, s_q: int) -> torch.Tensor | None:
+    """A per-request length ``(b,)`` as the ops' per-token lens ``(b * s_q,)`` (no sync)."""
+    if lens is None:
+        return None
+    check_tensor(name, lens, shape=(b,))
+    return lens if s_q == 1 else lens[:, None].expand(b, s_q).contiguous().view(b * s_q)
+
+
+def _tokens(name: str, indices: torch.Tensor, b: int, s_q: int) -> torch.Tensor:
+    """``(b, s_q, topk)`` indices as the ops' ``(b * s_q, topk)`` (a view when the strides allow)."""
+    check_tensor(name, indices, shape=(b, s_q, None))
+    return indices.reshape(b * s_q, indices.shape[2])
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
+    head_dim_v: int,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    num_splits: None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool | None = None,
+    indices: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices_in_kvcache: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    enable_batch_invariant: bool = False,
+    use_legacy: bool = False,
+    kv_format: str | None = None,
+    descale_q: torch.Tensor | None = None,
+    descale_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's sparse decoding: each query token attends to the keys its ``indices`` name.
+
+    q: ``(b, s_q, h_q, d)`` bf16, d = 512 (V4) or 576 (V3.2), any ``h_q``.
+    k_cache / extra_k_cache: ``(num_blocks, block_size, 1, bytes_per_token)``: uint8 / int8 /
+    float8_e4m3fn bytes of ``fp8_v4`` (584 B, d 512) or ``fp8_v32`` (656 B, d 576), or bf16 ``(…, 1, d)``.
+    indices / extra_indices_in_kvcache: ``(b, s_q, topk)`` int32 slots (``block * block_size + offset``),
+    ``-1`` invalid. topk_length / extra_topk_length: ``(b,)`` int32: every token of request ``i``
+    attends to the first ``topk_length[i]`` entries of its row (default: all).
+    attn_sink: ``(h_q,)`` float32 logit joining the softmax denominator only (``-inf``: none; ``+inf``:
+    zero output). softmax_scale defaults to ``d ** -0.5``. head_dim_v must be 512.
+    block_table, cache_seqlens, use_legacy: accepted and unused (FlashMLA ignores the first two in
+    sparse mode; ``use_legacy`` picks one of its kernel sets, we have one). num_splits must be None.
+    kv_format: None (inferred from the cache), ``"V4"`` or ``"V32"`` (checked against the cache).
+
+    Returns out ``(b, s_q, h_q, 512)`` bf16 and lse ``(b, h_q, s_q)`` float32 (a transposed view of a
+    ``(b, s_q, h_q)`` buffer, FlashMLA's strides): natural-log sum of ``exp(scores)`` over valid keys, sink
+    excluded; ``+inf`` (and a zero output row) where a token has no valid key.
+
+    ``enable_batch_invariant=True``: each token's output is bitwise independent of the rest of the batch
+    (``sparse_attention_decode(batch_invariant=True)``).
+
+    Not supported (``NotImplementedError``): ``indices=None`` (dense decoding), ``descale_q`` / ``descale_k``,
+    the V4.1 / V3.2-no-RoPE layouts.
+    """
+    if indices is None:
+        raise NotImplementedError("indices=None (dense MLA decoding, with block_table / cache_seqlens / causal) is "
+                                  "not supported: sparse_mla implements FlashMLA's sparse mode only")
+    if not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
+        raise TypeError("tile_scheduler_metadata must come from sparse_mla.flash_mla.get_mla_metadata(), got "
+                        f"{type(tile_scheduler_metadata).__name__}")
+    if num_splits is not None:
+        raise ValueError("num_splits must be None (get_mla_metadata returns None for it)")
+    if causal:
+        raise ValueError("causal must be False when sparse attention is enabled (indices given)")
+    if head_dim_v != HEAD_DIM_V:
+        raise ValueError(f"head_dim_v must be {HEAD_DIM_V}, got {head_dim_v!r}")
+    if descale_q is not None or descale_k is not None:
+        raise NotImplementedError("descale_q / descale_k belong to FlashMLA's dense fp8 decoding, not supported")
+    check_tensor("q", q, ndim=4)
+    b, s_q, h_q, d = q.shape
+    k_cache = _paged("k_cache", k_cache)
+    is_fp8 = k_cache.dtype == torch.uint8
+    if is_fp8_kvcache is not None and bool(is_fp8_kvcache) != is_fp8:
+        raise ValueError(f"is_fp8_kvcache={is_fp8_kvcache} but k_cache has dtype {k_cache.dtype}: fp8 caches are "
+                         "uint8 / int8 / float8_e4m3fn bytes, bf16 caches bfloat16")
+    if kv_format is not None:
+        if kv_format not in _KV_FORMAT_BYTES:
+            raise NotImplementedError(f"kv_format={kv_format!r} is not supported: use None, 'V4' (584 B) or "
+                                      f"'V32' (656 B)")
+        if not is_fp8 or k_cache.shape[-1] != _KV_FORMAT_BYTES[kv_format]:
+            raise ValueError(f"kv_format={kv_format!r} needs {_KV_FORMAT_BYTES[kv_format]}-byte fp8 tokens, but "
+                             f"k_cache is {k_cache.dtype} with last axis {k_cache.shape[-1]}")
+    if extra_k_cache is not None:
+        extra_k_cache = _paged("extra_k_cache", extra_k_cache)
+    extra_idx = None if extra_indices_in_kvcache is None else _tokens(
+        "extra_indices_in_kvcache", extra_indices_in_kvcache, b, s_q)
+    try:
+        out, lse = sparse_attention_decode(
+            q.reshape(b * s_q, h_q, d), k_cache, _tokens("indices", indices, b, s_q),
+            _per_token("topk_length", topk_length, b, s_q), extra_k_cache, extra_idx,
+            _per_token("extra_topk_length", extra_topk_length, b, s_q), attn_sink, softmax_scale, backend="auto",
+            batch_invariant=bool(enable_batch_invariant))
+    except ValueError as err:
+        raise _renamed(err, "decode") from err
+    return out.view(b, s_q, h_q, HEAD_DIM_V), lse.view(b, s_q, h_q).transpose(1, 2)
+
+
+def flash_mla_sparse_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    use_legacy: bool = False,
+    return_log2_lse: bool | None = None,
+    *,
+    compute_max_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """FlashMLA's sparse prefill over a bf16 key buffer (workspace).
+
+    q: ``(s_q, h_q, d_qk)`` bf16, d_qk = 512 or 576, any ``h_q``. kv: ``(s_kv, 1, d_qk)`` bf16.
+    indices: ``(s_q, 1, topk)`` int32 rows of kv; ``-1`` and (as in FlashMLA) anything outside
+    ``[0, s_kv)`` is invalid. topk_length: ``(s_q,)`` int32, token ``t`` attends to its first
+    ``topk_length[t]`` entries. attn_sink: ``(h_q,)`` float32, output only. d_v must be 512.
+    use_legacy: accepted and unused.
+
+    Returns ``(out, max_logits, lse)``: out ``(s_q, h_q, 512)`` bf16; lse ``(s_q, h_q)`` float32, the
+    natural-log sum of ``exp(sm_scale · q·k)`` over valid keys (sink excluded), ``+inf`` for a token
+    with no valid key (its output row is 0). max_logits ``(s_q, h_q)`` float32 ``max(sm_scale · q·k)``
+    (``-inf`` with no valid key) only with ``compute_max_logits=True`` — an extra pass over the keys, so
+    it is ``None`` by default (FlashMLA always returns it). ``return_log2_lse=True`` gives both in base 2
+    (``× log2 e``), ``False`` returns ``(out, None, None)``.
+    """
+    check_tensor("q", q, ndim=3)
+    check_tensor("kv", kv, ndim=3)
+    if kv.shape[1] != 1:
+        raise ValueError(f"kv must be (s_kv, 1, d_qk): one KV head, got shape {tuple(kv.shape)}")
+    check_tensor("indices", indices, shape=(q.shape[0], 1, None))
+    if d_v != HEAD_DIM_V:
+        raise ValueError(f"d_v must be {HEAD_DIM_V}, got {d_v!r}")
+    keys, idx = kv[:, 0], indices[:, 0]
+    if q.device.type != "cuda":
+        # the reference raises on out-of-range rows, the GPU kernels skip them; FlashMLA skips them
+        idx = idx.masked_fill((idx < 0) | (idx >= keys.shape[0]), -1)
+    try:
+        out, lse = sparse_attention_prefill(q, keys, idx, topk_length, attn_sink, sm_scale, backend="auto")
+    except ValueError as err:
+        raise _renamed(err, "prefill") from err
+    if return_log2_lse is False:
+        return out, None, None
+    max_logits = _max_logits(q, keys, idx, topk_length, sm_scale) if compute_max_logits else None
+    if return_log2_lse:
+        lse = lse * math.log2(math.e)
+        max_logits = None if max_logits is None else max_logits * math.log2(math.e)
+    return out, max_logits, lse
+
+
+def _max_logits(q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, lens: torch.Tensor | None,
+                scale: float) -> torch.Tensor:
+    """``max_k scale · q·keys[idx[t, k]]`` over each token's valid entries: ``(s_q, h_q)`` float32, ``-inf`` if none."""
+    num_tokens, width = idx.shape
+    result = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    step = max(1, _CHUNK_ELEMS // max(1, width * keys.shape[1]))
+    cols = torch.arange(width, device=q.device)
+    for start in range(0, num_tokens, step):
+        rows = slice(start, min(start + step, num_tokens))
+        valid = (idx[rows] >= 0) & (idx[rows] < keys.shape[0])
+        if lens is not None:
+            valid &= cols[None, :] < lens[rows, None]
+        k = keys[torch.where(valid, idx[rows], 0).long()].float()
+        scores = torch.einsum("nhd,nkd->nhk", q[rows].float(), k) * scale
+        result[rows] = scores.masked_fill(~valid[:, None, :], float("-inf")).amax(-1)
+    return result
+
+
+__all__ = ["get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "FlashMLASchedMeta"]

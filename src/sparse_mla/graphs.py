@@ -1,0 +1,68 @@
+"""A whole decode step in one CUDA graph: the step's metadata build and every layer, captured once and
+replayed for later steps whose batches have the same shape.
+
+What a replay reads is fixed at capture: the builder's batch buffers (refilled by each
+``StepBatchBuilder.build``), the metadata buffers (``build_step_metadata(batch, spec, out=meta)`` refills
+them inside the graph), the caches and whatever q / picks / out tensors the step function used. So the step
+function must write into the same metadata object and read the same tensors every time, and a replayed batch
+must come from the same builder with the same shape: requests, decode requests, decode tokens and tokens
+(the host numbers the launches were planned with). Prefill rows are not allowed: their workspace chunks are
+planned on the host from each batch's lengths.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .batch import StepBatch
+from .metadata import StepMetadata
+
+
+def batch_shape(batch: StepBatch) -> tuple[int, int, int, int]:
+    """What a captured step's launches depend on: (requests, decode requests, decode tokens, tokens)."""
+    return batch.num_reqs, batch.num_decodes, batch.num_decode_tokens, batch.num_tokens
+
+
+class StepGraph:
+    """``step(batch)`` (build the metadata into ``meta`` with ``out=meta``, run the layers) captured in one CUDA
+    graph; :meth:`replay` runs it again for a new batch of the same builder and shape.
+
+    step: the step function; batch: the batch to capture with (decode requests only, CUDA); meta: the metadata
+    object ``step`` builds into (kept current across replays, so eager calls after a replay see the new batch);
+    warmup: eager calls before capture (compiles kernels, makes the step's plans).
+    """
+
+    def __init__(self, step: Callable[[StepBatch], None], batch: StepBatch, meta: StepMetadata,
+                 warmup: int = 1) -> None:
+        if not isinstance(batch, StepBatch) or not isinstance(meta, StepMetadata):
+            raise TypeError("batch must be a StepBatch and meta the StepMetadata the step builds into")
+        if batch.device.type != "cuda":
+            raise ValueError(f"a CUDA graph needs the batch on a CUDA device, got {batch.device}")
+        if batch.num_prefills:
+            raise ValueError(f"a captured step takes decode requests only; the batch has {batch.num_prefills} "
+                             f"prefill request(s)")
+        self.step, self.meta, self.shape, self.builder = step, meta, batch_shape(batch), batch.builder
+        stream = torch.cuda.Stream(device=batch.device)
+        stream.wait_stream(torch.cuda.current_stream(batch.device))
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture asks
+            for _ in range(warmup):
+                step(batch)
+        torch.cuda.current_stream(batch.device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            step(batch)
+        if meta.batch is not batch:
+            raise ValueError("the step function must build the metadata into meta (build_step_metadata(..., out=meta))")
+
+    def replay(self, batch: StepBatch) -> None:
+        """Run the captured step for ``batch``: the current batch of the same builder, of the captured shape."""
+        if batch.builder is not self.builder:
+            raise ValueError("batch comes from another StepBatchBuilder than the captured step's: the graph reads "
+                             "the capturing builder's buffers")
+        batch.check_current()
+        if batch_shape(batch) != self.shape:
+            raise ValueError(f"batch has shape {batch_shape(batch)} (requests, decode requests, decode tokens, "
+                             f"tokens), the captured step {self.shape}: capture another graph for it")
+        self.graph.replay()
+        self.meta.batch = batch

@@ -1,0 +1,1 @@
+"""Integrations of sparse-mla into model libraries (DESIGN §6): :mod:`sparse_mla.integrations.transformers`."""

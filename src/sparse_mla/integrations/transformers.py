@@ -1,0 +1,379 @@
+"""Run a Hugging Face ``DeepseekV4ForCausalLM`` / ``DeepseekV32ForCausalLM`` through sparse-mla.
+
+``enable_sparse_mla(model, kv_format=..., device=...)`` registers the attention function
+``"sparse_mla"`` in transformers' ``AttentionInterface`` and switches the model to it
+(``set_attn_implementation``). The model keeps its own cache (it drives the compressors and the
+indexers); sparse-mla keeps paged caches beside it, one per layer, filled each step from the
+model's own latents and compressor outputs, and attends through :class:`SparseMLAAttention` over
+index lists built from the indexer's picks (no dense mask). Everything is set up once per forward
+(one :class:`StepBatch` + :class:`StepMetadata` shared by all layers, like an engine's step);
+``generate()`` works as usual: a prefill step, then decode steps, for a batch of prompts of
+different lengths (left-padded). Only transformers 5.23.0 is supported (checked).
+
+What HF does, read in transformers 5.23.0 (``models/deepseek_v4/modeling_deepseek_v4.py`` = V4,
+``models/deepseek_v32/modeling_deepseek_v32.py`` = V3.2), and how it maps to sparse-mla:
+
+* Extension points: ``DeepseekV4Attention.forward`` (V4 l. 857) and ``DeepseekV32Attention.forward``
+  (V3.2 l. 460) call ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)``; we
+  register ours there. HF builds masks only for implementations registered in
+  ``AttentionMaskInterface`` (``masking_utils.py`` l. 733, 841) and V3.2's indexer needs one (l. 439),
+  so ``"sparse_mla"`` is registered there too, with eager's additive mask; our layer never reads it.
+  V4 hands the function ``q (B, H, S, 512)`` and ``kv`` = ``[the sliding-window cache's keys + the new
+  ones | every compressed entry so far]`` (l. 836-843) with a dense mask; the compressed entries come
+  from ``DeepseekV4{CSA,HCA}Compressor.forward`` and the picks from ``DeepseekV4Indexer.forward``, which
+  we read with forward hooks (their outputs, untouched). V3.2 passes the indexer's picks itself as
+  ``indices=`` to any implementation other than eager/sdpa (l. 444-458), with q and keys already
+  expanded per head (``expand_kv``): we take the latents from ``kv_a_layernorm``'s output (a forward
+  hook) and the rope half of the keys, and absorb q with :class:`Absorption`.
+* Inverse rope (V4): HF rotates the rope dims of the attention output back by the query position
+  (``apply_rotary_pos_emb(..., cos, -sin)``, l. 879) *after* the attention function returns; the
+  sparse-mla layer returns the output before that rotation, so HF's module does it, here and in
+  eager alike. We apply nothing.
+* Repeated picks: HF turns picks into a mask (V4 ``block_bias.scatter_``, l. 712; V3.2
+  ``index_mask ... .scatter``, l. 447-449), so an entry picked twice counts once. HF's own picks are a
+  ``topk`` (distinct), so our layer (which attends to a repeated pick twice) sees the same keys.
+* Invisible picks: V4's indexer replaces picks of entries not complete before the query with ``-1``
+  (``(pos+1)//4`` threshold, l. 589-595), our ``c4a`` rule; V3.2's indexer takes
+  ``min(index_topk, keys)`` over masked scores (l. 240), so while a row has fewer keys than
+  ``index_topk`` it also picks future or padding keys, which the causal mask then drops; our ``dsa``
+  layer drops picks after the query.
+* Batched ``generate`` left-pads: the 2-D ``attention_mask`` is 0 on the pads and
+  ``position_ids = cumsum(mask) - 1`` (``generation/utils.py`` l. 894-916), so a real token's
+  position counts only real tokens. We build one request per batch row with ``seq_len`` = real
+  tokens so far (``mask[b].sum()``) and ``query_len`` = real tokens this step (``mask[b, -S:].sum()``):
+  our positions equal HF's ``position_ids`` (checked; a padded batch without ``position_ids`` is a
+  ``ValueError``, since HF then gives the pads positions). Pad tokens are not in the batch (their
+  output is 0, as HF's fully masked rows with a sink give). V3.2's picks index HF's padded key axis:
+  we subtract the row's pads. V4's compressors pool *padded* token windows (entry ``w`` of a row with
+  ``p`` pads covers its real positions ``4w-p …``; ``entry_count`` is shared by the batch, l. 216): we
+  take HF's entries as they are and apply visibility ``(w+1)·r <= pos+1`` on the real position, as
+  HF's prefill masks do (l. 446-453, 589). One HF quirk we do not copy: HCA in a decode step
+  (``S == 1``) returns no mask (l. 443), so a left-padded row sees the entries of the *padded* length,
+  ``(padded_pos+1)//128``; we keep ``(pos+1)//128``. The two differ only while a row's pads push its
+  padded length across a multiple of 128 ahead of its real length.
+* Caches: HF's ``DynamicCache`` (V4: ``DeepseekV4HCACache`` / ``DeepseekV4CSACache`` layers) still
+  runs; our paged caches live in a state tied to that cache object (a new ``generate`` = a new cache
+  = fresh blocks). The HF model is unchanged except for its attention implementation and hooks;
+  :meth:`SparseMLAIntegration.remove` restores it.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ..absorption import Absorption
+from ..batch import Request, StepBatch, StepBatchBuilder, blocks_needed
+from ..cache import PagedCache
+from ..config import DEFAULT_BLOCK_SIZE
+from ..layer import SparseMLAAttention
+from ..metadata import MetadataSpec, StepMetadata, build_step_metadata
+
+SUPPORTED_TRANSFORMERS = ("5.23.0",)
+ATTENTION_NAME = "sparse_mla"
+V4_KINDS = {"sliding_attention": "swa", "compressed_sparse_attention": "c4a", "heavily_compressed_attention": "c128a"}
+KV_FORMATS = {"v4": ("bf16", "fp8_v4"), "v32": ("bf16", "fp8_v32")}
+# the module each attention function call belongs to -> (its integration, its sparse-mla layer)
+_ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[SparseMLAIntegration, SparseMLAAttention]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def check_transformers_version(version: str | None = None) -> str:
+    """``version`` (default: the installed transformers') if this module was tested with it, else ``RuntimeError``."""
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    if version not in SUPPORTED_TRANSFORMERS:
+        raise RuntimeError(f"sparse_mla.integrations.transformers supports transformers {SUPPORTED_TRANSFORMERS}, "
+                           f"found {version}: its DeepSeek attention code may differ; install "
+                           f"transformers=={SUPPORTED_TRANSFORMERS[-1]}")
+    return version
+
+
+@dataclass
+class _Session:
+    """sparse-mla's paged caches of one HF cache (one ``generate`` call): blocks per HF batch row."""
+
+    tables: list[dict[str, list[int]]]
+    caches: dict[int, dict[str, PagedCache]] = field(default_factory=dict)  # layer index -> kind -> cache
+    next_block: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Step:
+    """One forward of the model: the batch and metadata every layer of it shares."""
+
+    session: _Session
+    batch: StepBatch
+    meta: StepMetadata
+    rows: torch.Tensor  # (num_tokens,) int64: the flat HF index b * S + s of each batch token
+    req_rows: list[int]  # the HF batch row of each request
+    pads: torch.Tensor  # (B,) int64: left pads of each HF row (tokens before its first real one)
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> compressor / latent output
+    picks: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> V4 indexer picks (B, S, k)
+
+
+class SparseMLAIntegration:
+    """What :func:`enable_sparse_mla` set up on a model; :meth:`remove` undoes it."""
+
+    def __init__(self, model: torch.nn.Module, kv_format: str, device: torch.device | str | None,
+                 backend: str) -> None:
+        check_transformers_version()
+        name = type(model).__name__
+        if name in ("DeepseekV4ForCausalLM", "DeepseekV4Model"):
+            self.family = "v4"
+        elif name in ("DeepseekV32ForCausalLM", "DeepseekV32Model"):
+            self.family = "v32"
+        else:
+            raise ValueError(f"model must be a DeepseekV4ForCausalLM or DeepseekV32ForCausalLM (or its base model), "
+                             f"got {name}")
+        if kv_format not in KV_FORMATS[self.family]:
+            raise ValueError(f"kv_format must be one of {KV_FORMATS[self.family]} for {name}, got {kv_format!r}")
+        self.model, self.kv_format, self.backend = model, kv_format, backend
+        self.config = model.config
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        base = model.model if hasattr(model, "model") else model
+        self.attentions = [layer.self_attn for layer in base.layers]
+        self.kinds = self._kinds()
+        self.window = self.config.sliding_window if self.family == "v4" else 1
+        self.topk = self.config.index_topk
+        self.absorption: dict[int, Absorption] = {}  # V3.2: layer index -> its kv_b_proj split
+        self.layers = [self._make_layer(a) for a in self.attentions]
+        self._sessions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._step: _Step | None = None
+        self._previous_impl = self.config._attn_implementation
+        self._hooks = [base.register_forward_pre_hook(self._begin_step, with_kwargs=True),
+                       base.register_forward_hook(self._end_step, with_kwargs=True)]
+        for i, attn in enumerate(self.attentions):
+            _ATTACHED[attn] = (self, self.layers[i])
+            if self.family == "v32":
+                self._hooks.append(attn.kv_a_layernorm.register_forward_hook(self._capture(i)))
+            elif attn.compressor is not None:
+                self._hooks.append(attn.compressor.register_forward_hook(self._capture(i)))
+                if hasattr(attn.compressor, "indexer"):
+                    self._hooks.append(attn.compressor.indexer.register_forward_hook(self._capture_picks(i)))
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+        AttentionInterface.register(ATTENTION_NAME, _attention)
+        # HF builds masks only for implementations with a mask function; V3.2's indexer needs one
+        AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+        model.set_attn_implementation(ATTENTION_NAME)
+
+    def remove(self) -> None:
+        """Give the model back its previous attention implementation and drop the hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        for attn in self.attentions:
+            _ATTACHED.pop(attn, None)
+        self.model.set_attn_implementation(self._previous_impl)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _kinds(self) -> tuple[str, ...]:
+        if self.family == "v32":
+            return ("dsa",)
+        kinds = {V4_KINDS[t] for t in self.config.layer_types}
+        rates = self.config.compress_rates
+        if rates.get("compressed_sparse_attention") != 4 or rates.get("heavily_compressed_attention") != 128:
+            raise ValueError(f"config.compress_rates must be CSA 4 and HCA 128 (the c4a / c128a kinds), got {rates}")
+        return tuple(k for k in ("swa", "c4a", "c128a") if k in kinds | {"swa"})
+
+    def _make_layer(self, attn: torch.nn.Module) -> SparseMLAAttention:
+        if self.family == "v32":
+            self.absorption[attn.layer_idx] = Absorption.from_kv_b_proj(
+                attn.kv_b_proj.weight.to(self.device), attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim,
+                attn.kv_lora_rank)
+            return SparseMLAAttention("dsa", attn.num_heads, head_dim=attn.kv_lora_rank + attn.qk_rope_head_dim,
+                                      topk=self.topk, scale=attn.scaling, backend=self.backend,
+                                      kv_format=self.kv_format).to(self.device)
+        if attn.head_dim != 512:
+            raise ValueError(f"config.head_dim must be 512 (sparse-mla's V4 latent), got {attn.head_dim}")
+        kind = V4_KINDS[attn.layer_type]
+        return SparseMLAAttention(kind, attn.num_heads, 512, self.window, topk=self.topk if kind == "c4a" else None,
+                                  scale=attn.scaling, sink=attn.sinks.detach().float().to(self.device),
+                                  backend=self.backend, kv_format=self.kv_format)
+
+    def _capture(self, layer: int):
+        def hook(module, args, output):
+            if self._step is not None:
+                self._step.captured[layer] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def _capture_picks(self, layer: int):
+        def hook(module, args, output):
+            if self._step is not None:
+                self._step.picks[layer] = output
+        return hook
+
+    # ------------------------------------------------------------------ a step
+
+    def _begin_step(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        x = ids if ids is not None else kwargs["inputs_embeds"]
+        num_rows, seq = x.shape[0], x.shape[1]
+        cache = kwargs.get("past_key_values")
+        past = cache.get_seq_length() if cache is not None else 0
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, dict) or (mask is not None and mask.dim() != 2):
+            raise ValueError("sparse-mla needs the 2-D attention_mask (or none), as generate() passes with a "
+                             "DynamicCache; a prebuilt 4-D mask / mask dict cannot tell padding from masking")
+        if mask is None:
+            mask = torch.ones(num_rows, past + seq, dtype=torch.long, device=x.device)
+        mask = mask.to(self.device, torch.long)
+        if mask.shape != (num_rows, past + seq):
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, expected ({num_rows}, {past + seq}) "
+                             f"(past {past} + new {seq} tokens)")
+        if not bool((mask[:, 1:] >= mask[:, :-1]).all()) or not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("attention_mask must be 0 only on left padding (each row: zeros, then ones)")
+        positions = kwargs.get("position_ids")
+        ours = (torch.cumsum(mask, 1) - 1)[:, -seq:]
+        real = mask[:, -seq:].bool()
+        if positions is None and not bool(mask.all()):
+            raise ValueError("a left-padded batch needs position_ids = attention_mask.cumsum(-1) - 1 (as generate() "
+                             "passes); without them HF gives the pads positions and the real tokens shifted ones")
+        if positions is not None and not bool((positions.to(self.device).expand_as(ours) == ours)[real].all()):
+            raise ValueError("position_ids must count the real tokens of each row (attention_mask.cumsum(-1) - 1), "
+                             "the positions of sparse-mla's requests")
+        session = self._sessions.get(cache) if cache is not None else None
+        if session is None:
+            if past:
+                raise ValueError("past_key_values holds tokens sparse-mla's caches never saw: enable sparse-mla "
+                                 "before the first forward of a generation")
+            session = _Session([{k: [] for k in self.kinds} for _ in range(num_rows)])
+        self._step = self._build_step(session, mask, seq)
+
+    def _end_step(self, module, args, kwargs, output) -> None:
+        cache = getattr(output, "past_key_values", None)
+        if cache is not None and self._step is not None:
+            self._sessions[cache] = self._step.session
+        self._step = None
+
+    def _build_step(self, session: _Session, mask: torch.Tensor, seq: int) -> _Step:
+        seq_lens = mask.sum(1).tolist()
+        query_lens = mask[:, -seq:].sum(1).tolist()
+        for b, (s, q) in enumerate(zip(seq_lens, query_lens)):
+            if q == 0:
+                raise ValueError(f"batch row {b} has no real token this step (attention_mask is 0 on all {seq})")
+            for kind in self.kinds:
+                self._grow(session, b, kind, blocks_needed(s, kind))
+        self._pools(session)
+        order = sorted(range(len(seq_lens)), key=lambda b: query_lens[b] > 1)  # decodes first
+        requests = [Request(seq_lens[b], query_lens[b], session.tables[b]) for b in order]
+        max_len = max(seq_lens)
+        builder = StepBatchBuilder(sum(query_lens), len(order), max_len, kinds=self.kinds, device=self.device,
+                                   num_blocks={k: c.num_blocks for caches in session.caches.values()
+                                               for k, c in caches.items()})
+        batch = builder.build(requests)
+        meta = build_step_metadata(batch, MetadataSpec(window=self.window, topk=self.topk))
+        rows = torch.cat([b * seq + torch.arange(seq - query_lens[b], seq) for b in order]).to(self.device)
+        pads = (mask.shape[1] - mask.sum(1)).to(self.device)
+        return _Step(session, batch, meta, rows, order, pads)
+
+    def _grow(self, session: _Session, row: int, kind: str, blocks: int) -> None:
+        """Give batch row ``row`` ``blocks`` blocks of ``kind`` (numbered in order of need)."""
+        table = session.tables[row][kind]
+        first = session.next_block.get(kind, 0)
+        need = max(0, blocks - len(table))
+        table.extend(range(first, first + need))
+        session.next_block[kind] = first + need
+
+    def _pools(self, session: _Session) -> None:
+        """Every layer's caches, enlarged (doubling, contents kept) to hold the blocks handed out so far."""
+        for layer in range(len(self.attentions)):
+            caches = session.caches.setdefault(layer, {})
+            for kind in self._layer_kinds(layer):
+                old, used = caches.get(kind), max(1, session.next_block.get(kind, 0))
+                if old is not None and old.num_blocks >= used:
+                    continue
+                size = max(used, 2 * old.num_blocks if old is not None else used)
+                new = PagedCache(size, DEFAULT_BLOCK_SIZE[kind], self.kv_format, 576 if kind == "dsa" else 512,
+                                 self.device)
+                if old is not None:
+                    new.data[: old.num_blocks].copy_(old.data)
+                caches[kind] = new
+
+    def _layer_kinds(self, layer: int) -> tuple[str, ...]:
+        kind = self.layers[layer].kind
+        return (kind,) if kind in ("swa", "dsa") else ("swa", kind)
+
+    # ------------------------------------------------------------------ a layer
+
+    def attend(self, module: torch.nn.Module, layer: SparseMLAAttention, query: torch.Tensor, key: torch.Tensor,
+               indices: torch.Tensor | None) -> torch.Tensor:
+        """One layer's attention of the current step; returns ``(B, S, H, d_out)`` in ``query``'s dtype."""
+        step = self._step
+        if step is None:
+            raise RuntimeError("the sparse_mla attention ran outside a forward of the model it was enabled on")
+        idx = module.layer_idx
+        num_rows, heads, seq, _ = query.shape
+        batch, cap = step.batch, step.batch.token_capacity
+        caches = step.session.caches[idx]
+
+        def tokens(x: torch.Tensor) -> torch.Tensor:  # (B, S, ...) -> (token_capacity, ...), padding rows 0
+            flat = x.reshape(num_rows * seq, *x.shape[2:]).to(self.device)
+            out = flat.new_zeros(cap, *flat.shape[1:])
+            out[: batch.num_tokens] = flat[step.rows]
+            return out
+
+        q = tokens(query.transpose(1, 2))  # (T, H, d)
+        if self.family == "v32":
+            nope = module.qk_nope_head_dim
+            q = self.absorption[idx].absorb_query(q[..., :nope], q[..., nope:])
+            latents = torch.cat([step.captured[idx], key[:, 0, -seq:, nope:]], dim=-1)
+            caches["dsa"].write(tokens(latents).to(torch.bfloat16), batch.slot_mapping)
+            local = indices - step.pads[:, None, None].to(indices.device)  # padded key axis -> request-local
+            local = torch.where((indices >= 0) & (local >= 0), local, -1)
+            picks = _pad_picks(tokens(local.to(torch.int32)), self.topk)
+            out = layer(q, step.meta, caches, topk_indices=picks)
+            out = self.absorption[idx].expand_output(out.float())
+        else:
+            n_comp = step.captured[idx].shape[2] if idx in step.captured else 0
+            swa_new = key[:, 0, key.shape[2] - n_comp - seq: key.shape[2] - n_comp]
+            caches["swa"].write(tokens(swa_new).to(torch.bfloat16), batch.slot_mapping)
+            picks = None
+            if layer.kind != "swa":
+                req, entry, slots = batch.new_entries(layer.kind)
+                hf_row = torch.tensor(step.req_rows, device=self.device)[req.long()]
+                entries = step.captured[idx][:, 0].to(self.device)[hf_row, entry.long()]
+                caches[layer.kind].write(entries.to(torch.bfloat16), slots)
+            if layer.kind == "c4a":
+                picks = _pad_picks(tokens(step.picks[idx].to(torch.int32)), self.topk)
+            out = layer(q.to(torch.bfloat16), step.meta, caches, topk_indices=picks)
+        full = out.new_zeros(num_rows * seq, heads, out.shape[-1])
+        full[step.rows] = out[: batch.num_tokens]
+        return full.view(num_rows, seq, heads, -1).to(query.device, query.dtype)
+
+
+def _pad_picks(picks: torch.Tensor, topk: int) -> torch.Tensor:
+    """``(T, k)`` picks, ``k <= topk`` (HF takes ``min(index_topk, keys)``), as ``(T, topk)`` with ``-1`` after."""
+    if picks.shape[1] > topk:
+        raise ValueError(f"the indexer returned {picks.shape[1]} picks per token, more than index_topk={topk}")
+    return torch.nn.functional.pad(picks, (0, topk - picks.shape[1]), value=-1)
+
+
+def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, indices: torch.Tensor | None = None, **kwargs) -> tuple:
+    """The function registered as ``"sparse_mla"`` in transformers' ``AttentionInterface``."""
+    attached = _ATTACHED.get(module)
+    if attached is None:
+        raise RuntimeError("attn_implementation 'sparse_mla' is set on a model sparse-mla was not enabled on: "
+                           "call sparse_mla.integrations.transformers.enable_sparse_mla(model)")
+    integration, layer = attached
+    with torch.no_grad():
+        return integration.attend(module, layer, query, key, indices), None
+
+
+def enable_sparse_mla(model: torch.nn.Module, kv_format: str = "bf16", device: torch.device | str | None = None,
+                      backend: str = "auto") -> SparseMLAIntegration:
+    """Make a ``DeepseekV4ForCausalLM`` / ``DeepseekV32ForCausalLM`` (transformers 5.23.0) attend through sparse-mla.
+
+    kv_format: the paged caches' format, ``"bf16"`` or ``"fp8_v4"`` (V4) / ``"fp8_v32"`` (V3.2).
+    device: where the caches live and the layer runs (default: the model's); ``backend`` as for
+    :class:`SparseMLAAttention` (``"auto"``: the CUDA kernels on a GPU, the reference elsewhere).
+    Call it after the weights are loaded (the sinks and ``kv_b_proj`` are read here). Returns the
+    integration; its ``remove()`` restores the model's previous attention.
+    """
+    return SparseMLAIntegration(model, kv_format, device, backend)

@@ -1,0 +1,97 @@
+"""Which implementation runs (DESIGN §4): the one place that decides.
+
+* The op family: ``"reference"`` (plain PyTorch, any device) or ``"triton"`` (Triton kernels on a CUDA
+  device, or on the CPU under ``TRITON_INTERPRET=1``) — :func:`resolve_backend`, used by every public op,
+  the layer, the step-metadata builders and the token order.
+* The attention kernel inside the Triton family: ``"gluon"`` (the Hopper kernel of
+  :mod:`.gluon_attention`) or ``"triton"`` (:mod:`.triton_attention`) — :func:`attention_kernel`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .._checks import check_tensor
+
+try:
+    import triton  # noqa: F401
+    HAVE_TRITON = True
+except ImportError:  # no Triton on this platform: the reference backend still works
+    HAVE_TRITON = False
+
+BACKENDS = ("reference", "triton")
+
+
+def check_backend_name(name: str) -> None:
+    """``name`` is ``"auto"`` or one of :data:`BACKENDS`."""
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {name!r}")
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The op family to run for tensors on ``device``: ``name`` (``"auto"``, ``"reference"`` or ``"triton"``)
+    resolved. ``"auto"`` is Triton on a CUDA device and the reference elsewhere."""
+    check_backend_name(name)
+    if name == "auto":
+        return "triton" if device.type == "cuda" and HAVE_TRITON else "reference"
+    if name == "triton" and not HAVE_TRITON:
+        raise ValueError("backend 'triton' needs the triton package, which is not installed")
+    if name == "triton" and device.type != "cuda" and not interpreting():
+        raise ValueError(f"backend 'triton' needs CUDA tensors (got {device}), or TRITON_INTERPRET=1 on the CPU")
+    return name
+
+
+def backend_for(name: str, first: torch.Tensor, first_name: str) -> str:
+    """:func:`resolve_backend` for the device of an op's first tensor argument (checked to be a tensor)."""
+    return resolve_backend(name, check_tensor(first_name, first).device)
+
+
+def builders_use_triton(device: torch.device) -> bool:
+    """Whether the step-metadata builders and the token order run their Triton kernels (on a CUDA device)."""
+    return device.type == "cuda" and HAVE_TRITON
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def gluon_fits(device: torch.device, dim: int, formats: frozenset[str], pages_16_byte_aligned: bool,
+               padded: bool = True, q_fp8: bool = False) -> bool:
+    """Whether the Gluon kernel can compute an attention call: a Hopper GPU, 512-d (V4) bf16 queries, every scope
+    ``fp8_v4`` or every scope ``bf16`` with padded index lists (not ragged, not combined), and caches whose base and
+    page stride are multiples of 16 bytes (it copies bf16 rows and the fp8_v4 rope with 16-byte ``cp.async``)."""
+    from . import gluon_attention
+
+    return (gluon_attention.gluon is not None and device.type == "cuda" and dim == 512 and padded and not q_fp8
+            and formats in (frozenset({"fp8_v4"}), frozenset({"bf16"})) and pages_16_byte_aligned
+            and _is_hopper(device))
+
+
+def attention_kernel(device: torch.device, dim: int, formats: frozenset[str], pages_16_byte_aligned: bool,
+                     gluon: int | None = None, *, padded: bool = True, q_fp8: bool = False) -> str:
+    """``"gluon"`` or ``"triton"``: the kernel that computes an attention call of the Triton family.
+
+    padded: every scope's index list is padded (``False``: a ragged scope or a combined index); q_fp8: q is
+    float8_e4m3fn. gluon: ``None`` (the default choice: Gluon where it fits and is enabled, see
+    :func:`.gluon_attention.enabled`), ``1`` (force it: a ``ValueError`` where it cannot compute the call) or
+    ``0`` (the Triton kernel)."""
+    from . import gluon_attention
+
+    fits = gluon_fits(device, dim, formats, pages_16_byte_aligned, padded, q_fp8)
+    if gluon is None:
+        return "gluon" if fits and gluon_attention.enabled() else "triton"
+    if gluon and not fits:
+        raise ValueError("gluon=1 needs a Hopper GPU, 512-d (V4) bf16 q and caches, every scope fp8_v4 or every "
+                         "scope bf16 with padded index lists, and caches whose base and page stride are multiples of "
+                         f"16 bytes; got {dim}-d {'fp8' if q_fp8 else 'bf16'} q on {device}, scopes {sorted(formats)}, "
+                         f"{'padded' if padded else 'ragged / combined'} lists, "
+                         f"{'' if pages_16_byte_aligned else 'not '}16-byte aligned")
+    return "gluon" if gluon else "triton"

@@ -1,0 +1,66 @@
+"""The step benchmark (``sparse_mla.benchmark``) and the V3.2 benchmark run end to end on the CPU in ``--smoke``
+mode and write the JSON the GPU runs are read from."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from sparse_mla import benchmark
+from sparse_mla.config import LAYER_KINDS
+
+BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+
+
+def _args(module, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_step_benchmark_smoke_writes_the_expected_json(tmp_path, capsys):
+    args = _args(benchmark, ["--smoke", "--cases", "flash-b32", "prefill-flash", "--out", str(tmp_path)])
+    assert benchmark.run(args) == 0
+    result = json.loads((tmp_path / "bench_step.json").read_text())
+    assert {"device", "torch", "smoke", "graphs", "decode", "prefill", "batch_invariant_supported"} <= set(result)
+    (row,) = result["decode"]
+    assert row["case"] == "flash-b32" and row["layers"] == 6 and row["layer_kinds"] == {"swa": 2, "c4a": 2, "c128a": 2}
+    assert row["ours_eager_us"] > 0 and "ours_graph_us" not in row  # no graphs on the CPU
+    assert set(row["host_us"]) == {"swa", "c4a", "c128a", "build_step_metadata"}
+    assert [r["kind"] for r in result["prefill"]] == ["c4a", "c128a"]
+    for r in result["prefill"]:
+        assert r["paged_us"] > 0 and r["workspace_us"] > 0 and r["rel_err_paged_vs_workspace"] < 1e-2
+    assert "flash-b32" in capsys.readouterr().out  # the table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_step_benchmark_without_a_gpu_asks_for_one(tmp_path, capsys):
+    assert benchmark.run(_args(benchmark, ["--out", str(tmp_path)])) == 2
+    assert "CUDA GPU" in capsys.readouterr().out
+
+
+def test_model_layers_follow_the_presets():
+    flash = benchmark.model_layers(benchmark.Sizes.of(False).model("deepseek-v4-flash"), None)
+    pro = benchmark.model_layers(benchmark.Sizes.of(False).model("deepseek-v4-pro"), None)
+    assert len(flash) == 43 and (flash.count("swa"), flash.count("c4a"), flash.count("c128a")) == (2, 21, 20)
+    assert len(pro) == 61 and (pro.count("swa"), pro.count("c4a"), pro.count("c128a")) == (0, 30, 31)
+
+
+@pytest.mark.skipif("dsa" not in LAYER_KINDS, reason="the dsa layer kind has not landed")
+def test_v32_benchmark_smoke_writes_the_expected_json(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_v32", os.path.join(BENCHMARKS, "bench_v32.py"))
+    bench_v32 = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_v32", bench_v32)  # its dataclasses look their module up
+    spec.loader.exec_module(bench_v32)
+    assert bench_v32.run(_args(bench_v32, ["--smoke", "--out", str(tmp_path)])) == 0
+    result = json.loads((tmp_path / "bench_v32.json").read_text())
+    assert {"decode", "prefill", "step"} <= set(result)
+    assert result["decode"] and result["prefill"] and result["step"]
+    assert all(r["ours_us"] > 0 for r in result["decode"]) and result["step"][0]["ours_eager_us"] > 0
+    for r in result["prefill"]:
+        assert r["paged_us"] > 0 and r["workspace_us"] > 0 and r["rel_err_paged_vs_workspace"] < 1e-2

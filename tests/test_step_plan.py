@@ -1,0 +1,171 @@
+"""The plan/run split (DESIGN §5): plans made once per step, caches validated once, stale or foreign metadata
+rejected, the fast launcher's fingerprint, and (GPU) a whole decode step captured in one CUDA graph."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparse_mla import plan as plan_module
+from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+from sparse_mla.cache import PagedCache
+from sparse_mla.layer import SparseMLAAttention
+from sparse_mla.metadata import MetadataSpec, build_step_metadata
+from sparse_mla.ops.launch import fingerprint
+from sparse_mla.scenario import make_scenario, random_picks
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
+
+
+def engine(num_blocks=64, max_tokens=16, max_reqs=4, max_model_len=600, threshold=2):
+    caches = {k: PagedCache(num_blocks, SIZES[k], "fp8_v4", device=DEVICE) for k in SIZES}
+    builder = StepBatchBuilder(max_tokens, max_reqs, max_model_len, block_sizes=SIZES, decode_threshold=threshold,
+                               device=DEVICE)
+    return caches, builder
+
+
+def requests(caches, lengths):
+    out = []
+    for s, q in lengths:
+        out.append(Request(s, q, {k: list(range(blocks_needed(s, k, SIZES[k]))) for k in SIZES}))
+    return out
+
+
+def test_a_layer_given_stale_metadata_raises():
+    caches, builder = engine()
+    spec = MetadataSpec(window=8, topk=4)
+    meta = build_step_metadata(builder.build(requests(caches, [(100, 1), (50, 2)])), spec)
+    layer = SparseMLAAttention("swa", 2, window=8)
+    q = torch.zeros(16, 2, 512, dtype=torch.bfloat16, device=DEVICE)
+    layer(q, meta, caches)  # current: fine
+    newer = builder.build(requests(caches, [(101, 1), (52, 2)]))  # the engine schedules the next step first
+    with pytest.raises(ValueError, match="stale step: this batch .* is build 1 of its StepBatchBuilder, which has "
+                                         "built step 2"):
+        layer(q, meta, caches)
+    with pytest.raises(ValueError, match="stale step"):
+        build_step_metadata(meta.batch, spec)
+    assert build_step_metadata(newer, spec, out=meta) is meta  # refilled from the current batch: usable again
+    layer(q, meta, caches)
+
+
+def test_metadata_buffers_cannot_be_refilled_from_another_builder():
+    caches, builder = engine()
+    _, other = engine()
+    spec = MetadataSpec(window=8, topk=4)
+    meta = build_step_metadata(builder.build(requests(caches, [(100, 1)])), spec)
+    with pytest.raises(ValueError, match="out was built from another StepBatchBuilder's batch"):
+        build_step_metadata(other.build(requests(caches, [(100, 1)])), spec, out=meta)
+
+
+def test_one_plan_per_step_and_configuration(monkeypatch):
+    made = []
+    real = plan_module.LayerPlan
+    monkeypatch.setattr(plan_module, "LayerPlan", lambda *a: made.append(a[1].kind) or real(*a))
+    monkeypatch.setattr("sparse_mla.layer.LayerPlan", plan_module.LayerPlan)
+    sc = make_scenario([(300, 1), (40, 2), (20, 6)], window=8, topk=4, block_sizes=SIZES, decode_threshold=2,
+                       device=DEVICE)
+    q = torch.randn(sc.batch.token_capacity, 2, 512).to(torch.bfloat16).to(DEVICE)
+    c4a = [SparseMLAAttention("c4a", 2, window=8, topk=4, sink=torch.randn(2).to(DEVICE)) for _ in range(3)]
+    outs = [layer(q, sc.meta, sc.caches, sc.topk_local) for layer in c4a]
+    SparseMLAAttention("c128a", 2, window=8)(q, sc.meta, sc.caches)
+    SparseMLAAttention("c4a", 2, window=8, topk=4)(q, sc.meta, sc.caches, sc.topk_local)  # no sink: another plan
+    assert made == ["c4a", "c128a", "c4a"]
+    # layers sharing a plan still use their own sinks
+    assert not torch.equal(outs[0], outs[1])
+    for layer, out in zip(c4a, outs):
+        ref = sc.expected(q, "c4a", sink=layer.sink, scale=512 ** -0.5)
+        assert ((out.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2
+    build_step_metadata(sc.batch, sc.meta.spec, out=sc.meta)  # a new build: plans are made again
+    c4a[0](q, sc.meta, sc.caches, sc.topk_local)
+    assert made[-1] == "c4a" and len(made) == 4
+
+
+def test_caches_are_validated_once_per_tensor(monkeypatch):
+    calls = []
+    real = plan_module.resolve_cache
+    monkeypatch.setattr(plan_module, "resolve_cache", lambda *a: calls.append(a[2]) or real(*a))
+    cache = PagedCache(4, 4, "fp8_v4")
+    first = plan_module.resolve_cache_arg(cache, "caches['swa']")
+    assert plan_module.resolve_cache_arg(cache, "caches['swa']") is first and len(calls) == 1
+    cache.data = cache.data[:2]  # another view: validated again
+    assert plan_module.resolve_cache_arg(cache, "caches['swa']").tensor.shape[0] == 2 and len(calls) == 2
+    with pytest.raises(TypeError, match=r"caches\['swa'\] must be a PagedCache or a paged cache tensor, got str"):
+        plan_module.resolve_cache_arg("cache", "caches['swa']")
+
+
+def test_a_cache_smaller_than_the_block_tables_is_named():
+    caches, builder = engine(num_blocks=64)
+    meta = build_step_metadata(builder.build(requests(caches, [(200, 1)])), MetadataSpec(window=8, topk=4))
+    small = dict(caches, swa=PagedCache(10, 4, "fp8_v4", device=DEVICE))  # the tables name blocks up to 49
+    q = torch.zeros(16, 2, 512, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"caches\['swa'\] has 10 blocks, but the step's 'swa' block tables name "
+                                         r"block 49"):
+        SparseMLAAttention("swa", 2, window=8)(q, meta, small)
+
+
+def test_a_layer_whose_kind_the_batch_lacks_is_named():
+    caches, _ = engine()
+    builder = StepBatchBuilder(16, 4, 600, kinds=("swa", "c4a"), block_sizes={"swa": 4, "c4a": 4}, device=DEVICE)
+    reqs = [Request(100, 1, {k: list(range(blocks_needed(100, k, SIZES[k]))) for k in ("swa", "c4a")})]
+    meta = build_step_metadata(builder.build(reqs), MetadataSpec(window=8, topk=4))
+    q = torch.zeros(16, 2, 512, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="a c128a layer reads the 'c128a' cache, but the step's batch has no 'c128a' "
+                                         "block table"):
+        SparseMLAAttention("c128a", 2, window=8)(q, meta, caches)
+
+
+def test_fingerprint_separates_what_triton_specialises_on():
+    base = torch.zeros(64, dtype=torch.uint8)
+    aligned, offset = base[:16], base[1:17]
+    assert fingerprint((aligned, 32)) == fingerprint((base[16:32], 48))
+    assert fingerprint((aligned, 32)) != fingerprint((offset, 32))  # 16-byte alignment
+    assert fingerprint((aligned, 1)) != fingerprint((aligned, 3))  # == 1 is a constant
+    assert fingerprint((aligned, 16)) != fingerprint((aligned, 17))  # divisibility by 16
+    assert fingerprint((aligned, 17)) != fingerprint((aligned, 1 << 33))  # int32 or int64
+    assert fingerprint((aligned, 2.0)) != fingerprint((aligned.to(torch.int32), 2.0))  # dtype
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_a_whole_decode_step_captured_once_replays_for_other_batches():
+    from sparse_mla.graphs import StepGraph
+
+    spec = MetadataSpec(window=8, topk=4)
+    caches, builder = engine(num_blocks=256, max_tokens=8, max_reqs=4, max_model_len=1000)
+    for c in caches.values():
+        c.write(torch.randn(c.num_slots, 512).to(torch.bfloat16).to(DEVICE),
+                torch.arange(c.num_slots, dtype=torch.int32, device=DEVICE))
+    gen = torch.Generator().manual_seed(3)
+    layers = [SparseMLAAttention(k, 4, window=8, topk=4 if k == "c4a" else None, sink=torch.randn(4).to(DEVICE))
+              for k in ("swa", "c4a", "c128a", "c4a")]
+    q = torch.randn(8, 4, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    picks = torch.zeros(8, 4, dtype=torch.int32, device=DEVICE)
+    outs = [torch.empty(8, 4, 512, dtype=torch.bfloat16, device=DEVICE) for _ in layers]
+    meta = None
+
+    def step(batch):
+        build_step_metadata(batch, spec, out=meta)
+        for layer, out in zip(layers, outs):
+            layer(q, meta, caches, picks if layer.kind == "c4a" else None, out=out)
+
+    def new_batch(lengths):
+        batch = builder.build([Request(s, n, {k: list(range(blocks_needed(s, k, SIZES[k]))) for k in SIZES})
+                               for s, n in lengths])
+        picks.copy_(random_picks(batch.positions.cpu(), 4, gen, 250, ratio=4).to(DEVICE))
+        return batch
+
+    first = new_batch([(900, 2), (40, 1), (500, 2), (130, 1)])
+    meta = build_step_metadata(first, spec)
+    graph = StepGraph(step, first, meta)
+    for lengths in ([(100, 1), (800, 2), (33, 2), (600, 1)], [(999, 2), (1, 1), (256, 1), (257, 2)]):
+        batch = new_batch(lengths)
+        graph.replay(batch)
+        replayed = [o.clone() for o in outs]
+        step(batch)  # eager, same inputs
+        for got, want in zip(replayed, outs):
+            assert torch.equal(got, want)
+        assert not any(math.isnan(o.float().sum().item()) for o in replayed)
+    with pytest.raises(ValueError, match="batch has shape"):
+        graph.replay(new_batch([(100, 1), (800, 2), (33, 2)]))
