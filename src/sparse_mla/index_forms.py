@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_tensor, is_int
-from .metadata import _compressed_picks_torch
+from .config import COMPRESS_RATIO
+from .metadata import StepMetadata, _compressed_picks_torch, check_picks_arg, convert_picks
 from .ops import triton_index
 
 try:
@@ -93,14 +94,21 @@ def ragged_from_padded(indices: torch.Tensor, lens: torch.Tensor, out_indptr: to
         return
     if indices.stride(1) != 1:
         indices = indices.contiguous()
-    (_ragged_triton if _on_triton(indices) else _ragged_torch)(indices, lens.contiguous(), out_indptr, out_flat)
+    _ragged_fill(indices, lens.contiguous(), out_indptr, out_flat)
+
+
+def _ragged_fill(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor, out_flat: torch.Tensor) -> None:
+    """:func:`ragged_from_padded` on checked arguments (at least one row; unit-stride rows, contiguous lens)."""
+    (_ragged_triton if _on_triton(indices) else _ragged_torch)(indices, lens, out_indptr, out_flat)
 
 
 def _ragged_triton(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor, out_flat: torch.Tensor) -> None:
     """:func:`ragged_from_padded` in one launch (arguments checked there, at least one row)."""
+    from .ops.launch import cached_launch
+
     num_tokens, width = indices.shape
-    _ragged_kernel[(num_tokens,)](indices, indices.stride(0), lens, out_indptr, out_flat, num_tokens, width,
-                                  out_flat.shape[0], ROWS_BLOCK=1024, COLS_BLOCK=256)
+    cached_launch(_ragged_kernel, (("ROWS_BLOCK", 1024), ("COLS_BLOCK", 256)))(
+        (num_tokens,), indices, indices.stride(0), lens, out_indptr, out_flat, num_tokens, width, out_flat.shape[0])
 
 
 def _ragged_torch(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor, out_flat: torch.Tensor) -> None:
@@ -185,10 +193,18 @@ def combined_from_picks(positions: torch.Tensor, token_to_req: torch.Tensor, blo
     num_tokens, topk = topk_local.shape
     for name, t in (("positions", positions), ("token_to_req", token_to_req)):
         check_tensor(name, t, dtype=torch.int32, shape=(num_tokens,), device=swa_indices.device)
-    window = _check_combined(swa_indices, swa_lens, topk, out_indices, out_lens)
+    _check_combined(swa_indices, swa_lens, topk, out_indices, out_lens)
     check_tensor("out_kept", out_kept, dtype=torch.int32, shape=(num_tokens, topk), device=swa_indices.device)
     if not is_int(block_size) or block_size <= 0 or not is_int(ratio) or ratio <= 0:
         raise ValueError(f"block_size and ratio must be positive ints, got {block_size!r}, {ratio!r}")
+    _combined_picks(positions, token_to_req, block_table, block_size, ratio, topk_local, swa_indices, swa_lens,
+                    out_indices, out_lens, out_kept)
+
+
+def _combined_picks(positions, token_to_req, block_table, block_size, ratio, topk_local, swa_indices, swa_lens,
+                    out_indices, out_lens, out_kept) -> None:
+    """:func:`combined_from_picks` on checked arguments."""
+    window, topk = swa_indices.shape[1], topk_local.shape[1]
     _fill_window_columns(swa_indices, swa_lens, out_indices, topk)
     comp = out_indices[:, window:window + topk]
     build = triton_index.compressed_picks if _on_triton(topk_local) else _compressed_picks_torch
@@ -196,4 +212,71 @@ def combined_from_picks(positions: torch.Tensor, token_to_req: torch.Tensor, blo
     _combined_lens(swa_lens, window, out_lens)
 
 
-__all__ = ["ragged_from_padded", "combined_from_padded", "combined_from_picks"]
+# ----------------------------------------------------------------------------------------------------------------
+# a step's lists in a layer's form (sparse_mla.plan.LayerPlan)
+
+INDEX_FORMS = ("padded", "ragged", "combined")
+
+
+def check_index_form(index_form: object) -> str:
+    """``index_form`` is one of :data:`INDEX_FORMS` (else ``ValueError``)."""
+    if index_form not in INDEX_FORMS:
+        raise ValueError(f"index_form must be one of {INDEX_FORMS}, got {index_form!r}")
+    return index_form
+
+
+def step_ragged(meta: StepMetadata, kind: str, indices: torch.Tensor, lens: torch.Tensor,
+                fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ragged form ``(flat (T·width,), indptr (T+1,))`` of one of the step's padded lists (``kind``'s),
+    in buffers kept with the step's plans, so every layer of the step shares them and a CUDA graph captured
+    with them stays valid. fill: convert now (a list fixed for the step); the picks kinds' lists change per
+    layer call and are converted by :func:`picks_in_form`."""
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens, width = indices.shape
+        flat = torch.full((num_tokens * width,), -1, dtype=torch.int32, device=indices.device)
+        indptr = torch.zeros(num_tokens + 1, dtype=torch.int32, device=indices.device)
+        if fill and num_tokens:
+            _ragged_fill(indices if indices.stride(1) == 1 else indices.contiguous(), lens.contiguous(), indptr,
+                         flat)
+        return flat, indptr
+
+    return meta.plan(("index_form", "ragged", kind), make)
+
+
+def step_combined(meta: StepMetadata, kind: str, comp_indices: torch.Tensor, comp_lens: torch.Tensor,
+                  fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The combined form ``(indices (T, W + K), lens (T,))`` of the step's SWA list and ``kind``'s compressed
+    list (``comp_indices (T, K)`` + ``comp_lens``), in buffers kept with the step's plans (see
+    :func:`step_ragged`); fill: build now (c128a), else per layer call by :func:`picks_in_form` (c4a)."""
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens, window = meta.swa_indices.shape
+        out = torch.full((num_tokens, window + comp_indices.shape[1]), -1, dtype=torch.int32,
+                         device=comp_indices.device)
+        out_lens = torch.zeros(num_tokens, dtype=torch.int32, device=comp_indices.device)
+        if fill:
+            combined_from_padded(meta.swa_indices, meta.swa_lens, comp_indices, comp_lens, out, out_lens)
+        return out, out_lens
+
+    return meta.plan(("index_form", "combined", kind), make)
+
+
+def picks_in_form(meta: StepMetadata, local: torch.Tensor, kind: str, index_form: str,
+                  lists: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """A c4a / dsa layer call's picks converted into the step's picks buffers and, for the ragged and combined
+    forms, into that form's ``lists`` (:func:`step_ragged` / :func:`step_combined`'s buffers of the picks kind).
+    Returns the kept picks (``meta.picks_local``, for the workspace prefill). No host sync."""
+    if index_form != "combined":
+        kept = convert_picks(meta, local, kind)[2]
+        if index_form == "ragged" and local.shape[0]:
+            flat, indptr = lists
+            _ragged_fill(meta.picks_indices, meta.picks_lens, indptr, flat)
+        return kept
+    check_picks_arg(meta, local, kind)  # one launch converts the picks into the combined rows
+    batch, (out, out_lens) = meta.batch, lists
+    _combined_picks(batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
+                    COMPRESS_RATIO[kind], local, meta.swa_indices, meta.swa_lens, out, out_lens, meta.picks_local)
+    return meta.picks_local
+
+
+__all__ = ["ragged_from_padded", "combined_from_padded", "combined_from_picks", "INDEX_FORMS", "check_index_form",
+           "step_ragged", "step_combined", "picks_in_form"]

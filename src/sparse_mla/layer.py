@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_scale, check_sink, check_tensor, is_int
+from ._checks import check_kv_scale, check_scale, check_sink, check_tensor, is_int
 from .config import COMPRESS_RATIO, LAYER_KINDS, PICKS_KINDS
 from .formats import FORMAT_NAMES
-from .metadata import StepMetadata, convert_picks
+from .index_forms import check_index_form
+from .metadata import StepMetadata
 from .ops.dispatch import check_backend_name
 from .ops.validate import D_V
-from .plan import PREFILL_MODES, LayerPlan, resolve_cache_arg
+from .plan import PREFILL_MODES, LayerPlan, layer_kv_scale, resolve_cache_arg
 
 DEFAULT_WORKSPACE_BYTES = 64 << 20
 # One bf16 workspace per (device, head_dim), shared by every layer: layers of a step run one after
@@ -37,7 +38,13 @@ class SparseMLAAttention(torch.nn.Module):
     never ``576 ** -0.5``. sink: ``(num_heads,)`` float32 per-head sink logits (None: no sink), registered as a
     buffer. backend: ``"auto"``, ``"reference"`` or ``"triton"``. kv_format: if given, every cache the layer
     reads must hold this format. batch_invariant: each token's output is bitwise independent of the rest of the
-    batch (GPU kernels; see ``sparse_attention_decode``).
+    batch (GPU kernels; see ``sparse_attention_decode``). index_form: the form of the index lists the attention
+    launches read, ``"padded"`` (the step metadata's), ``"ragged"`` (flat lists + ``indptr``) or ``"combined"``
+    (one list over the SWA and compressed caches per token): the same results, see :mod:`sparse_mla.index_forms`.
+
+    fp8_e4m3 caches (one float32 ``kv_scale`` per cache) are passed as their :class:`~sparse_mla.cache.PagedCache`,
+    whose ``kv_scale`` the layer reads (every cache of a layer must share one scale tensor); with them the query
+    may be fp8 too (``forward(q_fp8, ..., q_scale=...)``).
 
     Decode tokens (the batch's first ``num_decode_tokens``) read the paged caches directly, longest key lists
     first. Prefill tokens do too by default (``prefill_mode="paged"``); ``"mixed"`` runs every token in one
@@ -51,7 +58,7 @@ class SparseMLAAttention(torch.nn.Module):
                  compress_ratio: int | None = None, topk: int | None = None, scale: float | None = None,
                  sink: torch.Tensor | None = None, backend: str = "auto", prefill_mode: str = "paged",
                  workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, kv_format: str | None = None,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, index_form: str = "padded") -> None:
         super().__init__()
         if kind not in LAYER_KINDS:
             raise ValueError(f"kind must be one of {LAYER_KINDS}, got {kind!r}")
@@ -87,16 +94,19 @@ class SparseMLAAttention(torch.nn.Module):
         self.register_buffer("sink", sink)
         self.backend, self.prefill_mode, self.workspace_bytes = backend, prefill_mode, workspace_bytes
         self.kv_format, self.batch_invariant = kv_format, bool(batch_invariant)
+        self.index_form = check_index_form(index_form)
         self.cache_kinds = ("dsa",) if kind == "dsa" else ("swa",) if kind == "swa" else ("swa", kind)
 
     def extra_repr(self) -> str:
         return (f"kind={self.kind}, num_heads={self.num_heads}, head_dim={self.head_dim}, window={self.window}, "
-                f"topk={self.topk}, prefill_mode={self.prefill_mode}, backend={self.backend}")
+                f"topk={self.topk}, prefill_mode={self.prefill_mode}, backend={self.backend}"
+                + ("" if self.index_form == "padded" else f", index_form={self.index_form}"))
 
     # ------------------------------------------------------------------ forward
 
     def forward(self, q: torch.Tensor, meta: StepMetadata | None = None, caches: dict | None = None,
-                topk_indices: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                topk_indices: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                q_scale: float | torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the step's tokens.
 
         q: ``(T, num_heads, head_dim)`` bf16, T = the batch's token capacity (dsa: absorbed queries
@@ -107,11 +117,13 @@ class SparseMLAAttention(torch.nn.Module):
         indexer's picks, ``(T, topk)`` int32 (c4a: local compressed entry numbers; dsa: request-local token
         positions; ``-1`` none; picks a token cannot see yet are dropped). Returns ``out (T, num_heads, 512)``
         bf16 (written in place when given), before V4's inverse rope on the output's rope dims; padding tokens
-        get zeros.
+        get zeros. q_scale: with fp8_e4m3 caches, q may be float8_e4m3fn, its values ``e4m3 · q_scale`` (a positive
+        number or a one-element float32 tensor on q's device, read at run time); not with ``prefill_mode="workspace"``.
         """
         dim = self.head_dim
+        q_dtype = torch.bfloat16 if q_scale is None else torch.float8_e4m3fn
         if meta is None:
-            check_tensor("q", q, dtype=torch.bfloat16, shape=(None, self.num_heads, dim))
+            check_tensor("q", q, dtype=q_dtype, shape=(None, self.num_heads, dim))
             out = self._out(q, out, q.shape[0])
             if self.prefill_mode == "workspace":
                 self._workspace_buffer(q.device)
@@ -121,9 +133,11 @@ class SparseMLAAttention(torch.nn.Module):
         batch = meta.batch
         batch.check_current()
         capacity, device = batch.token_capacity, batch.device
-        if (type(q) is not torch.Tensor or q.dtype is not torch.bfloat16 or q.shape != (capacity, self.num_heads, dim)
+        if (type(q) is not torch.Tensor or q.dtype is not q_dtype or q.shape != (capacity, self.num_heads, dim)
                 or q.device != device):  # the full check only on a miss: it names what is wrong
-            check_tensor("q", q, dtype=torch.bfloat16, shape=(None, self.num_heads, dim))
+            if q_scale is None and isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
+                raise ValueError("q is float8_e4m3fn: pass its q_scale (q's values are e4m3 · q_scale)")
+            check_tensor("q", q, dtype=q_dtype, shape=(None, self.num_heads, dim))
             if q.shape[0] != capacity:
                 raise ValueError(f"q has {q.shape[0]} tokens, the step's token capacity is {capacity}")
             check_tensor("q", q, device=device)
@@ -132,18 +146,21 @@ class SparseMLAAttention(torch.nn.Module):
         out = self._out(q, out, capacity)
         if self.kind != "dsa" and meta.spec.window != self.window:
             raise ValueError(f"the step's metadata has window {meta.spec.window}, this layer {self.window}")
-        plan, caches_t = self._plan(meta, caches)
-        kept = None
+        plan, caches_t, kv_scale = self._plan(meta, caches, q_scale is not None)
+        if q_scale is not None:
+            if self.prefill_mode == "workspace":
+                raise ValueError("an fp8 q (q_scale) needs prefill_mode 'paged' or 'mixed': the workspace prefill "
+                                 "reads a bf16 q")
+            q_scale = check_kv_scale(q_scale, device, "q_scale", values=False)
         if self.kind in PICKS_KINDS:
             if topk_indices is None:
                 raise ValueError(f"topk_indices must be given to a {self.kind} layer: the indexer's picks, "
                                  f"(T, topk) int32")
             if meta.spec.topk != self.topk:
                 raise ValueError(f"the step's metadata has topk {meta.spec.topk}, this layer {self.topk}")
-            kept = convert_picks(meta, topk_indices, self.kind)[2]
         elif topk_indices is not None:
             raise ValueError(f"topk_indices must be given only to a c4a or dsa layer, not to this {self.kind} layer")
-        plan(q, out, caches_t, kept, self.sink, self.scale)
+        plan(q, out, caches_t, topk_indices, self.sink, self.scale, q_scale, kv_scale)
         return out
 
     # ------------------------------------------------------------------ helpers
@@ -162,9 +179,10 @@ class SparseMLAAttention(torch.nn.Module):
             raise ValueError("out must be contiguous")
         return out
 
-    def _plan(self, meta: StepMetadata, caches: dict | None) -> tuple[LayerPlan, tuple[torch.Tensor, ...]]:
-        """This step's plan for this layer's configuration and caches (made on the first call of the step), and
-        the cache tensors in its scope order."""
+    def _plan(self, meta: StepMetadata, caches: dict | None,
+              q_fp8: bool = False) -> tuple[LayerPlan, tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """This step's plan for this layer's configuration and caches (made on the first call of the step), the
+        cache tensors in its scope order, and their shared kv_scale (fp8_e4m3; else None)."""
         if not isinstance(caches, dict):
             raise ValueError(f"caches must be a dict of kind -> PagedCache or tensor, got {type(caches).__name__}")
         views = {}
@@ -174,11 +192,15 @@ class SparseMLAAttention(torch.nn.Module):
                 raise ValueError(f"caches has no {kind!r} cache, which a {self.kind} layer reads (got {sorted(caches)})")
             views[kind] = resolve_cache_arg(c, f"caches[{kind!r}]")
         key = (self.kind, self.num_heads, self.backend, self.prefill_mode, self.workspace_bytes, self.batch_invariant,
-               self.sink is not None, self.kv_format, tuple(v.key for v in views.values()))
-        plan = meta.plan(key, lambda: self._make_plan(meta, views))
-        return plan, tuple(views[k].tensor for k in plan.cache_kinds)
+               self.sink is not None, self.kv_format, self.index_form, q_fp8, tuple(v.key for v in views.values()))
+        kv_scale = layer_kv_scale(views)
+        if q_fp8 and kv_scale is None:
+            raise ValueError(f"q_scale (an fp8 q) needs fp8_e4m3 caches, got "
+                             f"{ {k: v.fmt.name for k, v in views.items()} }")
+        plan = meta.plan(key, lambda: self._make_plan(meta, views, q_fp8))
+        return plan, tuple(views[k].tensor for k in plan.cache_kinds), kv_scale
 
-    def _make_plan(self, meta: StepMetadata, views: dict) -> LayerPlan:
+    def _make_plan(self, meta: StepMetadata, views: dict, q_fp8: bool = False) -> LayerPlan:
         """Check this layer against the step and its caches (once per step and configuration), then plan."""
         batch = meta.batch
         formats = {kind: v.fmt.name for kind, v in views.items()}
@@ -204,4 +226,4 @@ class SparseMLAAttention(torch.nn.Module):
                                  f"name block {needed - 1}: the cache is smaller than the block tables")
             if view.tensor.device != batch.device:
                 raise ValueError(f"{name} is on {view.tensor.device}, the step's metadata on {batch.device}")
-        return LayerPlan(meta, self, views)
+        return LayerPlan(meta, self, views, q_fp8)

@@ -160,6 +160,16 @@ def convert_picks(meta: StepMetadata, local: torch.Tensor, kind: str) -> tuple[t
     into the step's picks buffers, which the returned tensors are views of.
     """
     batch = meta.batch
+    check_picks_arg(meta, local, kind)
+    build = triton_index.compressed_picks if builders_use_triton(batch.device) else _compressed_picks_torch
+    build(batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
+          COMPRESS_RATIO[kind], local, meta.picks_indices, meta.picks_lens, meta.picks_local)
+    return meta.picks_indices, meta.picks_lens, meta.picks_local
+
+
+def check_picks_arg(meta: StepMetadata, local: torch.Tensor, kind: str) -> None:
+    """The checks of :func:`convert_picks` on its arguments (the values only under ``SPARSE_MLA_DEBUG=1``)."""
+    batch = meta.batch
     if kind not in PICKS_KINDS or kind not in batch.block_tables:
         raise ValueError(f"kind must be a kind of this batch that takes indexer picks "
                          f"{tuple(k for k in PICKS_KINDS if k in batch.block_tables)}, got {kind!r}")
@@ -167,10 +177,6 @@ def convert_picks(meta: StepMetadata, local: torch.Tensor, kind: str) -> tuple[t
                  device=batch.device)
     if debug_checks_enabled():  # device syncs: only in debug mode, like the ops' index checks
         check_picks(meta, local, kind)
-    build = triton_index.compressed_picks if builders_use_triton(batch.device) else _compressed_picks_torch
-    build(batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
-          COMPRESS_RATIO[kind], local, meta.picks_indices, meta.picks_lens, meta.picks_local)
-    return meta.picks_indices, meta.picks_lens, meta.picks_local
 
 
 def check_picks(meta: StepMetadata, local: torch.Tensor, kind: str) -> None:

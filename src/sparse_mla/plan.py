@@ -16,7 +16,9 @@ from typing import NamedTuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import index_forms
 from .cache import PagedCache
+from .config import PICKS_KINDS
 from .formats import KVFormat, resolve_cache
 from .ops import dequantize_and_gather, sparse_attention_decode, sparse_attention_prefill
 from .ops.dispatch import resolve_backend
@@ -26,12 +28,14 @@ PREFILL_MODES = ("paged", "workspace", "mixed")
 
 class CacheView(NamedTuple):
     """A validated paged cache: the ``(num_blocks, block_size, token_bytes)`` tensor, its format, and whether
-    its base and page stride are 16-byte aligned. ``key`` is what a plan depends on."""
+    its base and page stride are 16-byte aligned. ``key`` is what a plan depends on. kv_scale: an fp8_e4m3
+    :class:`PagedCache`'s ``(1,)`` float32 scale (None for the other formats)."""
 
     tensor: torch.Tensor
     fmt: KVFormat
     aligned: bool
     key: tuple
+    kv_scale: torch.Tensor | None = None
 
 
 _RESOLVED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cache argument -> (storage fingerprint, CacheView)
@@ -43,15 +47,31 @@ def resolve_cache_arg(cache: object, name: str) -> CacheView:
     tensor = cache.data if isinstance(cache, PagedCache) else cache
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a PagedCache or a paged cache tensor, got {type(cache).__name__}")
-    stamp = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+    kv_scale = getattr(cache, "kv_scale", None)
+    stamp = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, id(kv_scale))
     hit = _RESOLVED.get(cache)
     if hit is not None and hit[0] == stamp:
         return hit[1]
     paged, fmt = resolve_cache(tensor, None, name)
+    if fmt.per_tensor and kv_scale is None:
+        raise ValueError(f"{name} is an fp8_e4m3 cache tensor: pass its PagedCache, which keeps the cache's kv_scale "
+                         f"(PagedCache(..., 'fp8_e4m3', kv_scale=...))")
     aligned = paged.data_ptr() % 16 == 0 and paged.stride(0) * paged.element_size() % 16 == 0
-    view = CacheView(paged, fmt, aligned, (fmt.name, fmt.dim, aligned, paged.shape[0], paged.shape[1], paged.device))
+    view = CacheView(paged, fmt, aligned, (fmt.name, fmt.dim, aligned, paged.shape[0], paged.shape[1], paged.device),
+                     kv_scale)
     _RESOLVED[cache] = (stamp, view)
     return view
+
+
+def layer_kv_scale(views: dict[str, CacheView]) -> torch.Tensor | None:
+    """The one ``kv_scale`` tensor a layer call's fp8_e4m3 caches share (None for the other formats); caches
+    with different scale tensors are a ``ValueError`` (the kernels take one scale per call, as FlashInfer's
+    ``bmm2_scale``: give every cache of a layer the same tensor, or views of it)."""
+    scales = [v.kv_scale for v in views.values()]
+    if scales[0] is not None and any(s.data_ptr() != scales[0].data_ptr() for s in scales[1:]):
+        raise ValueError(f"the layer's fp8_e4m3 caches {sorted(views)} hold different kv_scale tensors: a layer call "
+                         f"reads its caches with one scale, so give them one shared (1,) float32 tensor")
+    return scales[0]
 
 
 class LayerPlan:
@@ -61,12 +81,18 @@ class LayerPlan:
     (prefill chunks) are launched separately; ``prefill_mode="mixed"`` launches all rows at once, ``"workspace"``
     gathers each prefill chunk's keys into the shared bf16 workspace first. layer: the
     :class:`~sparse_mla.layer.SparseMLAAttention` whose configuration (kind, heads, head_dim, backend, mode,
-    workspace size, batch invariance, whether it has a sink) the plan is for — every layer of the step with
-    that configuration shares it, so calls pass their own sink and scale; views: the caches by kind, as
-    resolved for this plan.
+    workspace size, batch invariance, whether it has a sink, index form) the plan is for — every layer of the step
+    with that configuration shares it, so calls pass their own sink and scale; views: the caches by kind, as
+    resolved for this plan; q_fp8: the calls' q is float8_e4m3fn.
+
+    The layer's ``index_form`` picks the lists the paged launches read (:mod:`sparse_mla.index_forms`):
+    ``"padded"`` the metadata's own; ``"ragged"`` their ragged form, converted once per step for the SWA and
+    c128a lists and per call for the picks; ``"combined"`` one list over the SWA and compressed caches (built once
+    per step for c128a, per call from the picks for c4a; a one-scope layer's combined list is its padded list).
+    The form's buffers are kept with the step's plans: fixed for the step, refilled without a host sync.
     """
 
-    def __init__(self, meta, layer, views: dict[str, CacheView]) -> None:
+    def __init__(self, meta, layer, views: dict[str, CacheView], q_fp8: bool = False) -> None:
         batch = meta.batch
         self.meta = meta
         self.kind, self.head_dim, self.backend = layer.kind, layer.head_dim, layer.backend
@@ -82,6 +108,10 @@ class LayerPlan:
             scopes.append(("c128a", meta.c128a_indices, meta.c128a_lens))
         self.scopes = scopes
         self.cache_kinds = tuple(k for k, _, _ in scopes)
+        # the kernels read an fp8_e4m3 cache's bytes (the resolved uint8 view); the public ops take its fp8 tensor
+        self.per_tensor = any(v.fmt.per_tensor for v in views.values())
+        self.form = "padded" if layer.index_form == "combined" and len(scopes) == 1 else layer.index_form
+        self.lists = self._form_lists(meta)
         mode = layer.prefill_mode
         parts = []  # (rows, order)
         if mode == "mixed":
@@ -92,49 +122,90 @@ class LayerPlan:
             if self.n_tok > self.n_dec and mode == "paged":  # many waves of programs: their order hardly matters
                 parts.append((slice(self.n_dec, self.n_tok), None))
         self.workspace = mode == "workspace" and self.n_tok > self.n_dec
-        self.parts = []  # (rows, order, launch or None (reference), index rows per scope, lens per scope)
+        self.parts = []  # (rows, order, launch or None (reference), index rows per scope, lens per scope, ref kwargs)
         for rows, order in parts:
-            indices = tuple(idx[rows] for _, idx, _ in scopes)
-            lens = tuple(ln[rows] for _, _, ln in scopes)
+            indices, lens, geometry, forms, ref = self._part_lists(rows, views)
             launch = None
             if self.impl == "triton":
                 from .ops.triton_attention import AttentionPlan  # needs Triton: only this backend gets here
 
                 launch = AttentionPlan(
-                    (rows.stop - rows.start, layer.num_heads, layer.head_dim), batch.device,
-                    [(views[k].fmt, views[k].tensor.shape[1], idx.shape[1]) for k, idx, _ in scopes],
+                    (rows.stop - rows.start, layer.num_heads, layer.head_dim), batch.device, geometry,
                     layer.sink is not None, order is not None, batch_invariant=layer.batch_invariant,
-                    pages_16_byte_aligned=all(v.aligned for v in views.values()), scratch=True)
-            self.parts.append((rows, order, launch, indices, lens))
+                    pages_16_byte_aligned=all(v.aligned for v in views.values()), scratch=True, q_fp8=q_fp8,
+                    **forms)
+            self.parts.append((rows, order, launch, indices, lens, ref))
         # the LSE the kernels write and the layer drops
         self.lse = torch.empty(self.capacity, layer.num_heads, dtype=torch.float32, device=batch.device)
 
+    def _form_lists(self, meta) -> list | tuple | None:
+        """The index form's step buffers: ragged, per scope ``(flat, indptr)``; combined, ``(indices, lens)``."""
+        if self.form == "ragged":
+            return [index_forms.step_ragged(meta, kind, idx, ln, fill=kind not in PICKS_KINDS)
+                    for kind, idx, ln in self.scopes]
+        if self.form == "combined":
+            kind, idx, ln = self.scopes[1]
+            return index_forms.step_combined(meta, kind, idx, ln, fill=kind not in PICKS_KINDS)
+        return None
+
+    def _part_lists(self, rows: slice, views: dict[str, CacheView]) -> tuple:
+        """What the launch of ``rows`` reads in the layer's form: (index tensors per scope, lens per scope — a
+        ragged scope's indptr —, the scopes' geometry, the attention plan's form arguments, the reference op's
+        index arguments)."""
+        geometry = [(views[k].fmt, views[k].tensor.shape[1], idx.shape[1]) for k, idx, _ in self.scopes]
+        if self.form == "ragged":
+            indices = tuple(flat for flat, _ in self.lists)
+            lens = tuple(indptr[rows.start : rows.stop + 1] for _, indptr in self.lists)
+            ref = dict(indices=indices[0], indptr=lens[0])
+            if len(indices) > 1:
+                ref.update(extra_indices=indices[1], extra_indptr=lens[1])
+            return indices, lens, geometry, dict(ragged=(True,) * len(indices)), ref
+        if self.form == "combined":
+            comb, comb_lens = self.lists
+            window = self.scopes[0][1].shape[1]
+            indices = (comb[rows, :window], comb[rows, window:])
+            lens = (comb_lens[rows], comb_lens[rows])
+            return indices, lens, geometry, dict(combined=True), dict(indices=comb[rows], lens=comb_lens[rows],
+                                                                     combined_window=window)
+        indices = tuple(idx[rows] for _, idx, _ in self.scopes)
+        lens = tuple(ln[rows] for _, _, ln in self.scopes)
+        ref = dict(indices=indices[0], lens=lens[0])
+        if len(indices) > 1:
+            ref.update(extra_indices=indices[1], extra_lens=lens[1])
+        return indices, lens, geometry, {}, ref
+
     def __call__(self, q: torch.Tensor, out: torch.Tensor, caches: tuple[torch.Tensor, ...],
-                 kept_picks: torch.Tensor | None, sink: torch.Tensor | None, scale: float) -> None:
+                 picks: torch.Tensor | None, sink: torch.Tensor | None, scale: float,
+                 q_scale: torch.Tensor | None = None, kv_scale: torch.Tensor | None = None) -> None:
         """Attention of every token into ``out``; padding rows get zeros. q / out: ``(T, H, d)`` / ``(T, H, 512)``
-        with unit-stride rows / contiguous; caches: the scopes' cache tensors in scope order; kept_picks: the
-        layer's kept picks (c4a / dsa, for the workspace mode); sink / scale: the calling layer's."""
-        for rows, order, launch, indices, lens in self.parts:
+        with unit-stride rows / contiguous; caches: the scopes' cache tensors in scope order; picks: a c4a / dsa
+        layer's indexer picks ``(T, topk)`` int32 (converted here, into the layer's index form); sink / scale: the
+        calling layer's; q_scale / kv_scale: ``(1,)`` float32, an fp8 q's and the fp8_e4m3 caches' scales."""
+        kept = None
+        if picks is not None:
+            kept = index_forms.picks_in_form(self.meta, picks, self.kind, self.form,
+                                             None if self.lists is None
+                                             else self.lists[-1] if self.form == "ragged" else self.lists)
+        op_caches = tuple(c.view(torch.float8_e4m3fn) for c in caches) if self.per_tensor else caches
+        for rows, order, launch, indices, lens, ref in self.parts:
             q_rows = q if rows.start == 0 else q[rows]  # row 0 on: the same pointer, and the plan knows the count
             out_rows = out if rows.start == 0 else out[rows]
             if launch is not None:
-                launch(q_rows, out_rows, self.lse, sink, scale, caches, indices, lens, order)
+                launch(q_rows, out_rows, self.lse, sink, scale, caches, indices, lens, order, q_scale, kv_scale)
             else:
                 n = rows.stop - rows.start
-                self._reference(q_rows[:n], out_rows[:n], caches, indices, lens, order, sink, scale)
+                self._reference(q_rows[:n], out_rows[:n], op_caches, ref, order, sink, scale, q_scale, kv_scale)
         if self.workspace:
-            self._prefill_workspace(q, out, caches, kept_picks, sink, scale)
+            self._prefill_workspace(q, out, op_caches, kept, sink, scale, kv_scale)
         if self.n_tok < self.capacity:
             out[self.n_tok:].zero_()
 
-    def _reference(self, q, out, caches, indices, lens, order, sink, scale) -> None:
-        extra = {}
-        if len(caches) > 1:
-            extra = dict(extra_cache=caches[1], extra_indices=indices[1], extra_lens=lens[1])
-        sparse_attention_decode(q, caches[0], indices[0], lens[0], sink=sink, scale=scale, backend=self.backend,
-                                out=out, order=order, **extra)
+    def _reference(self, q, out, caches, ref, order, sink, scale, q_scale, kv_scale) -> None:
+        extra = dict(extra_cache=caches[1]) if len(caches) > 1 else {}
+        sparse_attention_decode(q, caches[0], **ref, sink=sink, scale=scale, backend=self.backend, out=out,
+                                order=order, q_scale=q_scale, kv_scale=kv_scale, **extra)
 
-    def _prefill_workspace(self, q, out, caches, kept_picks, sink, scale) -> None:
+    def _prefill_workspace(self, q, out, caches, kept_picks, sink, scale, kv_scale) -> None:
         from .layer import shared_workspace
         from .metadata import workspace_indices
 
@@ -145,9 +216,11 @@ class LayerPlan:
             ws = ws_all[: chunk.num_rows]
             n_c = chunk.compressed_slots.shape[0]
             if n_c:
-                ws[:n_c] = dequantize_and_gather(by_kind[kind], chunk.compressed_slots, backend=self.backend)
+                ws[:n_c] = dequantize_and_gather(by_kind[kind], chunk.compressed_slots, backend=self.backend,
+                                                 kv_scale=kv_scale)
             if chunk.swa_slots.shape[0]:
-                ws[n_c:] = dequantize_and_gather(by_kind["swa"], chunk.swa_slots, backend=self.backend)
+                ws[n_c:] = dequantize_and_gather(by_kind["swa"], chunk.swa_slots, backend=self.backend,
+                                                 kv_scale=kv_scale)
             idx, lens = workspace_indices(meta, chunk, kept_picks)
             sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, sink, scale, backend=self.backend,
                                      out=out[chunk.tokens])

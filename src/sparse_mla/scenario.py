@@ -20,6 +20,8 @@ from .formats import KVFormat, decode_records, encode_records
 from .metadata import MetadataSpec, StepMetadata, build_step_metadata
 from .oracle import DenseOracle
 
+E4M3_SCENARIO_SCALE = 0.006  # fp8_e4m3 scenarios' kv_scale: the latents (N(0, 0.25)) use e4m3's range up to ~400
+
 
 @dataclass
 class Scenario:
@@ -51,9 +53,10 @@ class Scenario:
         return out
 
 
-def dequantized(kv: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
-    """``kv (n, d)`` bf16 as a cache of ``fmt`` stores it, dequantised to float32 (the format's codec, no paging)."""
-    return decode_records(encode_records(kv, fmt), fmt) if fmt.is_fp8 else kv.float()
+def dequantized(kv: torch.Tensor, fmt: KVFormat, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``kv (n, d)`` bf16 as a cache of ``fmt`` stores it, dequantised to float32 (the format's codec, no paging;
+    ``kv_scale``: an fp8_e4m3 cache's)."""
+    return decode_records(encode_records(kv, fmt, kv_scale), fmt, kv_scale) if fmt.is_fp8 else kv.float()
 
 
 def random_picks(positions: torch.Tensor, topk: int, gen: torch.Generator, num_entries: int,
@@ -78,8 +81,11 @@ def random_picks(positions: torch.Tensor, topk: int, gen: torch.Generator, num_e
 def make_scenario(lengths: list[tuple[int, int]], *, window: int = 128, topk: int = 512, fmt: str = "fp8_v4",
                   dim: int = 512, decode_threshold: int = 1, padding: int = 0, seed: int = 0,
                   device: torch.device | str = "cpu", block_sizes: dict[str, int] | None = None,
-                  picks: torch.Tensor | None = None) -> Scenario:
+                  picks: torch.Tensor | None = None, kv_scale: float | None = None) -> Scenario:
     """lengths: ``(seq_len, query_len)`` per request, decodes first; ``padding`` extra token rows.
+
+    fmt ``"fp8_e4m3"``: every cache shares one ``(1,)`` float32 ``kv_scale`` tensor (default
+    :data:`E4M3_SCENARIO_SCALE`), as a layer's caches must.
 
     picks: the indexer's ``(token_capacity, topk)`` int32 picks (default: :func:`random_picks`); only picked
     entries are written to the c4a (V4) or dsa (V3.2, ``dim=576``) cache.
@@ -88,9 +94,15 @@ def make_scenario(lengths: list[tuple[int, int]], *, window: int = 128, topk: in
     kinds = ("dsa",) if dim == 576 else V4_KINDS
     sizes = {k: (block_sizes or {}).get(k, DEFAULT_BLOCK_SIZE[k]) for k in kinds}
     caches, tables = {}, {k: [] for k in kinds}
+    scale = None
+    if fmt == "fp8_e4m3":
+        scale = torch.full((1,), E4M3_SCENARIO_SCALE if kv_scale is None else kv_scale, dtype=torch.float32,
+                           device=device)
+    elif kv_scale is not None:
+        raise ValueError(f"kv_scale is only for fp8_e4m3 scenarios, got fmt {fmt!r}")
     for kind, bs in sizes.items():
         need = [blocks_needed(s, kind, bs) for s, _ in lengths]
-        caches[kind] = PagedCache(sum(need) + 2, bs, fmt, dim, device)
+        caches[kind] = PagedCache(sum(need) + 2, bs, fmt, dim, device, kv_scale=scale)
         caches[kind].poison()
         blocks = torch.tensor(caches[kind].allocator.allocate(sum(need)), dtype=torch.long)
         blocks = blocks[torch.randperm(sum(need), generator=gen)]
@@ -129,7 +141,8 @@ def make_scenario(lengths: list[tuple[int, int]], *, window: int = 128, topk: in
         slots = slots_of(batch.block_tables[kind], req, entries, sizes[kind])
         kv = (torch.randn(len(entries), dim, generator=gen) * 0.5).to(torch.bfloat16)
         caches[kind].write(kv.to(device), slots)
-        values = dequantized(kv, caches[kind].fmt)  # what the cache holds, computed without the cache
+        # what the cache holds, computed without the cache
+        values = dequantized(kv, caches[kind].fmt, None if scale is None else scale.cpu())
         start = 0
         for r, e in items:
             mine = values[start:start + len(e)]
