@@ -129,7 +129,8 @@ def test_fingerprint_separates_what_triton_specialises_on():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
-def test_a_whole_decode_step_captured_once_replays_for_other_batches():
+@pytest.mark.parametrize("index_form", ["padded", "ragged", "combined"])
+def test_a_whole_decode_step_captured_once_replays_for_other_batches(index_form):
     from sparse_mla.graphs import StepGraph
 
     spec = MetadataSpec(window=8, topk=4)
@@ -138,7 +139,8 @@ def test_a_whole_decode_step_captured_once_replays_for_other_batches():
         c.write(torch.randn(c.num_slots, 512).to(torch.bfloat16).to(DEVICE),
                 torch.arange(c.num_slots, dtype=torch.int32, device=DEVICE))
     gen = torch.Generator().manual_seed(3)
-    layers = [SparseMLAAttention(k, 4, window=8, topk=4 if k == "c4a" else None, sink=torch.randn(4).to(DEVICE))
+    layers = [SparseMLAAttention(k, 4, window=8, topk=4 if k == "c4a" else None, sink=torch.randn(4).to(DEVICE),
+                                 index_form=index_form)
               for k in ("swa", "c4a", "c128a", "c4a")]
     q = torch.randn(8, 4, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
     picks = torch.zeros(8, 4, dtype=torch.int32, device=DEVICE)

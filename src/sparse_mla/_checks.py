@@ -119,7 +119,7 @@ def check_kv_scale(kv_scale: object, device: torch.device, name: str = "kv_scale
             raise ValueError(f"{name} must hold one value, got shape {tuple(kv_scale.shape)}")
         if values and not bool(((kv_scale > 0) & torch.isfinite(kv_scale)).all()):
             raise ValueError(f"{name} must be positive and finite, got {kv_scale.item()}")
-        return kv_scale.reshape(1)
+        return kv_scale if kv_scale.dim() == 1 else kv_scale.reshape(1)  # a (1,) tensor: itself
     if isinstance(kv_scale, bool) or not (isinstance(kv_scale, (int, float)) and 0 < kv_scale < float("inf")):
         raise ValueError(f"{name} must be a positive finite number or a one-element float32 tensor, got {kv_scale!r}")
     return torch.full((1,), float(kv_scale), dtype=torch.float32, device=device)
