@@ -460,7 +460,7 @@ class AttentionPlan:
         constants = dict(BS0=bs0, BS1=bs1, HAS_EXTRA=self.has_extra, HAS_SINK=has_sink, HAS_ORDER=has_order,
                          SPLITS=splits, SPLIT_BLOCKS=split_blocks)
         if self.kernel == "gluon":
-            constants["FMT"] = 1 if formats == frozenset({"fp8_v4"}) else 0
+            constants["FMT"] = f0.code  # every scope fp8_v4 (FMT_FP8_V4) or every scope bf16 (FMT_BF16)
             options = {"num_warps": gluon_attention.PARTITION_WARPS}
         else:
             pa, pb, pc, v_has_rope = latent_pieces(dim)
