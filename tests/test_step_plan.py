@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from sparse_mla import formats
 from sparse_mla import plan as plan_module
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
 from sparse_mla.cache import PagedCache
@@ -85,8 +86,8 @@ def test_one_plan_per_step_and_configuration(monkeypatch):
 
 def test_caches_are_validated_once_per_tensor(monkeypatch):
     calls = []
-    real = plan_module.resolve_cache
-    monkeypatch.setattr(plan_module, "resolve_cache", lambda *a: calls.append(a[2]) or real(*a))
+    real = formats.resolve_cache
+    monkeypatch.setattr(formats, "resolve_cache", lambda *a: calls.append(a[2]) or real(*a))
     cache = PagedCache(4, 4, "fp8_v4")
     first = plan_module.resolve_cache_arg(cache, "caches['swa']")
     assert plan_module.resolve_cache_arg(cache, "caches['swa']") is first and len(calls) == 1

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._checks import check_finite, check_positive_int, check_tensor, is_int
 
@@ -147,12 +148,17 @@ def resolve_cache(cache: torch.Tensor, fmt: str | KVFormat | None = None,
                   name: str = "cache") -> tuple[torch.Tensor, KVFormat]:
     """Infer a cache's format, check it against ``fmt`` when given, and validate its layout."""
     found = infer_format(cache, name)
+    _check_format(cache, found, fmt, name)
+    return as_paged(cache, found, name), found
+
+
+def _check_format(cache: torch.Tensor, found: KVFormat, fmt: str | KVFormat | None, name: str) -> None:
+    """``ValueError`` unless the cache's format ``found`` is the asked-for ``fmt`` (None: any)."""
     if fmt is not None and get_format(fmt, found.dim if fmt == "bf16" else None) != found:  # bf16: the cache's width
         want = fmt.name if isinstance(fmt, KVFormat) else fmt
         raise ValueError(f"{name} holds {found.name} data ({cache.dtype}, last axis {cache.shape[-1]}) "
                          f"but fmt is {want!r}"
                          + (f" (dim {fmt.dim})" if isinstance(fmt, KVFormat) else ""))
-    return as_paged(cache, found, name), found
 
 
 def field_views(cache: torch.Tensor, fmt: KVFormat) -> list[tuple[torch.Tensor, int, int]]:
@@ -279,3 +285,21 @@ def dequantize_blocks(cache: torch.Tensor, fmt: str | KVFormat | None = None) ->
     nb, bs, _ = cache.shape
     blocks, offsets = _block_grid(nb, bs, cache.device)
     return read_tokens(cache, f, blocks, offsets).to(torch.bfloat16).view(nb, bs, f.dim)
+
+
+_RESOLVED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cache tensor -> (storage stamp, paged view, format)
+
+
+def resolve_cache_once(cache: torch.Tensor, fmt: str | KVFormat | None = None,
+                       name: str = "cache") -> tuple[torch.Tensor, KVFormat]:
+    """:func:`resolve_cache`, remembered per cache tensor: a tensor seen before with the same data pointer,
+    shape, strides and dtype is not validated again (caches live for the whole serving run; the per-call
+    checks of the ops and layers then cost a dictionary lookup). A given ``fmt`` is compared every time."""
+    if not isinstance(cache, torch.Tensor):
+        return resolve_cache(cache, fmt, name)  # raises the TypeError naming it
+    stamp = (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype)
+    hit = _RESOLVED.get(cache)
+    if hit is None or hit[0] != stamp:
+        hit = _RESOLVED[cache] = (stamp, *resolve_cache(cache, None, name))
+    _check_format(cache, hit[2], fmt, name)
+    return hit[1], hit[2]

@@ -88,6 +88,8 @@ class SparseMLAAttention(torch.nn.Module):
         self.backend, self.prefill_mode, self.workspace_bytes = backend, prefill_mode, workspace_bytes
         self.kv_format, self.batch_invariant = kv_format, bool(batch_invariant)
         self.cache_kinds = ("dsa",) if kind == "dsa" else ("swa",) if kind == "swa" else ("swa", kind)
+        # what a step plan depends on besides the sink's presence and the caches (layers sharing it share a plan)
+        self._config = (kind, num_heads, backend, prefill_mode, workspace_bytes, self.batch_invariant, kv_format)
 
     def extra_repr(self) -> str:
         return (f"kind={self.kind}, num_heads={self.num_heads}, head_dim={self.head_dim}, window={self.window}, "
@@ -132,7 +134,8 @@ class SparseMLAAttention(torch.nn.Module):
         out = self._out(q, out, capacity)
         if self.kind != "dsa" and meta.spec.window != self.window:
             raise ValueError(f"the step's metadata has window {meta.spec.window}, this layer {self.window}")
-        plan, caches_t = self._plan(meta, caches)
+        sink = self._buffers["sink"]
+        plan, caches_t = self._plan(meta, caches, sink is not None)
         kept = None
         if self.kind in PICKS_KINDS:
             if topk_indices is None:
@@ -143,7 +146,7 @@ class SparseMLAAttention(torch.nn.Module):
             kept = convert_picks(meta, topk_indices, self.kind)[2]
         elif topk_indices is not None:
             raise ValueError(f"topk_indices must be given only to a c4a or dsa layer, not to this {self.kind} layer")
-        plan(q, out, caches_t, kept, self.sink, self.scale)
+        plan(q, out, caches_t, kept, sink, self.scale)
         return out
 
     # ------------------------------------------------------------------ helpers
@@ -162,7 +165,8 @@ class SparseMLAAttention(torch.nn.Module):
             raise ValueError("out must be contiguous")
         return out
 
-    def _plan(self, meta: StepMetadata, caches: dict | None) -> tuple[LayerPlan, tuple[torch.Tensor, ...]]:
+    def _plan(self, meta: StepMetadata, caches: dict | None, has_sink: bool
+              ) -> tuple[LayerPlan, tuple[torch.Tensor, ...]]:
         """This step's plan for this layer's configuration and caches (made on the first call of the step), and
         the cache tensors in its scope order."""
         if not isinstance(caches, dict):
@@ -173,8 +177,7 @@ class SparseMLAAttention(torch.nn.Module):
             if c is None:
                 raise ValueError(f"caches has no {kind!r} cache, which a {self.kind} layer reads (got {sorted(caches)})")
             views[kind] = resolve_cache_arg(c, f"caches[{kind!r}]")
-        key = (self.kind, self.num_heads, self.backend, self.prefill_mode, self.workspace_bytes, self.batch_invariant,
-               self.sink is not None, self.kv_format, tuple(v.key for v in views.values()))
+        key = (self._config, has_sink, tuple(v.key for v in views.values()))
         plan = meta.plan(key, lambda: self._make_plan(meta, views))
         return plan, tuple(views[k].tensor for k in plan.cache_kinds)
 

@@ -163,14 +163,33 @@ def convert_picks(meta: StepMetadata, local: torch.Tensor, kind: str) -> tuple[t
     if kind not in PICKS_KINDS or kind not in batch.block_tables:
         raise ValueError(f"kind must be a kind of this batch that takes indexer picks "
                          f"{tuple(k for k in PICKS_KINDS if k in batch.block_tables)}, got {kind!r}")
-    check_tensor("topk_indices", local, dtype=torch.int32, shape=(batch.token_capacity, meta.spec.topk),
-                 device=batch.device)
-    if debug_checks_enabled():  # device syncs: only in debug mode, like the ops' index checks
-        check_picks(meta, local, kind)
-    build = triton_index.compressed_picks if builders_use_triton(batch.device) else _compressed_picks_torch
-    build(batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
-          COMPRESS_RATIO[kind], local, meta.picks_indices, meta.picks_lens, meta.picks_local)
+    meta.plan(("picks", kind), lambda: PicksConverter(meta, kind))(local)
     return meta.picks_indices, meta.picks_lens, meta.picks_local
+
+
+class PicksConverter:
+    """One step's conversion of a kind's picks (:func:`convert_picks`): everything but the picks is bound once,
+    so a layer call pays one launch and attribute checks."""
+
+    def __init__(self, meta: StepMetadata, kind: str) -> None:
+        batch = meta.batch
+        self.meta, self.kind = meta, kind
+        self.shape, self.device = (batch.token_capacity, meta.spec.topk), batch.device
+        fixed = (batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
+                 COMPRESS_RATIO[kind])
+        outs = (meta.picks_indices, meta.picks_lens, meta.picks_local)
+        if builders_use_triton(batch.device):
+            self._convert = triton_index.picks_converter(*fixed, *outs)
+        else:
+            self._convert = lambda local: _compressed_picks_torch(*fixed, local, *outs)
+
+    def __call__(self, local: torch.Tensor) -> None:
+        if (type(local) is not torch.Tensor or local.dtype is not torch.int32 or local.shape != self.shape
+                or local.device != self.device):  # the full check only on a miss: it names what is wrong
+            check_tensor("topk_indices", local, dtype=torch.int32, shape=self.shape, device=self.device)
+        if debug_checks_enabled():  # device syncs: only in debug mode, like the ops' index checks
+            check_picks(self.meta, local, self.kind)
+        self._convert(local)
 
 
 def check_picks(meta: StepMetadata, local: torch.Tensor, kind: str) -> None:

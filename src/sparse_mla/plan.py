@@ -6,8 +6,7 @@ index lists each part of the batch reads, which implementation runs (:mod:`spars
 kernels' grids, splits, scratch buffers and decode orders. A call then only checks its tensors' attributes and
 launches.
 
-Caches are validated once per cache tensor, not once per call: :func:`resolve_cache_arg` remembers each
-tensor's format and geometry and re-validates it only if its storage or shape changed.
+Caches are validated once per cache tensor, not once per call (``formats.resolve_cache_once``).
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .cache import PagedCache
-from .formats import KVFormat, resolve_cache
+from .formats import KVFormat, resolve_cache_once
 from .ops import dequantize_and_gather, sparse_attention_decode, sparse_attention_prefill
 from .ops.dispatch import resolve_backend
 
@@ -34,23 +33,20 @@ class CacheView(NamedTuple):
     key: tuple
 
 
-_RESOLVED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cache argument -> (storage fingerprint, CacheView)
+_VIEWS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # paged cache tensor -> its CacheView
 
 
 def resolve_cache_arg(cache: object, name: str) -> CacheView:
-    """A :class:`PagedCache` or paged cache tensor, validated (``formats.resolve_cache``) on first sight and
-    again only when its data pointer, shape or strides change."""
+    """A :class:`PagedCache` or paged cache tensor, validated (``formats.resolve_cache_once``)."""
     tensor = cache.data if isinstance(cache, PagedCache) else cache
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a PagedCache or a paged cache tensor, got {type(cache).__name__}")
-    stamp = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
-    hit = _RESOLVED.get(cache)
-    if hit is not None and hit[0] == stamp:
-        return hit[1]
-    paged, fmt = resolve_cache(tensor, None, name)
-    aligned = paged.data_ptr() % 16 == 0 and paged.stride(0) * paged.element_size() % 16 == 0
-    view = CacheView(paged, fmt, aligned, (fmt.name, fmt.dim, aligned, paged.shape[0], paged.shape[1], paged.device))
-    _RESOLVED[cache] = (stamp, view)
+    paged, fmt = resolve_cache_once(tensor, None, name)
+    view = _VIEWS.get(paged)
+    if view is None:
+        aligned = paged.data_ptr() % 16 == 0 and paged.stride(0) * paged.element_size() % 16 == 0
+        view = _VIEWS[paged] = CacheView(paged, fmt, aligned, (fmt.name, fmt.dim, aligned, paged.shape[0],
+                                                               paged.shape[1], paged.device))
     return view
 
 

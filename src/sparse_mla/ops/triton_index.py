@@ -142,12 +142,24 @@ def compressed_picks(positions: torch.Tensor, token_to_req: torch.Tensor, table:
                      out_kept: torch.Tensor) -> None:
     """Fill ``out_indices (T, topk)`` / ``out_lens`` from the indexer's local picks ``local (T, topk)``;
     ``out_kept (T, topk)`` receives the kept picks themselves, compacted the same way."""
-    num_tokens, topk = local.shape
-    if num_tokens:
-        constexprs = (("RATIO", ratio), ("BS", block_size), ("TOPK_P2", triton.next_power_of_2(topk)))
-        cached_launch(_picks_kernel, constexprs)(
-            (num_tokens,), positions, token_to_req, table, table.stride(0), table.shape[1], local, local.stride(0),
-            out_indices, out_indices.stride(0), out_lens, out_kept, out_kept.stride(0), topk)
+    picks_converter(positions, token_to_req, table, block_size, ratio, out_indices, out_lens, out_kept)(local)
+
+
+def picks_converter(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor, block_size: int,
+                    ratio: int, out_indices: torch.Tensor, out_lens: torch.Tensor, out_kept: torch.Tensor):
+    """:func:`compressed_picks` with everything but the picks bound once (a step's layers convert their picks
+    into the same buffers): returns ``convert(local)``, one launch per call."""
+    num_tokens, topk = out_indices.shape
+    launch = cached_launch(_picks_kernel, (("RATIO", ratio), ("BS", block_size),
+                                           ("TOPK_P2", triton.next_power_of_2(topk))))
+    head = (positions, token_to_req, table, table.stride(0), table.shape[1])
+    tail = (out_indices, out_indices.stride(0), out_lens, out_kept, out_kept.stride(0), topk)
+    grid = (num_tokens,)
+
+    def convert(local: torch.Tensor) -> None:
+        if num_tokens:
+            launch(grid, *head, local, local.stride(0), *tail)
+    return convert
 
 
 @triton.jit

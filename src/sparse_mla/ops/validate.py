@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_finite, check_index_range, check_no_overlap, check_scale, check_sink, check_tensor
-from ..formats import KVFormat, resolve_cache
+from ..formats import KVFormat, resolve_cache, resolve_cache_once
 
 D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part of 576)
 
@@ -54,7 +54,7 @@ class AttentionArgs:
 
 def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None,
            fmt: str | KVFormat | None, check_ranges: bool, cache_name: str) -> Scope:
-    cache, f = resolve_cache(cache, fmt, cache_name)
+    cache, f = resolve_cache_once(cache, fmt, cache_name)
     if f.dim != q.shape[-1]:
         raise ValueError(f"q has head dim {q.shape[-1]} but {cache_name} holds {f.name} tokens of dim {f.dim}")
     num_tokens = q.shape[0]
