@@ -60,9 +60,9 @@ if "--profile" in sys.argv:
     from sparse_mla.ops import launch as launch_mod
 
     print("fast path:", launch_mod.fast_path_enabled())
-    layer = SparseMLAAttention("swa", 64, sink=sink)
-    layer(q, sc.meta, sc.caches, out=out)
-    for name, fn in (("swa layer", lambda: layer(q, sc.meta, sc.caches, out=out)),
+    layer = SparseMLAAttention("c4a", 64, topk=512, sink=sink)
+    layer(q, sc.meta, sc.caches, sc.topk_local, out=out)
+    for name, fn in (("c4a layer", lambda: layer(q, sc.meta, sc.caches, sc.topk_local, out=out)),
                      ("build", lambda: build_step_metadata(sc.batch, sc.meta.spec, out=sc.meta))):
         fn()
         torch.cuda.synchronize()
@@ -73,4 +73,4 @@ if "--profile" in sys.argv:
         prof.disable()
         torch.cuda.synchronize()
         print("=====", name)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
