@@ -170,3 +170,18 @@ def test_a_whole_decode_step_captured_once_replays_for_other_batches():
         assert not any(math.isnan(o.float().sum().item()) for o in replayed)
     with pytest.raises(ValueError, match="batch has shape"):
         graph.replay(new_batch([(100, 1), (800, 2), (33, 2)]))
+
+
+def test_identity_memo_remakes_on_a_new_stamp_and_forgets_dead_objects():
+    import gc
+
+    from sparse_mla.formats import IdentityMemo
+
+    memo, made = IdentityMemo(), []
+    t = torch.zeros(3)
+    make = lambda: made.append(1) or len(made)  # noqa: E731
+    assert memo.get(t, "a", make) == 1 and memo.get(t, "a", make) == 1
+    assert memo.get(t, "b", make) == 2  # the stamp changed: made again
+    del t
+    gc.collect()
+    assert memo._entries == {}  # the entry left with its object

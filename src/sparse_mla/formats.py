@@ -21,10 +21,10 @@ record lives inside a block, so the record never needs to be contiguous in the c
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ._checks import check_finite, check_positive_int, check_tensor, is_int
 
@@ -287,7 +287,27 @@ def dequantize_blocks(cache: torch.Tensor, fmt: str | KVFormat | None = None) ->
     return read_tokens(cache, f, blocks, offsets).to(torch.bfloat16).view(nb, bs, f.dim)
 
 
-_RESOLVED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cache tensor -> (storage stamp, paged view, format)
+class IdentityMemo:
+    """Values derived from objects, remembered per live object (by identity) and made again when the object's
+    ``stamp`` changes: a cheap lookup (an ``id``, a dict, a weak reference) for what is checked once per object."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple] = {}
+
+    def get(self, obj: object, stamp: object, make):
+        """The value remembered for ``obj`` under ``stamp``, else ``make()`` (remembered if it returns)."""
+        key = id(obj)
+        hit = self._entries.get(key)
+        if hit is not None and hit[1] == stamp and hit[0]() is obj:
+            return hit[2]
+        value = make()
+        entries = self._entries
+        # the entry leaves with its object (the callback runs before the id can be reused)
+        self._entries[key] = (weakref.ref(obj, lambda _, key=key: entries.pop(key, None)), stamp, value)
+        return value
+
+
+_RESOLVED = IdentityMemo()  # cache tensor -> (paged view, format)
 
 
 def resolve_cache_once(cache: torch.Tensor, fmt: str | KVFormat | None = None,
@@ -297,9 +317,7 @@ def resolve_cache_once(cache: torch.Tensor, fmt: str | KVFormat | None = None,
     checks of the ops and layers then cost a dictionary lookup). A given ``fmt`` is compared every time."""
     if not isinstance(cache, torch.Tensor):
         return resolve_cache(cache, fmt, name)  # raises the TypeError naming it
-    stamp = (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype)
-    hit = _RESOLVED.get(cache)
-    if hit is None or hit[0] != stamp:
-        hit = _RESOLVED[cache] = (stamp, *resolve_cache(cache, None, name))
-    _check_format(cache, hit[2], fmt, name)
-    return hit[1], hit[2]
+    paged, found = _RESOLVED.get(cache, (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype),
+                                 lambda: resolve_cache(cache, None, name))
+    _check_format(cache, found, fmt, name)
+    return paged, found

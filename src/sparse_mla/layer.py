@@ -40,16 +40,16 @@ class SparseMLAAttention(torch.nn.Module):
     batch (GPU kernels; see ``sparse_attention_decode``).
 
     Decode tokens (the batch's first ``num_decode_tokens``) read the paged caches directly, longest key lists
-    first. Prefill tokens do too by default (``prefill_mode="paged"``); ``"mixed"`` runs every token in one
-    launch (no decode order); ``"workspace"`` gathers each chunk's keys into a bf16 workspace of at most
-    ``workspace_bytes`` first (FlashMLA's prefill path; one workspace per device is shared by all layers, see
-    :func:`shared_workspace`). The layer reads caches only: the engine inserts the step's new KV and compressed
+    first. Prefill tokens do too with ``prefill_mode="paged"`` (V4's default); ``"mixed"`` runs every token in
+    one launch (no decode order); ``"workspace"`` (V3.2's default) gathers each chunk's keys into a bf16
+    workspace of at most ``workspace_bytes`` first (FlashMLA's prefill path; one workspace per device is shared
+    by all layers, see :func:`shared_workspace`). The defaults are the faster modes on an H100 (BENCHMARKS.md). The layer reads caches only: the engine inserts the step's new KV and compressed
     entries before ``forward``.
     """
 
     def __init__(self, kind: str, num_heads: int, head_dim: int = 512, window: int = 128, *,
                  compress_ratio: int | None = None, topk: int | None = None, scale: float | None = None,
-                 sink: torch.Tensor | None = None, backend: str = "auto", prefill_mode: str = "paged",
+                 sink: torch.Tensor | None = None, backend: str = "auto", prefill_mode: str | None = None,
                  workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, kv_format: str | None = None,
                  batch_invariant: bool = False) -> None:
         super().__init__()
@@ -58,6 +58,8 @@ class SparseMLAAttention(torch.nn.Module):
         if compress_ratio is not None and compress_ratio != COMPRESS_RATIO[kind]:
             raise ValueError(f"compress_ratio {compress_ratio} does not match kind {kind!r} "
                              f"(ratio {COMPRESS_RATIO[kind]})")
+        if prefill_mode is None:  # measured on an H100 (BENCHMARKS.md): V4 paged-direct, V3.2 the workspace
+            prefill_mode = "workspace" if kind == "dsa" else "paged"
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         if kind in PICKS_KINDS and not topk:

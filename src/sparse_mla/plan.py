@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .cache import PagedCache
-from .formats import KVFormat, resolve_cache_once
+from .formats import IdentityMemo, KVFormat, resolve_cache_once
 from .ops import dequantize_and_gather, sparse_attention_decode, sparse_attention_prefill
 from .ops.dispatch import resolve_backend
 
@@ -33,7 +32,7 @@ class CacheView(NamedTuple):
     key: tuple
 
 
-_VIEWS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # paged cache tensor -> its CacheView
+_VIEWS = IdentityMemo()  # paged cache view (one per validated cache tensor) -> its CacheView
 
 
 def resolve_cache_arg(cache: object, name: str) -> CacheView:
@@ -42,12 +41,12 @@ def resolve_cache_arg(cache: object, name: str) -> CacheView:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a PagedCache or a paged cache tensor, got {type(cache).__name__}")
     paged, fmt = resolve_cache_once(tensor, None, name)
-    view = _VIEWS.get(paged)
-    if view is None:
-        aligned = paged.data_ptr() % 16 == 0 and paged.stride(0) * paged.element_size() % 16 == 0
-        view = _VIEWS[paged] = CacheView(paged, fmt, aligned, (fmt.name, fmt.dim, aligned, paged.shape[0],
-                                                               paged.shape[1], paged.device))
-    return view
+    return _VIEWS.get(paged, None, lambda: _view(paged, fmt))
+
+
+def _view(paged: torch.Tensor, fmt: KVFormat) -> CacheView:
+    aligned = paged.data_ptr() % 16 == 0 and paged.stride(0) * paged.element_size() % 16 == 0
+    return CacheView(paged, fmt, aligned, (fmt.name, fmt.dim, aligned, paged.shape[0], paged.shape[1], paged.device))
 
 
 class LayerPlan:
