@@ -91,7 +91,8 @@ class StepMetadata:
     picks_local: torch.Tensor | None
     picks_bound: torch.Tensor | None
     decode_orders: dict[str, torch.Tensor] = field(default_factory=dict)
-    _plans: dict = field(default_factory=dict, repr=False)
+    _plans: dict = field(default_factory=dict, repr=False)  # this step's plans (cleared by each build)
+    _fill_lists: object = field(default=None, repr=False)  # the bound launch of the step lists (every build)
 
     @property
     def picks_kind(self) -> str | None:
@@ -283,17 +284,21 @@ def _picks_buffers(meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def _step_lists_triton(batch: StepBatch, out: StepMetadata) -> None:
-    """Fill ``out``'s shared lists (validity, SWA, C128A, emptied picks buffers) in one launch."""
-    tables, sizes = batch.block_tables, batch.block_sizes
+    """Fill ``out``'s shared lists (validity, SWA, C128A, emptied picks buffers) in one launch, bound on the
+    first build: every later build reads the same builder buffers (``_check_reusable``) into the same lists."""
+    if out._fill_lists is None:
+        tables, sizes = batch.block_tables, batch.block_sizes
 
-    def window_list(kind: str, indices: torch.Tensor | None, lens: torch.Tensor | None):
-        return None if indices is None else triton_index.WindowList(tables[kind], sizes[kind], indices, lens)
+        def window_list(kind: str, indices: torch.Tensor | None, lens: torch.Tensor | None):
+            return None if indices is None else triton_index.WindowList(tables[kind], sizes[kind], indices, lens)
 
-    picks = _picks_buffers(out)
-    triton_index.step_lists(batch.positions, batch.token_to_req, out.is_valid_token,
-                            window_list("swa", out.swa_indices, out.swa_lens),
-                            window_list("c128a", out.c128a_indices, out.c128a_lens), picks,
-                            COMPRESS_RATIO[out.picks_kind] if picks is not None else 1)
+        picks = _picks_buffers(out)
+        out._fill_lists = triton_index.step_lists_launcher(
+            batch.positions, batch.token_to_req, out.is_valid_token,
+            window_list("swa", out.swa_indices, out.swa_lens),
+            window_list("c128a", out.c128a_indices, out.c128a_lens), picks,
+            COMPRESS_RATIO[out.picks_kind] if picks is not None else 1)
+    out._fill_lists()
 
 
 def _step_lists_torch(batch: StepBatch, out: StepMetadata) -> None:

@@ -424,13 +424,13 @@ def run(args: AttentionArgs, batch_invariant: bool = False, **overrides) -> tupl
         q = q.contiguous()
     out = args.out if args.out is not None else torch.empty(*q.shape[:2], D_V, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(*q.shape[:2], dtype=torch.float32, device=q.device)
-    scopes = tuple((s.fmt, s.cache.shape[1], s.indices.shape[1]) for s in args.scopes)
+    scopes = [(s.fmt, s.cache.shape[1], s.indices.shape[1]) for s in args.scopes]
     aligned = all(pages_16_byte_aligned(s.cache) for s in args.scopes)
-    key = (tuple(q.shape), q.device, scopes, args.sink is not None, args.order is not None, batch_invariant, aligned,
-           tuple(sorted(overrides.items())))
+    key = (q.shape, q.device, tuple([(f.name, f.dim, bs, w) for f, bs, w in scopes]), args.sink is not None,
+           args.order is not None, batch_invariant, aligned, tuple(sorted(overrides.items())) if overrides else ())
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = AttentionPlan(tuple(q.shape), q.device, list(scopes), args.sink is not None,
+        plan = _PLANS[key] = AttentionPlan(tuple(q.shape), q.device, scopes, args.sink is not None,
                                            args.order is not None, batch_invariant=batch_invariant,
                                            pages_16_byte_aligned=aligned, **overrides)
         if len(_PLANS) > _MAX_PLANS:

@@ -117,9 +117,16 @@ def step_lists(positions: torch.Tensor, token_to_req: torch.Tensor, out_valid: t
     rows (when ``swa``), every complete C128A entry (when ``c128a``), and the picks buffers
     ``(indices, local, lens, bound)`` (when ``picks``): reset to empty, and ``bound`` = ``min(topk,
     (pos + 1) // picks_ratio)``."""
+    step_lists_launcher(positions, token_to_req, out_valid, swa, c128a, picks, picks_ratio)()
+
+
+def step_lists_launcher(positions: torch.Tensor, token_to_req: torch.Tensor, out_valid: torch.Tensor,
+                        swa: WindowList | None, c128a: WindowList | None,
+                        picks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                        picks_ratio: int = 1):
+    """:func:`step_lists` with every argument bound: returns ``fill()``, one launch per call (the step metadata
+    keeps it: its buffers and the builder's are the same every step)."""
     num_tokens = positions.shape[0]
-    if not num_tokens:
-        return
     # an absent list is never touched (HAS_*): the valid flags fill its arguments
     stand_in = WindowList(out_valid[None, :], 1, out_valid[None, :], out_valid)
     lists = [swa or stand_in, c128a or stand_in]
@@ -132,9 +139,15 @@ def step_lists(positions: torch.Tensor, token_to_req: torch.Tensor, out_valid: t
                       C128_BS=lists[1].block_size, C128_P2=triton.next_power_of_2(lists[1].indices.shape[1]),
                       TOPK_P2=triton.next_power_of_2(topk), HAS_SWA=swa is not None, HAS_C128A=c128a is not None,
                       HAS_C4A=picks is not None, PICKS_RATIO=picks_ratio)
-    cached_launch(_step_kernel, tuple(constexprs.items()))(
-        (num_tokens,), positions, token_to_req, out_valid, *args, p_idx, p_idx.stride(0), p_local,
-        p_local.stride(0), p_len, p_bound, topk)
+    launch = cached_launch(_step_kernel, tuple(constexprs.items()))
+    all_args = (positions, token_to_req, out_valid, *args, p_idx, p_idx.stride(0), p_local, p_local.stride(0),
+                p_len, p_bound, topk)
+    grid = (num_tokens,)
+
+    def fill() -> None:
+        if num_tokens:
+            launch(grid, *all_args)
+    return fill
 
 
 def compressed_picks(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor, block_size: int,

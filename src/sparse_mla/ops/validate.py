@@ -5,6 +5,7 @@ same bad inputs with the same ``ValueError`` and see the same normalised argumen
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -52,6 +53,12 @@ class AttentionArgs:
     order: torch.Tensor | None = None  # (T,) int32 permutation: the order programs take tokens in (ops.order)
 
 
+@functools.lru_cache(maxsize=64)
+def _full_lens(num_tokens: int, width: int, device: torch.device) -> torch.Tensor:
+    """``(num_tokens,)`` int32 lens of ``width`` (no lens given: the full rows), made once per shape: only read."""
+    return torch.full((num_tokens,), width, dtype=torch.int32, device=device)
+
+
 def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None,
            fmt: str | KVFormat | None, check_ranges: bool, cache_name: str) -> Scope:
     cache, f = resolve_cache_once(cache, fmt, cache_name)
@@ -62,7 +69,7 @@ def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Ten
     check_tensor(cache_name, cache, device=q.device)
     width = indices.shape[1]
     if lens is None:
-        lens = torch.full((num_tokens,), width, dtype=torch.int32, device=q.device)
+        lens = _full_lens(num_tokens, width, q.device)
     check_tensor(f"{prefix}lens", lens, dtype=torch.int32, shape=(num_tokens,), device=q.device)
     # the kernels read lens and each index row at unit stride
     lens = lens.contiguous()
