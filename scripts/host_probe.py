@@ -50,6 +50,17 @@ try:
         qf, cache, None, None, 512, sched, None, 512 ** -0.5, False, True, idx, sink, use_legacy=True))
 except ImportError:
     pass
+from sparse_mla import flash_mla as ours_fm  # noqa: E402
+from sparse_mla.ops import sparse_attention_decode  # noqa: E402
+
+ours_sched, _ = ours_fm.get_mla_metadata()
+qf, cache, idx = q.view(b, 2, 64, 512), sc.caches["swa"].data.unsqueeze(2), sc.meta.swa_indices.view(b, 2, 128)
+ours_call = lambda: ours_fm.flash_mla_with_kvcache(qf, cache, None, None, 512, ours_sched, None,  # noqa: E731
+                                                   512 ** -0.5, False, True, idx, sink)
+op_call = lambda: sparse_attention_decode(q, sc.caches["swa"].data, sc.meta.swa_indices, None,  # noqa: E731
+                                          sink=sink, scale=512 ** -0.5)
+res["sparse_mla.flash_mla_with_kvcache (swa)"] = host_us(ours_call)
+res["sparse_attention_decode (swa)"] = host_us(op_call)
 for k, v in res.items():
     print(f"{k:40s} {v:10.3g}")
 
@@ -60,9 +71,10 @@ if "--profile" in sys.argv:
     from sparse_mla.ops import launch as launch_mod
 
     print("fast path:", launch_mod.fast_path_enabled())
-    layer = SparseMLAAttention("swa", 64, sink=sink)
-    layer(q, sc.meta, sc.caches, out=out)
-    for name, fn in (("swa layer", lambda: layer(q, sc.meta, sc.caches, out=out)),
+    layer = SparseMLAAttention("c4a", 64, topk=512, sink=sink)
+    layer(q, sc.meta, sc.caches, sc.topk_local, out=out)
+    for name, fn in (("c4a layer", lambda: layer(q, sc.meta, sc.caches, sc.topk_local, out=out)),
+                     ("sparse_mla.flash_mla_with_kvcache", ours_call),
                      ("build", lambda: build_step_metadata(sc.batch, sc.meta.spec, out=sc.meta))):
         fn()
         torch.cuda.synchronize()
@@ -73,4 +85,4 @@ if "--profile" in sys.argv:
         prof.disable()
         torch.cuda.synchronize()
         print("=====", name)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from sparse_mla import formats
 from sparse_mla import plan as plan_module
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
 from sparse_mla.cache import PagedCache
@@ -85,8 +86,8 @@ def test_one_plan_per_step_and_configuration(monkeypatch):
 
 def test_caches_are_validated_once_per_tensor(monkeypatch):
     calls = []
-    real = plan_module.resolve_cache
-    monkeypatch.setattr(plan_module, "resolve_cache", lambda *a: calls.append(a[2]) or real(*a))
+    real = formats.resolve_cache
+    monkeypatch.setattr(formats, "resolve_cache", lambda *a: calls.append(a[2]) or real(*a))
     cache = PagedCache(4, 4, "fp8_v4")
     first = plan_module.resolve_cache_arg(cache, "caches['swa']")
     assert plan_module.resolve_cache_arg(cache, "caches['swa']") is first and len(calls) == 1
@@ -171,3 +172,18 @@ def test_a_whole_decode_step_captured_once_replays_for_other_batches(index_form)
         assert not any(math.isnan(o.float().sum().item()) for o in replayed)
     with pytest.raises(ValueError, match="batch has shape"):
         graph.replay(new_batch([(100, 1), (800, 2), (33, 2)]))
+
+
+def test_identity_memo_remakes_on_a_new_stamp_and_forgets_dead_objects():
+    import gc
+
+    from sparse_mla.formats import IdentityMemo
+
+    memo, made = IdentityMemo(), []
+    t = torch.zeros(3)
+    make = lambda: made.append(1) or len(made)  # noqa: E731
+    assert memo.get(t, "a", make) == 1 and memo.get(t, "a", make) == 1
+    assert memo.get(t, "b", make) == 2  # the stamp changed: made again
+    del t
+    gc.collect()
+    assert memo._entries == {}  # the entry left with its object

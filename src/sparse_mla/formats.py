@@ -25,6 +25,7 @@ record lives inside a block, so the record never needs to be contiguous in the c
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -196,12 +197,17 @@ def resolve_cache(cache: torch.Tensor, fmt: str | KVFormat | None = None,
                   name: str = "cache") -> tuple[torch.Tensor, KVFormat]:
     """Infer a cache's format, check it against ``fmt`` when given, and validate its layout."""
     found = infer_format(cache, name)
+    _check_format(cache, found, fmt, name)
+    return as_paged(cache, found, name), found
+
+
+def _check_format(cache: torch.Tensor, found: KVFormat, fmt: str | KVFormat | None, name: str) -> None:
+    """``ValueError`` unless the cache's format ``found`` is the asked-for ``fmt`` (None: any)."""
     if fmt is not None and get_format(fmt, found.dim if fmt == "bf16" else None) != found:  # bf16: the cache's width
         want = fmt.name if isinstance(fmt, KVFormat) else fmt
         raise ValueError(f"{name} holds {found.name} data ({cache.dtype}, last axis {cache.shape[-1]}) "
                          f"but fmt is {want!r}"
                          + (f" (dim {fmt.dim})" if isinstance(fmt, KVFormat) else ""))
-    return as_paged(cache, found, name), found
 
 
 def field_views(cache: torch.Tensor, fmt: KVFormat) -> list[tuple[torch.Tensor, int, int]]:
@@ -356,3 +362,39 @@ def dequantize_blocks(cache: torch.Tensor, fmt: str | KVFormat | None = None,
     scale = check_kv_scale(kv_scale, cache.device) if f.per_tensor else None
     blocks, offsets = _block_grid(nb, bs, cache.device)
     return read_tokens(cache, f, blocks, offsets, scale).to(torch.bfloat16).view(nb, bs, f.dim)
+
+
+class IdentityMemo:
+    """Values derived from objects, remembered per live object (by identity) and made again when the object's
+    ``stamp`` changes: a cheap lookup (an ``id``, a dict, a weak reference) for what is checked once per object."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple] = {}
+
+    def get(self, obj: object, stamp: object, make):
+        """The value remembered for ``obj`` under ``stamp``, else ``make()`` (remembered if it returns)."""
+        key = id(obj)
+        hit = self._entries.get(key)
+        if hit is not None and hit[1] == stamp and hit[0]() is obj:
+            return hit[2]
+        value = make()
+        entries = self._entries
+        # the entry leaves with its object (the callback runs before the id can be reused)
+        self._entries[key] = (weakref.ref(obj, lambda _, key=key: entries.pop(key, None)), stamp, value)
+        return value
+
+
+_RESOLVED = IdentityMemo()  # cache tensor -> (paged view, format)
+
+
+def resolve_cache_once(cache: torch.Tensor, fmt: str | KVFormat | None = None,
+                       name: str = "cache") -> tuple[torch.Tensor, KVFormat]:
+    """:func:`resolve_cache`, remembered per cache tensor: a tensor seen before with the same data pointer,
+    shape, strides and dtype is not validated again (caches live for the whole serving run; the per-call
+    checks of the ops and layers then cost a dictionary lookup). A given ``fmt`` is compared every time."""
+    if not isinstance(cache, torch.Tensor):
+        return resolve_cache(cache, fmt, name)  # raises the TypeError naming it
+    paged, found = _RESOLVED.get(cache, (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype),
+                                 lambda: resolve_cache(cache, None, name))
+    _check_format(cache, found, fmt, name)
+    return paged, found

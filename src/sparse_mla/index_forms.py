@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_tensor, is_int
-from .config import COMPRESS_RATIO
-from .metadata import StepMetadata, _compressed_picks_torch, check_picks_arg, convert_picks
+from .metadata import PicksConverter, StepMetadata, _compressed_picks_torch, check_picks_kind, convert_picks
 from .ops import triton_index
 
 try:
@@ -255,6 +254,8 @@ def step_combined(meta: StepMetadata, kind: str, comp_indices: torch.Tensor, com
         out_lens = torch.zeros(num_tokens, dtype=torch.int32, device=comp_indices.device)
         if fill:
             combined_from_padded(meta.swa_indices, meta.swa_lens, comp_indices, comp_lens, out, out_lens)
+        else:  # the window columns are the step's; the picks columns and the lens come per call
+            _fill_window_columns(meta.swa_indices, meta.swa_lens, out, comp_indices.shape[1])
         return out, out_lens
 
     return meta.plan(("index_form", "combined", kind), make)
@@ -271,10 +272,13 @@ def picks_in_form(meta: StepMetadata, local: torch.Tensor, kind: str, index_form
             flat, indptr = lists
             _ragged_fill(meta.picks_indices, meta.picks_lens, indptr, flat)
         return kept
-    check_picks_arg(meta, local, kind)  # one launch converts the picks into the combined rows
-    batch, (out, out_lens) = meta.batch, lists
-    _combined_picks(batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
-                    COMPRESS_RATIO[kind], local, meta.swa_indices, meta.swa_lens, out, out_lens, meta.picks_local)
+    check_picks_kind(meta, kind)  # one launch converts the picks into the combined rows' compressed columns
+    out, out_lens = lists
+    window = meta.swa_indices.shape[1]
+    converter = meta.plan(("picks", kind, "combined"), lambda: PicksConverter(
+        meta, kind, (out[:, window:window + meta.spec.topk], out_lens, meta.picks_local)))
+    converter(local)
+    _combined_lens(meta.swa_lens, window, out_lens)
     return meta.picks_local
 
 

@@ -47,16 +47,16 @@ class SparseMLAAttention(torch.nn.Module):
     may be fp8 too (``forward(q_fp8, ..., q_scale=...)``).
 
     Decode tokens (the batch's first ``num_decode_tokens``) read the paged caches directly, longest key lists
-    first. Prefill tokens do too by default (``prefill_mode="paged"``); ``"mixed"`` runs every token in one
-    launch (no decode order); ``"workspace"`` gathers each chunk's keys into a bf16 workspace of at most
-    ``workspace_bytes`` first (FlashMLA's prefill path; one workspace per device is shared by all layers, see
-    :func:`shared_workspace`). The layer reads caches only: the engine inserts the step's new KV and compressed
+    first. Prefill tokens do too with ``prefill_mode="paged"`` (V4's default); ``"mixed"`` runs every token in
+    one launch (no decode order); ``"workspace"`` (V3.2's default) gathers each chunk's keys into a bf16
+    workspace of at most ``workspace_bytes`` first (FlashMLA's prefill path; one workspace per device is shared
+    by all layers, see :func:`shared_workspace`). The defaults are the faster modes on an H100 (BENCHMARKS.md). The layer reads caches only: the engine inserts the step's new KV and compressed
     entries before ``forward``.
     """
 
     def __init__(self, kind: str, num_heads: int, head_dim: int = 512, window: int = 128, *,
                  compress_ratio: int | None = None, topk: int | None = None, scale: float | None = None,
-                 sink: torch.Tensor | None = None, backend: str = "auto", prefill_mode: str = "paged",
+                 sink: torch.Tensor | None = None, backend: str = "auto", prefill_mode: str | None = None,
                  workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, kv_format: str | None = None,
                  batch_invariant: bool = False, index_form: str = "padded") -> None:
         super().__init__()
@@ -65,6 +65,8 @@ class SparseMLAAttention(torch.nn.Module):
         if compress_ratio is not None and compress_ratio != COMPRESS_RATIO[kind]:
             raise ValueError(f"compress_ratio {compress_ratio} does not match kind {kind!r} "
                              f"(ratio {COMPRESS_RATIO[kind]})")
+        if prefill_mode is None:  # measured on an H100 (BENCHMARKS.md): V4 paged-direct, V3.2 the workspace
+            prefill_mode = "workspace" if kind == "dsa" else "paged"
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         if kind in PICKS_KINDS and not topk:
@@ -96,6 +98,9 @@ class SparseMLAAttention(torch.nn.Module):
         self.kv_format, self.batch_invariant = kv_format, bool(batch_invariant)
         self.index_form = check_index_form(index_form)
         self.cache_kinds = ("dsa",) if kind == "dsa" else ("swa",) if kind == "swa" else ("swa", kind)
+        # what a step plan depends on besides the sink's presence and the caches (layers sharing it share a plan)
+        self._config = (kind, num_heads, backend, prefill_mode, workspace_bytes, self.batch_invariant, kv_format,
+                        self.index_form)
 
     def extra_repr(self) -> str:
         return (f"kind={self.kind}, num_heads={self.num_heads}, head_dim={self.head_dim}, window={self.window}, "
@@ -146,7 +151,8 @@ class SparseMLAAttention(torch.nn.Module):
         out = self._out(q, out, capacity)
         if self.kind != "dsa" and meta.spec.window != self.window:
             raise ValueError(f"the step's metadata has window {meta.spec.window}, this layer {self.window}")
-        plan, caches_t, kv_scale = self._plan(meta, caches, q_scale is not None)
+        sink = self._buffers["sink"]
+        plan, caches_t, kv_scale = self._plan(meta, caches, sink is not None, q_scale is not None)
         if q_scale is not None:
             if self.prefill_mode == "workspace":
                 raise ValueError("an fp8 q (q_scale) needs prefill_mode 'paged' or 'mixed': the workspace prefill "
@@ -160,7 +166,7 @@ class SparseMLAAttention(torch.nn.Module):
                 raise ValueError(f"the step's metadata has topk {meta.spec.topk}, this layer {self.topk}")
         elif topk_indices is not None:
             raise ValueError(f"topk_indices must be given only to a c4a or dsa layer, not to this {self.kind} layer")
-        plan(q, out, caches_t, topk_indices, self.sink, self.scale, q_scale, kv_scale)
+        plan(q, out, caches_t, topk_indices, sink, self.scale, q_scale, kv_scale)
         return out
 
     # ------------------------------------------------------------------ helpers
@@ -179,8 +185,8 @@ class SparseMLAAttention(torch.nn.Module):
             raise ValueError("out must be contiguous")
         return out
 
-    def _plan(self, meta: StepMetadata, caches: dict | None,
-              q_fp8: bool = False) -> tuple[LayerPlan, tuple[torch.Tensor, ...], torch.Tensor | None]:
+    def _plan(self, meta: StepMetadata, caches: dict | None, has_sink: bool, q_fp8: bool = False
+              ) -> tuple[LayerPlan, tuple[torch.Tensor, ...], torch.Tensor | None]:
         """This step's plan for this layer's configuration and caches (made on the first call of the step), the
         cache tensors in its scope order, and their shared kv_scale (fp8_e4m3; else None)."""
         if not isinstance(caches, dict):
@@ -191,8 +197,7 @@ class SparseMLAAttention(torch.nn.Module):
             if c is None:
                 raise ValueError(f"caches has no {kind!r} cache, which a {self.kind} layer reads (got {sorted(caches)})")
             views[kind] = resolve_cache_arg(c, f"caches[{kind!r}]")
-        key = (self.kind, self.num_heads, self.backend, self.prefill_mode, self.workspace_bytes, self.batch_invariant,
-               self.sink is not None, self.kv_format, self.index_form, q_fp8, tuple(v.key for v in views.values()))
+        key = (self._config, has_sink, q_fp8, tuple(v.key for v in views.values()))
         kv_scale = layer_kv_scale(views)
         if q_fp8 and kv_scale is None:
             raise ValueError(f"q_scale (an fp8 q) needs fp8_e4m3 caches, got "

@@ -91,7 +91,8 @@ class StepMetadata:
     picks_local: torch.Tensor | None
     picks_bound: torch.Tensor | None
     decode_orders: dict[str, torch.Tensor] = field(default_factory=dict)
-    _plans: dict = field(default_factory=dict, repr=False)
+    _plans: dict = field(default_factory=dict, repr=False)  # this step's plans (cleared by each build)
+    _fill_lists: object = field(default=None, repr=False)  # the bound launch of the step lists (every build)
 
     @property
     def picks_kind(self) -> str | None:
@@ -159,24 +160,44 @@ def convert_picks(meta: StepMetadata, local: torch.Tensor, kind: str) -> tuple[t
     kind: ``"c4a"`` (picks are local compressed entries) or ``"dsa"`` (request-local raw positions). Written
     into the step's picks buffers, which the returned tensors are views of.
     """
-    batch = meta.batch
-    check_picks_arg(meta, local, kind)
-    build = triton_index.compressed_picks if builders_use_triton(batch.device) else _compressed_picks_torch
-    build(batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
-          COMPRESS_RATIO[kind], local, meta.picks_indices, meta.picks_lens, meta.picks_local)
+    check_picks_kind(meta, kind)
+    meta.plan(("picks", kind), lambda: PicksConverter(meta, kind))(local)
     return meta.picks_indices, meta.picks_lens, meta.picks_local
 
 
-def check_picks_arg(meta: StepMetadata, local: torch.Tensor, kind: str) -> None:
-    """The checks of :func:`convert_picks` on its arguments (the values only under ``SPARSE_MLA_DEBUG=1``)."""
+def check_picks_kind(meta: StepMetadata, kind: str) -> None:
+    """``kind`` is a kind of ``meta``'s batch that takes indexer picks (else ``ValueError``)."""
     batch = meta.batch
     if kind not in PICKS_KINDS or kind not in batch.block_tables:
         raise ValueError(f"kind must be a kind of this batch that takes indexer picks "
                          f"{tuple(k for k in PICKS_KINDS if k in batch.block_tables)}, got {kind!r}")
-    check_tensor("topk_indices", local, dtype=torch.int32, shape=(batch.token_capacity, meta.spec.topk),
-                 device=batch.device)
-    if debug_checks_enabled():  # device syncs: only in debug mode, like the ops' index checks
-        check_picks(meta, local, kind)
+
+
+class PicksConverter:
+    """One step's conversion of a kind's picks (:func:`convert_picks`): everything but the picks is bound once,
+    so a layer call pays one launch and attribute checks."""
+
+    def __init__(self, meta: StepMetadata, kind: str, outs: tuple | None = None) -> None:
+        """outs: ``(indices (T, topk), lens (T,), kept (T, topk))`` int32 to write (default the step's picks
+        buffers; :mod:`sparse_mla.index_forms` gives the combined rows' compressed columns)."""
+        batch = meta.batch
+        self.meta, self.kind = meta, kind
+        self.shape, self.device = (batch.token_capacity, meta.spec.topk), batch.device
+        fixed = (batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
+                 COMPRESS_RATIO[kind])
+        outs = outs or (meta.picks_indices, meta.picks_lens, meta.picks_local)
+        if builders_use_triton(batch.device):
+            self._convert = triton_index.picks_converter(*fixed, *outs)
+        else:
+            self._convert = lambda local: _compressed_picks_torch(*fixed, local, *outs)
+
+    def __call__(self, local: torch.Tensor) -> None:
+        if (type(local) is not torch.Tensor or local.dtype is not torch.int32 or local.shape != self.shape
+                or local.device != self.device):  # the full check only on a miss: it names what is wrong
+            check_tensor("topk_indices", local, dtype=torch.int32, shape=self.shape, device=self.device)
+        if debug_checks_enabled():  # device syncs: only in debug mode, like the ops' index checks
+            check_picks(self.meta, local, self.kind)
+        self._convert(local)
 
 
 def check_picks(meta: StepMetadata, local: torch.Tensor, kind: str) -> None:
@@ -270,17 +291,21 @@ def _picks_buffers(meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def _step_lists_triton(batch: StepBatch, out: StepMetadata) -> None:
-    """Fill ``out``'s shared lists (validity, SWA, C128A, emptied picks buffers) in one launch."""
-    tables, sizes = batch.block_tables, batch.block_sizes
+    """Fill ``out``'s shared lists (validity, SWA, C128A, emptied picks buffers) in one launch, bound on the
+    first build: every later build reads the same builder buffers (``_check_reusable``) into the same lists."""
+    if out._fill_lists is None:
+        tables, sizes = batch.block_tables, batch.block_sizes
 
-    def window_list(kind: str, indices: torch.Tensor | None, lens: torch.Tensor | None):
-        return None if indices is None else triton_index.WindowList(tables[kind], sizes[kind], indices, lens)
+        def window_list(kind: str, indices: torch.Tensor | None, lens: torch.Tensor | None):
+            return None if indices is None else triton_index.WindowList(tables[kind], sizes[kind], indices, lens)
 
-    picks = _picks_buffers(out)
-    triton_index.step_lists(batch.positions, batch.token_to_req, out.is_valid_token,
-                            window_list("swa", out.swa_indices, out.swa_lens),
-                            window_list("c128a", out.c128a_indices, out.c128a_lens), picks,
-                            COMPRESS_RATIO[out.picks_kind] if picks is not None else 1)
+        picks = _picks_buffers(out)
+        out._fill_lists = triton_index.step_lists_launcher(
+            batch.positions, batch.token_to_req, out.is_valid_token,
+            window_list("swa", out.swa_indices, out.swa_lens),
+            window_list("c128a", out.c128a_indices, out.c128a_lens), picks,
+            COMPRESS_RATIO[out.picks_kind] if picks is not None else 1)
+    out._fill_lists()
 
 
 def _step_lists_torch(batch: StepBatch, out: StepMetadata) -> None:

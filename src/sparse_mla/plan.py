@@ -6,20 +6,18 @@ index lists each part of the batch reads, which implementation runs (:mod:`spars
 kernels' grids, splits, scratch buffers and decode orders. A call then only checks its tensors' attributes and
 launches.
 
-Caches are validated once per cache tensor, not once per call: :func:`resolve_cache_arg` remembers each
-tensor's format and geometry and re-validates it only if its storage or shape changed.
+Caches are validated once per cache tensor, not once per call (``formats.resolve_cache_once``).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import index_forms
 from .cache import PagedCache
 from .config import PICKS_KINDS
-from .formats import KVFormat, resolve_cache
+from .formats import IdentityMemo, KVFormat, resolve_cache_once
 from .ops import dequantize_and_gather, sparse_attention_decode, sparse_attention_prefill
 from .ops.dispatch import resolve_backend
 
@@ -38,29 +36,28 @@ class CacheView(NamedTuple):
     kv_scale: torch.Tensor | None = None
 
 
-_RESOLVED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cache argument -> (storage fingerprint, CacheView)
+_VIEWS = IdentityMemo()  # paged cache view (one per validated cache tensor) -> its CacheView
 
 
 def resolve_cache_arg(cache: object, name: str) -> CacheView:
-    """A :class:`PagedCache` or paged cache tensor, validated (``formats.resolve_cache``) on first sight and
-    again only when its data pointer, shape or strides change."""
+    """A :class:`PagedCache` or paged cache tensor, validated (``formats.resolve_cache_once``)."""
     tensor = cache.data if isinstance(cache, PagedCache) else cache
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a PagedCache or a paged cache tensor, got {type(cache).__name__}")
-    kv_scale = getattr(cache, "kv_scale", None)
-    stamp = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, id(kv_scale))
-    hit = _RESOLVED.get(cache)
-    if hit is not None and hit[0] == stamp:
-        return hit[1]
-    paged, fmt = resolve_cache(tensor, None, name)
-    if fmt.per_tensor and kv_scale is None:
-        raise ValueError(f"{name} is an fp8_e4m3 cache tensor: pass its PagedCache, which keeps the cache's kv_scale "
-                         f"(PagedCache(..., 'fp8_e4m3', kv_scale=...))")
-    aligned = paged.data_ptr() % 16 == 0 and paged.stride(0) * paged.element_size() % 16 == 0
-    view = CacheView(paged, fmt, aligned, (fmt.name, fmt.dim, aligned, paged.shape[0], paged.shape[1], paged.device),
-                     kv_scale)
-    _RESOLVED[cache] = (stamp, view)
+    paged, fmt = resolve_cache_once(tensor, None, name)
+    view = _VIEWS.get(paged, None, lambda: _view(paged, fmt))
+    if fmt.per_tensor:  # the pool's scale, read per call (PagedCache.kv_scale may be replaced)
+        kv_scale = getattr(cache, "kv_scale", None)
+        if kv_scale is None:
+            raise ValueError(f"{name} is an fp8_e4m3 cache tensor: pass its PagedCache, which keeps the cache's "
+                             f"kv_scale (PagedCache(..., 'fp8_e4m3', kv_scale=...))")
+        return view._replace(kv_scale=kv_scale)
     return view
+
+
+def _view(paged: torch.Tensor, fmt: KVFormat) -> CacheView:
+    aligned = paged.data_ptr() % 16 == 0 and paged.stride(0) * paged.element_size() % 16 == 0
+    return CacheView(paged, fmt, aligned, (fmt.name, fmt.dim, aligned, paged.shape[0], paged.shape[1], paged.device))
 
 
 def layer_kv_scale(views: dict[str, CacheView]) -> torch.Tensor | None:

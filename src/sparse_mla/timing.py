@@ -53,6 +53,8 @@ def host_us(fn: Callable[[], object], calls: int = 50) -> float:
     """Host (CPU) time of one call of ``fn`` in microseconds, GPU queue kept busy: its launch overhead."""
     fn()
     _sync()
+    if torch.cuda.is_available():  # a spinning kernel ahead of the calls: their launches queue, never wait
+        torch.cuda._sleep(int(calls * 2e7))  # ~10 ms of GPU clock per call
     start = time.perf_counter()
     for _ in range(calls):
         fn()

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from .cache import PagedCache
-from .config import LAYER_KINDS, get_config
+from .config import PICKS_KINDS, V4_KINDS, get_config
 from .formats import quantize_blocks
 from .layer import SparseMLAAttention
 from .ops import (dequantize_and_gather, longest_first, quantize_and_insert, sparse_attention_decode,
@@ -173,7 +173,7 @@ def run_layer_against_oracle(sc: Scenario, layer: SparseMLAAttention, q: torch.T
     call), time one call, and compare the ``sample`` token rows with the float64 dense oracle. It passes
     with rel err < :data:`TOLERANCE`, no NaN, and zero padding rows."""
     b = sc.batch
-    picks = sc.topk_local if layer.kind == "c4a" else None
+    picks = sc.topk_local if layer.kind in PICKS_KINDS else None
     out = torch.full((b.token_capacity, layer.num_heads, D_V), float("nan"), dtype=torch.bfloat16, device=q.device)
     layer(q, None, sc.caches, out=out)  # warm-up without metadata: zeros
     if q.is_cuda:  # compile the kernels outside the timed call
@@ -193,24 +193,27 @@ def run_layer_against_oracle(sc: Scenario, layer: SparseMLAAttention, q: torch.T
 
 def oracle_checks(device: torch.device, backend: str = "auto", seed: int = 0,
                   progress: Progress = lambda _: None) -> list[Check]:
-    """A small V4 step (two decodes, one with an MTP token, and a prefill chunk): each layer kind over
-    caches of each V4 format against the dense oracle, every token checked."""
-    cfg = get_config("deepseek-v4-flash")
+    """A small step (two decodes, one with an MTP token, and a prefill chunk): each V4 layer kind over caches of
+    each V4 format, and V3.2's dsa layer over bf16 and fp8_v32 caches, against the dense oracle, every token
+    checked."""
     num_heads = 8
     checks = []
-    for fmt in ("bf16", "fp8_v4"):
-        sc = make_scenario([(1400, 1), (700, 2), (300, 24)], window=cfg.window, topk=cfg.index_topk, fmt=fmt,
-                           dim=cfg.head_dim, decode_threshold=2, padding=3, seed=seed, device=device)
-        gen = torch.Generator().manual_seed(seed)
-        q = (torch.randn(sc.batch.token_capacity, num_heads, cfg.head_dim, generator=gen) * 0.5).to(torch.bfloat16)
-        sink = torch.randn(num_heads, generator=gen).to(device)
-        for kind in LAYER_KINDS:
-            progress(f"oracle: {kind} layer, {fmt} caches")
-            layer = SparseMLAAttention(kind, num_heads, cfg.head_dim, cfg.window,
-                                       topk=cfg.index_topk if kind == "c4a" else None, scale=cfg.softmax_scale,
-                                       sink=sink, backend=backend)
-            res = run_layer_against_oracle(sc, layer, q.to(device), list(range(sc.batch.num_tokens)), sink)
-            checks.append(Check("oracle", f"{kind} layer, {fmt} caches", res.ok, f"rel err {res.rel_err:.1e}"))
+    for model, formats in (("deepseek-v4-flash", ("bf16", "fp8_v4")), ("deepseek-v3.2", ("bf16", "fp8_v32"))):
+        cfg = get_config(model)
+        kinds = ("dsa",) if cfg.window == 0 else V4_KINDS
+        for fmt in formats:
+            sc = make_scenario([(1400, 1), (700, 2), (300, 24)], window=cfg.window or 128, topk=cfg.index_topk,
+                               fmt=fmt, dim=cfg.head_dim, decode_threshold=2, padding=3, seed=seed, device=device)
+            gen = torch.Generator().manual_seed(seed)
+            q = (torch.randn(sc.batch.token_capacity, num_heads, cfg.head_dim, generator=gen) * 0.5).to(torch.bfloat16)
+            sink = torch.randn(num_heads, generator=gen).to(device) if kinds == V4_KINDS else None
+            for kind in kinds:
+                progress(f"oracle: {kind} layer, {fmt} caches")
+                layer = SparseMLAAttention(kind, num_heads, cfg.head_dim, cfg.window or 128,
+                                           topk=cfg.index_topk if kind in PICKS_KINDS else None,
+                                           scale=cfg.softmax_scale, sink=sink, backend=backend)
+                res = run_layer_against_oracle(sc, layer, q.to(device), list(range(sc.batch.num_tokens)), sink)
+                checks.append(Check("oracle", f"{kind} layer, {fmt} caches", res.ok, f"rel err {res.rel_err:.1e}"))
     return checks
 
 

@@ -37,9 +37,9 @@ def fast_path_enabled() -> bool:
 
 def fingerprint(args: tuple) -> tuple:
     """What of ``args`` can change the compiled binary (see the module docstring)."""
-    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-                 else (a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31)) if type(a) is int
-                 else type(a) for a in args)
+    return tuple([(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
+                  else (a == 1, a & 15 == 0, -(1 << 31) <= a < (1 << 31)) if type(a) is int
+                  else type(a) for a in args])
 
 
 def _launch_hooks_installed() -> bool:

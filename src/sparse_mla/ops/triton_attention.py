@@ -537,15 +537,16 @@ def run(args: AttentionArgs, batch_invariant: bool = False, **overrides) -> tupl
         q = q.contiguous()
     out = args.out if args.out is not None else torch.empty(*q.shape[:2], D_V, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(*q.shape[:2], dtype=torch.float32, device=q.device)
-    scopes = tuple((s.fmt, s.cache.shape[1], s.width) for s in args.scopes)
-    forms = dict(ragged=tuple(s.indptr is not None for s in args.scopes),
-                 combined=any(s.len_skip for s in args.scopes), q_fp8=args.q_scale is not None)
+    scopes = [(s.fmt, s.cache.shape[1], s.width) for s in args.scopes]
+    forms = dict(ragged=tuple([s.indptr is not None for s in args.scopes]), combined=args.scopes[-1].len_skip > 0,
+                 q_fp8=args.q_scale is not None)
     aligned = all(pages_16_byte_aligned(s.cache) for s in args.scopes)
-    key = (tuple(q.shape), q.device, scopes, args.sink is not None, args.order is not None, batch_invariant, aligned,
-           tuple(forms.items()), tuple(sorted(overrides.items())))
+    key = (q.shape, q.device, tuple([(f.name, f.dim, bs, w) for f, bs, w in scopes]), args.sink is not None,
+           args.order is not None, batch_invariant, aligned, tuple(forms.values()),
+           tuple(sorted(overrides.items())) if overrides else ())
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = AttentionPlan(tuple(q.shape), q.device, list(scopes), args.sink is not None,
+        plan = _PLANS[key] = AttentionPlan(tuple(q.shape), q.device, scopes, args.sink is not None,
                                            args.order is not None, batch_invariant=batch_invariant,
                                            pages_16_byte_aligned=aligned, **forms, **overrides)
         if len(_PLANS) > _MAX_PLANS:

@@ -117,9 +117,16 @@ def step_lists(positions: torch.Tensor, token_to_req: torch.Tensor, out_valid: t
     rows (when ``swa``), every complete C128A entry (when ``c128a``), and the picks buffers
     ``(indices, local, lens, bound)`` (when ``picks``): reset to empty, and ``bound`` = ``min(topk,
     (pos + 1) // picks_ratio)``."""
+    step_lists_launcher(positions, token_to_req, out_valid, swa, c128a, picks, picks_ratio)()
+
+
+def step_lists_launcher(positions: torch.Tensor, token_to_req: torch.Tensor, out_valid: torch.Tensor,
+                        swa: WindowList | None, c128a: WindowList | None,
+                        picks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                        picks_ratio: int = 1):
+    """:func:`step_lists` with every argument bound: returns ``fill()``, one launch per call (the step metadata
+    keeps it: its buffers and the builder's are the same every step)."""
     num_tokens = positions.shape[0]
-    if not num_tokens:
-        return
     # an absent list is never touched (HAS_*): the valid flags fill its arguments
     stand_in = WindowList(out_valid[None, :], 1, out_valid[None, :], out_valid)
     lists = [swa or stand_in, c128a or stand_in]
@@ -132,9 +139,15 @@ def step_lists(positions: torch.Tensor, token_to_req: torch.Tensor, out_valid: t
                       C128_BS=lists[1].block_size, C128_P2=triton.next_power_of_2(lists[1].indices.shape[1]),
                       TOPK_P2=triton.next_power_of_2(topk), HAS_SWA=swa is not None, HAS_C128A=c128a is not None,
                       HAS_C4A=picks is not None, PICKS_RATIO=picks_ratio)
-    cached_launch(_step_kernel, tuple(constexprs.items()))(
-        (num_tokens,), positions, token_to_req, out_valid, *args, p_idx, p_idx.stride(0), p_local,
-        p_local.stride(0), p_len, p_bound, topk)
+    launch = cached_launch(_step_kernel, tuple(constexprs.items()))
+    all_args = (positions, token_to_req, out_valid, *args, p_idx, p_idx.stride(0), p_local, p_local.stride(0),
+                p_len, p_bound, topk)
+    grid = (num_tokens,)
+
+    def fill() -> None:
+        if num_tokens:
+            launch(grid, *all_args)
+    return fill
 
 
 def compressed_picks(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor, block_size: int,
@@ -142,12 +155,24 @@ def compressed_picks(positions: torch.Tensor, token_to_req: torch.Tensor, table:
                      out_kept: torch.Tensor) -> None:
     """Fill ``out_indices (T, topk)`` / ``out_lens`` from the indexer's local picks ``local (T, topk)``;
     ``out_kept (T, topk)`` receives the kept picks themselves, compacted the same way."""
-    num_tokens, topk = local.shape
-    if num_tokens:
-        constexprs = (("RATIO", ratio), ("BS", block_size), ("TOPK_P2", triton.next_power_of_2(topk)))
-        cached_launch(_picks_kernel, constexprs)(
-            (num_tokens,), positions, token_to_req, table, table.stride(0), table.shape[1], local, local.stride(0),
-            out_indices, out_indices.stride(0), out_lens, out_kept, out_kept.stride(0), topk)
+    picks_converter(positions, token_to_req, table, block_size, ratio, out_indices, out_lens, out_kept)(local)
+
+
+def picks_converter(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor, block_size: int,
+                    ratio: int, out_indices: torch.Tensor, out_lens: torch.Tensor, out_kept: torch.Tensor):
+    """:func:`compressed_picks` with everything but the picks bound once (a step's layers convert their picks
+    into the same buffers): returns ``convert(local)``, one launch per call."""
+    num_tokens, topk = out_indices.shape
+    launch = cached_launch(_picks_kernel, (("RATIO", ratio), ("BS", block_size),
+                                           ("TOPK_P2", triton.next_power_of_2(topk))))
+    head = (positions, token_to_req, table, table.stride(0), table.shape[1])
+    tail = (out_indices, out_indices.stride(0), out_lens, out_kept, out_kept.stride(0), topk)
+    grid = (num_tokens,)
+
+    def convert(local: torch.Tensor) -> None:
+        if num_tokens:
+            launch(grid, *head, local, local.stride(0), *tail)
+    return convert
 
 
 @triton.jit

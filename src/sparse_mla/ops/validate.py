@@ -5,6 +5,7 @@ same bad inputs with the same ``ValueError`` and see the same normalised argumen
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -12,7 +13,7 @@ import torch
 
 from .._checks import (check_finite, check_index_range, check_kv_scale, check_no_overlap, check_scale, check_sink,
                        check_tensor, is_int)
-from ..formats import KVFormat, resolve_cache
+from ..formats import KVFormat, resolve_cache, resolve_cache_once
 
 D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part of 576)
 
@@ -66,10 +67,16 @@ class AttentionArgs:
     kv_scale: torch.Tensor | None = None  # (1,) float32, every fp8_e4m3 scope's per-tensor scale
 
 
+@functools.lru_cache(maxsize=64)
+def _full_lens(num_tokens: int, width: int, device: torch.device) -> torch.Tensor:
+    """``(num_tokens,)`` int32 lens of ``width`` (no lens given: the full rows), made once per shape: only read."""
+    return torch.full((num_tokens,), width, dtype=torch.int32, device=device)
+
+
 def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None,
            fmt: str | KVFormat | None, check_ranges: bool, cache_name: str,
            indptr: torch.Tensor | None = None) -> Scope:
-    cache, f = resolve_cache(cache, fmt, cache_name)
+    cache, f = resolve_cache_once(cache, fmt, cache_name)
     if f.dim != q.shape[-1]:
         raise ValueError(f"q has head dim {q.shape[-1]} but {cache_name} holds {f.name} tokens of dim {f.dim}")
     num_tokens = q.shape[0]
@@ -79,7 +86,7 @@ def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Ten
     check_tensor(cache_name, cache, device=q.device)
     width = indices.shape[1]
     if lens is None:
-        lens = torch.full((num_tokens,), width, dtype=torch.int32, device=q.device)
+        lens = _full_lens(num_tokens, width, q.device)
     check_tensor(f"{prefix}lens", lens, dtype=torch.int32, shape=(num_tokens,), device=q.device)
     # the kernels read lens and each index row at unit stride
     lens = lens.contiguous()
@@ -124,7 +131,7 @@ def _combined_scopes(q: torch.Tensor, cache: torch.Tensor, extra_cache: torch.Te
     if not is_int(window) or not 0 <= window <= width:
         raise ValueError(f"combined_window must be an int in [0, {width}] (the width of indices), got {window!r}")
     if lens is None:
-        lens = torch.full((q.shape[0],), width, dtype=torch.int32, device=q.device)
+        lens = _full_lens(q.shape[0], width, q.device)
     check_tensor("lens", lens, dtype=torch.int32, shape=(q.shape[0],), device=q.device)
     swa = _scope("", q, cache, indices[:, :window], lens, fmt, False, "cache")
     comp = replace(_scope("", q, extra_cache, indices[:, window:], lens, fmt, False, "extra_cache"), len_skip=window)
