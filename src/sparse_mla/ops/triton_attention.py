@@ -542,7 +542,7 @@ def run(args: AttentionArgs, batch_invariant: bool = False, **overrides) -> tupl
                  q_fp8=args.q_scale is not None)
     aligned = all(pages_16_byte_aligned(s.cache) for s in args.scopes)
     key = (q.shape, q.device, tuple([(f.name, f.dim, bs, w) for f, bs, w in scopes]), args.sink is not None,
-           args.order is not None, batch_invariant, aligned, tuple(forms.values()),
+           args.order is not None, batch_invariant and INVARIANT_SPLIT_BLOCKS, aligned, tuple(forms.values()),
            tuple(sorted(overrides.items())) if overrides else ())
     plan = _PLANS.get(key)
     if plan is None:
