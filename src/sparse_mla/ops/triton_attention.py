@@ -428,7 +428,8 @@ def run(args: AttentionArgs, batch_invariant: bool = False, **overrides) -> tupl
     scopes = [(s.fmt, s.cache.shape[1], s.indices.shape[1]) for s in args.scopes]
     aligned = all(pages_16_byte_aligned(s.cache) for s in args.scopes)
     key = (q.shape, q.device, tuple([(f.name, f.dim, bs, w) for f, bs, w in scopes]), args.sink is not None,
-           args.order is not None, batch_invariant, aligned, tuple(sorted(overrides.items())) if overrides else ())
+           args.order is not None, batch_invariant and INVARIANT_SPLIT_BLOCKS, aligned,
+           tuple(sorted(overrides.items())) if overrides else ())
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = AttentionPlan(tuple(q.shape), q.device, scopes, args.sink is not None,
