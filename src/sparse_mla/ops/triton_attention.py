@@ -384,8 +384,9 @@ def choose_splits(num_tokens: int, head_blocks: int, max_blocks: int, device: to
 
 # Batch-invariant mode: every token's key list is cut into splits of this many key blocks, whatever the batch,
 # and the splits are always merged by the combine kernel (also a token of one split), so a token's output
-# depends on its own lists alone. 16 blocks = 1024 keys: V4-Flash's c4a rows (128 + 512 keys) are one split.
-INVARIANT_SPLIT_BLOCKS = 16
+# depends on its own lists alone. 32 blocks = 2048 keys: every V4 row (at most 128 + 1024 keys) and V3.2 row (top-k
+# 2048) is one split (at 16 blocks V4-Pro's rows were two).
+INVARIANT_SPLIT_BLOCKS = 32
 
 
 def default_stages(formats: frozenset[str]) -> int:

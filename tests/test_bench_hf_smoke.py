@@ -1,0 +1,33 @@
+"""``benchmarks/bench_hf.py --smoke``: a tiny random-weight HF DeepSeek-V4 through eager and sparse-mla on the CPU."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_hf.py")
+
+
+def test_bench_hf_smoke_writes_the_expected_json(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_hf", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_hf", bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(["--smoke", "--out", str(tmp_path)])) == 0
+    result = json.loads((tmp_path / "bench_hf.json").read_text())
+    assert result["smoke"] and result["kv_format"] == "bf16" and result["contexts"] == [160]
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert set(rows) == {"eager", "sdpa", "sparse_mla"}
+    assert rows["sdpa"]["status"] == "unsupported" and rows["sdpa"]["reason"]
+    for impl in ("eager", "sparse_mla"):
+        r = rows[impl]
+        assert r["status"] == "ok" and r["generated"] == 2 and r["prefill_s"] > 0 and r["decode_ms"] > 0
+    assert "sparse_mla" in capsys.readouterr().out  # the table
