@@ -20,7 +20,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 EVERY_SESSION="tests/test_step_plan.py tests/test_batch_invariance.py tests/test_dsa.py tests/test_flash_mla_api_gpu.py
-    tests/test_flashmla_interop.py"
+    tests/test_flashmla_interop.py tests/test_layer_forms.py"
 MORE="tests/test_triton_attention.py tests/test_layer.py tests/test_triton_cache.py tests/test_triton_index.py
     tests/test_order.py tests/test_checks.py"
 TESTS=${GPU_TESTS:-$EVERY_SESSION}

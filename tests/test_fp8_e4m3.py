@@ -15,6 +15,10 @@ from sparse_mla.formats import (FP8_E4M3, allocate_cache, block_bytes, bytes_per
 from sparse_mla.ops import dequantize_and_gather, quantize_and_insert, sparse_attention_decode
 
 BACKENDS = ["reference", "triton"]
+# These tests build CPU tensors for Triton's interpreter; on a GPU machine the same kernels run through the layer
+# on CUDA tensors in tests/test_layer_forms.py (run on an H100), so here they run on the CPU only.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors for the interpreter; on a GPU see "
+                                                                  "tests/test_layer_forms.py")
 
 
 def model_quant(x: torch.Tensor, kv_scale: float) -> torch.Tensor:
