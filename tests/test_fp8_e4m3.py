@@ -15,10 +15,7 @@ from sparse_mla.formats import (FP8_E4M3, allocate_cache, block_bytes, bytes_per
 from sparse_mla.ops import dequantize_and_gather, quantize_and_insert, sparse_attention_decode
 
 BACKENDS = ["reference", "triton"]
-# These tests build CPU tensors for Triton's interpreter; on a GPU machine the same kernels run through the layer
-# on CUDA tensors in tests/test_layer_forms.py (run on an H100), so here they run on the CPU only.
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors for the interpreter; on a GPU see "
-                                                                  "tests/test_layer_forms.py")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' tests run where the kernels run
 
 
 def model_quant(x: torch.Tensor, kv_scale: float) -> torch.Tensor:
@@ -55,26 +52,27 @@ def test_triton_insert_is_bit_identical_to_the_reference_quantiser(kv_scale):
     gen = torch.Generator().manual_seed(2)
     kv = awkward_values(gen, 9)
     slots = torch.tensor([3, -1, 0, 17, 9, 23, 5, 1000, 12], dtype=torch.int32)  # -1 and out of range: skipped
-    caches = [PagedCache(3, 8, "fp8_e4m3", kv_scale=kv_scale) for _ in BACKENDS]
+    caches = [PagedCache(3, 8, "fp8_e4m3", kv_scale=kv_scale, device=DEVICE) for _ in BACKENDS]
     for cache in caches:
         cache.poison()
     in_range = torch.where(slots < 24, slots, -1)  # the reference rejects an out-of-range slot
-    quantize_and_insert(kv, caches[0].data, in_range, backend="reference", kv_scale=caches[0].kv_scale)
-    quantize_and_insert(kv, caches[1].data, slots, backend="triton", kv_scale=caches[1].kv_scale)
+    quantize_and_insert(kv.to(DEVICE), caches[0].data, in_range.to(DEVICE), backend="reference",
+                        kv_scale=caches[0].kv_scale)
+    quantize_and_insert(kv.to(DEVICE), caches[1].data, slots.to(DEVICE), backend="triton", kv_scale=caches[1].kv_scale)
     assert torch.equal(caches[0].data.view(torch.uint8), caches[1].data.view(torch.uint8))
     kept = in_range >= 0
-    written = caches[0].data.view(torch.uint8).reshape(-1, 512)[in_range[kept].long()]
+    written = caches[0].data.view(torch.uint8).reshape(-1, 512).cpu()[in_range[kept].long()]
     assert torch.equal(written, quantize_per_tensor(kv[kept], torch.tensor([kv_scale])))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gather_dequantises_with_the_scale(backend):
     gen = torch.Generator().manual_seed(3)
-    cache = PagedCache(2, 4, "fp8_e4m3", kv_scale=0.03)
+    cache = PagedCache(2, 4, "fp8_e4m3", kv_scale=0.03, device=DEVICE)
     kv = awkward_values(gen, 8)
-    cache.write(kv, torch.arange(8, dtype=torch.int32))
+    cache.write(kv.to(DEVICE), torch.arange(8, dtype=torch.int32, device=DEVICE))
     slots = torch.tensor([[7, -1], [0, 3]])
-    got = dequantize_and_gather(cache.data, slots, backend=backend, kv_scale=cache.kv_scale)
+    got = dequantize_and_gather(cache.data, slots.to(DEVICE), backend=backend, kv_scale=cache.kv_scale).cpu()
     want = (model_quant(kv, 0.03) * 0.03)[slots.clamp_min(0)] * (slots >= 0)[..., None]
     # bf16 rounding of e4m3 · kv_scale (the CPU interpreter's float32 -> bf16 cast truncates: one ulp)
     assert torch.allclose(got.double(), want, rtol=2 ** -7, atol=0)
@@ -110,13 +108,14 @@ def test_paged_cache_keeps_its_scale_and_poisons_to_nan():
         PagedCache(2, 4, "bf16", kv_scale=1.0)
 
 
-def make_case(gen, num_tokens=4, heads=3, kv_scale=0.02):
-    swa = PagedCache(3, 8, "fp8_e4m3", kv_scale=kv_scale)
-    comp = PagedCache(2, 4, "fp8_e4m3", kv_scale=kv_scale)
+def make_case(gen, num_tokens=4, heads=3, kv_scale=0.02, device="cpu"):
+    """Two fp8_e4m3 scopes on ``device`` and each token's key values (float64, CPU); indices stay on the CPU."""
+    swa = PagedCache(3, 8, "fp8_e4m3", kv_scale=kv_scale, device=device)
+    comp = PagedCache(2, 4, "fp8_e4m3", kv_scale=kv_scale, device=device)
     vals = []
     for cache in (swa, comp):
         kv = (torch.randn(cache.num_slots, 512, generator=gen) * 2).bfloat16()
-        cache.write(kv, torch.arange(cache.num_slots, dtype=torch.int32))
+        cache.write(kv.to(device), torch.arange(cache.num_slots, dtype=torch.int32, device=device))
         vals.append(model_quant(kv, kv_scale) * kv_scale)
     i0 = torch.randint(0, swa.num_slots, (num_tokens, 12), generator=gen, dtype=torch.int32)
     i0[1, 3:] = -1
@@ -132,19 +131,21 @@ def make_case(gen, num_tokens=4, heads=3, kv_scale=0.02):
 @pytest.mark.parametrize("fp8_q", [True, False])
 def test_attention_matches_the_dense_oracle(backend, fp8_q):
     gen = torch.Generator().manual_seed(5)
-    swa, comp, (i0, l0, i1, l1), keys = make_case(gen)
+    swa, comp, (i0, l0, i1, l1), keys = make_case(gen, device=DEVICE)
     q = torch.randn(4, 3, 512, generator=gen) * 3
     sink = torch.tensor([0.3, float("-inf"), 2.0])
     q_scale = 0.01
     if fp8_q:
         q_in = (q / q_scale).to(torch.float8_e4m3fn)
         q_val = q_in.double() * q_scale
-        kw = dict(q_scale=torch.tensor([q_scale]))
+        kw = dict(q_scale=torch.tensor([q_scale], device=DEVICE))
     else:
         q_in, kw = q.bfloat16(), {}
         q_val = q_in.double()
-    out, lse = sparse_attention_decode(q_in, swa.data, i0, l0, comp.data, i1, l1, sink=sink, backend=backend,
+    d = [t.to(DEVICE) for t in (q_in, i0, l0, i1, l1, sink)]
+    out, lse = sparse_attention_decode(d[0], swa.data, d[1], d[2], comp.data, d[3], d[4], sink=d[5], backend=backend,
                                        kv_scale=swa.kv_scale, **kw)
+    out, lse = out.cpu(), lse.cpu()
     ref_out, ref_lse = dense_attention(q_val, keys, sink=sink.double())
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
     rel = (out.double() - ref_out).norm() / ref_out.norm()
@@ -160,8 +161,9 @@ def test_scale_algebra(backend):
     the softmax scale, and doubling kv_scale while halving the softmax scale doubles the output (exactly: powers
     of two), the logits and so the LSE unchanged."""
     gen = torch.Generator().manual_seed(6)
-    swa, comp, (i0, l0, i1, l1), _ = make_case(gen, kv_scale=0.05)
-    q8 = (torch.randn(4, 3, 512, generator=gen) * 40).to(torch.float8_e4m3fn)
+    swa, comp, indices, _ = make_case(gen, kv_scale=0.05, device=DEVICE)
+    i0, l0, i1, l1 = (t.to(DEVICE) for t in indices)
+    q8 = (torch.randn(4, 3, 512, generator=gen) * 40).to(torch.float8_e4m3fn).to(DEVICE)
 
     def run(scale, q_scale, kv_scale):
         return sparse_attention_decode(q8, swa.data, i0, l0, comp.data, i1, l1, backend=backend, scale=scale,
