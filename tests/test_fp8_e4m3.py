@@ -136,7 +136,7 @@ def test_attention_matches_the_dense_oracle(backend, fp8_q):
     sink = torch.tensor([0.3, float("-inf"), 2.0])
     q_scale = 0.01
     if fp8_q:
-        q_in = (q / q_scale).to(torch.float8_e4m3fn)
+        q_in = (q / q_scale).clamp(-448, 448).to(torch.float8_e4m3fn)  # in range: casts above 448 differ by torch
         q_val = q_in.double() * q_scale
         kw = dict(q_scale=torch.tensor([q_scale], device=DEVICE))
     else:
