@@ -247,3 +247,20 @@ def test_workspace_plan_splits_a_long_prefill_and_names_a_budget_too_small():
     assert meta.workspace_plan("c128a", 200 * 1024) is meta.workspace_plan("c128a", 200 * 1024)  # built once
     with pytest.raises(ValueError, match=r"cannot hold the 16 keys of request 1's token at position 700"):
         plan_prefill_workspace(meta, "swa", 15 * 1024)
+
+
+def test_repeated_picks_are_an_error_in_debug_mode(monkeypatch):
+    """The model counts a pick once (HF builds a mask); the kernels would attend to a repeat twice. Repeats are
+    rejected under SPARSE_MLA_DEBUG=1 (a sort: a sync), in c4a and dsa rows alike; padding rows are not read."""
+    batch, _ = make_batch([(40, 1)], padding=1)
+    meta = build_step_metadata(batch, MetadataSpec(window=4, topk=3))
+    picks = torch.tensor([[3, 5, 3], [7, 7, 7]], dtype=torch.int32)  # row 1 is padding
+    assert meta.c4a_indices(picks)[1].tolist() == [3, 0]  # without the check: attended twice
+    monkeypatch.setenv("SPARSE_MLA_DEBUG", "1")
+    with pytest.raises(ValueError, match="topk_indices row 0 picks entry 3 more than once"):
+        meta.c4a_indices(picks)
+    assert meta.c4a_indices(torch.tensor([[3, 5, -1], [7, 7, 7]], dtype=torch.int32))[1].tolist() == [2, 0]
+    builder = StepBatchBuilder(2, 1, 64, kinds=("dsa",), block_sizes={"dsa": 8})
+    dsa = build_step_metadata(builder.build([Request(30, 2, {"dsa": [0, 1, 2, 3]})]), MetadataSpec(topk=3))
+    with pytest.raises(ValueError, match="topk_indices row 1 picks entry 9 more than once"):
+        dsa.dsa_indices(torch.tensor([[1, 2, -1], [9, 4, 9]], dtype=torch.int32))
