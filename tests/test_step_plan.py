@@ -90,7 +90,7 @@ def test_caches_are_validated_once_per_tensor(monkeypatch):
     monkeypatch.setattr(formats, "resolve_cache", lambda *a: calls.append(a[2]) or real(*a))
     cache = PagedCache(4, 4, "fp8_v4")
     first = plan_module.resolve_cache_arg(cache, "caches['swa']")
-    assert plan_module.resolve_cache_arg(cache, "caches['swa']") is first and len(calls) == 1
+    assert plan_module.resolve_cache_arg(cache, "caches['swa']") == first and len(calls) == 1
     cache.data = cache.data[:2]  # another view: validated again
     assert plan_module.resolve_cache_arg(cache, "caches['swa']").tensor.shape[0] == 2 and len(calls) == 2
     with pytest.raises(TypeError, match=r"caches\['swa'\] must be a PagedCache or a paged cache tensor, got str"):
@@ -172,6 +172,11 @@ def test_a_whole_decode_step_captured_once_replays_for_other_batches(index_form)
         assert not any(math.isnan(o.float().sum().item()) for o in replayed)
     with pytest.raises(ValueError, match="batch has shape"):
         graph.replay(new_batch([(100, 1), (800, 2), (33, 2)]))
+    # a table naming a block past a captured cache: eager calls check it in each step's plan, a replay too
+    far = builder.build([Request(s, n, {k: [caches[k].num_blocks] * blocks_needed(s, k, SIZES[k]) for k in SIZES})
+                         for s, n in [(100, 1), (800, 2), (33, 2), (600, 1)]])
+    with pytest.raises(ValueError, match="block tables name block 256, but the captured step reads a 'swa' cache"):
+        graph.replay(far)
 
 
 def test_identity_memo_remakes_on_a_new_stamp_and_forgets_dead_objects():
@@ -187,3 +192,18 @@ def test_identity_memo_remakes_on_a_new_stamp_and_forgets_dead_objects():
     del t
     gc.collect()
     assert memo._entries == {}  # the entry left with its object
+
+
+@pytest.mark.parametrize("fmt,four_d", [("bf16", False), ("fp8_v4", True)])
+def test_a_cache_seen_by_a_layer_is_freed_with_its_owner(fmt, four_d):
+    """The validation memos hold no strong reference to a cache (or a view of it) beyond its owner's life."""
+    import gc
+    import weakref
+
+    cache = PagedCache(2, 4, fmt)
+    tensor = cache.data.unsqueeze(2) if four_d else cache.data  # FlashMLA's 4-D form: the memo keeps a 3-D view
+    plan_module.resolve_cache_arg(tensor, "caches['swa']")
+    refs = [weakref.ref(t) for t in (cache, cache.data, tensor)]
+    del cache, tensor
+    gc.collect()
+    assert all(r() is None for r in refs)

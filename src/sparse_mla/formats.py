@@ -372,7 +372,8 @@ class IdentityMemo:
         self._entries: dict[int, tuple] = {}
 
     def get(self, obj: object, stamp: object, make):
-        """The value remembered for ``obj`` under ``stamp``, else ``make()`` (remembered if it returns)."""
+        """The value remembered for ``obj`` under ``stamp``, else ``make()`` (remembered if it returns). The value
+        must not hold ``obj`` itself: the entry would then keep ``obj`` alive."""
         key = id(obj)
         hit = self._entries.get(key)
         if hit is not None and hit[1] == stamp and hit[0]() is obj:
@@ -395,6 +396,12 @@ def resolve_cache_once(cache: torch.Tensor, fmt: str | KVFormat | None = None,
     if not isinstance(cache, torch.Tensor):
         return resolve_cache(cache, fmt, name)  # raises the TypeError naming it
     paged, found = _RESOLVED.get(cache, (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype),
-                                 lambda: resolve_cache(cache, None, name))
+                                 lambda: _resolved_entry(cache, name))
     _check_format(cache, found, fmt, name)
-    return paged, found
+    return (cache if paged is None else paged), found
+
+
+def _resolved_entry(cache: torch.Tensor, name: str) -> tuple[torch.Tensor | None, KVFormat]:
+    """:func:`resolve_cache`'s result as the memo keeps it: None for a paged view that is the cache itself."""
+    paged, found = resolve_cache(cache, None, name)
+    return (None if paged is cache else paged), found

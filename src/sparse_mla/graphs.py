@@ -54,6 +54,11 @@ class StepGraph:
             step(batch)
         if meta.batch is not batch:
             raise ValueError("the step function must build the metadata into meta (build_step_metadata(..., out=meta))")
+        # the smallest cache of each kind the captured layers read: a replayed batch must not name a block past it
+        self.num_blocks: dict[str, int] = {}
+        for plan in meta._plans.values():
+            for kind, n in getattr(plan, "num_blocks", {}).items():
+                self.num_blocks[kind] = min(n, self.num_blocks.get(kind, n))
 
     def replay(self, batch: StepBatch) -> None:
         """Run the captured step for ``batch``: the current batch of the same builder, of the captured shape."""
@@ -64,5 +69,9 @@ class StepGraph:
         if batch_shape(batch) != self.shape:
             raise ValueError(f"batch has shape {batch_shape(batch)} (requests, decode requests, decode tokens, "
                              f"tokens), the captured step {self.shape}: capture another graph for it")
+        for kind, n in self.num_blocks.items():  # eager calls check this in each step's plan; a replay makes none
+            if batch.max_block.get(kind, -1) >= n:
+                raise ValueError(f"batch's {kind!r} block tables name block {batch.max_block[kind]}, but the captured "
+                                 f"step reads a {kind!r} cache of {n} blocks")
         self.graph.replay()
         self.meta.batch = batch

@@ -36,7 +36,7 @@ class CacheView(NamedTuple):
     kv_scale: torch.Tensor | None = None
 
 
-_VIEWS = IdentityMemo()  # paged cache view (one per validated cache tensor) -> its CacheView
+_VIEWS = IdentityMemo()  # cache tensor -> its CacheView's (format, alignment, plan key), no tensor: see IdentityMemo
 
 
 def resolve_cache_arg(cache: object, name: str) -> CacheView:
@@ -45,7 +45,7 @@ def resolve_cache_arg(cache: object, name: str) -> CacheView:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a PagedCache or a paged cache tensor, got {type(cache).__name__}")
     paged, fmt = resolve_cache_once(tensor, None, name)
-    view = _VIEWS.get(paged, None, lambda: _view(paged, fmt))
+    view = CacheView(paged, *_VIEWS.get(tensor, (paged.data_ptr(), paged.shape), lambda: _view(paged, fmt)))
     if fmt.per_tensor:  # the pool's scale, read per call (PagedCache.kv_scale may be replaced)
         kv_scale = getattr(cache, "kv_scale", None)
         if kv_scale is None:
@@ -55,9 +55,10 @@ def resolve_cache_arg(cache: object, name: str) -> CacheView:
     return view
 
 
-def _view(paged: torch.Tensor, fmt: KVFormat) -> CacheView:
+def _view(paged: torch.Tensor, fmt: KVFormat) -> tuple[KVFormat, bool, tuple]:
+    """A :class:`CacheView`'s fields after its tensor."""
     aligned = paged.data_ptr() % 16 == 0 and paged.stride(0) * paged.element_size() % 16 == 0
-    return CacheView(paged, fmt, aligned, (fmt.name, fmt.dim, aligned, paged.shape[0], paged.shape[1], paged.device))
+    return fmt, aligned, (fmt.name, fmt.dim, aligned, paged.shape[0], paged.shape[1], paged.device)
 
 
 def layer_kv_scale(views: dict[str, CacheView]) -> torch.Tensor | None:
@@ -93,8 +94,10 @@ class LayerPlan:
         batch = meta.batch
         self.meta = meta
         self.kind, self.head_dim, self.backend = layer.kind, layer.head_dim, layer.backend
-        self.workspace_bytes = layer.workspace_bytes
+        self.workspace_bytes, self.batch_invariant = layer.workspace_bytes, layer.batch_invariant
         self.impl = resolve_backend(layer.backend, batch.device)
+        # the block count of each cache (what a replayed CUDA graph of this plan may index: graphs.StepGraph)
+        self.num_blocks = {kind: view.tensor.shape[0] for kind, view in views.items()}
         self.n_dec, self.n_tok, self.capacity = batch.num_decode_tokens, batch.num_tokens, batch.token_capacity
         scopes = []  # (kind, indices, lens)
         if "swa" in views:
@@ -220,4 +223,4 @@ class LayerPlan:
                                                  kv_scale=kv_scale)
             idx, lens = workspace_indices(meta, chunk, kept_picks)
             sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, sink, scale, backend=self.backend,
-                                     out=out[chunk.tokens])
+                                     out=out[chunk.tokens], batch_invariant=self.batch_invariant)

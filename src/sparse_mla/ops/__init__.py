@@ -108,17 +108,19 @@ def sparse_attention_prefill(
     out: torch.Tensor | None = None,
     *,
     indptr: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention over a bf16 workspace ``kv (S, d)``: ``indices (T, width)`` int32 rows of kv, or with
     ``indptr (T+1,)`` int32 a flat ``(capacity,)`` ragged list (row ``t``: ``indices[indptr[t]:indptr[t+1]]``,
     ``lens`` None).
 
-    Same semantics and returns as :func:`sparse_attention_decode`.
+    Same semantics and returns as :func:`sparse_attention_decode` (``batch_invariant`` too: a token's output
+    depends on its own key list, not on the rest of the call).
     """
     if backend_for(backend, q, "q") == "reference":
         return reference.run(prefill_args(q, kv, indices, lens, sink, scale, out=out, indptr=indptr))
     return triton_attention.run(prefill_args(q, kv, indices, lens, sink, scale, check_ranges=debug_checks_enabled(),
-                                             out=out, indptr=indptr))
+                                             out=out, indptr=indptr), batch_invariant=batch_invariant)
 
 
 def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,

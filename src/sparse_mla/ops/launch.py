@@ -38,14 +38,14 @@ def fast_path_enabled() -> bool:
 def fingerprint(args: tuple) -> tuple:
     """What of ``args`` can change the compiled binary (see the module docstring)."""
     return tuple([(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
-                  else (a == 1, a & 15 == 0, -(1 << 31) <= a < (1 << 31)) if type(a) is int
+                  else (a == 1, a & 15 == 0, -(1 << 31) <= a < (1 << 31), a >= 1 << 63) if type(a) is int
                   else type(a) for a in args])
 
 
 def _launch_hooks_installed() -> bool:
-    """Whether a profiler hooked kernel launches (Triton 3.6 keeps a chain of hooks, empty by default)."""
-    hook = _knobs.runtime.launch_enter_hook
-    return bool(getattr(hook, "calls", hook))
+    """Whether a profiler hooked kernel launches (Triton 3.6 keeps chains of hooks, empty by default)."""
+    return any(bool(getattr(hook, "calls", hook))
+               for hook in (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook))
 
 
 class Launch:
@@ -78,7 +78,7 @@ class Launch:
     def __call__(self, grid: tuple, *args):
         if not self._fast or args[0].device.type != "cuda" or _launch_hooks_installed():
             return self.kernel[grid](*args, **self.kwargs)
-        device = args[0].device.index
+        device = torch.cuda.current_device()  # where the JIT call compiles, loads and launches
         key = (device, fingerprint(args))
         binary = self._binaries.get(key)
         if binary is None:
