@@ -229,7 +229,7 @@ def flash_mla_prefill(flash_mla: ModuleType, step: Step, layer: SparseMLAAttenti
     ``flash_mla_sparse_fwd`` on ``q (n, H, 512)``, workspace ``(rows, 1, 512)``, indices ``(n, 1, width)``."""
     meta, data = step.meta, {k: c.data for k, c in step.caches.items()}
     local = convert_picks(meta, step.picks, "c4a")[2] if layer.kind == "c4a" else None
-    ws_all = shared_workspace(q.device, layer.workspace_bytes // (2 * layer.head_dim), layer.head_dim)
+    ws_all = shared_workspace(q.device, layer.workspace_bytes, layer.head_dim)
     for chunk in meta.workspace_plan(layer.kind, layer.workspace_bytes, layer.head_dim):
         ws = ws_all[: chunk.num_rows]
         n_c = chunk.compressed_slots.shape[0]

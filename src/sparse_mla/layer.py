@@ -18,8 +18,10 @@ DEFAULT_WORKSPACE_BYTES = 64 << 20
 _WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def shared_workspace(device: torch.device, rows: int, head_dim: int) -> torch.Tensor:
-    """A ``(rows, head_dim)`` bf16 view of the workspace shared by all layers on ``device`` (grown on demand)."""
+def shared_workspace(device: torch.device, budget_bytes: int, head_dim: int) -> torch.Tensor:
+    """The ``(budget_bytes // (2 · head_dim), head_dim)`` bf16 view of the workspace shared by all layers on
+    ``device`` (grown on demand)."""
+    rows = budget_bytes // (2 * head_dim)
     key = (torch.device(device), head_dim)
     buf = _WORKSPACES.get(key)
     if buf is None or buf.shape[0] < rows:
@@ -173,7 +175,7 @@ class SparseMLAAttention(torch.nn.Module):
 
     def _workspace_buffer(self, device: torch.device) -> torch.Tensor:
         """This layer's view of the shared workspace (``workspace_bytes`` of ``head_dim``-wide bf16 rows)."""
-        return shared_workspace(device, self.workspace_bytes // (2 * self.head_dim), self.head_dim)
+        return shared_workspace(device, self.workspace_bytes, self.head_dim)
 
     def _out(self, q: torch.Tensor, out: torch.Tensor | None, rows: int) -> torch.Tensor:
         if out is None:

@@ -19,7 +19,7 @@ from .cache import PagedCache
 from .config import PICKS_KINDS
 from .formats import IdentityMemo, KVFormat, resolve_cache_once
 from .ops import dequantize_and_gather, sparse_attention_decode, sparse_attention_prefill
-from .ops.dispatch import resolve_backend
+from .ops.dispatch import pages_16_byte_aligned, resolve_backend
 
 PREFILL_MODES = ("paged", "workspace", "mixed")
 
@@ -57,7 +57,7 @@ def resolve_cache_arg(cache: object, name: str) -> CacheView:
 
 def _view(paged: torch.Tensor, fmt: KVFormat) -> tuple[KVFormat, bool, tuple]:
     """A :class:`CacheView`'s fields after its tensor."""
-    aligned = paged.data_ptr() % 16 == 0 and paged.stride(0) * paged.element_size() % 16 == 0
+    aligned = pages_16_byte_aligned(paged)
     return fmt, aligned, (fmt.name, fmt.dim, aligned, paged.shape[0], paged.shape[1], paged.device)
 
 
@@ -211,7 +211,7 @@ class LayerPlan:
 
         meta, kind, dim = self.meta, self.kind, self.head_dim
         by_kind = {k: c for c, (k, _, _) in zip(caches, self.scopes)}
-        ws_all = shared_workspace(q.device, self.workspace_bytes // (2 * dim), dim)
+        ws_all = shared_workspace(q.device, self.workspace_bytes, dim)
         for chunk in meta.workspace_plan(kind, self.workspace_bytes, dim):
             ws = ws_all[: chunk.num_rows]
             n_c = chunk.compressed_slots.shape[0]

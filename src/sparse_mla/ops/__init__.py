@@ -27,7 +27,7 @@ def attention_kernel(backend: str, q: torch.Tensor, cache: torch.Tensor) -> str:
         return "reference"
     paged, fmt = resolve_cache(cache)
     return dispatch.attention_kernel(q.device, q.shape[-1], frozenset({fmt.name}),
-                                     triton_attention.pages_16_byte_aligned(paged),
+                                     dispatch.pages_16_byte_aligned(paged),
                                      q_fp8=q.dtype == torch.float8_e4m3fn)
 
 

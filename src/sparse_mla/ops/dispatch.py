@@ -63,6 +63,11 @@ def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
+def pages_16_byte_aligned(cache: torch.Tensor) -> bool:
+    """Whether a paged cache's base and page stride are multiples of 16 bytes (the Gluon kernel's condition)."""
+    return cache.data_ptr() % 16 == 0 and cache.stride(0) * cache.element_size() % 16 == 0
+
+
 def gluon_fits(device: torch.device, dim: int, formats: frozenset[str], pages_16_byte_aligned: bool,
                padded: bool = True, q_fp8: bool = False) -> bool:
     """Whether the Gluon kernel can compute an attention call: a Hopper GPU, 512-d (V4) bf16 queries, every scope

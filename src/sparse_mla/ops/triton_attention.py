@@ -25,6 +25,7 @@ from triton.runtime.errors import OutOfResources
 
 from .. import formats
 from . import dispatch, gluon_attention
+from .dispatch import pages_16_byte_aligned
 from .launch import Launch, cached_launch
 from .validate import D_V, AttentionArgs
 
@@ -558,8 +559,3 @@ def run(args: AttentionArgs, batch_invariant: bool = False, **overrides) -> tupl
          tuple(s.indices for s in args.scopes), tuple(s.lens if s.indptr is None else s.indptr for s in args.scopes),
          args.order, args.q_scale, args.kv_scale)
     return out, lse
-
-
-def pages_16_byte_aligned(cache: torch.Tensor) -> bool:
-    """Whether a cache's base and page stride are multiples of 16 bytes (the Gluon kernel's condition)."""
-    return cache.data_ptr() % 16 == 0 and cache.stride(0) * cache.element_size() % 16 == 0
