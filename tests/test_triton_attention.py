@@ -230,51 +230,69 @@ def test_gluon_path_only_on_validated_triton_or_when_asked(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="on a CPU only the Triton kernel exists")
-@pytest.mark.parametrize("fmt", ["fp8_v4", "bf16"])
+@pytest.mark.parametrize("fmt,dim", FORMATS)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_triton_kernel_where_gluon_is_the_default(fmt, splits):
-    """On Hopper the Gluon kernel serves V4 fp8_v4/bf16 scopes; the Triton kernel stays correct there too."""
+def test_triton_kernel_where_gluon_is_the_default(fmt, dim, splits):
+    """On Hopper the Gluon kernel serves fp8_v4 / fp8_v32 / bf16 scopes; the Triton kernel stays correct there too."""
     gen = torch.Generator().manual_seed(31 + splits)
-    scopes = [random_scope(gen, fmt, 512, 40, 128, 8, 64), random_scope(gen, fmt, 512, 40, 640, 64, 64)]
-    q = torch.randn(40, 72, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    scopes = [random_scope(gen, fmt, dim, 40, 128, 8, 64), random_scope(gen, fmt, dim, 40, 640, 64, 64)]
+    q = torch.randn(40, 72, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     check_close(*decode_both(q, scopes, random_sink(gen, 72), splits=splits, gluon=0))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel needs a CUDA GPU")
+@pytest.mark.parametrize("fmt,dim", FORMATS)
+def test_the_default_kernel_on_hopper_is_gluon_for_every_one_format_call(fmt, dim):
+    """Where the Gluon kernel is enabled on a Hopper GPU it is what ``backend="auto"`` runs for V4 and V3.2 scopes
+    of one format (so the GPU runs of this file's tests check it), and the Triton kernel for mixed formats."""
+    from sparse_mla.ops import attention_kernel, dispatch, gluon_attention
+
+    if not gluon_attention.enabled() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("not a Hopper GPU with the validated Triton")
+    gen = torch.Generator().manual_seed(3)
+    cache, _, _ = random_scope(gen, fmt, dim, 2, 8, 2, 64)
+    q = torch.zeros(2, 16, dim, dtype=torch.bfloat16, device=DEVICE)
+    assert attention_kernel("auto", q, cache.data) == "gluon"
+    other = "bf16" if fmt != "bf16" else {512: "fp8_v4", 576: "fp8_v32"}[dim]
+    assert dispatch.attention_kernel(q.device, dim, frozenset({fmt, other}), True) == "triton"
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the GPU kernels' dequantisation (the interpreter runs it in float32)")
 @pytest.mark.parametrize("gluon", [None, 0])
-def test_fp8_v4_keys_are_read_exactly_at_any_tile_scale(gluon):
-    """One key per token and no sink: every head's output is the key's dequantised row, bit for bit,
-    for tile magnitudes 2^-20 … 2^60 (e4m3 subnormals and signed zeros included)."""
+@pytest.mark.parametrize("fmt,dim", [("fp8_v4", 512), ("fp8_v32", 576)])
+def test_fp8_keys_are_read_exactly_at_any_tile_scale(fmt, dim, gluon):
+    """One key per token and no sink: every head's output is the key's dequantised row (its first 512 dims), bit
+    for bit, for tile magnitudes 2^-20 … 2^60 (e4m3 subnormals and signed zeros included)."""
     from sparse_mla.ops import triton_attention
     from sparse_mla.ops.validate import decode_args
 
     gen = torch.Generator().manual_seed(2026)
     num_tokens = 256
-    cache = PagedCache(4, 64, "fp8_v4", 512, DEVICE)
+    cache = PagedCache(4, 64, fmt, dim, DEVICE)
     cache.poison()
-    magnitude = torch.randint(-20, 61, (num_tokens, 8), generator=gen).float().repeat_interleave(64, dim=1)
-    kv = torch.randn(num_tokens, 512, generator=gen) * 2.0 ** magnitude
+    magnitude = torch.randint(-20, 61, (num_tokens, dim // 64), generator=gen).float().repeat_interleave(64, dim=1)
+    kv = torch.randn(num_tokens, dim, generator=gen) * 2.0 ** magnitude
     kv[:, ::17] = 0.0
     kv[:, 5::17] = -0.0
     slots = torch.randperm(cache.num_slots, generator=gen)[:num_tokens].int().to(DEVICE)
     cache.write(kv.to(torch.bfloat16).to(DEVICE), slots)
-    q = torch.randn(num_tokens, 64, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q = torch.randn(num_tokens, 64, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     lens = torch.ones(num_tokens, dtype=torch.int32, device=DEVICE)
     out, _ = triton_attention.run(decode_args(q, cache.data, slots[:, None], lens), gluon=gluon)
-    assert torch.equal(out, cache.read(slots)[:, None, :].expand_as(out))
+    assert torch.equal(out, cache.read(slots)[:, None, :512].expand_as(out))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a race between GPU warps")
-@pytest.mark.parametrize("fmt", ["fp8_v4", "bf16"])
+@pytest.mark.parametrize("fmt,dim", FORMATS)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_repeated_calls_give_identical_outputs(fmt, splits):
+def test_repeated_calls_give_identical_outputs(fmt, dim, splits):
     """Odd block counts (per split too), 128 heads, no sink (the shortest epilogue): twenty calls give
     the same bits and match the reference. A warpgroup that staged its output rows (unsplit rows) in
     shared memory still being read by another one's wgmma would break this."""
     gen = torch.Generator().manual_seed(404)
-    scopes = [random_scope(gen, fmt, 512, 96, 128, 8, 64, lens_mode="full"),
-              random_scope(gen, fmt, 512, 96, 320, 64, 64, lens_mode="full")]
-    q = torch.randn(96, 128, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    scopes = [random_scope(gen, fmt, dim, 96, 128, 8, 64, lens_mode="full"),
+              random_scope(gen, fmt, dim, 96, 320, 64, 64, lens_mode="full")]
+    q = torch.randn(96, 128, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     first = decode_both(q, scopes, None, splits=splits)
     check_close(*first)
     for _ in range(20):
@@ -283,16 +301,17 @@ def test_repeated_calls_give_identical_outputs(fmt, splits):
 
 
 def test_forcing_the_gluon_kernel_where_it_does_not_fit_is_an_error():
-    """``gluon=1`` on inputs the Hopper kernel cannot compute (here: V3.2 dims, fp8_v32, or no Hopper
+    """``gluon=1`` on inputs the Hopper kernel cannot compute (here: scopes of two formats, or no Hopper
     GPU) raises instead of running it on them."""
     from sparse_mla.ops import triton_attention
     from sparse_mla.ops.validate import decode_args
 
     gen = torch.Generator().manual_seed(5)
     cache, idx, lens = random_scope(gen, "fp8_v32", 576, 2, 8, 2, 8)
+    extra, extra_idx, extra_lens = random_scope(gen, "bf16", 576, 2, 8, 2, 8)
     q = torch.randn(2, 2, 576, generator=gen).to(torch.bfloat16).to(DEVICE)
     with pytest.raises(ValueError, match="gluon=1 needs a Hopper GPU"):
-        triton_attention.run(decode_args(q, cache.data, idx, lens), gluon=1)
+        triton_attention.run(decode_args(q, cache.data, idx, lens, extra.data, extra_idx, extra_lens), gluon=1)
 
 
 def shifted_copy(cache: torch.Tensor, shift: int) -> torch.Tensor:

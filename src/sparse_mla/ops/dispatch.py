@@ -68,16 +68,20 @@ def pages_16_byte_aligned(cache: torch.Tensor) -> bool:
     return cache.data_ptr() % 16 == 0 and cache.stride(0) * cache.element_size() % 16 == 0
 
 
+# the scope formats the Gluon kernel reads, by q·k width: V4 (512) and V3.2 (576), each fp8 or bf16
+GLUON_FORMATS = {512: (frozenset({"fp8_v4"}), frozenset({"bf16"})), 576: (frozenset({"fp8_v32"}), frozenset({"bf16"}))}
+
+
 def gluon_fits(device: torch.device, dim: int, formats: frozenset[str], pages_16_byte_aligned: bool,
                padded: bool = True, q_fp8: bool = False) -> bool:
-    """Whether the Gluon kernel can compute an attention call: a Hopper GPU, 512-d (V4) bf16 queries, every scope
-    ``fp8_v4`` or every scope ``bf16`` with padded index lists (not ragged, not combined), and caches whose base and
-    page stride are multiples of 16 bytes (it copies bf16 rows and the fp8_v4 rope with 16-byte ``cp.async``)."""
+    """Whether the Gluon kernel can compute an attention call: a Hopper GPU, bf16 queries, every scope of one
+    format its width has (:data:`GLUON_FORMATS`) with padded index lists (not ragged, not combined), and caches whose
+    base and page stride are multiples of 16 bytes (it copies bf16 rows and the fp8 rope with 16-byte
+    ``cp.async``)."""
     from . import gluon_attention
 
-    return (gluon_attention.gluon is not None and device.type == "cuda" and dim == 512 and padded and not q_fp8
-            and formats in (frozenset({"fp8_v4"}), frozenset({"bf16"})) and pages_16_byte_aligned
-            and _is_hopper(device))
+    return (gluon_attention.gluon is not None and device.type == "cuda" and padded and not q_fp8
+            and formats in GLUON_FORMATS.get(dim, ()) and pages_16_byte_aligned and _is_hopper(device))
 
 
 def attention_kernel(device: torch.device, dim: int, formats: frozenset[str], pages_16_byte_aligned: bool,
@@ -94,8 +98,9 @@ def attention_kernel(device: torch.device, dim: int, formats: frozenset[str], pa
     if gluon is None:
         return "gluon" if fits and gluon_attention.enabled() else "triton"
     if gluon and not fits:
-        raise ValueError("gluon=1 needs a Hopper GPU, 512-d (V4) bf16 q and caches, every scope fp8_v4 or every "
-                         "scope bf16 with padded index lists, and caches whose base and page stride are multiples of "
+        raise ValueError("gluon=1 needs a Hopper GPU, bf16 q, every scope fp8_v4 or bf16 (512-d) or every scope "
+                         "fp8_v32 or bf16 (576-d) with padded index lists, and caches whose base and page stride are "
+                         "multiples of "
                          f"16 bytes; got {dim}-d {'fp8' if q_fp8 else 'bf16'} q on {device}, scopes {sorted(formats)}, "
                          f"{'padded' if padded else 'ragged / combined'} lists, "
                          f"{'' if pages_16_byte_aligned else 'not '}16-byte aligned")

@@ -1,7 +1,7 @@
-"""Hopper sparse MLA attention for V4 (512 latent dims), written in Gluon (Triton's explicit dialect).
+"""Hopper sparse MLA attention for V4 (512 latent dims) and V3.2 (576), written in Gluon (Triton's explicit dialect).
 
 Same contract and arguments as ``triton_attention``'s kernel, for the cases that dominate serving
-on an sm_90 GPU: every scope ``fp8_v4`` (decode, paged-direct prefill) or every scope ``bf16``
+on an sm_90 GPU: every scope ``fp8_v4`` / ``fp8_v32`` (decode, paged-direct prefill) or every scope ``bf16``
 (workspace prefill, bf16 caches). One program = one query token × 64 heads × one split of the
 key list, in three warpgroups that run out of step, synchronised by mbarriers only:
 
@@ -23,6 +23,12 @@ key list, in three warpgroups that run out of step, synchronised by mbarriers on
   by the conversion). The rope dims, already bf16, go by ``cp.async``. The math warpgroups never
   wait for a gather or a conversion unless the copy warpgroup falls behind.
 
+V3.2 (``D_QK = 576``): the shared rows hold the 512 V dims as V4's do; the 64 rope dims of the keys go
+by ``cp.async`` into a buffer of their own (``r_smem``) with the second half, and the query's rope dims
+stay in the math warpgroups' registers (the A operand of one more wgmma per block): shared memory has no
+room for them (231 KB of the 227 KiB an H100 block may take). fp8_v32 tiles are 128 dims with a float32
+scale each, dequantised like fp8_v4's (e4m3 → f32, times the scale, → bf16: the reference's rounding).
+
 The split merge and the sink of split rows are ``triton_attention``'s combine kernel.
 
 Gluon's API is experimental: the kernel is used with the Triton versions it was validated on
@@ -34,8 +40,8 @@ import os
 
 import triton
 
-from ..formats import (FMT_BF16, FMT_FP8_V4, UE8M0_BIAS, V4_BODY_BYTES, V4_DIM, V4_NOPE_DIM,
-                       V4_SCALE_BYTES)
+from ..formats import (FMT_BF16, FMT_FP8_V4, FMT_FP8_V32, ROPE_DIM, UE8M0_BIAS, V4_BODY_BYTES, V4_DIM, V4_NOPE_DIM,
+                       V4_SCALE_BYTES, V32_DIM, V32_ROPE_OFFSET, V32_SCALE_OFFSET, V32_TOKEN_BYTES)
 from .order import KEYS_PER_BLOCK
 from .validate import D_V
 
@@ -55,8 +61,9 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 PARTITION_WARPS = 4  # each of the three warpgroups
 # registers per thread of a math warpgroup (its 64 × 256 fp32 accumulator, the 64 × 64 logits and P), by format;
 # the copy warpgroup, the default partition, gets what is left: 72 for bf16 (cp.async holds nothing in registers),
-# 104 for fp8_v4, whose copy warpgroup holds two gathered half blocks at once
-MATH_REGS = {"bf16": 216, "fp8_v4": 200}
+# 104 for fp8_v4, whose copy warpgroup holds two gathered half blocks at once. fp8_v32's math warpgroups also hold
+# q's rope dims (16 more): at 200 their key loop spilled, at 208 only the copy warpgroup does (88 left), a little
+MATH_REGS = {"bf16": 216, "fp8_v4": 200, "fp8_v32": 208}
 HEADS_PER_PROGRAM = 64
 VALIDATED_TRITON = ("3.6.",)  # checked on an H100 against the reference ops (tests/test_triton_attention.py)
 
@@ -73,18 +80,25 @@ if gluon is not None:
     H_BLOCK = gl.constexpr(HEADS_PER_PROGRAM)
     BLOCK_N = gl.constexpr(KEYS_PER_BLOCK)
     NOPE = gl.constexpr(V4_NOPE_DIM)  # e4m3 dims of a V4 row; the other 64 are bf16 rope
-    DIM = gl.constexpr(V4_DIM)
+    DIM = gl.constexpr(V4_DIM)  # the width of the q / key rows in shared memory: V4's whole latent, V3.2's V part
+    ROPE = gl.constexpr(ROPE_DIM)
+    QK_V32 = gl.constexpr(V32_DIM)  # V3.2's scores also read 64 rope dims past DIM, kept apart (r_smem)
+    V32_ROW = gl.constexpr(V32_TOKEN_BYTES)
+    V32_SCALES = gl.constexpr(V32_SCALE_OFFSET)  # four float32, one per 128 e4m3 dims
+    V32_ROPE = gl.constexpr(V32_ROPE_OFFSET)
     BODY_BYTES = gl.constexpr(V4_BODY_BYTES)
     SCALE_BYTES = gl.constexpr(V4_SCALE_BYTES)
     BIAS_WORD = gl.constexpr(UE8M0_BIAS * 0x01010101)  # four ue8m0 bytes of 2^0
     BF16 = gl.constexpr(FMT_BF16)
     FP8_V4 = gl.constexpr(FMT_FP8_V4)
+    FP8_V32 = gl.constexpr(FMT_FP8_V32)
     D_OUT = gl.constexpr(D_V)
     HALF = gl.constexpr(256)
     WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
     WARPS = gl.constexpr(PARTITION_WARPS)
     MATH_REGS_BF16 = gl.constexpr(MATH_REGS["bf16"])
     MATH_REGS_FP8 = gl.constexpr(MATH_REGS["fp8_v4"])
+    MATH_REGS_V32 = gl.constexpr(MATH_REGS["fp8_v32"])
 
     @gluon.jit
     def _opaque(x):
@@ -106,49 +120,71 @@ if gluon is not None:
 
     @gluon.jit
     def _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx, blk, nblk0,
-                    FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr):
-        """Pointers to the rows of block ``blk``'s slots ``idx`` (bytes for fp8_v4, elements for bf16),
-        to their scale bytes (fp8_v4), and the rows' validity."""
-        ROW: gl.constexpr = BODY_BYTES if FMT == FP8_V4 else DIM
+                    FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, D_QK: gl.constexpr):
+        """Pointers to the rows of block ``blk``'s slots ``idx`` (bytes for fp8, elements for bf16), to their
+        scales (fp8_v4: the ue8m0 bytes after the page's bodies; fp8_v32: the float32s inside the row), and the
+        rows' validity."""
+        ROW: gl.constexpr = BODY_BYTES if FMT == FP8_V4 else V32_ROW if FMT == FP8_V32 else D_QK
         if blk < nblk0:
             valid = (idx >= 0) & (idx < c0_slots)
             slot = gl.where(valid, idx, 0)
             page = c0_ptr + (slot // BS0).to(gl.int64) * c0_stride0
-            row = page + (slot % BS0) * ROW
-            scales = page + BS0 * ROW + (slot % BS0) * SCALE_BYTES
+            off = slot % BS0
+            page_scales = page + BS0 * ROW
         else:
             valid = (idx >= 0) & (idx < c1_slots)
             slot = gl.where(valid, idx, 0)
             page = c1_ptr + (slot // BS1).to(gl.int64) * c1_stride0
-            row = page + (slot % BS1) * ROW
-            scales = page + BS1 * ROW + (slot % BS1) * SCALE_BYTES
+            off = slot % BS1
+            page_scales = page + BS1 * ROW
+        row = page + off * ROW
+        if FMT == FP8_V32:
+            scales = row + V32_SCALES
+        else:
+            scales = page_scales + off * SCALE_BYTES
         return row, scales, valid
 
     @gluon.jit
-    def _gather_half(rows, scales, ok, SIDE: gl.constexpr, words_layout: gl.constexpr):
-        """The e4m3 bytes of dims ``[256·SIDE, 256·SIDE + 256)`` of the gathered fp8_v4 rows as ``(BLOCK_N, 4, 16)``
-        int32 words (4 bytes each, little-endian), and their four ue8m0 exponents as one ``(BLOCK_N,)`` int32
-        word (byte t: tile t's; in the second half byte 3 is the pad byte). The fourth tile of the second half
-        is the bf16 rope, not read here (zero words).
+    def _gather_half(rows, scales, ok, SIDE: gl.constexpr, words_layout: gl.constexpr, FMT: gl.constexpr):
+        """The e4m3 bytes of dims ``[256·SIDE, 256·SIDE + 256)`` of the gathered fp8 rows as ``(BLOCK_N, tiles,
+        words)`` int32 words (4 bytes each, little-endian; ``words_layout`` gives the shape), with their scales.
+
+        fp8_v4: 4 tiles of 16 words (64 dims each) and the four ue8m0 exponents as one ``(BLOCK_N,)`` int32 word
+        (byte t: tile t's; in the second half byte 3 is the pad byte); the fourth tile of the second half is the
+        bf16 rope, not read here (zero words). fp8_v32: 2 tiles of 32 words (128 dims each) and their float32
+        scales, ``(BLOCK_N, 2)``.
         Invalid rows read nothing. Words, not bytes: the copy warpgroup carries two halves in registers,
         and tensors of bytes would take a register per byte."""
-        tile = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_layout)))
-        word = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
-        is_rope = (tile == 3) & (SIDE == 1)
-        offs = (SIDE * 4 + tile)[None, :, None] * 16 + word[None, None, :]
-        raw = gl.load(rows.to(gl.pointer_type(gl.int32))[:, None, None] + offs,
-                      mask=ok[:, None, None] & ~is_rope[None, :, None], other=0)
-        exps = gl.load(scales.to(gl.pointer_type(gl.int32)) + SIDE, mask=ok, other=BIAS_WORD)
-        return raw, gl.convert_layout(exps, gl.SliceLayout(1, gl.SliceLayout(2, words_layout)))
+        NT: gl.constexpr = 4 if FMT == FP8_V4 else 2
+        NW: gl.constexpr = 64 // NT
+        tiles_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
+        tile = gl.arange(0, NT, layout=gl.SliceLayout(0, tiles_layout))
+        word = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
+        offs = (SIDE * NT + tile)[None, :, None] * NW + word[None, None, :]
+        if FMT == FP8_V4:
+            is_rope = (tile == 3) & (SIDE == 1)
+            raw = gl.load(rows.to(gl.pointer_type(gl.int32))[:, None, None] + offs,
+                          mask=ok[:, None, None] & ~is_rope[None, :, None], other=0)
+            exps = gl.load(scales.to(gl.pointer_type(gl.int32)) + SIDE, mask=ok, other=BIAS_WORD)
+            found = gl.convert_layout(exps, gl.SliceLayout(1, tiles_layout))
+        else:
+            raw = gl.load(rows.to(gl.pointer_type(gl.int32))[:, None, None] + offs, mask=ok[:, None, None], other=0)
+            found = gl.load(scales.to(gl.pointer_type(gl.float32))[:, None] + (SIDE * NT + tile)[None, :],
+                            mask=ok[:, None], other=1.0)
+        return raw, found
 
     @gluon.jit
-    def _dequant(raw, exps):
-        """``_gather_half``'s words times their tiles' power-of-two factors, exactly, as ``(BLOCK_N, 4, 32)`` int32
-        words that each hold two bf16 (the dims in order)."""
-        tile = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, raw.type.layout)))
-        e = (exps[:, None] >> (tile[None, :] * 8)) & 0xFF
-        factor = (e << 23).to(gl.float32, bitcast=True)  # ue8m0 -> 2^(e-127)
-        # per word: e4m3 pairs -> f16 pairs (exact) -> f32, times the factor (exact: a power of two), -> bf16 pairs
+    def _dequant(raw, scales, FMT: gl.constexpr):
+        """``_gather_half``'s words times their tiles' scales as ``(BLOCK_N, tiles, words, 2)`` int32 words that each
+        hold two bf16 (the dims in order). fp8_v4's power-of-two factors make the products exact; fp8_v32's float32
+        scales round each product to float32 and then to bf16, as the reference does."""
+        tile = gl.arange(0, raw.shape[1], layout=gl.SliceLayout(0, gl.SliceLayout(2, raw.type.layout)))
+        if FMT == FP8_V4:
+            e = (scales[:, None] >> (tile[None, :] * 8)) & 0xFF
+            factor = (e << 23).to(gl.float32, bitcast=True)  # ue8m0 -> 2^(e-127)
+        else:
+            factor = scales
+        # per word: e4m3 pairs -> f16 pairs (exact) -> f32, times the factor, -> bf16 pairs
         lo, hi = gl.inline_asm_elementwise(
             """{
             .reg .b16 l, h, x0, x1, x2, x3;
@@ -170,7 +206,7 @@ if gluon is not None:
             cvt.rn.bf16x2.f32 $0, f1, f0;
             cvt.rn.bf16x2.f32 $1, f3, f2;
             }""", "=r,=r,r,r", [raw, factor[:, :, None]], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-        return gl.reshape(gl.join(lo, hi), [BLOCK_N, 4, 32])
+        return gl.join(lo, hi)
 
     @gluon.jit
     def _row_outputs(m_i, l_i, rows_layout: gl.constexpr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
@@ -201,80 +237,99 @@ if gluon is not None:
         return heads, factor, dst
 
     @gluon.jit
-    def _copy_half(k_smem, ready, free, row, valid, cols, j, BUF: gl.constexpr, SIDE: gl.constexpr):
-        """Copy dims [256·SIDE, 256·SIDE + 256) of pair j's block into buffer ``BUF`` once its readers
-        of pair j-1 are done; the copies arrive on the half's ``ready`` barrier as they land."""
+    def _copy_rope(dst, rows, ok, START: gl.constexpr):
+        """``cp.async`` the 64 bf16 rope dims of each gathered row (``rows``: pointers to the rows' first byte or
+        element; the rope starts ``START`` bf16 elements in) into ``dst (BLOCK_N, 64)``; invalid rows: zeros."""
+        rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
+        col = gl.arange(0, ROPE, layout=gl.SliceLayout(0, rope_layout))
+        row = gl.convert_layout(rows, gl.SliceLayout(1, rope_layout)).to(gl.pointer_type(gl.bfloat16))
+        okr = gl.convert_layout(ok, gl.SliceLayout(1, rope_layout))
+        async_copy.async_copy_global_to_shared(dst, (row + START)[:, None] + col[None, :], mask=okr[:, None])
+
+    @gluon.jit
+    def _copy_half(k_smem, r_smem, ready, free, row, valid, cols, j, BUF: gl.constexpr, SIDE: gl.constexpr,
+                   D_QK: gl.constexpr):
+        """Copy dims [256·SIDE, 256·SIDE + 256) of pair j's block (bf16 rows) into buffer ``BUF`` once its readers
+        of pair j-1 are done, and with the second half a 576-d row's rope into ``r_smem``; the copies arrive on
+        the half's ``ready`` barrier as they land."""
         bar: gl.constexpr = 2 * BUF + SIDE
         mbarrier.wait(free.index(bar), (j & 1) ^ 1, pred=j >= 1)
         async_copy.async_copy_global_to_shared(k_smem.index(BUF).slice(SIDE * HALF, HALF, dim=1),
                                                row[:, None] + (SIDE * HALF + cols)[None, :], mask=valid[:, None])
+        if (SIDE == 1) & (D_QK == QK_V32):
+            _copy_rope(r_smem.index(BUF), row, valid, DIM)
         async_copy.mbarrier_arrive(ready.index(bar), increment_count=False)
 
     @gluon.jit
-    def _store_half(k_smem, ready, free, raw, exps, rows, ok, j, BUF: gl.constexpr, SIDE: gl.constexpr):
-        """fp8_v4: once half ``SIDE`` of buffer ``BUF`` is free of pair j-1's readers, dequantise into it a half
-        block gathered by ``_gather_half`` (``rows``/``ok``: the block's rows, for the second half's rope,
-        which goes by ``cp.async`` and arrives on ``ready`` as it lands), and signal the half ready."""
+    def _store_half(k_smem, r_smem, ready, free, raw, scales, rows, ok, j, BUF: gl.constexpr, SIDE: gl.constexpr,
+                    FMT: gl.constexpr):
+        """fp8: once half ``SIDE`` of buffer ``BUF`` is free of pair j-1's readers, dequantise into it a half
+        block gathered by ``_gather_half`` (``rows``/``ok``: the block's rows, for the second half's rope, which
+        goes by ``cp.async`` (fp8_v4: into the row's last 64 dims; fp8_v32: into ``r_smem``) and arrives on
+        ``ready`` as it lands), and signal the half ready."""
         bar: gl.constexpr = 2 * BUF + SIDE
         mbarrier.wait(free.index(bar), (j & 1) ^ 1, pred=j >= 1)
-        vals = _dequant(raw, exps)
+        vals = _dequant(raw, scales, FMT)
         words = k_smem.index(BUF)._reinterpret(gl.int32, [BLOCK_N, DIM // 2], WORDS_SMEM)  # bf16 pairs
         words.slice(SIDE * HALF // 2, HALF // 2, dim=1).store(gl.reshape(vals, [BLOCK_N, HALF // 2]))
         if SIDE == 1:
-            # the rope tile was just written too (zero words times the pad byte's factor: zeros, or NaN for a
-            # 0xFF pad byte): every thread's stores land before any rope copy starts, and the copy overwrites them
-            gl.thread_barrier()
-            rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
-            col = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_layout))
-            row = gl.convert_layout(rows, gl.SliceLayout(1, rope_layout)).to(gl.pointer_type(gl.bfloat16))
-            okr = gl.convert_layout(ok, gl.SliceLayout(1, rope_layout))
-            async_copy.async_copy_global_to_shared(k_smem.index(BUF).slice(NOPE, DIM - NOPE, dim=1),
-                                                   (row + NOPE // 2)[:, None] + col[None, :], mask=okr[:, None])
+            if FMT == FP8_V4:
+                # the rope tile was just written too (zero words times the pad byte's factor: zeros, or NaN for a
+                # 0xFF pad byte): every thread's stores land before any rope copy starts, and the copy overwrites
+                # them
+                gl.thread_barrier()
+                _copy_rope(k_smem.index(BUF).slice(NOPE, DIM - NOPE, dim=1), rows, ok, NOPE // 2)
+            else:
+                _copy_rope(r_smem.index(BUF), rows, ok, V32_ROPE // 2)
             async_copy.mbarrier_arrive(ready.index(bar), increment_count=False)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ready.index(bar))
 
     @gluon.jit
-    def _copy_partition(k_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
+    def _copy_partition(k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
                         c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT: gl.constexpr, BS0: gl.constexpr,
-                        BS1: gl.constexpr):
+                        BS1: gl.constexpr, D_QK: gl.constexpr):
         """Gather each pair of key blocks into buffers 0 and 1, half by half (rows past ``hi`` or invalid: zeros),
-        in the order the math warpgroups read them; bf16 rows by ``cp.async``, fp8_v4 rows dequantised.
+        in the order the math warpgroups read them; bf16 rows by ``cp.async``, fp8 rows dequantised.
 
         ``ready``/``free`` are indexed ``2·buffer + half``.
         """
-        if FMT == FP8_V4:
-            # (rows, 4 tiles, 16 words): a thread holds 16 consecutive bytes of each of 4 tiles of two rows
-            words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
+        if FMT != BF16:
+            if FMT == FP8_V4:
+                # (rows, 4 tiles, 16 words): a thread holds 16 consecutive bytes of each of 4 tiles of two rows
+                words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
+            else:
+                # (rows, 2 tiles, 32 words): a thread holds 32 consecutive bytes of each of 2 tiles of two rows
+                words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
             rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words_layout))
             # software-pipelined: each half's gathers are issued before the previous half is dequantised, so
             # two halves' loads are in flight (the next pair's indices are loaded one pair ahead for that)
             idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo, rows_layout)
             idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo + 1, rows_layout)
             row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx0,
-                                                lo, nblk0, FMT, BS0, BS1)
-            raw_a, exps_a = _gather_half(row0, scales0, valid0, 0, words_layout)
+                                                lo, nblk0, FMT, BS0, BS1, D_QK)
+            raw_a, sc_a = _gather_half(row0, scales0, valid0, 0, words_layout, FMT)
             for j in range(gl.cdiv(hi - lo, 2)):
                 blk0 = lo + 2 * j
                 # row addresses are recomputed from the carried indices rather than carried (registers)
                 row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
-                                                    idx0, blk0, nblk0, FMT, BS0, BS1)
+                                                    idx0, blk0, nblk0, FMT, BS0, BS1, D_QK)
                 row1, scales1, valid1 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
-                                                    idx1, blk0 + 1, nblk0, FMT, BS0, BS1)
+                                                    idx1, blk0 + 1, nblk0, FMT, BS0, BS1, D_QK)
                 valid1 = valid1 & (blk0 + 1 < hi)
                 idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 2, rows_layout)
                 idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 3, rows_layout)
-                raw_b, exps_b = _gather_half(row1, scales1, valid1, 1, words_layout)
-                _store_half(k_smem, ready, free, raw_a, exps_a, row0, valid0, j, 0, 0)
-                raw_a, exps_a = _gather_half(row0, scales0, valid0, 1, words_layout)
-                _store_half(k_smem, ready, free, raw_b, exps_b, row1, valid1, j, 1, 1)
-                raw_b, exps_b = _gather_half(row1, scales1, valid1, 0, words_layout)
-                _store_half(k_smem, ready, free, raw_a, exps_a, row0, valid0, j, 0, 1)
+                raw_b, sc_b = _gather_half(row1, scales1, valid1, 1, words_layout, FMT)
+                _store_half(k_smem, r_smem, ready, free, raw_a, sc_a, row0, valid0, j, 0, 0, FMT)
+                raw_a, sc_a = _gather_half(row0, scales0, valid0, 1, words_layout, FMT)
+                _store_half(k_smem, r_smem, ready, free, raw_b, sc_b, row1, valid1, j, 1, 1, FMT)
+                raw_b, sc_b = _gather_half(row1, scales1, valid1, 0, words_layout, FMT)
+                _store_half(k_smem, r_smem, ready, free, raw_a, sc_a, row0, valid0, j, 0, 1, FMT)
                 row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
-                                                    idx0, blk0 + 2, nblk0, FMT, BS0, BS1)
-                raw_a, exps_a = _gather_half(row0, scales0, valid0 & (blk0 + 2 < hi), 0, words_layout)
-                _store_half(k_smem, ready, free, raw_b, exps_b, row1, valid1, j, 1, 0)
+                                                    idx0, blk0 + 2, nblk0, FMT, BS0, BS1, D_QK)
+                raw_a, sc_a = _gather_half(row0, scales0, valid0 & (blk0 + 2 < hi), 0, words_layout, FMT)
+                _store_half(k_smem, r_smem, ready, free, raw_b, sc_b, row1, valid1, j, 1, 0, FMT)
         else:
             copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # (64, 256), 16 B each
             rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
@@ -284,22 +339,23 @@ if gluon is not None:
                 idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0, rows_layout)
                 idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 1, rows_layout)
                 row0, _, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx0,
-                                              blk0, nblk0, FMT, BS0, BS1)
+                                              blk0, nblk0, FMT, BS0, BS1, D_QK)
                 row1, _, valid1 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx1,
-                                              blk0 + 1, nblk0, FMT, BS0, BS1)
+                                              blk0 + 1, nblk0, FMT, BS0, BS1, D_QK)
                 valid1 = valid1 & (blk0 + 1 < hi)
-                _copy_half(k_smem, ready, free, row0, valid0, cols, j, 0, 0)
-                _copy_half(k_smem, ready, free, row1, valid1, cols, j, 1, 1)
-                _copy_half(k_smem, ready, free, row0, valid0, cols, j, 0, 1)
-                _copy_half(k_smem, ready, free, row1, valid1, cols, j, 1, 0)
+                _copy_half(k_smem, r_smem, ready, free, row0, valid0, cols, j, 0, 0, D_QK)
+                _copy_half(k_smem, r_smem, ready, free, row1, valid1, cols, j, 1, 1, D_QK)
+                _copy_half(k_smem, r_smem, ready, free, row0, valid0, cols, j, 0, 1, D_QK)
+                _copy_half(k_smem, r_smem, ready, free, row1, valid1, cols, j, 1, 0, D_QK)
 
     @gluon.jit
-    def _math_partition(q_smem, k_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
-                        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+    def _math_partition(q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
+                        q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
                         c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
                         tok, hb, split, num_tokens, num_heads, qk_scale,
-                        HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, WG: gl.constexpr):
-        """Warpgroup ``WG``: the logits of block 2j+WG of each pair, output dims [256·WG, 256·WG + 256)."""
+                        HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, WG: gl.constexpr, D_QK: gl.constexpr):
+        """Warpgroup ``WG``: the logits of block 2j+WG of each pair, output dims [256·WG, 256·WG + 256).
+        576-d (V3.2): the scores add q's rope dims (read from ``q_tok``, held in registers) times ``r_smem``'s."""
         OTHER: gl.constexpr = 1 - WG
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                           instr_shape=[16, 64, 16])
@@ -314,6 +370,13 @@ if gluon is not None:
         l_i = gl.zeros([H_BLOCK], gl.float32, layout=rows_layout)
         acc = gl.zeros([H_BLOCK, HALF], gl.float32, layout=o_layout)
         s_zero = gl.zeros([H_BLOCK, BLOCK_N], gl.float32, layout=s_layout)
+        if D_QK == QK_V32:
+            # the A operand of the rope scores, from registers: shared memory has no room left for it
+            qr_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+            heads_r = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, qr_layout))
+            cols_r = DIM + gl.arange(0, ROPE, layout=gl.SliceLayout(0, qr_layout))
+            q_rope = gl.load(q_tok + heads_r[:, None] * stride_qh + cols_r[None, :],
+                             mask=(heads_r < num_heads)[:, None], other=0.0)
         for j in range(gl.cdiv(hi - lo, 2)):
             phase = j & 1
             blk = lo + 2 * j + WG
@@ -335,6 +398,8 @@ if gluon is not None:
             fence_async_shared()
             s = warpgroup_mma(q_all.slice(OTHER * HALF, HALF, dim=1),
                               k_own.slice(OTHER * HALF, HALF, dim=1).permute((1, 0)), s, is_async=True)
+            if D_QK == QK_V32:  # the rope dims arrived with half 1
+                s = warpgroup_mma(q_rope, r_smem.index(WG + zero).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
             s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -414,7 +479,7 @@ if gluon is not None:
         c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
         num_tokens, num_heads, qk_scale,
         FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
-        HAS_ORDER: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr,
+        HAS_ORDER: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, D_QK: gl.constexpr,
     ):
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -428,6 +493,10 @@ if gluon is not None:
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, H_BLOCK, DIM], smem_layout)  # indexed: see the loop
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DIM], smem_layout)
+        if D_QK == QK_V32:
+            r_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, ROPE], smem_layout)  # the keys' rope dims
+        else:
+            r_smem = k_smem  # unused: V4's rope dims are the last 64 of its rows
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, H_BLOCK, BLOCK_N], smem_layout)
         m_smem = gl.allocate_shared_memory(gl.float32, [2, H_BLOCK], vec_layout)
         l_smem = gl.allocate_shared_memory(gl.float32, [2, H_BLOCK], vec_layout)
@@ -474,17 +543,17 @@ if gluon is not None:
         i1_row = i1_ptr + tok.to(gl.int64) * i1_stride
         gl.thread_barrier()
 
-        math_regs: gl.constexpr = MATH_REGS_FP8 if FMT == FP8_V4 else MATH_REGS_BF16
+        math_regs: gl.constexpr = MATH_REGS_BF16 if FMT == BF16 else MATH_REGS_FP8 if FMT == FP8_V4 else MATH_REGS_V32
         gl.warp_specialize([
-            (_copy_partition, (k_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
-                               c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT, BS0, BS1)),
-            (_math_partition, (q_smem, k_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
-                               out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+            (_copy_partition, (k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
+                               c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT, BS0, BS1, D_QK)),
+            (_math_partition, (q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
+                               q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
                                c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
-                               tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, PARTIAL, 0)),
-            (_math_partition, (q_smem, k_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
-                               out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                               tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, PARTIAL, 0, D_QK)),
+            (_math_partition, (q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
+                               q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
                                c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
-                               tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, PARTIAL, 1)),
+                               tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, PARTIAL, 1, D_QK)),
         ], [WARPS, WARPS], [math_regs, math_regs])
 

@@ -370,17 +370,31 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_splits(num_tokens: int, head_blocks: int, max_blocks: int, device: torch.device) -> int:
-    """Split each key list only when the token × head-block grid leaves over half the SMs idle.
+def choose_splits(num_tokens: int, num_heads: int, head_blocks: int, max_blocks: int, device: torch.device) -> int:
+    """How many pieces each key list is cut into (the pieces merged by the combine kernel).
 
-    A program holds a whole SM (its accumulators fill the register file), so splitting a grid
-    that already covers the GPU only adds waves and a combine pass.
+    A program holds a whole SM (its accumulators fill the register file), so the grid runs in waves of one
+    program per SM. A grid that leaves over half the SMs idle is split to fill them. A larger grid is split only
+    where that shortens its last wave by over 15 %, counting in key-block times: ``waves × blocks per program``,
+    plus per piece one block (its prologue) and one per 32 heads (its float32 partial rows, written and read
+    again by the combine). E.g. 148 tokens of 16 heads and 32 blocks on 132 SMs take 2 waves × 32 + 1.5 = 65.5
+    unsplit and 5 waves × 8 + 6 = 46 in four pieces; grids of whole waves (128 or 256 programs on an H100), and
+    large ones, whose last wave is a small part of their time, stay unsplit. ``max_blocks``: the longest key
+    list, in key blocks.
     """
     programs = num_tokens * head_blocks
     sms = num_sms(device)
-    if 2 * programs > sms or max_blocks <= 1:
+    if max_blocks <= 1 or programs == 0:
         return 1
-    return int(max(1, min(sms // programs, max_blocks // 2, 32)))
+    if 2 * programs <= sms:
+        return int(max(1, min(sms // programs, max_blocks // 2, 32)))
+
+    def cost(pieces: int) -> float:
+        return triton.cdiv(programs * pieces, sms) * triton.cdiv(max_blocks, pieces) + pieces * (1 + num_heads / 32)
+
+    # pieces of at least 4 blocks (two of the Gluon kernel's block pairs)
+    best = min((p for p in (2, 4, 8) if 4 * p <= max_blocks), key=cost, default=1)
+    return best if cost(best) < 0.85 * cost(1) else 1
 
 
 # Batch-invariant mode: every token's key list is cut into splits of this many key blocks, whatever the batch,
@@ -452,7 +466,7 @@ class AttentionPlan:
         if batch_invariant:
             split_blocks = max(1, INVARIANT_SPLIT_BLOCKS * 64 // block_n)  # the same keys per split on every kernel
             splits = max(1, triton.cdiv(max_blocks, split_blocks))
-        splits = splits or choose_splits(num_tokens, head_blocks, max_blocks, device)
+        splits = splits or choose_splits(num_tokens, num_heads, head_blocks, max_blocks, device)
         self.q_shape, self.device, self.splits = q_shape, device, splits
         self.partial = splits > 1 or batch_invariant
         self.has_extra = len(scopes) > 1
@@ -462,7 +476,8 @@ class AttentionPlan:
         constants = dict(BS0=bs0, BS1=bs1, HAS_EXTRA=self.has_extra, HAS_SINK=has_sink, HAS_ORDER=has_order,
                          SPLITS=splits, SPLIT_BLOCKS=split_blocks)
         if self.kernel == "gluon":
-            constants["FMT"] = f0.code  # every scope fp8_v4 (FMT_FP8_V4) or every scope bf16 (FMT_BF16)
+            # every scope of one format: fp8_v4 or bf16 (512-d), fp8_v32 or bf16 (576-d)
+            constants.update(FMT=f0.code, D_QK=dim)
             options = {"num_warps": gluon_attention.PARTITION_WARPS}
         else:
             pa, pb, pc, v_has_rope = latent_pieces(dim)
