@@ -134,28 +134,23 @@ class _Decode(NamedTuple):
 
 _DECODES: OrderedDict[tuple, _Decode] = OrderedDict()  # by call signature, least recently used out
 _MAX_DECODES = 256
-_PLAIN = (type(None), bool, int, float, str)
+_PLAIN = frozenset((type(None), bool, int, float, str))
 
 
 def _signature(tensors: tuple, caches: tuple, scalars: tuple) -> tuple | None:
-    """A call's signature: each tensor's shape, strides, dtype and device (a cache's 16-byte alignment too: the
-    checks and the kernel choice read it), each scalar with its type; None when an argument is of another type
-    (the checked path names it)."""
-    key = []
-    for t in tensors + caches:
-        if t is None:
-            key.append(None)
-        elif isinstance(t, torch.Tensor):
-            key.append((t.shape, t.stride(), t.dtype, t.is_cuda, t.get_device()))
-        else:
-            return None
-    for t in caches:
-        key.append(None if t is None else t.data_ptr() & 15)
-    for v in scalars:
-        if type(v) not in _PLAIN:
-            return None
-        key.append((type(v), v))
-    return tuple(key)
+    """A call's signature: each tensor's type, shape, strides, dtype and device (a cache's 16-byte alignment too: the
+    checks and the kernel choice read it), each scalar with its type; None when a scalar is not a plain value or a
+    tensor argument not a tensor (the checked path names it)."""
+    kinds = tuple(map(type, scalars))
+    if not _PLAIN.issuperset(kinds):
+        return None
+    try:
+        return (tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.is_cuda, t.get_device())
+                       for t in tensors]),
+                tuple([None if c is None else (type(c), c.shape, c.stride(), c.dtype, c.is_cuda, c.get_device(),
+                                               c.data_ptr() & 15) for c in caches]), kinds, scalars)
+    except (AttributeError, TypeError):
+        return None
 
 
 def _remember(sig: tuple, args: AttentionArgs, batch_invariant: bool, q: torch.Tensor,
