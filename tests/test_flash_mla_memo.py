@@ -36,6 +36,15 @@ def equal(got, want):
     return all(torch.equal(x, y) for x, y in zip(got, want))
 
 
+def close(got, want):
+    """Equal up to the kernel (on a Hopper GPU an unaligned cache runs the Triton kernel, an aligned one Gluon's)."""
+    (out, lse), (ref_out, ref_lse) = got, want
+    finite = torch.isfinite(ref_lse)
+    return ((out.float() - ref_out.float()).norm() <= 1e-2 * ref_out.float().norm()
+            and torch.equal(torch.isfinite(lse), finite) and torch.allclose(lse[finite], ref_lse[finite], atol=2e-3,
+                                                                            rtol=1e-3))
+
+
 def relocated(cache: torch.Tensor, offset: int, extra_blocks: int = 0) -> torch.Tensor:
     """A copy of a uint8 FlashMLA cache with its strides, ``offset`` bytes into a fresh 16-byte aligned buffer,
     with ``extra_blocks`` zero blocks after its own."""
@@ -65,10 +74,7 @@ def test_a_seen_signature_skips_the_checks_and_gives_the_checked_result(checked,
     got = call_decode(other, softmax_scale=0.07)
     assert len(checked) == 2
     want = reference_decode({k: v.cpu() for k, v in other.items()}, scale=0.07)
-    assert (got[0].float().cpu() - want[0].float()).norm() / want[0].float().norm() < 1e-2
-    finite = torch.isfinite(want[1])
-    assert torch.equal(torch.isfinite(got[1].cpu()), finite)
-    assert torch.allclose(got[1].cpu()[finite], want[1][finite], atol=2e-3, rtol=1e-3)
+    assert close([x.cpu() for x in got], want)
 
 
 def test_a_changed_signature_goes_the_checked_path(checked):
@@ -90,7 +96,7 @@ def test_a_changed_signature_goes_the_checked_path(checked):
     bigger, shifted = relocated(case["k_cache"], 0, extra_blocks=1), relocated(case["k_cache"], 4)
     assert equal(fresh(dict(case, k_cache=bigger)), base)
     assert shifted.data_ptr() % 16 != case["k_cache"].data_ptr() % 16
-    assert equal(fresh(dict(case, k_cache=shifted)), base)
+    assert close(fresh(dict(case, k_cache=shifted)), base)
     # a strided view of the indices: copied by the checks, so never remembered
     wide = torch.full((3, 2, 64), -1, dtype=torch.int32, device=DEVICE)
     wide[..., ::2] = case["indices"]
