@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -33,6 +33,9 @@ from . import ops
 from ._checks import check_tensor
 from .ops import reference, sparse_attention_prefill
 from .ops.validate import AttentionArgs, debug_checks_enabled
+
+if TYPE_CHECKING:
+    from .ops.triton_attention import AttentionPlan
 
 HEAD_DIM_V = 512
 _FP8_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)  # the byte dtypes FlashMLA accepts for caches
@@ -127,7 +130,7 @@ class _Decode(NamedTuple):
     attention plan, the softmax scale, and per scope the full-width lens standing in for an absent
     ``topk_length`` (None where the call passes one)."""
 
-    plan: object  # triton_attention.AttentionPlan
+    plan: AttentionPlan
     scale: float
     full_lens: tuple[torch.Tensor | None, ...]
 
@@ -160,7 +163,7 @@ def _remember(sig: tuple, args: AttentionArgs, batch_invariant: bool, q: torch.T
     call's own tensors as they are (``q`` / ``indices`` / ``lens`` / ``sink``: as this module made them; ``caches``:
     4-D byte views), so that :func:`_launch` on the raw arguments of a later call launches what the checks
     would have; a call whose tensors needed a copy is not remembered (it goes the checked path each time)."""
-    if args.q is not q or q.stride(-1) != 1 or args.sink is not sink or len(args.scopes) != len(caches):
+    if args.q is not q or q.stride(-1) != 1 or args.sink is not sink:
         return
     full = []
     for scope, cache, idx, ln in zip(args.scopes, caches, indices, lens):
