@@ -106,12 +106,12 @@ def _per_token(name: str, lens: torch.Tensor | None, b: int, s_q: int) -> torch.
     if lens is None:
         return None
     check_tensor(name, lens, shape=(b,))
-    return _expand(lens, b, s_q)
+    return _expand(lens, s_q)
 
 
-def _expand(lens: torch.Tensor, b: int, s_q: int) -> torch.Tensor:
-    """A per-request length ``(b,)`` as the ops' per-token lens ``(b * s_q,)`` (no sync)."""
-    return lens if s_q == 1 else lens[:, None].expand(b, s_q).contiguous().view(b * s_q)
+def _expand(lens: torch.Tensor, s_q: int) -> torch.Tensor:
+    """A per-request length ``(b,)`` as the ops' per-token lens ``(b * s_q,)`` (an int repeat count: no sync)."""
+    return lens if s_q == 1 else lens.repeat_interleave(s_q)
 
 
 def _tokens(name: str, indices: torch.Tensor, b: int, s_q: int) -> torch.Tensor:
@@ -187,11 +187,11 @@ def _launch(memo: _Decode, q: torch.Tensor, k_cache: torch.Tensor, indices: torc
     b, s_q, h_q, d = q.shape
     caches = (_bytes(k_cache).squeeze(2),)
     rows = (_rows(indices, b, s_q),)
-    lens = (memo.full_lens[0] if topk_length is None else _expand(topk_length, b, s_q),)
+    lens = (memo.full_lens[0] if topk_length is None else _expand(topk_length, s_q),)
     if extra_k_cache is not None:
         caches += (_bytes(extra_k_cache).squeeze(2),)
         rows += (_rows(extra_indices, b, s_q),)
-        lens += (memo.full_lens[1] if extra_topk_length is None else _expand(extra_topk_length, b, s_q),)
+        lens += (memo.full_lens[1] if extra_topk_length is None else _expand(extra_topk_length, s_q),)
     return ops.triton_attention.run_plan(memo.plan, q.reshape(b * s_q, h_q, d), attn_sink, memo.scale, caches,
                                          rows, lens)
 
