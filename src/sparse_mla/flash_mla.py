@@ -3,7 +3,8 @@
 ``from flash_mla import get_mla_metadata, flash_mla_with_kvcache, flash_mla_sparse_fwd`` becomes
 ``from sparse_mla.flash_mla import ...``. Names, argument order, defaults, shapes and returns follow
 FlashMLA's Python interface as shipped in the ``sgl-flash-mla==1.0.0`` wheel, for its **sparse**
-modes; the work is done by :func:`sparse_mla.ops.sparse_attention_decode` /
+modes; the work is done by :func:`sparse_mla.ops.sparse_attention_decode`'s checks and kernels
+(``ops.checked_decode``, then the reference or the attention plan) and by
 :func:`sparse_mla.ops.sparse_attention_prefill` (the reference on the CPU, the Triton / Gluon kernels
 on CUDA). Differences from FlashMLA (see docs/flash_mla.md):
 
