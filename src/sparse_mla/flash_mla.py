@@ -3,7 +3,8 @@
 ``from flash_mla import get_mla_metadata, flash_mla_with_kvcache, flash_mla_sparse_fwd`` becomes
 ``from sparse_mla.flash_mla import ...``. Names, argument order, defaults, shapes and returns follow
 FlashMLA's Python interface as shipped in the ``sgl-flash-mla==1.0.0`` wheel, for its **sparse**
-modes; the work is done by :func:`sparse_mla.ops.sparse_attention_decode` /
+modes; the work is done by :func:`sparse_mla.ops.sparse_attention_decode`'s checks and kernels
+(``ops.checked_decode``, then the reference or the attention plan) and by
 :func:`sparse_mla.ops.sparse_attention_prefill` (the reference on the CPU, the Triton / Gluon kernels
 on CUDA). Differences from FlashMLA (see docs/flash_mla.md):
 
@@ -14,23 +15,37 @@ on CUDA). Differences from FlashMLA (see docs/flash_mla.md):
 * out-of-range decode indices are never read (FlashMLA reads any index but ``-1``).
 
 The wrapper only reshapes (views) and forwards: the ops do the argument checks, and their errors
-are re-raised under FlashMLA's argument names.
+are re-raised under FlashMLA's argument names. On the Triton path, :func:`flash_mla_with_kvcache` remembers
+the checked outcome (the attention plan) per *call signature* — every argument's shape, strides, dtype and
+device, the caches' 16-byte alignment, the scalar arguments — so a later call of a seen signature skips the
+checks (they depend on nothing else) and launches the plan at once. Nothing read from tensor values is
+remembered; ``SPARSE_MLA_DEBUG=1`` checks every call in full.
 """
 from __future__ import annotations
 
 import math
 import re
+from collections import OrderedDict
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from . import ops
 from ._checks import check_tensor
-from .ops import sparse_attention_decode, sparse_attention_prefill
+from .ops import reference, sparse_attention_prefill
+from .ops.validate import AttentionArgs, debug_checks_enabled
+
+if TYPE_CHECKING:
+    from .ops.triton_attention import AttentionPlan
 
 HEAD_DIM_V = 512
 _FP8_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)  # the byte dtypes FlashMLA accepts for caches
 _KV_FORMAT_BYTES = {"V4": 584, "V32": 656}  # FlashMLA's kv_format names of the layouts we implement
 _OTHER_LAYOUTS = {528: "V4.1 fp8 / V3.2-no-RoPE (528 B)", 288: "V4.1 fp4 (288 B)"}  # FlashMLA has them, we don't
 _CHUNK_ELEMS = 1 << 25  # gathered key floats per chunk of compute_max_logits
+# the ops' backend the API runs: "auto" (the Triton / Gluon kernels on CUDA, the reference elsewhere); "triton" runs
+# the Triton path on the CPU too, under TRITON_INTERPRET=1 (the tests of the remembered calls do)
+BACKEND = "auto"
 
 
 class FlashMLASchedMeta:
@@ -70,32 +85,116 @@ def _renamed(err: ValueError, kind: str) -> ValueError:
 
 
 def _paged(name: str, cache: torch.Tensor) -> torch.Tensor:
-    """A FlashMLA cache ``(num_blocks, block_size, 1, bytes)`` checked for what only this API rejects;
-    fp8 / int8 caches become uint8 views (the byte dtype the ops read)."""
+    """A FlashMLA cache ``(num_blocks, block_size, 1, bytes)`` checked for what only this API rejects, as
+    :func:`_bytes` makes it."""
     check_tensor(name, cache, ndim=4)
     if cache.shape[2] != 1:
         raise ValueError(f"{name} must be (num_blocks, block_size, 1, bytes_per_token): one KV head, "
                          f"got shape {tuple(cache.shape)}")
-    if cache.dtype in _FP8_DTYPES:
-        if cache.shape[-1] in _OTHER_LAYOUTS:
-            raise NotImplementedError(f"{name}: the {_OTHER_LAYOUTS[cache.shape[-1]]} FlashMLA layout is not "
-                                      "supported; sparse_mla reads fp8_v4 (584 B), fp8_v32 (656 B) and bf16")
-        return cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
-    return cache
+    if cache.dtype in _FP8_DTYPES and cache.shape[-1] in _OTHER_LAYOUTS:
+        raise NotImplementedError(f"{name}: the {_OTHER_LAYOUTS[cache.shape[-1]]} FlashMLA layout is not "
+                                  "supported; sparse_mla reads fp8_v4 (584 B), fp8_v32 (656 B) and bf16")
+    return _bytes(cache)
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 / int8 cache as a uint8 view (the byte dtype the ops read); a uint8 or bf16 cache as it is."""
+    return cache.view(torch.uint8) if cache.dtype in _FP8_DTYPES and cache.dtype != torch.uint8 else cache
 
 
 def _per_token(name: str, lens: torch.Tensor | None, b: int, s_q: int) -> torch.Tensor | None:
-    """A per-request length ``(b,)`` as the ops' per-token lens ``(b * s_q,)`` (no sync)."""
+    """A per-request length ``(b,)`` checked, as :func:`_expand` makes it."""
     if lens is None:
         return None
     check_tensor(name, lens, shape=(b,))
-    return lens if s_q == 1 else lens[:, None].expand(b, s_q).contiguous().view(b * s_q)
+    return _expand(lens, s_q)
+
+
+def _expand(lens: torch.Tensor, s_q: int) -> torch.Tensor:
+    """A per-request length ``(b,)`` as the ops' per-token lens ``(b * s_q,)`` (an int repeat count: no sync)."""
+    return lens if s_q == 1 else lens.repeat_interleave(s_q)
 
 
 def _tokens(name: str, indices: torch.Tensor, b: int, s_q: int) -> torch.Tensor:
-    """``(b, s_q, topk)`` indices as the ops' ``(b * s_q, topk)`` (a view when the strides allow)."""
+    """``(b, s_q, topk)`` indices checked, as :func:`_rows` makes them."""
     check_tensor(name, indices, shape=(b, s_q, None))
+    return _rows(indices, b, s_q)
+
+
+def _rows(indices: torch.Tensor, b: int, s_q: int) -> torch.Tensor:
+    """``(b, s_q, topk)`` indices as the ops' ``(b * s_q, topk)`` (a view when the strides allow)."""
     return indices.reshape(b * s_q, indices.shape[2])
+
+
+class _Decode(NamedTuple):
+    """What the checked path of one :func:`flash_mla_with_kvcache` call signature leaves for its later calls: the
+    attention plan, the softmax scale, and per scope the full-width lens standing in for an absent
+    ``topk_length`` (None where the call passes one)."""
+
+    plan: AttentionPlan
+    scale: float
+    full_lens: tuple[torch.Tensor | None, ...]
+
+
+_DECODES: OrderedDict[tuple, _Decode] = OrderedDict()  # by call signature, least recently used out
+_MAX_DECODES = 256
+_PLAIN = frozenset((type(None), bool, int, float, str))
+
+
+def _signature(tensors: tuple, caches: tuple, scalars: tuple) -> tuple | None:
+    """A call's signature: each tensor's type, shape, strides, dtype and device (a cache's 16-byte alignment too: the
+    checks and the kernel choice read it), each scalar with its type; None when a scalar is not a plain value or a
+    tensor argument not a tensor (the checked path names it)."""
+    kinds = tuple(map(type, scalars))
+    if not _PLAIN.issuperset(kinds):
+        return None
+    try:
+        return (tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.is_cuda, t.get_device())
+                       for t in tensors]),
+                tuple([None if c is None else (type(c), c.shape, c.stride(), c.dtype, c.is_cuda, c.get_device(),
+                                               c.data_ptr() & 15) for c in caches]), kinds, scalars)
+    except (AttributeError, TypeError):
+        return None
+
+
+def _remember(sig: tuple, args: AttentionArgs, batch_invariant: bool, q: torch.Tensor,
+              caches: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...],
+              lens: tuple[torch.Tensor | None, ...], sink: torch.Tensor | None) -> None:
+    """Remember the checked outcome ``args`` of a Triton-path call under its signature when the kernel takes the
+    call's own tensors as they are (``q`` / ``indices`` / ``lens`` / ``sink``: as this module made them; ``caches``:
+    4-D byte views), so that :func:`_launch` on the raw arguments of a later call launches what the checks
+    would have; a call whose tensors needed a copy is not remembered (it goes the checked path each time)."""
+    if args.q is not q or q.stride(-1) != 1 or args.sink is not sink:
+        return
+    full = []
+    for scope, cache, idx, ln in zip(args.scopes, caches, indices, lens):
+        paged = cache.squeeze(2)
+        if (scope.indices is not idx or (ln is not None and scope.lens is not ln) or scope.indptr is not None
+                or scope.cache.data_ptr() != paged.data_ptr() or scope.cache.shape != paged.shape
+                or scope.cache.stride() != paged.stride() or scope.cache.dtype != paged.dtype):
+            return
+        full.append(scope.lens if ln is None else None)
+    _DECODES[sig] = _Decode(ops.triton_attention.plan_for(args, batch_invariant), args.scale, tuple(full))
+    if len(_DECODES) > _MAX_DECODES:
+        _DECODES.popitem(last=False)
+
+
+def _launch(memo: _Decode, q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
+            attn_sink: torch.Tensor | None, extra_k_cache: torch.Tensor | None,
+            extra_indices: torch.Tensor | None, topk_length: torch.Tensor | None,
+            extra_topk_length: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A remembered signature's call: the plan launched on the raw arguments' views (as the checked path makes
+    them), out ``(b * s_q, h_q, 512)`` and lse ``(b * s_q, h_q)``."""
+    b, s_q, h_q, d = q.shape
+    caches = (_bytes(k_cache).squeeze(2),)
+    rows = (_rows(indices, b, s_q),)
+    lens = (memo.full_lens[0] if topk_length is None else _expand(topk_length, s_q),)
+    if extra_k_cache is not None:
+        caches += (_bytes(extra_k_cache).squeeze(2),)
+        rows += (_rows(extra_indices, b, s_q),)
+        lens += (memo.full_lens[1] if extra_topk_length is None else _expand(extra_topk_length, s_q),)
+    return ops.triton_attention.run_plan(memo.plan, q.reshape(b * s_q, h_q, d), attn_sink, memo.scale, caches,
+                                         rows, lens)
 
 
 def flash_mla_with_kvcache(
@@ -145,6 +244,19 @@ def flash_mla_with_kvcache(
     Not supported (``NotImplementedError``): ``indices=None`` (dense decoding), ``descale_q`` / ``descale_k``,
     the V4.1 / V3.2-no-RoPE layouts.
     """
+    sig = None
+    if (indices is not None and descale_q is None and descale_k is None
+            and type(tile_scheduler_metadata) is FlashMLASchedMeta and not debug_checks_enabled()):
+        sig = _signature((q, indices, attn_sink, extra_indices_in_kvcache, topk_length, extra_topk_length),
+                         (k_cache, extra_k_cache), (head_dim_v, num_splits, softmax_scale, causal, is_fp8_kvcache,
+                                                    enable_batch_invariant, kv_format, BACKEND))
+        memo = None if sig is None else _DECODES.get(sig)
+        if memo is not None:
+            _DECODES.move_to_end(sig)
+            out, lse = _launch(memo, q, k_cache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache,
+                               topk_length, extra_topk_length)
+            b, s_q, h_q, _ = q.shape
+            return out.view(b, s_q, h_q, HEAD_DIM_V), lse.view(b, s_q, h_q).transpose(1, 2)
     if indices is None:
         raise NotImplementedError("indices=None (dense MLA decoding, with block_table / cache_seqlens / causal) is "
                                   "not supported: sparse_mla implements FlashMLA's sparse mode only")
@@ -177,14 +289,22 @@ def flash_mla_with_kvcache(
         extra_k_cache = _paged("extra_k_cache", extra_k_cache)
     extra_idx = None if extra_indices_in_kvcache is None else _tokens(
         "extra_indices_in_kvcache", extra_indices_in_kvcache, b, s_q)
+    q_rows = q.reshape(b * s_q, h_q, d)
     try:
-        out, lse = sparse_attention_decode(
-            q.reshape(b * s_q, h_q, d), k_cache, _tokens("indices", indices, b, s_q),
-            _per_token("topk_length", topk_length, b, s_q), extra_k_cache, extra_idx,
-            _per_token("extra_topk_length", extra_topk_length, b, s_q), attn_sink, softmax_scale, backend="auto",
-            batch_invariant=bool(enable_batch_invariant))
+        idx, lens = _tokens("indices", indices, b, s_q), _per_token("topk_length", topk_length, b, s_q)
+        extra_lens = _per_token("extra_topk_length", extra_topk_length, b, s_q)
+        family, args = ops.checked_decode(BACKEND, q_rows, k_cache, idx, lens, extra_k_cache, extra_idx, extra_lens,
+                                          attn_sink, softmax_scale)
     except ValueError as err:
         raise _renamed(err, "decode") from err
+    if family == "reference":
+        out, lse = reference.run(args)
+    else:
+        if sig is not None:
+            n = len(args.scopes)
+            _remember(sig, args, bool(enable_batch_invariant), q_rows, (k_cache, extra_k_cache)[:n],
+                      (idx, extra_idx)[:n], (lens, extra_lens)[:n], attn_sink)
+        out, lse = ops.triton_attention.run(args, batch_invariant=bool(enable_batch_invariant))
     return out.view(b, s_q, h_q, HEAD_DIM_V), lse.view(b, s_q, h_q).transpose(1, 2)
 
 

@@ -395,10 +395,15 @@ def resolve_cache_once(cache: torch.Tensor, fmt: str | KVFormat | None = None,
     checks of the ops and layers then cost a dictionary lookup). A given ``fmt`` is compared every time."""
     if not isinstance(cache, torch.Tensor):
         return resolve_cache(cache, fmt, name)  # raises the TypeError naming it
-    paged, found = _RESOLVED.get(cache, (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype),
-                                 lambda: _resolved_entry(cache, name))
+    paged, found = _RESOLVED.get(cache, cache_stamp(cache), lambda: _resolved_entry(cache, name))
     _check_format(cache, found, fmt, name)
     return (cache if paged is None else paged), found
+
+
+def cache_stamp(cache: torch.Tensor) -> tuple:
+    """What a cache tensor's validation depends on besides its identity: data pointer, shape, strides and dtype
+    (the :class:`IdentityMemo` stamp of every memo of validated caches)."""
+    return cache.data_ptr(), cache.shape, cache.stride(), cache.dtype
 
 
 def _resolved_entry(cache: torch.Tensor, name: str) -> tuple[torch.Tensor | None, KVFormat]:

@@ -100,6 +100,7 @@ class SparseMLAAttention(torch.nn.Module):
         self.kv_format, self.batch_invariant = kv_format, bool(batch_invariant)
         self.index_form = check_index_form(index_form)
         self.cache_kinds = ("dsa",) if kind == "dsa" else ("swa",) if kind == "swa" else ("swa", kind)
+        self._cache_names = tuple((k, f"caches[{k!r}]") for k in self.cache_kinds)  # (kind, the name errors use)
         # what a step plan depends on besides the sink's presence and the caches (layers sharing it share a plan)
         self._config = (kind, num_heads, backend, prefill_mode, workspace_bytes, self.batch_invariant, kv_format,
                         self.index_form)
@@ -194,18 +195,18 @@ class SparseMLAAttention(torch.nn.Module):
         if not isinstance(caches, dict):
             raise ValueError(f"caches must be a dict of kind -> PagedCache or tensor, got {type(caches).__name__}")
         views = {}
-        for kind in self.cache_kinds:
+        for kind, name in self._cache_names:
             c = caches.get(kind)
             if c is None:
                 raise ValueError(f"caches has no {kind!r} cache, which a {self.kind} layer reads (got {sorted(caches)})")
-            views[kind] = resolve_cache_arg(c, f"caches[{kind!r}]")
-        key = (self._config, has_sink, q_fp8, tuple(v.key for v in views.values()))
+            views[kind] = resolve_cache_arg(c, name)
+        key = (self._config, has_sink, q_fp8, tuple([v.key for v in views.values()]))
         kv_scale = layer_kv_scale(views)
         if q_fp8 and kv_scale is None:
             raise ValueError(f"q_scale (an fp8 q) needs fp8_e4m3 caches, got "
                              f"{ {k: v.fmt.name for k, v in views.items()} }")
         plan = meta.plan(key, lambda: self._make_plan(meta, views, q_fp8))
-        return plan, tuple(views[k].tensor for k in plan.cache_kinds), kv_scale
+        return plan, tuple([views[k].tensor for k in plan.cache_kinds]), kv_scale
 
     def _make_plan(self, meta: StepMetadata, views: dict, q_fp8: bool = False) -> LayerPlan:
         """Check this layer against the step and its caches (once per step and configuration), then plan."""

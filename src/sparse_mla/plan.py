@@ -17,7 +17,7 @@ import torch
 from . import index_forms
 from .cache import PagedCache
 from .config import PICKS_KINDS
-from .formats import IdentityMemo, KVFormat, resolve_cache_once
+from .formats import IdentityMemo, KVFormat, cache_stamp, resolve_cache_once
 from .ops import dequantize_and_gather, sparse_attention_decode, sparse_attention_prefill
 from .ops.dispatch import pages_16_byte_aligned, resolve_backend
 
@@ -36,17 +36,18 @@ class CacheView(NamedTuple):
     kv_scale: torch.Tensor | None = None
 
 
-_VIEWS = IdentityMemo()  # cache tensor -> its CacheView's (format, alignment, plan key), no tensor: see IdentityMemo
+_VIEWS = IdentityMemo()  # cache tensor -> its CacheView's fields but the tensor (see _view): one lookup per cache
 
 
 def resolve_cache_arg(cache: object, name: str) -> CacheView:
-    """A :class:`PagedCache` or paged cache tensor, validated (``formats.resolve_cache_once``)."""
+    """A :class:`PagedCache` or paged cache tensor, validated once per tensor (``formats.resolve_cache_once``; seen
+    again with the same :func:`~sparse_mla.formats.cache_stamp`, it costs one memo lookup)."""
     tensor = cache.data if isinstance(cache, PagedCache) else cache
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a PagedCache or a paged cache tensor, got {type(cache).__name__}")
-    paged, fmt = resolve_cache_once(tensor, None, name)
-    view = CacheView(paged, *_VIEWS.get(tensor, (paged.data_ptr(), paged.shape), lambda: _view(paged, fmt)))
-    if fmt.per_tensor:  # the pool's scale, read per call (PagedCache.kv_scale may be replaced)
+    paged, fmt, aligned, key, per_tensor = _VIEWS.get(tensor, cache_stamp(tensor), lambda: _view(tensor, name))
+    view = CacheView(tensor if paged is None else paged, fmt, aligned, key)
+    if per_tensor:  # the pool's scale, read per call (PagedCache.kv_scale may be replaced)
         kv_scale = getattr(cache, "kv_scale", None)
         if kv_scale is None:
             raise ValueError(f"{name} is an fp8_e4m3 cache tensor: pass its PagedCache, which keeps the cache's "
@@ -55,10 +56,14 @@ def resolve_cache_arg(cache: object, name: str) -> CacheView:
     return view
 
 
-def _view(paged: torch.Tensor, fmt: KVFormat) -> tuple[KVFormat, bool, tuple]:
-    """A :class:`CacheView`'s fields after its tensor."""
+def _view(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor | None, KVFormat, bool, tuple, bool]:
+    """A validated cache tensor's :class:`CacheView` fields as :data:`_VIEWS` keeps them: the paged view (None when
+    it is the tensor itself: the memo holds no reference to its key), format, alignment, plan key, and whether the
+    format is per-tensor scaled."""
+    paged, fmt = resolve_cache_once(tensor, None, name)
     aligned = pages_16_byte_aligned(paged)
-    return fmt, aligned, (fmt.name, fmt.dim, aligned, paged.shape[0], paged.shape[1], paged.device)
+    key = (fmt.name, fmt.dim, aligned, paged.shape[0], paged.shape[1], paged.device)
+    return None if paged is tensor else paged, fmt, aligned, key, fmt.per_tensor
 
 
 def layer_kv_scale(views: dict[str, CacheView]) -> torch.Tensor | None:

@@ -12,7 +12,7 @@ from ..formats import resolve_cache
 from . import dispatch
 from .dispatch import BACKENDS, backend_for, check_backend_name
 from .order import longest_first
-from .validate import debug_checks_enabled, decode_args, gather_args, insert_args, prefill_args
+from .validate import AttentionArgs, debug_checks_enabled, decode_args, gather_args, insert_args, prefill_args
 
 try:
     from . import triton_attention, triton_cache, triton_index
@@ -87,14 +87,20 @@ def sparse_attention_decode(
     ``q_scale`` / ``kv_scale``: a positive number or a one-element float32 tensor on q's device (read at run
     time: no sync, CUDA graphs see updates).
     """
-    kw = dict(out=out, order=order, indptr=indptr, extra_indptr=extra_indptr, combined_window=combined_window,
-              q_scale=q_scale, kv_scale=kv_scale)
-    if backend_for(backend, q, "q") == "reference":
-        return reference.run(decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink,
-                                         scale, fmt, **kw))
-    args = decode_args(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, scale, fmt,
-                       check_ranges=debug_checks_enabled(), **kw)
+    family, args = checked_decode(backend, q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink,
+                                  scale, fmt, out=out, order=order, indptr=indptr, extra_indptr=extra_indptr,
+                                  combined_window=combined_window, q_scale=q_scale, kv_scale=kv_scale)
+    if family == "reference":
+        return reference.run(args)
     return triton_attention.run(args, batch_invariant=batch_invariant)
+
+
+def checked_decode(backend: str, q: torch.Tensor, *args, **kwargs) -> tuple[str, AttentionArgs]:
+    """The op family ``backend`` resolves to for ``q``'s device (``"reference"`` or ``"triton"``) and
+    :func:`sparse_attention_decode`'s arguments checked for it (``validate.decode_args``: index ranges always for
+    the reference, under ``SPARSE_MLA_DEBUG=1`` for the Triton family)."""
+    family = backend_for(backend, q, "q")
+    return family, decode_args(q, *args, check_ranges=family == "reference" or debug_checks_enabled(), **kwargs)
 
 
 def sparse_attention_prefill(

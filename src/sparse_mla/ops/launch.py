@@ -5,8 +5,10 @@ for (each argument's type, 16-byte alignment and ``== 1``), builds a cache key f
 looks the binary up and launches it. A :class:`Launch` does the key part once: it is made for one set of
 constexprs and launch options (``num_warps`` …), and keeps each compiled binary under a *fingerprint* of the
 runtime arguments that is at least as fine as Triton's own specialisation (tensors: dtype and 16-byte
-alignment; ints: ``== 1``, ``% 16 == 0`` and the int32 range; anything else: its type). Equal fingerprints
-therefore mean the same binary, which is then called through its launcher directly.
+alignment; ints: ``== 1``, ``% 16 == 0``, the int32 range and ``>= 2^63``; anything else: its type). Equal
+fingerprints therefore mean the same binary, which is then called through its launcher directly. The fingerprint
+is computed by a function generated once per *type pattern* of the arguments (:func:`fingerprint_function`), so
+a call reads only each tensor's dtype and pointer and each int's value, with no per-argument type test.
 
 The direct call uses the compiled kernel's launcher interface (``run(grid…, stream, function,
 packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``), checked on the Triton versions in
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -35,17 +38,42 @@ def fast_path_enabled() -> bool:
             and os.environ.get("SPARSE_MLA_FAST_LAUNCH", "1") not in ("", "0"))
 
 
+def _fingerprint_terms(name: str, kind: type) -> str:
+    """The expressions of one runtime argument named ``name`` of type ``kind`` in a fingerprint: a tensor's dtype
+    and 16-byte alignment; an int's ``== 1``, ``% 16 == 0``, int32 range and ``>= 2^63`` (u64); nothing for any
+    other type (the type pattern the fingerprint is made for tells those apart)."""
+    if issubclass(kind, torch.Tensor):
+        return f"{name}.dtype, not {name}.data_ptr() & 15, "
+    if issubclass(kind, int) and kind is not bool:
+        return (f"{name} == 1, not {name} & 15, {-(1 << 31)} <= {name} < {1 << 31}, {name} >= {1 << 63}, ")
+    return ""
+
+
+@functools.lru_cache(maxsize=256)
+def fingerprint_function(types: tuple[type, ...]) -> Callable[[tuple], tuple]:
+    """The fingerprint of runtime arguments of the type pattern ``types`` (see the module docstring), as one
+    generated function ``args -> tuple`` that reads only what matters at each position (no per-argument type
+    test: the caller keys on the types). Two argument tuples of the same types have equal fingerprints exactly
+    when Triton's specialisation cannot tell them apart (or finer)."""
+    names = [f"a{i}" for i in range(len(types))]
+    unpack = f"    {', '.join(names)}, = args\n" if names else ""
+    body = "".join(_fingerprint_terms(n, t) for n, t in zip(names, types))
+    namespace: dict = {}
+    exec(f"def fingerprint(args):\n{unpack}    return ({body})\n", namespace)  # code made above, from types
+    return namespace["fingerprint"]
+
+
 def fingerprint(args: tuple) -> tuple:
-    """What of ``args`` can change the compiled binary (see the module docstring)."""
-    return tuple([(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
-                  else (a == 1, a & 15 == 0, -(1 << 31) <= a < (1 << 31), a >= 1 << 63) if type(a) is int
-                  else type(a) for a in args])
+    """What of ``args`` can change the compiled binary: their types and :func:`fingerprint_function`'s terms."""
+    types = tuple(map(type, args))
+    return types, fingerprint_function(types)(args)
 
 
 def _launch_hooks_installed() -> bool:
     """Whether a profiler hooked kernel launches (Triton 3.6 keeps chains of hooks, empty by default)."""
-    return any(bool(getattr(hook, "calls", hook))
-               for hook in (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook))
+    runtime = _knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
 class Launch:
@@ -60,7 +88,8 @@ class Launch:
     def __init__(self, kernel, constexprs: dict, options: dict | None = None) -> None:
         self.kernel = kernel
         self.kwargs = {**constexprs, **(options or {})}
-        self._binaries: dict[tuple, object] = {}
+        # per type pattern of the runtime arguments: its fingerprint function and binaries by (device, fingerprint)
+        self._binaries: dict[tuple[type, ...], tuple[Callable[[tuple], tuple], dict[tuple, object]]] = {}
         params = getattr(kernel, "params", None)  # None under the CPU interpreter: always the JIT call
         self._fast = params is not None and fast_path_enabled()
         if not self._fast:
@@ -76,14 +105,21 @@ class Launch:
                                       for n, p in zip(names, [p for p in params if p.is_constexpr]))
 
     def __call__(self, grid: tuple, *args):
-        if not self._fast or args[0].device.type != "cuda" or _launch_hooks_installed():
+        if not self._fast or not args[0].is_cuda or _launch_hooks_installed():
             return self.kernel[grid](*args, **self.kwargs)
-        device = torch.cuda.current_device()  # where the JIT call compiles, loads and launches
-        key = (device, fingerprint(args))
-        binary = self._binaries.get(key)
+        types = tuple(map(type, args))
+        by_types = self._binaries.get(types)
+        if by_types is None:
+            by_types = self._binaries[types] = (fingerprint_function(types), {})
+        fingerprint_of, binaries = by_types
+        # where the JIT call compiles, loads and launches (torch.cuda.current_device() without its lazy-init test:
+        # CUDA is initialised, args[0] lives there)
+        device = torch._C._cuda_getDevice()
+        key = (device, fingerprint_of(args))
+        binary = binaries.get(key)
         if binary is None:
             binary = self.kernel[grid](*args, **self.kwargs)  # compiles (or finds) and launches
-            self._binaries[key] = binary
+            binaries[key] = binary
             return binary
         stream = torch._C._cuda_getCurrentRawStream(device)
         binary.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,

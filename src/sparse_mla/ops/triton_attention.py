@@ -544,16 +544,10 @@ _PLANS: OrderedDict[tuple, AttentionPlan] = OrderedDict()  # the ops' plans, by 
 _MAX_PLANS = 64
 
 
-def run(args: AttentionArgs, batch_invariant: bool = False, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the attention kernel (and the combine kernel when the key lists are split) for checked arguments,
-    through the plan of their geometry (made on first sight). On Hopper with V4 fp8_v4 or bf16 scopes the kernel
-    is ``gluon_attention``'s (``gluon=0`` forces this module's Triton kernel, ``gluon=1`` the Gluon one); see
-    :class:`AttentionPlan` for the overrides."""
+def plan_for(args: AttentionArgs, batch_invariant: bool = False, **overrides) -> AttentionPlan:
+    """The shared :class:`AttentionPlan` of checked arguments' geometry (made on first sight, least recently used
+    out); see :class:`AttentionPlan` for the overrides."""
     q = args.q
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    out = args.out if args.out is not None else torch.empty(*q.shape[:2], D_V, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(*q.shape[:2], dtype=torch.float32, device=q.device)
     scopes = [(s.fmt, s.cache.shape[1], s.width) for s in args.scopes]
     forms = dict(ragged=tuple([s.indptr is not None for s in args.scopes]), combined=args.scopes[-1].len_skip > 0,
                  q_fp8=args.q_scale is not None)
@@ -570,7 +564,30 @@ def run(args: AttentionArgs, batch_invariant: bool = False, **overrides) -> tupl
             _PLANS.popitem(last=False)
     else:
         _PLANS.move_to_end(key)
-    plan(q, out, lse, args.sink, args.scale, tuple(s.cache for s in args.scopes),
-         tuple(s.indices for s in args.scopes), tuple(s.lens if s.indptr is None else s.indptr for s in args.scopes),
-         args.order, args.q_scale, args.kv_scale)
+    return plan
+
+
+def run_plan(plan: AttentionPlan, q: torch.Tensor, sink: torch.Tensor | None, scale: float,
+             caches: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...], lens: tuple[torch.Tensor, ...],
+             order: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
+             kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``plan`` on tensors of its geometry (see :meth:`AttentionPlan.__call__`; ``q (T, H, d)`` with unit-stride
+    rows), into ``out`` (``(T, H, 512)`` bf16, contiguous; allocated when None). Returns out and lse ``(T, H)``."""
+    if out is None:
+        out = torch.empty(*q.shape[:2], D_V, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(*q.shape[:2], dtype=torch.float32, device=q.device)
+    plan(q, out, lse, sink, scale, caches, indices, lens, order, q_scale, kv_scale)
     return out, lse
+
+
+def run(args: AttentionArgs, batch_invariant: bool = False, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the attention kernel (and the combine kernel when the key lists are split) for checked arguments,
+    through the plan of their geometry (:func:`plan_for`). On Hopper with V4 fp8_v4 or bf16 scopes the kernel
+    is ``gluon_attention``'s (``gluon=0`` forces this module's Triton kernel, ``gluon=1`` the Gluon one); see
+    :class:`AttentionPlan` for the overrides."""
+    q = args.q if args.q.stride(-1) == 1 else args.q.contiguous()
+    return run_plan(plan_for(args, batch_invariant, **overrides), q, args.sink, args.scale,
+                    tuple(s.cache for s in args.scopes), tuple(s.indices for s in args.scopes),
+                    tuple(s.lens if s.indptr is None else s.indptr for s in args.scopes), args.order, args.q_scale,
+                    args.kv_scale, args.out)
