@@ -10,9 +10,10 @@ fingerprints therefore mean the same binary, which is then called through its la
 is computed by a function generated once per *type pattern* of the arguments (:func:`fingerprint_function`), so
 a call reads only each tensor's dtype and pointer and each int's value, with no per-argument type test.
 
-The direct call uses the compiled kernel's launcher interface (``run(grid…, stream, function,
-packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``), checked on the Triton versions in
-:data:`FAST_TRITON`. Elsewhere, under the CPU interpreter, with launch hooks installed (profilers) or with
+The direct call uses the compiled kernel's launchers (the Python ``run(grid…, stream, function,
+packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``, and under it the C ``launch``, which also takes
+the launch flags and scratch buffers: called straight when the kernel needs no scratch), read on the Triton versions
+in :data:`FAST_TRITON` and exercised by every GPU test after a kernel's first launch. Elsewhere, under the CPU interpreter, with launch hooks installed (profilers) or with
 ``SPARSE_MLA_FAST_LAUNCH=0``, a :class:`Launch` makes the ordinary JIT call.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-FAST_TRITON = ("3.6.",)  # launcher interface read and checked on an H100 (tests/test_launch.py)
+FAST_TRITON = ("3.6.",)  # launcher interfaces read (triton/backends/nvidia/driver.py) and run on an H100
 
 try:
     from triton import knobs as _knobs
@@ -88,8 +89,9 @@ class Launch:
     def __init__(self, kernel, constexprs: dict, options: dict | None = None) -> None:
         self.kernel = kernel
         self.kwargs = {**constexprs, **(options or {})}
-        # per type pattern of the runtime arguments: its fingerprint function and binaries by (device, fingerprint)
-        self._binaries: dict[tuple[type, ...], tuple[Callable[[tuple], tuple], dict[tuple, object]]] = {}
+        # per type pattern of the runtime arguments: its fingerprint function and, by (device, fingerprint), how to
+        # launch the binary directly (_direct_call)
+        self._binaries: dict[tuple[type, ...], tuple[Callable[[tuple], tuple], dict[tuple, tuple]]] = {}
         params = getattr(kernel, "params", None)  # None under the CPU interpreter: always the JIT call
         self._fast = params is not None and fast_path_enabled()
         if not self._fast:
@@ -116,15 +118,27 @@ class Launch:
         # CUDA is initialised, args[0] lives there)
         device = torch._C._cuda_getDevice()
         key = (device, fingerprint_of(args))
-        binary = binaries.get(key)
-        if binary is None:
+        direct = binaries.get(key)
+        if direct is None:
             binary = self.kernel[grid](*args, **self.kwargs)  # compiles (or finds) and launches
-            binaries[key] = binary
+            binaries[key] = _direct_call(binary)
             return binary
+        launch, leading = direct
         stream = torch._C._cuda_getCurrentRawStream(device)
-        binary.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                   binary.function, binary.packed_metadata, None, None, None, *args, *self.constexpr_values)
+        launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, *leading, *args,
+               *self.constexpr_values)
         return None
+
+
+def _direct_call(binary) -> tuple[Callable, tuple]:
+    """How to launch a compiled kernel without the JIT call: a function and the arguments that go between the grid and
+    stream and the kernel's own. The C launcher itself when the kernel needs no scratch memory (Triton's Python
+    launcher then only passes two ``None`` scratch buffers on), else that Python launcher."""
+    launcher = binary.run
+    if launcher.global_scratch_size == 0 and launcher.profile_scratch_size == 0:
+        return launcher.launch, (binary.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                                 binary.packed_metadata, None, None, None)
+    return launcher, (binary.function, binary.packed_metadata, None, None, None)
 
 
 @functools.lru_cache(maxsize=512)
