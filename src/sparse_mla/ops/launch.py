@@ -13,8 +13,9 @@ a call reads only each tensor's dtype and pointer and each int's value, with no 
 The direct call uses the compiled kernel's launchers (the Python ``run(grid…, stream, function,
 packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``, and under it the C ``launch``, which also takes
 the launch flags and scratch buffers: called straight when the kernel needs no scratch), read on the Triton versions
-in :data:`FAST_TRITON` and exercised by every GPU test after a kernel's first launch. Elsewhere, under the CPU interpreter, with launch hooks installed (profilers) or with
-``SPARSE_MLA_FAST_LAUNCH=0``, a :class:`Launch` makes the ordinary JIT call.
+in :data:`FAST_TRITON` and exercised by every GPU test after a kernel's first launch. Elsewhere, under the
+CPU interpreter, with launch hooks installed (profilers) or with ``SPARSE_MLA_FAST_LAUNCH=0``, a :class:`Launch`
+makes the ordinary JIT call.
 """
 from __future__ import annotations
 
