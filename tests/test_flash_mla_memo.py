@@ -28,9 +28,9 @@ def checked(monkeypatch):
     return calls
 
 
-def on_device(case):
-    """The case's tensors on DEVICE with their strides (``.to`` would pack a cache's padded pages)."""
-    return {k: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=DEVICE).copy_(v)
+def on_device(case, device=DEVICE):
+    """The case's tensors on ``device`` with their strides (``.to`` would pack a cache's padded pages)."""
+    return {k: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device).copy_(v)
             for k, v in case.items()}
 
 
@@ -75,7 +75,7 @@ def test_a_seen_signature_skips_the_checks_and_gives_the_checked_result(checked,
                  attn_sink=torch.randn(6, generator=gen).to(DEVICE))
     got = call_decode(other, softmax_scale=0.07)
     assert len(checked) == 2
-    want = reference_decode({k: v.cpu() for k, v in other.items()}, scale=0.07)
+    want = reference_decode(on_device(other, "cpu"), scale=0.07)
     assert close([x.cpu() for x in got], want)
 
 
