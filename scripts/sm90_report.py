@@ -76,11 +76,16 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=8)
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--fmt", choices=["fp8_v4", "fp8_v32", "bf16"], default="fp8_v4", help="cache format of both scopes")
-    parser.add_argument("--dim", type=int, choices=[512, 576], default=512, help="latent dims: 512 (V4), 576 (V3.2)")
+    parser.add_argument("--dim", type=int, choices=[512, 576],
+                        help="latent dims: 512 (V4), 576 (V3.2); default: fp8_v32's 576, else 512")
     parser.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
                         help="gluon: the Hopper kernel of gluon_attention (needs a Triton with Gluon)")
     parser.add_argument("--dump", type=pathlib.Path)
     args = parser.parse_args()
+    if args.dim is None:
+        args.dim = 576 if args.fmt == "fp8_v32" else 512
+    if (args.fmt, args.dim) in (("fp8_v4", 576), ("fp8_v32", 512)):
+        parser.error(f"{args.fmt} tokens are {1088 - args.dim}-d")
     pa, pb, pc, v_has_rope = ta.latent_pieces(args.dim)
     kernel = ta._sparse_mla_kernel
     source_type = ASTSource
@@ -95,7 +100,7 @@ def main() -> None:
     constexprs = dict(FMT0=fmt, FMT1=fmt, BS0=256, BS1=64, HAS_EXTRA=True, HAS_SINK=True, HAS_ORDER=True, PA=pa,
                       PB=pb, PC=pc, V_HAS_ROPE=v_has_rope, H_BLOCK=args.heads, BLOCK_N=args.block_n, SPLITS=1,
                       SPLIT_BLOCKS=0, DOT=tl.bfloat16, Q_FP8=False, RAGGED0=False, RAGGED1=False, COMBINED=False)
-    constexprs.update(FMT=fmt, D_QK=args.dim)  # the Gluon kernel's single format code and its q·k width
+    constexprs.update(FMT=fmt, D_QK=args.dim)  # the Gluon kernel's one format code and its q·k width
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     sig, attrs = _signature(kernel, constexprs, "*bf16" if args.fmt == "bf16" else "*u8")
     src = source_type(kernel, sig, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)

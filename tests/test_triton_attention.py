@@ -21,7 +21,7 @@ SIZE = sized(
     cuda=dict(decode=[(1, 64, 640), (7, 128, 2048), (16, 64, 1152), (64, 32, 128), (100, 16, 300), (128, 48, 1152)],
               swa_width=128, swa_blocks=(8, 64), extra_blocks=(64, 64), prefill_heads=[64, 128, 24],
               prefill=(300, 4096, 1152), aligned=(8, 100, 64), order=(150, 72, 128, 700, 64), order_gluon=[None, 0],
-              order_cases=[("fp8_v4", 512, None), ("bf16", 512, None), ("fp8_v32", 576, None),
+              order_cases=[("fp8_v4", 512, None), ("bf16", 512, None), ("fp8_v32", 576, None), ("bf16", 576, None),
                            ("fp8_v4", 512, 0)]),  # the Triton kernel where Gluon is the default
 )
 
@@ -111,15 +111,16 @@ def test_out_aliasing_an_input_is_rejected(backend):
         sparse_attention_prefill(q, kv, idx, backend=backend, out=q)
 
 
-def test_out_of_range_indices_are_never_read(monkeypatch):
+@pytest.mark.parametrize("fmt,dim", FORMATS)
+def test_out_of_range_indices_are_never_read(monkeypatch, fmt, dim):
     """Outside debug mode an out-of-range slot is treated as -1, so the kernel reads nothing outside the cache."""
     monkeypatch.delenv("SPARSE_MLA_DEBUG", raising=False)
     gen = torch.Generator().manual_seed(11)
-    cache, idx, lens = random_scope(gen, "fp8_v4", 512, 3, 20, 2, 16, lens_mode="full")
+    cache, idx, lens = random_scope(gen, fmt, dim, 3, 20, 2, 16, lens_mode="full")
     bad = idx.clone()
     bad[:, ::4] = 10**6
     bad[0, 1] = -5
-    q = torch.randn(3, 2, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q = torch.randn(3, 2, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     got = sparse_attention_decode(q, cache.data, bad, lens, backend="triton")
     cleaned = torch.where((bad >= cache.num_slots) | (bad < 0), -1, bad)
     check_close(got, sparse_attention_decode(q, cache.data, cleaned, lens, backend="reference"))
@@ -422,3 +423,21 @@ def test_attention_kernel_names_what_runs():
                                                        else "reference")
     with pytest.raises(ValueError, match="backend must be"):
         attention_kernel("cuda", q, cache.data)
+
+
+@pytest.mark.parametrize("tokens,heads,blocks,want", [
+    (148, 16, 32, 4),    # the docstring's example: 2 waves unsplit, the last nearly empty
+    (148, 128, 32, 1),   # 296 programs of 128-head tokens: the partials cost more than the shorter last wave
+    (128, 64, 32, 1),    # one whole wave
+    (256, 64, 10, 1),    # two whole waves
+    (4096, 64, 20, 1),   # large grids stay unsplit
+    (40, 64, 32, 3),     # a third of the SMs: split to fill them (132 // 40)
+    (40, 64, 1, 1),      # a one-block list is never split
+    (0, 64, 32, 1),      # no token
+])
+def test_choose_splits_on_an_h100_sized_gpu(monkeypatch, tokens, heads, blocks, want):
+    from sparse_mla.ops import triton_attention
+
+    monkeypatch.setattr(triton_attention, "num_sms", lambda device: 132)
+    head_blocks = -(-heads // 64)
+    assert triton_attention.choose_splits(tokens, heads, head_blocks, blocks, torch.device("cuda")) == want

@@ -22,7 +22,7 @@ except ImportError:  # no Triton on this platform: the reference backend still w
 
 def attention_kernel(backend: str, q: torch.Tensor, cache: torch.Tensor) -> str:
     """What ``sparse_attention_decode(q, cache, ..., backend=backend)`` runs: ``"reference"``, ``"triton"`` or
-    ``"gluon"`` (the Hopper kernel, for V4 fp8_v4 / bf16 caches), resolving ``"auto"`` for ``q``'s device."""
+    ``"gluon"`` (the Hopper kernel, for fp8_v4 / fp8_v32 / bf16 caches), resolving ``"auto"`` for ``q``'s device."""
     if backend_for(backend, q, "q") == "reference":
         return "reference"
     paged, fmt = resolve_cache(cache)

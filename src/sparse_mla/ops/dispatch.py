@@ -98,10 +98,11 @@ def attention_kernel(device: torch.device, dim: int, formats: frozenset[str], pa
     if gluon is None:
         return "gluon" if fits and gluon_attention.enabled() else "triton"
     if gluon and not fits:
-        raise ValueError("gluon=1 needs a Hopper GPU, bf16 q, every scope fp8_v4 or bf16 (512-d) or every scope "
-                         "fp8_v32 or bf16 (576-d) with padded index lists, and caches whose base and page stride are "
-                         "multiples of "
-                         f"16 bytes; got {dim}-d {'fp8' if q_fp8 else 'bf16'} q on {device}, scopes {sorted(formats)}, "
+        readable = "; ".join(f"{d}-d: every scope {' or every scope '.join(sorted(f)[0] for f in fs)}"
+                             for d, fs in GLUON_FORMATS.items())
+        raise ValueError(f"gluon=1 needs a Hopper GPU, bf16 q, scopes of one format ({readable}) with padded index "
+                         f"lists, and caches whose base and page stride are multiples of 16 bytes; got {dim}-d "
+                         f"{'fp8' if q_fp8 else 'bf16'} q on {device}, scopes {sorted(formats)}, "
                          f"{'padded' if padded else 'ragged / combined'} lists, "
                          f"{'' if pages_16_byte_aligned else 'not '}16-byte aligned")
     return "gluon" if gluon else "triton"

@@ -16,7 +16,7 @@ key list, in three warpgroups that run out of step, synchronised by mbarriers on
   overlaps the other's wgmmas.
 * A copy warpgroup fills the buffers one 256-dim half of a block at a time, in the order the math
   warpgroups read them, each as soon as that half's last reader of the previous pair is done:
-  bf16 rows with ``cp.async`` (the copies signal the half ready as they land); fp8_v4 rows
+  bf16 rows with ``cp.async`` (the copies signal the half ready as they land); fp8 rows
   gathered into registers as 32-bit words, then dequantised into the half once it is free. The
   fp8 loop is software-pipelined so that two halves' gathers are in flight: the next half's loads
   are issued before the current one is dequantised (decode is bound by this gather latency, not
@@ -25,9 +25,10 @@ key list, in three warpgroups that run out of step, synchronised by mbarriers on
 
 V3.2 (``D_QK = 576``): the shared rows hold the 512 V dims as V4's do; the 64 rope dims of the keys go
 by ``cp.async`` into a buffer of their own (``r_smem``) with the second half, and the query's rope dims
-stay in the math warpgroups' registers (the A operand of one more wgmma per block): shared memory has no
-room for them (231 KB of the 227 KiB an H100 block may take). fp8_v32 tiles are 128 dims with a float32
-scale each, dequantised like fp8_v4's (e4m3 → f32, times the scale, → bf16: the reference's rounding).
+stay in the math warpgroups' registers (the A operand of one more wgmma per block): with them in shared memory
+a block would need 233 KiB, over the 227 KiB an H100 block may take (without, 225.6 KiB). fp8_v32 tiles are 128
+dims with a float32 scale each, dequantised like fp8_v4's (e4m3 → f32, times the scale, → bf16: the rounding of
+``dequantize_and_gather`` and the Triton kernel).
 
 The split merge and the sink of split rows are ``triton_attention``'s combine kernel.
 
@@ -41,7 +42,7 @@ import os
 import triton
 
 from ..formats import (FMT_BF16, FMT_FP8_V4, FMT_FP8_V32, ROPE_DIM, UE8M0_BIAS, V4_BODY_BYTES, V4_DIM, V4_NOPE_DIM,
-                       V4_SCALE_BYTES, V32_DIM, V32_ROPE_OFFSET, V32_SCALE_OFFSET, V32_TOKEN_BYTES)
+                       V4_SCALE_BYTES, V4_TILE, V32_DIM, V32_ROPE_OFFSET, V32_SCALE_OFFSET, V32_TILE, V32_TOKEN_BYTES)
 from .order import KEYS_PER_BLOCK
 from .validate import D_V
 
@@ -62,7 +63,8 @@ PARTITION_WARPS = 4  # each of the three warpgroups
 # registers per thread of a math warpgroup (its 64 × 256 fp32 accumulator, the 64 × 64 logits and P), by format;
 # the copy warpgroup, the default partition, gets what is left: 72 for bf16 (cp.async holds nothing in registers),
 # 104 for fp8_v4, whose copy warpgroup holds two gathered half blocks at once. fp8_v32's math warpgroups also hold
-# q's rope dims (16 more): at 200 their key loop spilled, at 208 only the copy warpgroup does (88 left), a little
+# q's rope dims (16 more): at 200 their key loop spilled, at 208 only the copy warpgroup spills (88 left to it). bf16
+# 576-d ones hold them too, at bf16's 216 (36 B of spills, outside the key loop)
 MATH_REGS = {"bf16": 216, "fp8_v4": 200, "fp8_v32": 208}
 HEADS_PER_PROGRAM = 64
 VALIDATED_TRITON = ("3.6.",)  # checked on an H100 against the reference ops (tests/test_triton_attention.py)
@@ -86,6 +88,8 @@ if gluon is not None:
     V32_ROW = gl.constexpr(V32_TOKEN_BYTES)
     V32_SCALES = gl.constexpr(V32_SCALE_OFFSET)  # four float32, one per 128 e4m3 dims
     V32_ROPE = gl.constexpr(V32_ROPE_OFFSET)
+    V4_TILE_DIMS = gl.constexpr(V4_TILE)  # e4m3 dims per scale
+    V32_TILE_DIMS = gl.constexpr(V32_TILE)
     BODY_BYTES = gl.constexpr(V4_BODY_BYTES)
     SCALE_BYTES = gl.constexpr(V4_SCALE_BYTES)
     BIAS_WORD = gl.constexpr(UE8M0_BIAS * 0x01010101)  # four ue8m0 bytes of 2^0
@@ -97,7 +101,7 @@ if gluon is not None:
     WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
     WARPS = gl.constexpr(PARTITION_WARPS)
     MATH_REGS_BF16 = gl.constexpr(MATH_REGS["bf16"])
-    MATH_REGS_FP8 = gl.constexpr(MATH_REGS["fp8_v4"])
+    MATH_REGS_V4 = gl.constexpr(MATH_REGS["fp8_v4"])
     MATH_REGS_V32 = gl.constexpr(MATH_REGS["fp8_v32"])
 
     @gluon.jit
@@ -155,8 +159,8 @@ if gluon is not None:
         scales, ``(BLOCK_N, 2)``.
         Invalid rows read nothing. Words, not bytes: the copy warpgroup carries two halves in registers,
         and tensors of bytes would take a register per byte."""
-        NT: gl.constexpr = 4 if FMT == FP8_V4 else 2
-        NW: gl.constexpr = 64 // NT
+        NT: gl.constexpr = HALF // (V4_TILE_DIMS if FMT == FP8_V4 else V32_TILE_DIMS)  # tiles per half
+        NW: gl.constexpr = HALF // 4 // NT  # 4-byte words per tile
         tiles_layout: gl.constexpr = gl.SliceLayout(2, words_layout)
         tile = gl.arange(0, NT, layout=gl.SliceLayout(0, tiles_layout))
         word = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_layout)))
@@ -166,20 +170,20 @@ if gluon is not None:
             raw = gl.load(rows.to(gl.pointer_type(gl.int32))[:, None, None] + offs,
                           mask=ok[:, None, None] & ~is_rope[None, :, None], other=0)
             exps = gl.load(scales.to(gl.pointer_type(gl.int32)) + SIDE, mask=ok, other=BIAS_WORD)
-            found = gl.convert_layout(exps, gl.SliceLayout(1, tiles_layout))
+            tile_scales = gl.convert_layout(exps, gl.SliceLayout(1, tiles_layout))
         else:
             raw = gl.load(rows.to(gl.pointer_type(gl.int32))[:, None, None] + offs, mask=ok[:, None, None], other=0)
-            found = gl.load(scales.to(gl.pointer_type(gl.float32))[:, None] + (SIDE * NT + tile)[None, :],
-                            mask=ok[:, None], other=1.0)
-        return raw, found
+            tile_scales = gl.load(scales.to(gl.pointer_type(gl.float32))[:, None] + (SIDE * NT + tile)[None, :],
+                                  mask=ok[:, None], other=1.0)
+        return raw, tile_scales
 
     @gluon.jit
     def _dequant(raw, scales, FMT: gl.constexpr):
         """``_gather_half``'s words times their tiles' scales as ``(BLOCK_N, tiles, words, 2)`` int32 words that each
         hold two bf16 (the dims in order). fp8_v4's power-of-two factors make the products exact; fp8_v32's float32
         scales round each product to float32 and then to bf16, as the reference does."""
-        tile = gl.arange(0, raw.shape[1], layout=gl.SliceLayout(0, gl.SliceLayout(2, raw.type.layout)))
         if FMT == FP8_V4:
+            tile = gl.arange(0, raw.shape[1], layout=gl.SliceLayout(0, gl.SliceLayout(2, raw.type.layout)))
             e = (scales[:, None] >> (tile[None, :] * 8)) & 0xFF
             factor = (e << 23).to(gl.float32, bitcast=True)  # ue8m0 -> 2^(e-127)
         else:
@@ -269,18 +273,17 @@ if gluon is not None:
         ``ready`` as it lands), and signal the half ready."""
         bar: gl.constexpr = 2 * BUF + SIDE
         mbarrier.wait(free.index(bar), (j & 1) ^ 1, pred=j >= 1)
+        if (SIDE == 1) & (FMT == FP8_V32):  # its own buffer: the rope's copy starts before the dequantisation
+            _copy_rope(r_smem.index(BUF), rows, ok, V32_ROPE // 2)
+            async_copy.mbarrier_arrive(ready.index(bar), increment_count=False)
         vals = _dequant(raw, scales, FMT)
         words = k_smem.index(BUF)._reinterpret(gl.int32, [BLOCK_N, DIM // 2], WORDS_SMEM)  # bf16 pairs
         words.slice(SIDE * HALF // 2, HALF // 2, dim=1).store(gl.reshape(vals, [BLOCK_N, HALF // 2]))
-        if SIDE == 1:
-            if FMT == FP8_V4:
-                # the rope tile was just written too (zero words times the pad byte's factor: zeros, or NaN for a
-                # 0xFF pad byte): every thread's stores land before any rope copy starts, and the copy overwrites
-                # them
-                gl.thread_barrier()
-                _copy_rope(k_smem.index(BUF).slice(NOPE, DIM - NOPE, dim=1), rows, ok, NOPE // 2)
-            else:
-                _copy_rope(r_smem.index(BUF), rows, ok, V32_ROPE // 2)
+        if (SIDE == 1) & (FMT == FP8_V4):
+            # the rope tile was just written too (zero words times the pad byte's factor: zeros, or NaN for a
+            # 0xFF pad byte): every thread's stores land before any rope copy starts, and the copy overwrites them
+            gl.thread_barrier()
+            _copy_rope(k_smem.index(BUF).slice(NOPE, DIM - NOPE, dim=1), rows, ok, NOPE // 2)
             async_copy.mbarrier_arrive(ready.index(bar), increment_count=False)
         fence_async_shared()
         gl.thread_barrier()
@@ -481,6 +484,10 @@ if gluon is not None:
         FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
         HAS_ORDER: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, D_QK: gl.constexpr,
     ):
+        # the copy side branches on FMT, the buffers and the math side on D_QK: only these pairs agree
+        gl.static_assert((FMT == BF16) & ((D_QK == DIM) | (D_QK == QK_V32)) | (FMT == FP8_V4) & (D_QK == DIM)
+                         | (FMT == FP8_V32) & (D_QK == QK_V32),
+                         "FMT and D_QK must be bf16 (512 or 576), fp8_v4 (512) or fp8_v32 (576)")
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -543,7 +550,7 @@ if gluon is not None:
         i1_row = i1_ptr + tok.to(gl.int64) * i1_stride
         gl.thread_barrier()
 
-        math_regs: gl.constexpr = MATH_REGS_BF16 if FMT == BF16 else MATH_REGS_FP8 if FMT == FP8_V4 else MATH_REGS_V32
+        math_regs: gl.constexpr = MATH_REGS_BF16 if FMT == BF16 else MATH_REGS_V4 if FMT == FP8_V4 else MATH_REGS_V32
         gl.warp_specialize([
             (_copy_partition, (k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
                                c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT, BS0, BS1, D_QK)),

@@ -373,26 +373,27 @@ def num_sms(device: torch.device) -> int:
 def choose_splits(num_tokens: int, num_heads: int, head_blocks: int, max_blocks: int, device: torch.device) -> int:
     """How many pieces each key list is cut into (the pieces merged by the combine kernel).
 
-    A program holds a whole SM (its accumulators fill the register file), so the grid runs in waves of one
-    program per SM. A grid that leaves over half the SMs idle is split to fill them. A larger grid is split only
-    where that shortens its last wave by over 15 %, counting in key-block times: ``waves × blocks per program``,
-    plus per piece one block (its prologue) and one per 32 heads (its float32 partial rows, written and read
-    again by the combine). E.g. 148 tokens of 16 heads and 32 blocks on 132 SMs take 2 waves × 32 + 1.5 = 65.5
-    unsplit and 5 waves × 8 + 6 = 46 in four pieces; grids of whole waves (128 or 256 programs on an H100), and
-    large ones, whose last wave is a small part of their time, stay unsplit. ``max_blocks``: the longest key
-    list, in key blocks.
+    num_heads: a token's heads (all its head blocks'); max_blocks: the longest key list the widths allow, in key
+    blocks (the scopes' widths summed). A program holds a whole SM (its accumulators fill the register file), so
+    the grid runs in waves of one program per SM. A grid that leaves at least half the SMs idle is split to fill
+    them. A larger grid is split, into pieces of at least 4 blocks, only where that cuts its estimated time by over
+    15 %, counted in key-block times: ``waves × blocks per program``, plus per piece (none when unsplit) one block
+    for its prologue and one per 32 heads for its float32 partial rows, written and read again by the combine.
+    E.g. 148 tokens of 16 heads and 32 blocks on 132 SMs take 2 waves × 32 = 64 block times unsplit and
+    5 × 8 + 4 × 1.5 = 46 in four pieces; grids of whole waves (128 or 256 programs on an H100), and large ones,
+    whose last wave is a small part of their time, stay unsplit. (Calibrated on the H100: BENCHMARKS.md.)
     """
     programs = num_tokens * head_blocks
     sms = num_sms(device)
     if max_blocks <= 1 or programs == 0:
         return 1
     if 2 * programs <= sms:
-        return int(max(1, min(sms // programs, max_blocks // 2, 32)))
+        return max(1, min(sms // programs, max_blocks // 2, 32))
 
     def cost(pieces: int) -> float:
-        return triton.cdiv(programs * pieces, sms) * triton.cdiv(max_blocks, pieces) + pieces * (1 + num_heads / 32)
+        partials = 0.0 if pieces == 1 else pieces * (1 + num_heads / 32)
+        return triton.cdiv(programs * pieces, sms) * triton.cdiv(max_blocks, pieces) + partials
 
-    # pieces of at least 4 blocks (two of the Gluon kernel's block pairs)
     best = min((p for p in (2, 4, 8) if 4 * p <= max_blocks), key=cost, default=1)
     return best if cost(best) < 0.85 * cost(1) else 1
 
@@ -583,9 +584,9 @@ def run_plan(plan: AttentionPlan, q: torch.Tensor, sink: torch.Tensor | None, sc
 
 def run(args: AttentionArgs, batch_invariant: bool = False, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the attention kernel (and the combine kernel when the key lists are split) for checked arguments,
-    through the plan of their geometry (:func:`plan_for`). On Hopper with V4 fp8_v4 or bf16 scopes the kernel
-    is ``gluon_attention``'s (``gluon=0`` forces this module's Triton kernel, ``gluon=1`` the Gluon one); see
-    :class:`AttentionPlan` for the overrides."""
+    through the plan of their geometry (:func:`plan_for`). On Hopper, where ``dispatch.gluon_fits`` (scopes of one
+    format of ``dispatch.GLUON_FORMATS``), the kernel is ``gluon_attention``'s (``gluon=0`` forces this module's
+    Triton kernel, ``gluon=1`` the Gluon one); see :class:`AttentionPlan` for the overrides."""
     q = args.q if args.q.stride(-1) == 1 else args.q.contiguous()
     return run_plan(plan_for(args, batch_invariant, **overrides), q, args.sink, args.scale,
                     tuple(s.cache for s in args.scopes), tuple(s.indices for s in args.scopes),
