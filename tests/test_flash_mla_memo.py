@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import DEVICE, KERNEL_RUNS
+from helpers import DEVICE, KERNEL_RUNS, ON_GPU
 from sparse_mla import flash_mla, ops
 from sparse_mla.flash_mla import flash_mla_with_kvcache, get_mla_metadata
 from test_flash_mla_api import call_decode, paged, reference_decode, slots, v4_case
@@ -137,3 +137,38 @@ def test_the_memo_is_bounded(checked, monkeypatch):
     assert len(flash_mla._DECODES) == 2
     call_decode(case, sched, softmax_scale=0.1)  # the least recently used went out: checked again
     assert len(checked) == 4
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the bound launch is the GPU's direct launch path")
+def test_a_bound_launch_equals_the_checked_path_bit_for_bit(checked, monkeypatch):
+    """An unsplit grid (one launch, so the remembered plan binds it): from the second remembered call on, the bound
+    launch runs on the new tensors and gives exactly what the checked path gives; an unaligned q is another
+    signature."""
+    gen = torch.Generator().manual_seed(4)
+    b, heads, topk = 160, 64, 128
+    cache = on_device({"c": paged("fp8_v4", 40, 64, 512, gen)})["c"]
+    sched, _ = get_mla_metadata()
+
+    def inputs():
+        q = torch.randn(b, 1, heads, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+        idx = slots(b, 1, topk, 40 * 64, gen).to(DEVICE)
+        return q, idx, torch.randn(heads, generator=gen).to(DEVICE)
+
+    def call(q, idx, sink):
+        return flash_mla_with_kvcache(q, cache, None, None, 512, sched, None, 0.05, indices=idx, attn_sink=sink)
+
+    for _ in range(2):  # checked and remembered, then the first remembered call, which binds
+        call(*inputs())
+    memo = next(iter(flash_mla._DECODES.values()))
+    assert len(checked) == 1 and memo.bound is not None
+    for _ in range(3):
+        args = inputs()
+        got = call(*args)
+        monkeypatch.setenv("SPARSE_MLA_DEBUG", "1")  # the checked path
+        want = call(*args)
+        monkeypatch.delenv("SPARSE_MLA_DEBUG")
+        assert equal(got, want) and got[1].stride() == want[1].stride()
+    q, idx, sink = inputs()
+    shifted = torch.empty(q.numel() + 4, dtype=q.dtype, device=DEVICE)[4:].view(q.shape).copy_(q)
+    before = len(checked)
+    assert close(call(shifted, idx, sink), call(q, idx, sink)) and len(checked) == before + 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import re
 from collections import OrderedDict
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -126,14 +126,17 @@ def _rows(indices: torch.Tensor, b: int, s_q: int) -> torch.Tensor:
     return indices.reshape(b * s_q, indices.shape[2])
 
 
-class _Decode(NamedTuple):
+class _Decode:
     """What the checked path of one :func:`flash_mla_with_kvcache` call signature leaves for its later calls: the
-    attention plan, the softmax scale, and per scope the full-width lens standing in for an absent
-    ``topk_length`` (None where the call passes one)."""
+    attention plan, the softmax scale, per scope the full-width lens standing in for an absent ``topk_length``
+    (None where the call passes one), and once a remembered call has run, the plan's launch bound to the
+    signature's strides and sizes (``AttentionPlan.bind``; None until then, or where the plan cannot bind)."""
 
-    plan: AttentionPlan
-    scale: float
-    full_lens: tuple[torch.Tensor | None, ...]
+    __slots__ = ("plan", "scale", "full_lens", "bound")
+
+    def __init__(self, plan: AttentionPlan, scale: float, full_lens: tuple[torch.Tensor | None, ...]) -> None:
+        self.plan, self.scale, self.full_lens = plan, scale, full_lens
+        self.bound = None
 
 
 _DECODES: OrderedDict[tuple, _Decode] = OrderedDict()  # by call signature, least recently used out
@@ -141,18 +144,16 @@ _MAX_DECODES = 256
 _PLAIN = frozenset((type(None), bool, int, float, str))
 
 
-def _signature(tensors: tuple, caches: tuple, scalars: tuple) -> tuple | None:
-    """A call's signature: each tensor's type, shape, strides, dtype and device (a cache's 16-byte alignment too: the
-    checks and the kernel choice read it), each scalar with its type; None when a scalar is not a plain value or a
-    tensor argument not a tensor (the checked path names it)."""
+def _signature(tensors: tuple, scalars: tuple) -> tuple | None:
+    """A call's signature: each tensor's type, shape, strides, dtype, device and 16-byte alignment (the checks, the
+    kernel choice and the compiled binary depend on nothing else of them), each scalar with its type; None when a
+    scalar is not a plain value or a tensor argument not a tensor (the checked path names it)."""
     kinds = tuple(map(type, scalars))
     if not _PLAIN.issuperset(kinds):
         return None
     try:
-        return (tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.is_cuda, t.get_device())
-                       for t in tensors]),
-                tuple([None if c is None else (type(c), c.shape, c.stride(), c.dtype, c.is_cuda, c.get_device(),
-                                               c.data_ptr() & 15) for c in caches]), kinds, scalars)
+        return (tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.is_cuda, t.get_device(),
+                                               t.data_ptr() & 15) for t in tensors]), kinds, scalars)
     except (AttributeError, TypeError):
         return None
 
@@ -184,7 +185,8 @@ def _launch(memo: _Decode, q: torch.Tensor, k_cache: torch.Tensor, indices: torc
             extra_indices: torch.Tensor | None, topk_length: torch.Tensor | None,
             extra_topk_length: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """A remembered signature's call: the plan launched on the raw arguments' views (as the checked path makes
-    them), out ``(b * s_q, h_q, 512)`` and lse ``(b * s_q, h_q)``."""
+    them) through its bound launch (made by the first such call), out ``(b * s_q, h_q, 512)`` and lse
+    ``(b * s_q, h_q)``."""
     b, s_q, h_q, d = q.shape
     caches = (_bytes(k_cache).squeeze(2),)
     rows = (_rows(indices, b, s_q),)
@@ -193,8 +195,14 @@ def _launch(memo: _Decode, q: torch.Tensor, k_cache: torch.Tensor, indices: torc
         caches += (_bytes(extra_k_cache).squeeze(2),)
         rows += (_rows(extra_indices, b, s_q),)
         lens += (memo.full_lens[1] if extra_topk_length is None else _expand(extra_topk_length, s_q),)
-    return ops.triton_attention.run_plan(memo.plan, q.reshape(b * s_q, h_q, d), attn_sink, memo.scale, caches,
-                                         rows, lens)
+    q_rows = q.reshape(b * s_q, h_q, d)
+    out = torch.empty(b * s_q, h_q, HEAD_DIM_V, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(b * s_q, h_q, dtype=torch.float32, device=q.device)
+    if memo.bound is not None and memo.bound(q_rows, out, lse, attn_sink, caches, rows, lens):
+        return out, lse
+    memo.plan(q_rows, out, lse, attn_sink, memo.scale, caches, rows, lens, None)
+    memo.bound = memo.plan.bind(q_rows, out, lse, attn_sink, memo.scale, caches, rows, lens)
+    return out, lse
 
 
 def flash_mla_with_kvcache(
@@ -247,9 +255,9 @@ def flash_mla_with_kvcache(
     sig = None
     if (indices is not None and descale_q is None and descale_k is None
             and type(tile_scheduler_metadata) is FlashMLASchedMeta and not debug_checks_enabled()):
-        sig = _signature((q, indices, attn_sink, extra_indices_in_kvcache, topk_length, extra_topk_length),
-                         (k_cache, extra_k_cache), (head_dim_v, num_splits, softmax_scale, causal, is_fp8_kvcache,
-                                                    enable_batch_invariant, kv_format, BACKEND))
+        sig = _signature((q, indices, attn_sink, extra_indices_in_kvcache, topk_length, extra_topk_length, k_cache,
+                          extra_k_cache), (head_dim_v, num_splits, softmax_scale, causal, is_fp8_kvcache,
+                                           enable_batch_invariant, kv_format, BACKEND))
         memo = None if sig is None else _DECODES.get(sig)
         if memo is not None:
             _DECODES.move_to_end(sig)

@@ -131,6 +131,45 @@ class Launch:
         return None
 
 
+    def bind(self, grid: tuple, args: tuple) -> BoundLaunch | None:
+        """This launch with ``grid`` and ``args``' non-tensor arguments fixed, for later calls whose tensors have the
+        dtypes and 16-byte alignments of ``args``' (the caller's guarantee): a :class:`BoundLaunch` once a call with
+        ``args``' fingerprint has compiled the binary, else None (and None off the direct path)."""
+        if not self._fast or not args[0].is_cuda or _launch_hooks_installed():
+            return None
+        by_types = self._binaries.get(tuple(map(type, args)))
+        device = torch._C._cuda_getDevice()
+        direct = None if by_types is None else by_types[1].get((device, by_types[0](args)))
+        if direct is None:
+            return None
+        return BoundLaunch(direct, (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1), args,
+                           self.constexpr_values, device)
+
+
+class BoundLaunch:
+    """A compiled binary with its grid and every non-tensor argument fixed (:meth:`Launch.bind`): ``bound(tensors)``
+    launches it with ``tensors`` in the places of the binding call's tensors, in order, skipping the fingerprint.
+    Returns False, launching nothing, where the direct path does not apply (launch hooks installed since, or another
+    current device): the caller then launches the ordinary way."""
+
+    def __init__(self, direct: tuple[Callable, tuple], grid: tuple[int, int, int], args: tuple, constexprs: tuple,
+                 device: int) -> None:
+        self._launch, self._leading = direct
+        self._grid, self._constexprs, self._device = grid, constexprs, device
+        self._template = list(args)
+        self._slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def __call__(self, tensors: list[torch.Tensor]) -> bool:
+        if torch._C._cuda_getDevice() != self._device or _launch_hooks_installed():
+            return False
+        args = self._template.copy()
+        for i, t in zip(self._slots, tensors):
+            args[i] = t
+        self._launch(*self._grid, torch._C._cuda_getCurrentRawStream(self._device), *self._leading, *args,
+                     *self._constexprs)
+        return True
+
+
 def _direct_call(binary) -> tuple[Callable, tuple]:
     """How to launch a compiled kernel without the JIT call: a function and the arguments that go between the grid and
     stream and the kernel's own. The C launcher itself when the kernel needs no scratch memory (Triton's Python

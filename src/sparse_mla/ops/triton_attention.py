@@ -513,18 +513,8 @@ class AttentionPlan:
         num_tokens, num_heads, _ = self.q_shape
         if num_tokens == 0 or num_heads == 0:
             return
-        if self.q_fp8:
-            q = q.view(torch.uint8)  # the kernel reads an fp8 q's bytes
-        c0, i0, l0 = caches[0], indices[0], lens[0]
-        c1, i1, l1 = (caches[1], indices[1], lens[1]) if self.has_extra else (c0, i0, l0)
-        part_o, part_lse = (self._scratch or self._partials()) if self.partial else (out, lse)
-        sink_arg = lse if sink is None else sink
-        args = (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink_arg, lse if order is None else order,
-                c0, c0.stride(0), c0.shape[0] * c0.shape[1], i0, i0.stride(0), l0, i0.shape[-1],
-                c1, c1.stride(0), c1.shape[0] * c1.shape[1], i1, i1.stride(0), l1, i1.shape[-1],
-                num_tokens, num_heads, scale * LOG2E)
-        if self.kernel == "triton":  # the Gluon kernel reads neither (dispatch gives it no fp8 q or fp8_e4m3)
-            args += (lse if kv_scale is None else kv_scale, lse if q_scale is None else q_scale)
+        tensors = self._tensors(q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale)
+        args = self._args(tensors, scale)
         try:
             compiled = self.attention(self.grid, *args)
         except OutOfResources:
@@ -537,8 +527,53 @@ class AttentionPlan:
         if compiled is not None:
             LAST_COMPILED["attention"] = compiled
         if self.combine is not None:
+            _, out, lse, part_o, part_lse, sink_arg = tensors[:6]
             self.combine((num_tokens * num_heads,), part_o, part_lse, out, lse, sink_arg, num_tokens * num_heads,
                          num_heads)
+
+    def _tensors(self, q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale) -> list[torch.Tensor]:
+        """The attention kernel's tensor arguments, in its order (absent optional ones stand in as ``lse``, which the
+        kernel then does not read): q, out, lse, the split partials, sink, order, per scope cache / indices / lens,
+        and for the Triton kernel the fp8 scales."""
+        if self.q_fp8:
+            q = q.view(torch.uint8)  # the kernel reads an fp8 q's bytes
+        c0, i0, l0 = caches[0], indices[0], lens[0]
+        c1, i1, l1 = (caches[1], indices[1], lens[1]) if self.has_extra else (c0, i0, l0)
+        part_o, part_lse = (self._scratch or self._partials()) if self.partial else (out, lse)
+        tensors = [q, out, lse, part_o, part_lse, lse if sink is None else sink, lse if order is None else order,
+                   c0, i0, l0, c1, i1, l1]
+        if self.kernel == "triton":  # the Gluon kernel reads neither (dispatch gives it no fp8 q or fp8_e4m3)
+            tensors += [lse if kv_scale is None else kv_scale, lse if q_scale is None else q_scale]
+        return tensors
+
+    def _args(self, tensors: list[torch.Tensor], scale: float) -> tuple:
+        """The attention kernel's arguments: :meth:`_tensors` with the strides, sizes and scale between them."""
+        q, out, lse, part_o, part_lse, sink_arg, order_arg, c0, i0, l0, c1, i1, l1, *fp8_scales = tensors
+        num_tokens, num_heads, _ = self.q_shape
+        return (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink_arg, order_arg,
+                c0, c0.stride(0), c0.shape[0] * c0.shape[1], i0, i0.stride(0), l0, i0.shape[-1],
+                c1, c1.stride(0), c1.shape[0] * c1.shape[1], i1, i1.stride(0), l1, i1.shape[-1],
+                num_tokens, num_heads, scale * LOG2E, *fp8_scales)
+
+    def bind(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None, scale: float,
+             caches: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...], lens: tuple[torch.Tensor, ...],
+             order: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
+             kv_scale: torch.Tensor | None = None):
+        """After a call with these arguments, a function ``bound(q, out, lse, sink, caches, indices, lens, order,
+        q_scale, kv_scale) -> bool`` that launches the same kernel on new tensors with every stride, size, dtype
+        and 16-byte alignment of these (the caller's guarantee) and ``scale``, skipping the argument assembly and
+        the fingerprint; False means it launched nothing (call the plan). None where it cannot bind: key lists
+        split in pieces (two launches) or no direct launch path."""
+        if self.partial or self.q_shape[0] == 0 or self.q_shape[1] == 0:
+            return None
+        launch = self.attention.bind(self.grid, self._args(
+            self._tensors(q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale), scale))
+        if launch is None:
+            return None
+
+        def bound(q, out, lse, sink, caches, indices, lens, order=None, q_scale=None, kv_scale=None) -> bool:
+            return launch(self._tensors(q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale))
+        return bound
 
 
 _PLANS: OrderedDict[tuple, AttentionPlan] = OrderedDict()  # the ops' plans, by geometry (least recently used out)
