@@ -184,24 +184,25 @@ def _launch(memo: _Decode, q: torch.Tensor, k_cache: torch.Tensor, indices: torc
             attn_sink: torch.Tensor | None, extra_k_cache: torch.Tensor | None,
             extra_indices: torch.Tensor | None, topk_length: torch.Tensor | None,
             extra_topk_length: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A remembered signature's call: the plan launched on the raw arguments' views (as the checked path makes
-    them) through its bound launch (made by the first such call), out ``(b * s_q, h_q, 512)`` and lse
-    ``(b * s_q, h_q)``."""
+    """A remembered signature's call: out ``(b, s_q, h_q, 512)`` and lse ``(b, s_q, h_q)``. Through the plan's bound
+    launch (made by the signature's first remembered call), which reads only the tensors' data (q and the caches go
+    as they are: the views the plan takes start at the same bytes); else the plan on the views the checked path
+    makes."""
     b, s_q, h_q, d = q.shape
-    caches = (_bytes(k_cache).squeeze(2),)
+    caches = (_bytes(k_cache),)
     rows = (_rows(indices, b, s_q),)
     lens = (memo.full_lens[0] if topk_length is None else _expand(topk_length, s_q),)
     if extra_k_cache is not None:
-        caches += (_bytes(extra_k_cache).squeeze(2),)
+        caches += (_bytes(extra_k_cache),)
         rows += (_rows(extra_indices, b, s_q),)
         lens += (memo.full_lens[1] if extra_topk_length is None else _expand(extra_topk_length, s_q),)
-    q_rows = q.reshape(b * s_q, h_q, d)
-    out = torch.empty(b * s_q, h_q, HEAD_DIM_V, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(b * s_q, h_q, dtype=torch.float32, device=q.device)
-    if memo.bound is not None and memo.bound(q_rows, out, lse, attn_sink, caches, rows, lens):
+    out = torch.empty(b, s_q, h_q, HEAD_DIM_V, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
+    if memo.bound is not None and memo.bound(q, out, lse, attn_sink, caches, rows, lens):
         return out, lse
-    memo.plan(q_rows, out, lse, attn_sink, memo.scale, caches, rows, lens, None)
-    memo.bound = memo.plan.bind(q_rows, out, lse, attn_sink, memo.scale, caches, rows, lens)
+    q_rows, paged = q.reshape(b * s_q, h_q, d), tuple(c.squeeze(2) for c in caches)
+    memo.plan(q_rows, out, lse, attn_sink, memo.scale, paged, rows, lens, None)
+    memo.bound = memo.plan.bind(q_rows, out, lse, attn_sink, memo.scale, paged, rows, lens)
     return out, lse
 
 
@@ -263,8 +264,7 @@ def flash_mla_with_kvcache(
             _DECODES.move_to_end(sig)
             out, lse = _launch(memo, q, k_cache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache,
                                topk_length, extra_topk_length)
-            b, s_q, h_q, _ = q.shape
-            return out.view(b, s_q, h_q, HEAD_DIM_V), lse.view(b, s_q, h_q).transpose(1, 2)
+            return out, lse.transpose(1, 2)
     if indices is None:
         raise NotImplementedError("indices=None (dense MLA decoding, with block_table / cache_seqlens / causal) is "
                                   "not supported: sparse_mla implements FlashMLA's sparse mode only")

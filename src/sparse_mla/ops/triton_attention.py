@@ -560,10 +560,11 @@ class AttentionPlan:
              order: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
              kv_scale: torch.Tensor | None = None):
         """After a call with these arguments, a function ``bound(q, out, lse, sink, caches, indices, lens, order,
-        q_scale, kv_scale) -> bool`` that launches the same kernel on new tensors with every stride, size, dtype
-        and 16-byte alignment of these (the caller's guarantee) and ``scale``, skipping the argument assembly and
-        the fingerprint; False means it launched nothing (call the plan). None where it cannot bind: key lists
-        split in pieces (two launches) or no direct launch path."""
+        q_scale, kv_scale) -> bool`` that launches the same kernel with ``scale`` on new tensors laid out as these
+        (every stride, size, dtype and 16-byte alignment: the caller's guarantee), skipping the argument assembly
+        and the fingerprint. It reads only the new tensors' data pointers, so a tensor of another rank over the
+        same bytes (a 4-D cache for its 3-D paged view) serves. False means it launched nothing (call the plan).
+        None where it cannot bind: key lists split in pieces (two launches) or no direct launch path."""
         if self.partial or self.q_shape[0] == 0 or self.q_shape[1] == 0:
             return None
         launch = self.attention.bind(self.grid, self._args(
