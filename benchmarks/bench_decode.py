@@ -5,7 +5,8 @@
 Per case: our Triton kernel, FlashMLA's sparse decode (legacy SM90 path, same inputs, same run)
 when ``flash_mla`` is importable, the same call through our FlashMLA-compatible API
 (``sparse_mla.flash_mla``: ``API us``, and its host time beside FlashMLA's), and a torch gather
-baseline; our output is checked against the reference op and against FlashMLA before anything is timed. Prints one table, writes JSON.
+baseline; our output is checked against the reference op and against FlashMLA before anything is timed.
+Prints one table, writes JSON.
 Ours and FlashMLA are timed as CUDA-graph replays (``do_bench``: L2 flushed before each call; the
 sweep's eager times and each side's host launch time are in the JSON). Our kernel takes the tokens
 longest-first (``--order longest``): the order is built once per case, outside the timing, as
