@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -42,6 +41,8 @@ from dataclasses import asdict, dataclass
 import torch
 from rich.console import Console
 from rich.table import Table
+
+from sparse_mla.benchmark import save_result
 
 LAYER_CYCLE = ("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention")
 IMPLS = ("eager", "sdpa", "sparse_mla")
@@ -295,17 +296,13 @@ def run(args: argparse.Namespace) -> int:
 
     def write(row: dict) -> None:
         result["rows"].append(row)
-        result["seconds"] = time.perf_counter() - start
-        with open(path, "w") as f:  # after each run: keep what ran
-            json.dump(result, f, indent=1)
+        save_result(path, result, start)
 
     console.log(f"{params / 1e6:.1f} M parameters" +
                 (f", {result['weights_gib']:.2f} GiB on the GPU" if result["weights_gib"] is not None else ""))
     for impl in args.impls:
         run_impl(impl, model, args, sizes, device, console, write)
-    result["seconds"] = time.perf_counter() - start
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    save_result(path, result, start)
     console.print(table(result))
     console.print(f"JSON: {path} ({result['seconds']:.0f} s)")
     return 0

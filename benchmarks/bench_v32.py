@@ -23,7 +23,6 @@ The indexer's picks: per token ``min(topk, pos + 1)`` distinct positions ``<= po
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed, slots_of
-from sparse_mla.benchmark import Env, Step, fill_random, flash_mla_side, prepare, run_info
+from sparse_mla.benchmark import Env, Step, fill_random, flash_mla_side, prepare, run_info, save_result
 from sparse_mla.cache import PagedCache
 from sparse_mla.config import DEFAULT_BLOCK_SIZE, get_config
 from sparse_mla.layer import SparseMLAAttention
@@ -393,9 +392,7 @@ def run(args: argparse.Namespace) -> int:
                  prefill=lambda: prefill_part(args.prefill_heads, env), step=lambda: step_part(pool, env))
     for part in args.parts:
         result[part] = parts[part]()
-        result["seconds"] = time.perf_counter() - start
-        with open(path, "w") as f:  # after each part: keep what ran
-            json.dump(result, f, indent=1)
+        save_result(path, result, start)
     for table in tables(result):
         console.print(table)
     console.print(f"JSON: {path} ({result['seconds']:.0f} s)")

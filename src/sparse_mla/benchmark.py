@@ -547,6 +547,14 @@ def run_info(env: Env) -> dict:
     return out
 
 
+def save_result(path: str, result: dict, start: float) -> None:
+    """Write ``result`` as JSON to ``path``, with the seconds since ``start`` (the benchmarks call it after each
+    part, so a run cut short keeps what ran)."""
+    result["seconds"] = time.perf_counter() - start
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the cases in ``args.cases``; print the table, write ``bench_step.json`` (+ ``.png``) to ``args.out``.
     Returns 0, or 2 without a CUDA GPU (unless ``--smoke``)."""
@@ -568,9 +576,7 @@ def run(args: argparse.Namespace) -> int:
             result["prefill"] += prefill_case(name, env)
         if env.device.type == "cuda":  # the case's caches and graphs are gone: give their memory back
             torch.cuda.empty_cache()
-        result["seconds"] = time.perf_counter() - start
-        with open(path, "w") as f:  # after each case: keep what ran
-            json.dump(result, f, indent=1)
+        save_result(path, result, start)
     write_plot(result, os.path.join(args.out, "bench_step.png"), console)
     console.print(results_table(result))
     console.print(f"JSON: {path} ({result['seconds']:.0f} s)")
