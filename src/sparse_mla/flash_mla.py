@@ -130,7 +130,7 @@ class _Decode:
     """What the checked path of one :func:`flash_mla_with_kvcache` call signature leaves for its later calls: the
     attention plan, the softmax scale, per scope the full-width lens standing in for an absent ``topk_length``
     (None where the call passes one), and once a remembered call has run, the plan's launch bound to the
-    signature's strides and sizes (``AttentionPlan.bind``; None until then, or where the plan cannot bind)."""
+    signature's strides and sizes (``AttentionPlan.bind``; None until then, False where the plan cannot bind)."""
 
     __slots__ = ("plan", "scale", "full_lens", "bound")
 
@@ -158,13 +158,14 @@ def _signature(tensors: tuple, scalars: tuple) -> tuple | None:
         return None
 
 
-def _remember(sig: tuple, args: AttentionArgs, batch_invariant: bool, q: torch.Tensor,
+def _remember(sig: tuple, args: AttentionArgs, plan: AttentionPlan, q: torch.Tensor,
               caches: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...],
               lens: tuple[torch.Tensor | None, ...], sink: torch.Tensor | None) -> None:
-    """Remember the checked outcome ``args`` of a Triton-path call under its signature when the kernel takes the
-    call's own tensors as they are (``q`` / ``indices`` / ``lens`` / ``sink``: as this module made them; ``caches``:
-    4-D byte views), so that :func:`_launch` on the raw arguments of a later call launches what the checks
-    would have; a call whose tensors needed a copy is not remembered (it goes the checked path each time)."""
+    """Remember the checked outcome ``args`` of a Triton-path call (and its ``plan``) under its signature when the
+    kernel takes the call's own tensors as they are (``q`` / ``indices`` / ``lens`` / ``sink``: as this module made
+    them; ``caches``: 4-D byte views), so that :func:`_launch` on the raw arguments of a later call launches what
+    the checks would have; a call whose tensors needed a copy is not remembered (it goes the checked path each
+    time)."""
     if args.q is not q or q.stride(-1) != 1 or args.sink is not sink:
         return
     full = []
@@ -175,7 +176,7 @@ def _remember(sig: tuple, args: AttentionArgs, batch_invariant: bool, q: torch.T
                 or scope.cache.stride() != paged.stride() or scope.cache.dtype != paged.dtype):
             return
         full.append(scope.lens if ln is None else None)
-    _DECODES[sig] = _Decode(ops.triton_attention.plan_for(args, batch_invariant), args.scale, tuple(full))
+    _DECODES[sig] = _Decode(plan, args.scale, tuple(full))
     if len(_DECODES) > _MAX_DECODES:
         _DECODES.popitem(last=False)
 
@@ -198,11 +199,12 @@ def _launch(memo: _Decode, q: torch.Tensor, k_cache: torch.Tensor, indices: torc
         lens += (memo.full_lens[1] if extra_topk_length is None else _expand(extra_topk_length, s_q),)
     out = torch.empty(b, s_q, h_q, HEAD_DIM_V, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
-    if memo.bound is not None and memo.bound(q, out, lse, attn_sink, caches, rows, lens):
+    if memo.bound and memo.bound(q, out, lse, attn_sink, caches, rows, lens):
         return out, lse
     q_rows, paged = q.reshape(b * s_q, h_q, d), tuple(c.squeeze(2) for c in caches)
     memo.plan(q_rows, out, lse, attn_sink, memo.scale, paged, rows, lens, None)
-    memo.bound = memo.plan.bind(q_rows, out, lse, attn_sink, memo.scale, paged, rows, lens)
+    if memo.bound is None:  # tried once: a plan that cannot bind (split key lists) is not asked again
+        memo.bound = memo.plan.bind(q_rows, out, lse, attn_sink, memo.scale, paged, rows, lens) or False
     return out, lse
 
 
@@ -308,11 +310,12 @@ def flash_mla_with_kvcache(
     if family == "reference":
         out, lse = reference.run(args)
     else:
+        plan = ops.triton_attention.plan_for(args, bool(enable_batch_invariant))
         if sig is not None:
             n = len(args.scopes)
-            _remember(sig, args, bool(enable_batch_invariant), q_rows, (k_cache, extra_k_cache)[:n],
-                      (idx, extra_idx)[:n], (lens, extra_lens)[:n], attn_sink)
-        out, lse = ops.triton_attention.run(args, batch_invariant=bool(enable_batch_invariant))
+            _remember(sig, args, plan, q_rows, (k_cache, extra_k_cache)[:n], (idx, extra_idx)[:n],
+                      (lens, extra_lens)[:n], attn_sink)
+        out, lse = ops.triton_attention.run(args, plan=plan)
     return out.view(b, s_q, h_q, HEAD_DIM_V), lse.view(b, s_q, h_q).transpose(1, 2)
 
 

@@ -604,27 +604,17 @@ def plan_for(args: AttentionArgs, batch_invariant: bool = False, **overrides) ->
     return plan
 
 
-def run_plan(plan: AttentionPlan, q: torch.Tensor, sink: torch.Tensor | None, scale: float,
-             caches: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...], lens: tuple[torch.Tensor, ...],
-             order: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
-             kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``plan`` on tensors of its geometry (see :meth:`AttentionPlan.__call__`; ``q (T, H, d)`` with unit-stride
-    rows), into ``out`` (``(T, H, 512)`` bf16, contiguous; allocated when None). Returns out and lse ``(T, H)``."""
-    if out is None:
-        out = torch.empty(*q.shape[:2], D_V, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(*q.shape[:2], dtype=torch.float32, device=q.device)
-    plan(q, out, lse, sink, scale, caches, indices, lens, order, q_scale, kv_scale)
-    return out, lse
-
-
-def run(args: AttentionArgs, batch_invariant: bool = False, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+def run(args: AttentionArgs, batch_invariant: bool = False, plan: AttentionPlan | None = None,
+        **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the attention kernel (and the combine kernel when the key lists are split) for checked arguments,
-    through the plan of their geometry (:func:`plan_for`). On Hopper, where ``dispatch.gluon_fits`` (scopes of one
-    format of ``dispatch.GLUON_FORMATS``), the kernel is ``gluon_attention``'s (``gluon=0`` forces this module's
-    Triton kernel, ``gluon=1`` the Gluon one); see :class:`AttentionPlan` for the overrides."""
+    through ``plan``, by default the plan of their geometry (:func:`plan_for`). On Hopper, where
+    ``dispatch.gluon_fits`` (scopes of one format of ``dispatch.GLUON_FORMATS``), the kernel is ``gluon_attention``'s
+    (``gluon=0`` forces this module's Triton kernel, ``gluon=1`` the Gluon one); see :class:`AttentionPlan` for the
+    overrides. Returns out ``(T, H, 512)`` bf16 (``args.out`` when given) and lse ``(T, H)`` float32."""
     q = args.q if args.q.stride(-1) == 1 else args.q.contiguous()
-    return run_plan(plan_for(args, batch_invariant, **overrides), q, args.sink, args.scale,
-                    tuple(s.cache for s in args.scopes), tuple(s.indices for s in args.scopes),
-                    tuple(s.lens if s.indptr is None else s.indptr for s in args.scopes), args.order, args.q_scale,
-                    args.kv_scale, args.out)
+    plan = plan or plan_for(args, batch_invariant, **overrides)
+    out = args.out if args.out is not None else torch.empty(*q.shape[:2], D_V, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(*q.shape[:2], dtype=torch.float32, device=q.device)
+    plan(q, out, lse, args.sink, args.scale, tuple(s.cache for s in args.scopes), tuple(s.indices for s in args.scopes),
+         tuple(s.lens if s.indptr is None else s.indptr for s in args.scopes), args.order, args.q_scale, args.kv_scale)
+    return out, lse
