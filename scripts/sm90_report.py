@@ -82,10 +82,11 @@ def main() -> None:
                         help="gluon: the Hopper kernel of gluon_attention (needs a Triton with Gluon)")
     parser.add_argument("--dump", type=pathlib.Path)
     args = parser.parse_args()
+    fixed_dim = {"fp8_v4": 512, "fp8_v32": 576}.get(args.fmt)  # bf16 takes either width
     if args.dim is None:
-        args.dim = 576 if args.fmt == "fp8_v32" else 512
-    if (args.fmt, args.dim) in (("fp8_v4", 576), ("fp8_v32", 512)):
-        parser.error(f"{args.fmt} tokens are {1088 - args.dim}-d")
+        args.dim = fixed_dim or 512
+    if fixed_dim and args.dim != fixed_dim:
+        parser.error(f"{args.fmt} tokens are {fixed_dim}-d")
     pa, pb, pc, v_has_rope = ta.latent_pieces(args.dim)
     kernel = ta._sparse_mla_kernel
     source_type = ASTSource
