@@ -1,20 +1,40 @@
-"""Host time of one layer call per kind and of build_step_metadata (V4-Flash decode, B 128, MTP), GPU queue busy."""
-import sys
+"""Host µs of one call, GPU queue kept busy (V4-Flash decode, B requests of 2 tokens, 64 heads): each layer kind
+(default and batch-invariant), build_step_metadata, our FlashMLA-compatible API and, when the sgl-flash-mla wheel
+is installed, FlashMLA's own call on the same inputs (one SWA scope; and two scopes with per-request lengths).
+Every probe is timed in each of several rounds, the probes alternating, and the median round is reported: host
+speed drifts over a run, so probes timed far apart are not comparable.
+
+    python3 scripts/host_probe.py [B] [--rounds N] [--profile] [--json PATH]
+"""
+import argparse
+import json
+import statistics
 import time
 
 import torch
 
+from sparse_mla import flash_mla as ours_fm
 from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import build_step_metadata
+from sparse_mla.ops import sparse_attention_decode
 from sparse_mla.scenario import make_scenario
 
+parser = argparse.ArgumentParser()
+parser.add_argument("b", nargs="?", type=int, default=128)
+parser.add_argument("--rounds", type=int, default=5)
+parser.add_argument("--profile", action="store_true")
+parser.add_argument("--json")
+cli = parser.parse_args()
 
-def host_us(fn, calls=200):
+BUSY = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+
+def host_us(fn, calls=200) -> float:
+    """Host µs per call of ``fn`` while the GPU works through a queue of large matmuls (launches never wait)."""
     fn()
     torch.cuda.synchronize()
-    busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(30):
-        busy @ busy  # keep the GPU queue busy so launches never wait
+        BUSY @ BUSY
     t = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -23,59 +43,81 @@ def host_us(fn, calls=200):
     return dt / calls * 1e6
 
 
-b = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+b, h = cli.b, 64
 gen = torch.Generator().manual_seed(0)
 lengths = [(int(torch.randint(4096, 32768, (1,), generator=gen)), 2) for _ in range(b)]
 sc = make_scenario(lengths, window=128, topk=512, fmt="fp8_v4", decode_threshold=2, device="cuda")
-q = torch.randn(sc.batch.token_capacity, 64, 512, generator=gen).to(torch.bfloat16).cuda()
-sink = torch.randn(64, generator=gen).cuda()
-out = torch.empty(sc.batch.token_capacity, 64, 512, dtype=torch.bfloat16, device="cuda")
-res = {"build_step_metadata": host_us(lambda: build_step_metadata(sc.batch, sc.meta.spec, out=sc.meta))}
+q = torch.randn(sc.batch.token_capacity, h, 512, generator=gen).to(torch.bfloat16).cuda()
+sink = torch.randn(h, generator=gen).cuda()
+out = torch.empty(sc.batch.token_capacity, h, 512, dtype=torch.bfloat16, device="cuda")
+probes = {"build_step_metadata": lambda: build_step_metadata(sc.batch, sc.meta.spec, out=sc.meta)}
+errors = {}
+rows = list(range(0, 2 * b, 17))
 for kind in ("swa", "c4a", "c128a"):
     for inv in (False, True):
-        layer = SparseMLAAttention(kind, 64, topk=512 if kind == "c4a" else None, sink=sink, batch_invariant=inv)
+        layer = SparseMLAAttention(kind, h, topk=512 if kind == "c4a" else None, sink=sink, batch_invariant=inv)
         picks = sc.topk_local if kind == "c4a" else None
-        res[f"{kind}{' invariant' if inv else ''}"] = host_us(lambda: layer(q, sc.meta, sc.caches, picks, out=out))
-        ref = sc.expected(q, kind, list(range(0, 256, 17)), sink, 512 ** -0.5)
-        got = layer(q, sc.meta, sc.caches, picks, out=out)[list(range(0, 256, 17))].double().cpu()
-        res[f"{kind}{' invariant' if inv else ''} rel err"] = ((got - ref).norm() / ref.norm()).item()
+        name = f"{kind}{' invariant' if inv else ''}"
+        probes[name] = lambda layer=layer, picks=picks: layer(q, sc.meta, sc.caches, picks, out=out)
+        ref = sc.expected(q, kind, rows, sink, 512 ** -0.5)
+        got = layer(q, sc.meta, sc.caches, picks, out=out)[rows].double().cpu()
+        errors[name] = ((got - ref).norm() / ref.norm()).item()
+
+# the FlashMLA calling convention: q (b, s_q, h, d), 4-D caches, (b, s_q, topk) indices; two scopes with
+# per-request lengths as vLLM's V4 backend passes them
+qf = q.view(b, 2, h, 512)
+swa_cache, c128_cache = sc.caches["swa"].data.unsqueeze(2), sc.caches["c128a"].data.unsqueeze(2)
+swa_idx = sc.meta.swa_indices.view(b, 2, -1)
+c128_idx = sc.meta.c128a_indices.view(b, 2, -1)
+swa_len = sc.meta.swa_lens.view(b, 2)[:, 0].contiguous()
+c128_len = sc.meta.c128a_lens.view(b, 2)[:, 0].contiguous()
+api_calls = {
+    "swa": lambda fm, sched, **kw: fm.flash_mla_with_kvcache(qf, swa_cache, None, None, 512, sched, None, 512 ** -0.5,
+                                                             False, True, swa_idx, sink, **kw),
+    "two scopes": lambda fm, sched, **kw: fm.flash_mla_with_kvcache(
+        qf, swa_cache, None, None, 512, sched, None, 512 ** -0.5, False, True, swa_idx, sink, c128_cache, c128_idx,
+        swa_len, c128_len, **kw),
+}
+for case, call in api_calls.items():
+    sched, _ = ours_fm.get_mla_metadata()
+    probes[f"sparse_mla.flash_mla ({case})"] = lambda call=call, sched=sched: call(ours_fm, sched)
 try:
     import flash_mla
 
-    sched, _ = flash_mla.get_mla_metadata()
-    qf = q.view(b, 2, 64, 512)
-    cache = sc.caches["swa"].data.unsqueeze(2)
-    idx = sc.meta.swa_indices.view(b, 2, 128)
-    res["flash_mla_with_kvcache (swa)"] = host_us(lambda: flash_mla.flash_mla_with_kvcache(
-        qf, cache, None, None, 512, sched, None, 512 ** -0.5, False, True, idx, sink, use_legacy=True))
+    for case, call in api_calls.items():
+        sched, _ = flash_mla.get_mla_metadata()  # one scheduler object per call pattern
+        probes[f"FlashMLA ({case})"] = lambda call=call, sched=sched: call(flash_mla, sched, use_legacy=True)
+        ours = api_calls[case](ours_fm, ours_fm.get_mla_metadata()[0])[0].float()
+        theirs = call(flash_mla, flash_mla.get_mla_metadata()[0], use_legacy=True)[0].float()
+        errors[f"API vs FlashMLA ({case})"] = ((ours - theirs).norm() / theirs.norm()).item()
 except ImportError:
     pass
-from sparse_mla import flash_mla as ours_fm  # noqa: E402
-from sparse_mla.ops import sparse_attention_decode  # noqa: E402
+except Exception as err:  # noqa: BLE001 - FlashMLA refusing a shape leaves our probes to run
+    print(f"FlashMLA probes skipped: {err}")
+    probes = {k: v for k, v in probes.items() if not k.startswith("FlashMLA")}
+probes["sparse_attention_decode (swa)"] = lambda: sparse_attention_decode(
+    q, sc.caches["swa"].data, sc.meta.swa_indices, None, sink=sink, scale=512 ** -0.5)
 
-ours_sched, _ = ours_fm.get_mla_metadata()
-qf, cache, idx = q.view(b, 2, 64, 512), sc.caches["swa"].data.unsqueeze(2), sc.meta.swa_indices.view(b, 2, 128)
-ours_call = lambda: ours_fm.flash_mla_with_kvcache(qf, cache, None, None, 512, ours_sched, None,  # noqa: E731
-                                                   512 ** -0.5, False, True, idx, sink)
-op_call = lambda: sparse_attention_decode(q, sc.caches["swa"].data, sc.meta.swa_indices, None,  # noqa: E731
-                                          sink=sink, scale=512 ** -0.5)
-res["sparse_mla.flash_mla_with_kvcache (swa)"] = host_us(ours_call)
-res["sparse_attention_decode (swa)"] = host_us(op_call)
-for k, v in res.items():
-    print(f"{k:40s} {v:10.3g}")
+rounds = {name: [] for name in probes}
+for _ in range(cli.rounds):
+    for name, fn in probes.items():
+        rounds[name].append(host_us(fn))
+result = {name: statistics.median(t) for name, t in rounds.items()}
+for name, us in result.items():
+    spread = f"{min(rounds[name]):.0f}–{max(rounds[name]):.0f}"
+    print(f"{name:40s} {us:8.1f} µs   (rounds {spread})")
+for name, err in errors.items():
+    print(f"{name + ' rel err':40s} {err:8.2e}")
+if cli.json:
+    with open(cli.json, "w") as f:
+        json.dump({"b": b, "host_us_median": result, "rounds": rounds, "rel_err": errors}, f, indent=1)
 
-if "--profile" in sys.argv:
+if cli.profile:
     import cProfile
     import pstats
 
-    from sparse_mla.ops import launch as launch_mod
-
-    print("fast path:", launch_mod.fast_path_enabled())
-    layer = SparseMLAAttention("c4a", 64, topk=512, sink=sink)
-    layer(q, sc.meta, sc.caches, sc.topk_local, out=out)
-    for name, fn in (("c4a layer", lambda: layer(q, sc.meta, sc.caches, sc.topk_local, out=out)),
-                     ("sparse_mla.flash_mla_with_kvcache", ours_call),
-                     ("build", lambda: build_step_metadata(sc.batch, sc.meta.spec, out=sc.meta))):
+    for name in ("c4a", "sparse_mla.flash_mla (two scopes)", "build_step_metadata"):
+        fn = probes[name]
         fn()
         torch.cuda.synchronize()
         prof = cProfile.Profile()
@@ -85,4 +127,4 @@ if "--profile" in sys.argv:
         prof.disable()
         torch.cuda.synchronize()
         print("=====", name)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)

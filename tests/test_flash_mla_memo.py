@@ -140,12 +140,13 @@ def test_the_memo_is_bounded(checked, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the bound launch is the GPU's direct launch path")
-def test_a_bound_launch_equals_the_checked_path_bit_for_bit(checked, monkeypatch):
-    """An unsplit grid (one launch, so the remembered plan binds it): from the second remembered call on, the bound
-    launch runs on the new tensors and gives exactly what the checked path gives; an unaligned q is another
-    signature."""
+@pytest.mark.parametrize("b,topk,split", [(160, 128, False), (4, 1024, True)])
+def test_a_bound_launch_equals_the_checked_path_bit_for_bit(checked, monkeypatch, b, topk, split):
+    """An unsplit grid (one launch) or split key lists (the attention and the combine): from the second remembered
+    call on, the bound launches run on the new tensors and give exactly what the checked path gives; an unaligned q
+    is another signature."""
     gen = torch.Generator().manual_seed(4)
-    b, heads, topk = 160, 64, 128
+    heads = 64
     cache = on_device({"c": paged("fp8_v4", 40, 64, 512, gen)})["c"]
     sched, _ = get_mla_metadata()
 
@@ -160,7 +161,7 @@ def test_a_bound_launch_equals_the_checked_path_bit_for_bit(checked, monkeypatch
     for _ in range(2):  # checked and remembered, then the first remembered call, which binds
         call(*inputs())
     memo = next(iter(flash_mla._DECODES.values()))
-    assert len(checked) == 1 and callable(memo.bound)
+    assert len(checked) == 1 and callable(memo.bound) and memo.plan.partial == split
     for _ in range(3):
         args = inputs()
         got = call(*args)

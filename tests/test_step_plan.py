@@ -179,6 +179,56 @@ def test_a_whole_decode_step_captured_once_replays_for_other_batches(index_form)
         graph.replay(far)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="bound launches are the GPU's direct launch path")
+@pytest.mark.parametrize("invariant", [False, True], ids=["unsplit", "split"])
+def test_bound_layer_launches_equal_the_planned_ones(monkeypatch, invariant):
+    """From a plan's second call on, a layer launches through its bound launches (the attention, the combine of
+    split key lists, the picks' conversion) on the call's own tensors: the oracle's answer, and the same bits as the
+    plan's launches, which a q laid out differently or a new scale still take."""
+    from sparse_mla.ops import triton_attention
+
+    sc = make_scenario([(3000, 2)] * 40, window=128, topk=64, decode_threshold=2, device=DEVICE, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    cap, rows = sc.batch.token_capacity, list(range(0, sc.batch.num_tokens, 7))
+    sink = torch.randn(16, generator=gen).to(DEVICE)
+    planned = []
+    plan_call = triton_attention.AttentionPlan.__call__
+    monkeypatch.setattr(triton_attention.AttentionPlan, "__call__",
+                        lambda self, *a: planned.append(1) or plan_call(self, *a))
+    for kind in ("swa", "c4a", "c128a"):
+        topk = 64 if kind == "c4a" else None
+        layer = SparseMLAAttention(kind, 16, topk=topk, sink=sink, batch_invariant=invariant)  # split: invariant
+        binding_picks = sc.topk_local.clone() if kind == "c4a" else None
+        layer(torch.randn(cap, 16, 512, generator=gen).to(torch.bfloat16).to(DEVICE), sc.meta, sc.caches,
+              binding_picks)
+        if binding_picks is not None:
+            binding_picks.fill_(-1)  # a bound conversion reading the binding call's picks would lose every pick
+        picks = sc.topk_local.clone() if kind == "c4a" else None
+        wide = torch.randn(cap, 32, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+        for q, plan_launches in ((torch.randn(cap, 16, 512, generator=gen).to(torch.bfloat16).to(DEVICE), 0),
+                                 (wide[:, ::2], 1)):
+            before = len(planned)
+            got = layer(q, sc.meta, sc.caches, picks).clone()
+            assert len(planned) - before == plan_launches  # the bound launch where q is laid out as when bound
+            ref = sc.expected(q, kind, rows, sink, layer.scale)
+            assert (got[rows].double().cpu() - ref).norm() / ref.norm() < 1e-2
+            # another configuration's plan (the Triton backend named): its first call launches through the plan
+            want = SparseMLAAttention(kind, 16, topk=topk, sink=sink, backend="triton", batch_invariant=invariant)(
+                q, sc.meta, sc.caches, picks)
+            assert torch.equal(got, want)
+            scale, before = layer.scale, len(planned)
+            layer.scale = scale * 1.5  # the bound launch has the binding call's scale: another goes the plan's way
+            got = layer(q, sc.meta, sc.caches, picks).clone()
+            assert len(planned) - before == 1
+            want = SparseMLAAttention(kind, 16, topk=topk, sink=sink, scale=layer.scale, backend="triton",
+                                      batch_invariant=invariant)(q, sc.meta, sc.caches, picks)
+            assert torch.equal(got, want)
+            layer.scale = scale
+        plans = [p for p in sc.meta._plans.values() if isinstance(p, plan_module.LayerPlan) and p.kind == kind
+                 and p.backend == "auto" and p.batch_invariant == invariant]
+        assert len(plans) == 1 and plans[0]._bound[0] and plans[0].parts[0][2].partial == invariant
+
+
 def test_identity_memo_remakes_on_a_new_stamp_and_forgets_dead_objects():
     import gc
 

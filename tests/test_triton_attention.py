@@ -63,6 +63,55 @@ def test_split_key_lists_merge_exactly(splits, fmt, dim):
     check_close(*decode_both(q, scopes, random_sink(gen, 4), splits=splits))
 
 
+@pytest.mark.parametrize("fmt,dim", [("fp8_v4", 512), ("fp8_v32", 576)])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("form", ["two scopes", "combined"])
+def test_lens_shared_by_consecutive_tokens_read_like_expanded_ones(fmt, dim, splits, form):
+    """``tokens_per_len``: each group of consecutive tokens reads one length (FlashMLA's per-request topk_length),
+    bit for bit what the same lens expanded per token give, and the reference's answer."""
+    from sparse_mla.ops import triton_attention
+    from sparse_mla.ops.validate import decode_args
+
+    gen = torch.Generator().manual_seed(hash((fmt, splits, form)) % 2**31)
+    group, num_tokens, heads = 3, 6, 4
+    swa, comp = random_scope(gen, fmt, dim, num_tokens, 12, 4, 8), random_scope(gen, fmt, dim, num_tokens, 30, 4, 16)
+    q = torch.randn(num_tokens, heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    sink = random_sink(gen, heads)
+    if form == "combined":
+        idx = torch.cat([swa[1], comp[1]], 1)
+        lens = torch.randint(0, idx.shape[1] + 1, (num_tokens // group,), generator=gen, dtype=torch.int32).to(DEVICE)
+        kw, extra_lens = dict(extra_cache=comp[0].data, combined_window=12), {}
+    else:
+        idx, lens = swa[1], swa[2][::group].contiguous()
+        kw, extra_lens = dict(extra_cache=comp[0].data, extra_indices=comp[1]), dict(extra_lens=comp[2][::group])
+
+    def run(per, backend="triton"):
+        per_lens = {k: v.repeat_interleave(group // per) for k, v in dict(lens=lens, **extra_lens).items()}
+        if backend == "reference":
+            return sparse_attention_decode(q, swa[0].data, idx, sink=sink, backend=backend, tokens_per_len=per,
+                                           **per_lens, **kw)
+        return triton_attention.run(decode_args(q, swa[0].data, idx, sink=sink, tokens_per_len=per, **per_lens,
+                                                **kw), splits=splits)
+
+    (out, lse), (out_tok, lse_tok) = run(group), run(1)
+    assert torch.equal(out, out_tok) and torch.equal(lse, lse_tok)
+    check_close((out, lse), run(group, "reference"))
+    check_close((out, lse), run(1, "reference"))
+
+
+def test_tokens_per_len_is_checked():
+    gen = torch.Generator().manual_seed(5)
+    cache, idx, lens = random_scope(gen, "bf16", 512, 6, 12, 4, 8)
+    q = torch.randn(6, 2, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    with pytest.raises(ValueError, match="tokens_per_len must be a positive int dividing"):
+        sparse_attention_decode(q, cache.data, idx, lens[:2], tokens_per_len=4)
+    with pytest.raises(ValueError, match="lens"):
+        sparse_attention_decode(q, cache.data, idx, lens, tokens_per_len=2)  # (6,), not (3,)
+    indptr = torch.arange(0, 7 * 12, 12, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="ragged"):
+        sparse_attention_decode(q, cache.data, idx.reshape(-1), indptr=indptr, tokens_per_len=2)
+
+
 @pytest.mark.parametrize("view", ["every other head", "every other dim"])
 def test_single_scope_no_sink_and_noncontiguous_q(view):
     gen = torch.Generator().manual_seed(3)

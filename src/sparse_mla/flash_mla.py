@@ -102,17 +102,12 @@ def _bytes(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if cache.dtype in _FP8_DTYPES and cache.dtype != torch.uint8 else cache
 
 
-def _per_token(name: str, lens: torch.Tensor | None, b: int, s_q: int) -> torch.Tensor | None:
-    """A per-request length ``(b,)`` checked, as :func:`_expand` makes it."""
-    if lens is None:
-        return None
-    check_tensor(name, lens, shape=(b,))
-    return _expand(lens, s_q)
-
-
-def _expand(lens: torch.Tensor, s_q: int) -> torch.Tensor:
-    """A per-request length ``(b,)`` as the ops' per-token lens ``(b * s_q,)`` (an int repeat count: no sync)."""
-    return lens if s_q == 1 else lens.repeat_interleave(s_q)
+def _per_request(name: str, lens: torch.Tensor | None, b: int) -> torch.Tensor | None:
+    """A per-request length ``(b,)`` checked: the ops read it as it is, one length per request's ``s_q`` tokens
+    (``tokens_per_len``)."""
+    if lens is not None:
+        check_tensor(name, lens, shape=(b,))
+    return lens
 
 
 def _tokens(name: str, indices: torch.Tensor, b: int, s_q: int) -> torch.Tensor:
@@ -192,18 +187,18 @@ def _launch(memo: _Decode, q: torch.Tensor, k_cache: torch.Tensor, indices: torc
     b, s_q, h_q, d = q.shape
     caches = (_bytes(k_cache),)
     rows = (_rows(indices, b, s_q),)
-    lens = (memo.full_lens[0] if topk_length is None else _expand(topk_length, s_q),)
+    lens = (memo.full_lens[0] if topk_length is None else topk_length,)
     if extra_k_cache is not None:
         caches += (_bytes(extra_k_cache),)
         rows += (_rows(extra_indices, b, s_q),)
-        lens += (memo.full_lens[1] if extra_topk_length is None else _expand(extra_topk_length, s_q),)
+        lens += (memo.full_lens[1] if extra_topk_length is None else extra_topk_length,)
     out = torch.empty(b, s_q, h_q, HEAD_DIM_V, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
     if memo.bound and memo.bound(q, out, lse, attn_sink, caches, rows, lens):
         return out, lse
     q_rows, paged = q.reshape(b * s_q, h_q, d), tuple(c.squeeze(2) for c in caches)
     memo.plan(q_rows, out, lse, attn_sink, memo.scale, paged, rows, lens, None)
-    if memo.bound is None:  # tried once: a plan that cannot bind (split key lists) is not asked again
+    if memo.bound is None:  # tried once: a plan that cannot bind (no direct launch path) is not asked again
         memo.bound = memo.plan.bind(q_rows, out, lse, attn_sink, memo.scale, paged, rows, lens) or False
     return out, lse
 
@@ -301,10 +296,10 @@ def flash_mla_with_kvcache(
         "extra_indices_in_kvcache", extra_indices_in_kvcache, b, s_q)
     q_rows = q.reshape(b * s_q, h_q, d)
     try:
-        idx, lens = _tokens("indices", indices, b, s_q), _per_token("topk_length", topk_length, b, s_q)
-        extra_lens = _per_token("extra_topk_length", extra_topk_length, b, s_q)
+        idx, lens = _tokens("indices", indices, b, s_q), _per_request("topk_length", topk_length, b)
+        extra_lens = _per_request("extra_topk_length", extra_topk_length, b)
         family, args = ops.checked_decode(BACKEND, q_rows, k_cache, idx, lens, extra_k_cache, extra_idx, extra_lens,
-                                          attn_sink, softmax_scale)
+                                          attn_sink, softmax_scale, tokens_per_len=max(s_q, 1))
     except ValueError as err:
         raise _renamed(err, "decode") from err
     if family == "reference":

@@ -62,7 +62,8 @@ def _view(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor | None, KVForma
     format is per-tensor scaled."""
     paged, fmt = resolve_cache_once(tensor, None, name)
     aligned = pages_16_byte_aligned(paged)
-    key = (fmt.name, fmt.dim, aligned, paged.shape[0], paged.shape[1], paged.device)
+    # a plan's launches may be bound to one cache's geometry (LayerPlan): every layer whose plan it shares has it
+    key = (fmt.name, fmt.dim, aligned, paged.shape, paged.stride(), paged.device)
     return None if paged is tensor else paged, fmt, aligned, key, fmt.per_tensor
 
 
@@ -140,6 +141,9 @@ class LayerPlan:
                     pages_16_byte_aligned=all(v.aligned for v in views.values()), scratch=True, q_fp8=q_fp8,
                     **forms)
             self.parts.append((rows, order, launch, indices, lens, ref))
+        # per part, its launch bound by the first call whose tensors are all 16-byte aligned (AttentionPlan.bind), with
+        # that call's q strides and scale: (bound, q strides, scale); None until then, False where it cannot bind
+        self._bound: list = [None] * len(self.parts)
         # the LSE the kernels write and the layer drops
         self.lse = torch.empty(self.capacity, layer.num_heads, dtype=torch.float32, device=batch.device)
 
@@ -192,11 +196,11 @@ class LayerPlan:
                                              None if self.lists is None
                                              else self.lists[-1] if self.form == "ragged" else self.lists)
         op_caches = tuple(c.view(torch.float8_e4m3fn) for c in caches) if self.per_tensor else caches
-        for rows, order, launch, indices, lens, ref in self.parts:
+        for i, (rows, order, launch, indices, lens, ref) in enumerate(self.parts):
             q_rows = q if rows.start == 0 else q[rows]  # row 0 on: the same pointer, and the plan knows the count
             out_rows = out if rows.start == 0 else out[rows]
             if launch is not None:
-                launch(q_rows, out_rows, self.lse, sink, scale, caches, indices, lens, order, q_scale, kv_scale)
+                self._launch(i, launch, q_rows, out_rows, sink, scale, caches, indices, lens, order, q_scale, kv_scale)
             else:
                 n = rows.stop - rows.start
                 self._reference(q_rows[:n], out_rows[:n], op_caches, ref, order, sink, scale, q_scale, kv_scale)
@@ -204,6 +208,23 @@ class LayerPlan:
             self._prefill_workspace(q, out, op_caches, kept, sink, scale, kv_scale)
         if self.n_tok < self.capacity:
             out[self.n_tok:].zero_()
+
+    def _launch(self, part: int, launch, q, out, sink, scale, caches, indices, lens, order, q_scale, kv_scale) -> None:
+        """One part's attention launch: through its bound launch when this call's tensors are laid out as the binding
+        call's (the plan fixes every other tensor and the caches' geometry: ``CacheView.key``), else the plan's."""
+        ptrs = q.data_ptr() | out.data_ptr()
+        for t in (sink, q_scale, kv_scale, *caches):
+            if t is not None:
+                ptrs |= t.data_ptr()
+        aligned, strides = ptrs & 15 == 0, (q.stride(0), q.stride(1))
+        bound = self._bound[part]
+        if (bound and aligned and bound[1] == strides and bound[2] == scale
+                and bound[0](q, out, self.lse, sink, caches, indices, lens, order, q_scale, kv_scale)):
+            return
+        launch(q, out, self.lse, sink, scale, caches, indices, lens, order, q_scale, kv_scale)
+        if bound is None and aligned:  # tried once: a launch with no direct path is not asked again
+            done = launch.bind(q, out, self.lse, sink, scale, caches, indices, lens, order, q_scale, kv_scale)
+            self._bound[part] = (done, strides, scale) if done else False
 
     def _reference(self, q, out, caches, ref, order, sink, scale, q_scale, kv_scale) -> None:
         extra = dict(extra_cache=caches[1]) if len(caches) > 1 else {}

@@ -52,6 +52,7 @@ def sparse_attention_decode(
     combined_window: int | None = None,
     q_scale: float | torch.Tensor | None = None,
     kv_scale: float | torch.Tensor | None = None,
+    tokens_per_len: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention of each query token over two index scopes of paged caches.
 
@@ -86,10 +87,16 @@ def sparse_attention_decode(
 
     ``q_scale`` / ``kv_scale``: a positive number or a one-element float32 tensor on q's device (read at run
     time: no sync, CUDA graphs see updates).
+
+    tokens_per_len: consecutive tokens sharing one length: ``lens`` / ``extra_lens`` are then
+    ``(T // tokens_per_len,)``, token ``t`` reading ``lens[t // tokens_per_len]`` (FlashMLA's per-request
+    ``topk_length`` for requests of ``s_q`` query tokens each, read as it is: no expanding launch). Not with
+    ragged scopes.
     """
     family, args = checked_decode(backend, q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink,
                                   scale, fmt, out=out, order=order, indptr=indptr, extra_indptr=extra_indptr,
-                                  combined_window=combined_window, q_scale=q_scale, kv_scale=kv_scale)
+                                  combined_window=combined_window, q_scale=q_scale, kv_scale=kv_scale,
+                                  tokens_per_len=tokens_per_len)
     if family == "reference":
         return reference.run(args)
     return triton_attention.run(args, batch_invariant=batch_invariant)

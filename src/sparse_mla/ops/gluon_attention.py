@@ -481,7 +481,7 @@ if gluon is not None:
         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, order_ptr,
         c0_ptr, c0_stride0, c0_slots, i0_ptr, i0_stride, l0_ptr, w0,
         c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
-        num_tokens, num_heads, qk_scale,
+        num_tokens, num_heads, tokens_per_len, qk_scale,
         FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
         HAS_ORDER: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, D_QK: gl.constexpr,
     ):
@@ -534,11 +534,12 @@ if gluon is not None:
         q_smem.index(0).store(q)
         fence_async_shared()
 
-        len0 = gl.minimum(gl.maximum(gl.load(l0_ptr + tok), 0), w0)
+        len_row = tok // tokens_per_len  # as triton_attention's kernel
+        len0 = gl.minimum(gl.maximum(gl.load(l0_ptr + len_row), 0), w0)
         nblk0 = gl.cdiv(len0, BLOCK_N)
         len1 = len0 * 0
         if HAS_EXTRA:
-            len1 = gl.minimum(gl.maximum(gl.load(l1_ptr + tok), 0), w1)
+            len1 = gl.minimum(gl.maximum(gl.load(l1_ptr + len_row), 0), w1)
         nblk1 = gl.cdiv(len1, BLOCK_N)
         if SPLIT_BLOCKS > 0:  # batch-invariant: as triton_attention's kernel
             per_split = SPLIT_BLOCKS

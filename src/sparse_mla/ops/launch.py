@@ -181,7 +181,15 @@ def _direct_call(binary) -> tuple[Callable, tuple]:
     return launcher, (binary.function, binary.packed_metadata, None, None, None)
 
 
-@functools.lru_cache(maxsize=512)
+_LAUNCHES: dict[tuple, Launch] = {}
+
+
 def cached_launch(kernel, constexprs: tuple, options: tuple = ()) -> Launch:
-    """The shared :class:`Launch` of ``kernel`` for ``constexprs`` / ``options`` given as ``(name, value)`` pairs."""
-    return Launch(kernel, dict(constexprs), dict(options))
+    """The shared :class:`Launch` of ``kernel`` for ``constexprs`` / ``options`` given as ``(name, value)`` pairs.
+    Keyed by the kernel's identity (kernels are module-level functions, alive for the whole run): hashing a JIT
+    function hashes its source under a lock, a cost per call where a launch is looked up per call."""
+    key = (id(kernel), constexprs, options)
+    launch = _LAUNCHES.get(key)
+    if launch is None or launch.kernel is not kernel:
+        launch = _LAUNCHES[key] = Launch(kernel, dict(constexprs), dict(options))
+    return launch

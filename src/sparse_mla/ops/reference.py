@@ -5,6 +5,8 @@ dequantises them, and runs a masked softmax with the attention sink (DESIGN §1)
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..formats import KVFormat, read_tokens, write_tokens
@@ -72,14 +74,15 @@ def run(args: AttentionArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """
     q = args.q if args.q_scale is None else args.q.float() * args.q_scale
     num_tokens, num_heads, dim = q.shape
+    scopes = [s if s.indptr is not None else replace(s, lens=args.token_lens(s)) for s in args.scopes]
     out = args.out if args.out is not None else torch.empty(num_tokens, num_heads, D_V, dtype=torch.bfloat16,
                                                                 device=q.device)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
-    width = sum(s.width for s in args.scopes)
+    width = sum(s.width for s in scopes)
     step = max(1, _CHUNK_ELEMS // max(1, width * dim))
     for start in range(0, num_tokens, step):
         rows = slice(start, min(start + step, num_tokens))
-        gathered = [gather_scope(s, rows, args.kv_scale) for s in args.scopes]
+        gathered = [gather_scope(s, rows, args.kv_scale) for s in scopes]
         keys = torch.cat([k for k, _ in gathered], dim=1)
         valid = torch.cat([v for _, v in gathered], dim=1)
         rows_out, rows_lse = attend(q[rows], keys, valid, args.sink, args.scale)

@@ -244,7 +244,7 @@ def _sparse_mla_kernel(
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, order_ptr,
     c0_ptr, c0_stride0, c0_slots, i0_ptr, i0_stride, l0_ptr, w0,
     c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
-    num_tokens, num_heads, qk_scale, kv_scale_ptr, q_scale_ptr,
+    num_tokens, num_heads, tokens_per_len, qk_scale, kv_scale_ptr, q_scale_ptr,
     FMT0: tl.constexpr, FMT1: tl.constexpr, BS0: tl.constexpr, BS1: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr, V_HAS_ROPE: tl.constexpr,
@@ -272,11 +272,12 @@ def _sparse_mla_kernel(
     if (FMT0 == FMT_FP8_E4M3) | (FMT1 == FMT_FP8_E4M3):
         kv_scale = tl.load(kv_scale_ptr)
 
-    len0 = _scope_len(l0_ptr, w0, tok, 0, RAGGED0, False)
+    len_row = tok // tokens_per_len  # the host keeps tokens_per_len 1 with ragged scopes (a row per token)
+    len0 = _scope_len(l0_ptr, w0, len_row, 0, RAGGED0, False)
     nblk0 = tl.cdiv(len0, BLOCK_N)
     len1 = 0
     if HAS_EXTRA:
-        len1 = _scope_len(l1_ptr, w1, tok, w0, RAGGED1, COMBINED)
+        len1 = _scope_len(l1_ptr, w1, len_row, w0, RAGGED1, COMBINED)
     nblk1 = tl.cdiv(len1, BLOCK_N)
     if SPLIT_BLOCKS > 0:  # batch-invariant: the cut depends on this token's lists alone
         per_split = SPLIT_BLOCKS
@@ -436,7 +437,9 @@ class AttentionPlan:
     ragged: per scope, whether its index list is ragged (an ``indptr`` where a padded scope has its lens).
     combined: the two scopes are the parts of one combined index (FlashInfer's form): scope 0 its first
     ``width0`` columns, scope 1 the rest, and both calls' lens the whole row's count. q_fp8: q is
-    float8_e4m3fn (calls pass its ``q_scale``). has_sink / has_order: whether calls pass a sink / an order. batch_invariant: see
+    float8_e4m3fn (calls pass its ``q_scale``). tokens_per_len: the calls' lens hold one length per that many
+    consecutive tokens (``AttentionArgs.tokens_per_len``). has_sink / has_order: whether calls pass a sink / an order.
+    batch_invariant: see
     :data:`INVARIANT_SPLIT_BLOCKS`. pages_16_byte_aligned: whether every cache the calls pass has a 16-byte
     aligned base and page stride. scratch: keep the split partials' buffers in the plan (a plan used on one
     stream, as the layer's are) instead of allocating them per call. The remaining keyword arguments override
@@ -446,7 +449,7 @@ class AttentionPlan:
     def __init__(self, q_shape: tuple[int, int, int], device: torch.device, scopes: list, has_sink: bool,
                  has_order: bool, *, batch_invariant: bool = False, pages_16_byte_aligned: bool = True,
                  scratch: bool = False, ragged: tuple[bool, ...] = (), combined: bool = False, q_fp8: bool = False,
-                 block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
+                 tokens_per_len: int = 1, block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None, h_block: int | None = None, gluon: int | None = None) -> None:
         num_tokens, num_heads, dim = q_shape
         formats = frozenset(f.name for f, _, _ in scopes)
@@ -454,7 +457,9 @@ class AttentionPlan:
         ragged = tuple(bool(r) for r in ragged) + (False,) * (len(scopes) - len(ragged))
         if combined and (len(scopes) != 2 or any(ragged)):
             raise ValueError("a combined index has two padded scopes")
-        self.q_fp8 = q_fp8
+        if tokens_per_len != 1 and any(ragged):
+            raise ValueError("tokens_per_len must be 1 with ragged scopes (an indptr row per token)")
+        self.q_fp8, self.tokens_per_len = q_fp8, tokens_per_len
         self.kernel = dispatch.attention_kernel(device, dim, formats, pages_16_byte_aligned, gluon,
                                                 padded=not (any(ragged) or combined), q_fp8=q_fp8)
         if self.kernel == "gluon":
@@ -553,27 +558,41 @@ class AttentionPlan:
         return (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink_arg, order_arg,
                 c0, c0.stride(0), c0.shape[0] * c0.shape[1], i0, i0.stride(0), l0, i0.shape[-1],
                 c1, c1.stride(0), c1.shape[0] * c1.shape[1], i1, i1.stride(0), l1, i1.shape[-1],
-                num_tokens, num_heads, scale * LOG2E, *fp8_scales)
+                num_tokens, num_heads, self.tokens_per_len, scale * LOG2E, *fp8_scales)
 
     def bind(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None, scale: float,
              caches: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...], lens: tuple[torch.Tensor, ...],
              order: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
              kv_scale: torch.Tensor | None = None):
         """After a call with these arguments, a function ``bound(q, out, lse, sink, caches, indices, lens, order,
-        q_scale, kv_scale) -> bool`` that launches the same kernel with ``scale`` on new tensors laid out as these
-        (every stride, size, dtype and 16-byte alignment: the caller's guarantee), skipping the argument assembly
-        and the fingerprint. It reads only the new tensors' data pointers, so a tensor of another rank over the
-        same bytes (a 4-D cache for its 3-D paged view) serves. False means it launched nothing (call the plan).
-        None where it cannot bind: key lists split in pieces (two launches) or no direct launch path."""
-        if self.partial or self.q_shape[0] == 0 or self.q_shape[1] == 0:
+        q_scale, kv_scale) -> bool`` that launches the same kernel (and, for split key lists, the combine) with
+        ``scale`` on new tensors laid out as these (every stride, size, dtype and 16-byte alignment: the caller's
+        guarantee), skipping the argument assembly and the fingerprint. It reads only the new tensors' data pointers,
+        so a tensor of another rank over the same bytes (a 4-D cache for its 3-D paged view) serves. False means it
+        launched nothing (call the plan). None where there is no direct launch path."""
+        num_tokens, num_heads, _ = self.q_shape
+        if num_tokens == 0 or num_heads == 0:
             return None
-        launch = self.attention.bind(self.grid, self._args(
-            self._tensors(q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale), scale))
+        tensors = self._tensors(q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale)
+        launch = self.attention.bind(self.grid, self._args(tensors, scale))
+        combine = None
+        if self.combine is not None:  # split partials: the per-call buffers of a plan without scratch are new each call
+            _, out, lse, part_o, part_lse, sink_arg = tensors[:6]
+            combine = self.combine.bind((num_tokens * num_heads,), (part_o, part_lse, out, lse, sink_arg,
+                                                                    num_tokens * num_heads, num_heads))
+            if combine is None:
+                return None
         if launch is None:
             return None
 
         def bound(q, out, lse, sink, caches, indices, lens, order=None, q_scale=None, kv_scale=None) -> bool:
-            return launch(self._tensors(q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale))
+            tensors = self._tensors(q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale)
+            if not launch(tensors):
+                return False
+            if combine is not None:  # it launches: the attention's launch just passed the same device and hook test
+                _, out, lse, part_o, part_lse, sink_arg = tensors[:6]
+                combine([part_o, part_lse, out, lse, sink_arg])
+            return True
         return bound
 
 
@@ -587,7 +606,7 @@ def plan_for(args: AttentionArgs, batch_invariant: bool = False, **overrides) ->
     q = args.q
     scopes = [(s.fmt, s.cache.shape[1], s.width) for s in args.scopes]
     forms = dict(ragged=tuple([s.indptr is not None for s in args.scopes]), combined=args.scopes[-1].len_skip > 0,
-                 q_fp8=args.q_scale is not None)
+                 q_fp8=args.q_scale is not None, tokens_per_len=args.tokens_per_len)
     aligned = all(pages_16_byte_aligned(s.cache) for s in args.scopes)
     key = (q.shape, q.device, tuple([(f.name, f.dim, bs, w) for f, bs, w in scopes]), args.sink is not None,
            args.order is not None, batch_invariant and INVARIANT_SPLIT_BLOCKS, aligned, tuple(forms.values()),

@@ -161,17 +161,29 @@ def compressed_picks(positions: torch.Tensor, token_to_req: torch.Tensor, table:
 def picks_converter(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor, block_size: int,
                     ratio: int, out_indices: torch.Tensor, out_lens: torch.Tensor, out_kept: torch.Tensor):
     """:func:`compressed_picks` with everything but the picks bound once (a step's layers convert their picks
-    into the same buffers): returns ``convert(local)``, one launch per call."""
+    into the same buffers): returns ``convert(local)``, one launch per call. From the second call on, picks with the
+    first call's row stride and 16-byte alignment go through the launch bound then (:meth:`Launch.bind`)."""
     num_tokens, topk = out_indices.shape
     launch = cached_launch(_picks_kernel, (("RATIO", ratio), ("BS", block_size),
                                            ("TOPK_P2", triton.next_power_of_2(topk))))
     head = (positions, token_to_req, table, table.stride(0), table.shape[1])
     tail = (out_indices, out_indices.stride(0), out_lens, out_kept, out_kept.stride(0), topk)
+    fixed = [a for a in head + tail if isinstance(a, torch.Tensor)]
     grid = (num_tokens,)
+    bound = None  # (launch bound to the first call's picks, their row stride, their alignment); False: cannot bind
 
     def convert(local: torch.Tensor) -> None:
-        if num_tokens:
-            launch(grid, *head, local, local.stride(0), *tail)
+        nonlocal bound
+        if not num_tokens:
+            return
+        if bound and local.stride(0) == bound[1] and (local.data_ptr() & 15 == 0) == bound[2] \
+                and bound[0]([*fixed[:3], local, *fixed[3:]]):
+            return
+        args = (*head, local, local.stride(0), *tail)
+        launch(grid, *args)
+        if bound is None:
+            done = launch.bind(grid, args)
+            bound = (done, local.stride(0), local.data_ptr() & 15 == 0) if done else False
     return convert
 
 
@@ -213,4 +225,5 @@ def longest_first(lens: torch.Tensor, extra_lens: torch.Tensor | None, keys_per_
         second = lens if extra_lens is None else extra_lens.contiguous()
         block = 128
         constexprs = (("HAS_L1", extra_lens is not None), ("KEYS_PER_BLOCK", keys_per_block), ("BLOCK", block))
-        cached_launch(_order_kernel, constexprs)((triton.cdiv(n, block),), lens, second, order, n)
+        # (-(-n // block): on Triton 3.6 triton.cdiv is a constexpr function, slow to call from the host)
+        cached_launch(_order_kernel, constexprs)((-(-n // block),), lens, second, order, n)

@@ -29,7 +29,7 @@ class Scope:
 
     cache: ``(num_blocks, block_size, token_bytes)`` paged cache of format ``fmt``.
     indices: ``(T, width)`` int32 slots (``block * block_size + offset``), ``-1`` = invalid.
-    lens: ``(T,)`` int32 in ``[0, width]``.
+    lens: ``(T // tokens_per_len,)`` int32 in ``[0, width]`` (see :class:`AttentionArgs`).
     indptr: a ragged scope's ``(T+1,)`` int32 row offsets (then ``indices`` is flat ``(capacity,)``, row ``t``
     is ``indices[indptr[t]:indptr[t+1]]``, and ``lens`` is None).
     len_skip: the compressed part of a combined index: row ``t`` has ``lens[t] - len_skip`` entries
@@ -65,6 +65,13 @@ class AttentionArgs:
     order: torch.Tensor | None = None  # (T,) int32 permutation: the order programs take tokens in (ops.order)
     q_scale: torch.Tensor | None = None  # (1,) float32 when q is float8_e4m3fn: q's values are e4m3 · q_scale
     kv_scale: torch.Tensor | None = None  # (1,) float32, every fp8_e4m3 scope's per-tensor scale
+    # each padded scope's lens[t // tokens_per_len] is token t's count: FlashMLA's per-request topk_length, shared by
+    # a request's s_q consecutive query tokens, read as it is (1: one length per token)
+    tokens_per_len: int = 1
+
+    def token_lens(self, scope: Scope) -> torch.Tensor:
+        """A padded scope's lens per token ``(T,)`` (expanded from its groups: for the reference)."""
+        return scope.lens if self.tokens_per_len == 1 else scope.lens.repeat_interleave(self.tokens_per_len)
 
 
 @functools.lru_cache(maxsize=64)
@@ -75,7 +82,7 @@ def _full_lens(num_tokens: int, width: int, device: torch.device) -> torch.Tenso
 
 def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None,
            fmt: str | KVFormat | None, check_ranges: bool, cache_name: str,
-           indptr: torch.Tensor | None = None) -> Scope:
+           indptr: torch.Tensor | None = None, tokens_per_len: int = 1) -> Scope:
     cache, f = resolve_cache_once(cache, fmt, cache_name)
     if f.dim != q.shape[-1]:
         raise ValueError(f"q has head dim {q.shape[-1]} but {cache_name} holds {f.name} tokens of dim {f.dim}")
@@ -85,19 +92,31 @@ def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Ten
     check_tensor(f"{prefix}indices", indices, dtype=torch.int32, shape=(num_tokens, None), device=q.device)
     check_tensor(cache_name, cache, device=q.device)
     width = indices.shape[1]
-    if lens is None:
-        lens = _full_lens(num_tokens, width, q.device)
-    check_tensor(f"{prefix}lens", lens, dtype=torch.int32, shape=(num_tokens,), device=q.device)
-    # the kernels read lens and each index row at unit stride
-    lens = lens.contiguous()
-    if indices.stride(1) != 1:
+    lens = _lens(f"{prefix}lens", lens, num_tokens, width, tokens_per_len, q.device)
+    if indices.stride(1) != 1:  # the kernels read each index row at unit stride
         indices = indices.contiguous()
     if check_ranges:
-        if num_tokens and bool(((lens < 0) | (lens > width)).any()):
-            raise ValueError(f"{prefix}lens must lie in [0, {width}] (the width of {prefix}indices)")
-        within = torch.arange(width, device=q.device)[None, :] < lens[:, None]
+        _check_lens(f"{prefix}lens", lens, width, f"{prefix}indices")
+        within = torch.arange(width, device=q.device)[None, :] < lens.repeat_interleave(tokens_per_len)[:, None]
         check_index_range(f"{prefix}indices", indices, cache.shape[0] * cache.shape[1], within)
     return Scope(cache, f, indices, lens)
+
+
+def _lens(name: str, lens: torch.Tensor | None, num_tokens: int, width: int, tokens_per_len: int,
+          device: torch.device) -> torch.Tensor:
+    """``lens`` checked as ``(num_tokens // tokens_per_len,)`` int32, contiguous (the kernels read it at unit stride);
+    None: the full width for every token."""
+    rows = num_tokens // tokens_per_len
+    if lens is None:
+        return _full_lens(rows, width, device)
+    check_tensor(name, lens, dtype=torch.int32, shape=(rows,), device=device)
+    return lens.contiguous()
+
+
+def _check_lens(name: str, lens: torch.Tensor, width: int, indices_name: str) -> None:
+    """Every length in ``[0, width]`` (a sync: the reference and debug mode only)."""
+    if lens.numel() and bool(((lens < 0) | (lens > width)).any()):
+        raise ValueError(f"{name} must lie in [0, {width}] (the width of {indices_name})")
 
 
 def _ragged_scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, f: KVFormat, indices: torch.Tensor,
@@ -122,7 +141,7 @@ def _ragged_scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, f: KVFormat
 
 def _combined_scopes(q: torch.Tensor, cache: torch.Tensor, extra_cache: torch.Tensor, indices: torch.Tensor,
                      lens: torch.Tensor | None, window: int, fmt: str | KVFormat | None,
-                     check_ranges: bool) -> list[Scope]:
+                     check_ranges: bool, tokens_per_len: int = 1) -> list[Scope]:
     """The combined index (FlashInfer TRTLLM-gen's form) as two scopes over one list: ``indices (T, W + K)``,
     columns ``[0, W)`` slots of ``cache``, columns ``[W, W + K)`` slots of ``extra_cache``; token ``t`` reads
     the first ``lens[t]`` entries of the whole row (``-1`` entries skipped)."""
@@ -130,15 +149,13 @@ def _combined_scopes(q: torch.Tensor, cache: torch.Tensor, extra_cache: torch.Te
     width = indices.shape[1]
     if not is_int(window) or not 0 <= window <= width:
         raise ValueError(f"combined_window must be an int in [0, {width}] (the width of indices), got {window!r}")
-    if lens is None:
-        lens = _full_lens(q.shape[0], width, q.device)
-    check_tensor("lens", lens, dtype=torch.int32, shape=(q.shape[0],), device=q.device)
-    swa = _scope("", q, cache, indices[:, :window], lens, fmt, False, "cache")
-    comp = replace(_scope("", q, extra_cache, indices[:, window:], lens, fmt, False, "extra_cache"), len_skip=window)
+    lens = _lens("lens", lens, q.shape[0], width, tokens_per_len, q.device)
+    swa = _scope("", q, cache, indices[:, :window], lens, fmt, False, "cache", tokens_per_len=tokens_per_len)
+    comp = replace(_scope("", q, extra_cache, indices[:, window:], lens, fmt, False, "extra_cache",
+                          tokens_per_len=tokens_per_len), len_skip=window)
     if check_ranges:
-        if q.shape[0] and bool(((lens < 0) | (lens > width)).any()):
-            raise ValueError(f"lens must lie in [0, {width}] (the width of indices)")
-        within = torch.arange(width, device=q.device)[None, :] < lens[:, None]
+        _check_lens("lens", lens, width, "indices")
+        within = torch.arange(width, device=q.device)[None, :] < lens.repeat_interleave(tokens_per_len)[:, None]
         check_index_range("indices", indices[:, :window], swa.num_slots, within[:, :window])
         check_index_range("indices", indices[:, window:], comp.num_slots, within[:, window:])
     return [swa, comp]
@@ -155,12 +172,18 @@ def _sink_and_scale(q: torch.Tensor, sink: torch.Tensor | None, scale: float | N
 def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=None, extra_lens=None,
                 sink=None, scale=None, fmt=None, check_ranges: bool = True, out=None,
                 cache_name: str = "cache", order=None, indptr=None, extra_indptr=None, combined_window=None,
-                q_scale=None, kv_scale=None) -> AttentionArgs:
+                q_scale=None, kv_scale=None, tokens_per_len: int = 1) -> AttentionArgs:
     """Check and normalise the arguments of ``sparse_attention_decode`` (``cache_name``: what errors
     call the first scope's cache; prefill's is its workspace ``kv``)."""
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float8_e4m3fn), ndim=3)
     if q.shape[-1] not in (512, 576):
         raise ValueError(f"q must have head dim 512 (V4) or 576 (V3.2), got {q.shape[-1]}")
+    if not (is_int(tokens_per_len) and tokens_per_len >= 1 and q.shape[0] % tokens_per_len == 0):
+        raise ValueError(f"tokens_per_len must be a positive int dividing q's {q.shape[0]} tokens, got "
+                         f"{tokens_per_len!r}")
+    if tokens_per_len > 1 and (indptr is not None or extra_indptr is not None):
+        raise ValueError("tokens_per_len > 1 shares one length among consecutive tokens: ragged scopes (indptr / "
+                         "extra_indptr) have a row per token, so it must be 1 with them")
     if isinstance(cache, torch.Tensor) and cache.device != q.device:  # before the indices are checked against q
         raise ValueError(f"q must be on {cache_name}'s device {cache.device}, got {q.device}")
     if combined_window is not None:
@@ -168,14 +191,15 @@ def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=No
                 or extra_indptr is not None:
             raise ValueError("combined_window needs extra_cache and one (T, W + K) indices with lens; extra_indices, "
                              "extra_lens, indptr and extra_indptr must be None")
-        scopes = _combined_scopes(q, cache, extra_cache, indices, lens, combined_window, fmt, check_ranges)
+        scopes = _combined_scopes(q, cache, extra_cache, indices, lens, combined_window, fmt, check_ranges,
+                                  tokens_per_len)
     else:
-        scopes = [_scope("", q, cache, indices, lens, fmt, check_ranges, cache_name, indptr)]
+        scopes = [_scope("", q, cache, indices, lens, fmt, check_ranges, cache_name, indptr, tokens_per_len)]
         if (extra_cache is None) != (extra_indices is None):
             raise ValueError("extra_cache and extra_indices must be given together")
         if extra_cache is not None:
             scopes.append(_scope("extra_", q, extra_cache, extra_indices, extra_lens, fmt, check_ranges, "extra_cache",
-                                 extra_indptr))
+                                 extra_indptr, tokens_per_len))
         elif extra_lens is not None or extra_indptr is not None:
             raise ValueError("extra_lens / extra_indptr given without extra_cache / extra_indices")
     sink, scale = _sink_and_scale(q, sink, scale, check_ranges)
@@ -189,7 +213,8 @@ def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=No
             inputs.update({name: scope.cache, f"{prefix}indices": scope.indices, f"{prefix}lens": scope.lens,
                            f"{prefix}indptr": scope.indptr})
         check_no_overlap("out", out, inputs)
-    return AttentionArgs(q, tuple(scopes), sink, scale, out, _order(order, q, check_ranges), q_scale, kv_scale)
+    return AttentionArgs(q, tuple(scopes), sink, scale, out, _order(order, q, check_ranges), q_scale, kv_scale,
+                         tokens_per_len)
 
 
 def _fp8_scales(q: torch.Tensor, scopes: list[Scope], q_scale, kv_scale, check_values: bool
