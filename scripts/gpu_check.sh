@@ -6,8 +6,9 @@
 # benchmark's table prints last.
 # GPU_TESTS defaults to the subset every session runs (~5 min on an H100, mostly kernel compiles): the plan /
 # CUDA-graph step, batch invariance on both kernels, the dsa layer (Gluon's 576-d path), FlashMLA against our
-# FlashMLA API (and its remembered calls) and caches, the direct launcher. GPU_TESTS=all adds the kernel, layer,
-# cache, index and order files (more than one 10-minute call: split them over two). BENCH=none skips the benchmark.
+# FlashMLA API (and its remembered calls) and caches, the direct launcher and bound launches, per-request lens.
+# GPU_TESTS=all adds the kernel, layer, cache, index and order files (more than one 10-minute call: split them over
+# two). BENCH=none skips the benchmark.
 set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -20,7 +21,8 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 EVERY_SESSION="tests/test_step_plan.py tests/test_batch_invariance.py tests/test_dsa.py tests/test_flash_mla_api_gpu.py
-    tests/test_flashmla_interop.py tests/test_layer_forms.py tests/test_flash_mla_memo.py tests/test_launch.py"
+    tests/test_flashmla_interop.py tests/test_layer_forms.py tests/test_flash_mla_memo.py tests/test_launch.py
+    tests/test_triton_attention.py::test_lens_shared_by_consecutive_tokens_read_like_expanded_ones"
 MORE="tests/test_triton_attention.py tests/test_layer.py tests/test_triton_cache.py tests/test_triton_index.py
     tests/test_order.py tests/test_checks.py"
 TESTS=${GPU_TESTS:-$EVERY_SESSION}
