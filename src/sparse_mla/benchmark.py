@@ -44,7 +44,7 @@ from .layer import SparseMLAAttention, shared_workspace
 from .metadata import MetadataSpec, StepMetadata, build_step_metadata, convert_picks, workspace_indices
 from .ops import dequantize_and_gather
 from .scenario import random_picks
-from .timing import graphed, host_median_us, load_flash_mla, rel, timed_rounds, warm_up_gpu
+from .timing import graphed, host_median_us, host_rounds, load_flash_mla, rel, timed_rounds, warm_up_gpu
 
 __all__ = ["add_arguments", "run"]
 
@@ -288,15 +288,21 @@ def _step_times(fns: list[Callable[[], None]], env: Env[Sizes]) -> dict[str, lis
 
 
 def _host_times(step: Step, layers: dict[str, SparseMLAAttention], kinds: list[str], q: dict[str, torch.Tensor],
-                outs: dict[str, torch.Tensor], calls: int) -> dict[str, float]:
-    """Host us of one call of each kind's layer, and of the step's metadata build."""
+                outs: dict[str, torch.Tensor], calls: int, fm_calls: dict[str, Callable[[], object]]
+                ) -> tuple[dict[str, float], dict[str, float]]:
+    """Host us of one call of each kind's layer and of the step's metadata build, and of FlashMLA's call of each
+    kind (``fm_calls``; empty without FlashMLA), each kind's two sides timed alternating (:func:`host_rounds`)."""
     def call(kind: str) -> Callable[[], torch.Tensor]:
         return lambda: layers[kind](q[kind], step.meta, step.caches, step.picks if kind == "c4a" else None,
                                     out=outs[kind])
 
-    times = {kind: host_median_us(call(kind), calls) for kind in sorted(set(kinds))}
-    times["build_step_metadata"] = host_median_us(step.build, calls)
-    return times
+    ours, theirs = {}, {}
+    for kind in sorted(set(kinds)):
+        ours[kind], *fm = host_rounds([call(kind)] + ([fm_calls[kind]] if fm_calls else []), calls)
+        if fm:
+            theirs[kind] = fm[0]
+    ours["build_step_metadata"], = host_rounds([step.build], calls)
+    return ours, theirs
 
 
 def _batch_invariant(step: Step, cfg: ModelConfig, kinds: list[str], q: dict[str, torch.Tensor],
@@ -358,20 +364,23 @@ def decode_case(name: str, env: Env[Sizes]) -> dict:
                heads=heads, topk=cfg.index_topk, batch=len(contexts), tokens=step.batch.num_tokens,
                context=dict(min=min(contexts), max=max(contexts), mean=sum(contexts) / len(contexts)))
 
+    fm_calls = {}  # kind -> FlashMLA's call of that kind's layer, when FlashMLA runs
+
     def set_up() -> Callable[[], None]:
         fm = FlashMLADecode(env.flash_mla, step, layers)
         fm.prepare()
         row["rel_err"] = {k: rel(outs[k], fm.call(k, q[k]).reshape_as(outs[k])) for k in sorted(set(kinds))}
         _warn_if_apart(row["rel_err"], name, env)
-        row["flashmla_host_us"] = {k: host_median_us(lambda k=k: fm.call(k, q[k]), env.sizes.host_calls)
-                                   for k in sorted(set(kinds))}
+        fm_calls.update({k: lambda k=k: fm.call(k, q[k]) for k in sorted(set(kinds))})
         return flash_mla_step(step, fm, kinds, q)
 
     fns = [ours] + [fn for fn in (flash_mla_side(row, name, env, set_up),) if fn is not None]
     env.console.log(f"{name}: timing")
-    row["host_us"] = _host_times(step, layers, kinds, q, outs, env.sizes.host_calls)
+    row["host_us"], fm_host = _host_times(step, layers, kinds, q, outs, env.sizes.host_calls, fm_calls)
+    if fm_host:
+        row["flashmla_host_us"] = fm_host
     step_calls = max(1, env.sizes.host_calls // 5)  # an eager step launches every layer: fewer calls
-    row["step_host_us"] = dict(zip(("ours", "flashmla"), (host_median_us(fn, step_calls) for fn in fns)))
+    row["step_host_us"] = dict(zip(("ours", "flashmla"), host_rounds(fns, step_calls)))
     for mode, times in _step_times(fns, env).items():
         row[f"ours_{mode}_us"] = times[0]
         if len(times) > 1:

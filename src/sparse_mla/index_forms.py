@@ -17,10 +17,12 @@ each); elsewhere the torch versions, which compute the same values.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ._checks import check_tensor, is_int
-from .metadata import PicksConverter, StepMetadata, _compressed_picks_torch, check_picks_kind, convert_picks
+from .metadata import PicksConverter, StepMetadata, _compressed_picks_torch, check_picks_kind
 from .ops import triton_index
 
 try:
@@ -229,7 +231,7 @@ def step_ragged(meta: StepMetadata, kind: str, indices: torch.Tensor, lens: torc
     """The ragged form ``(flat (T·width,), indptr (T+1,))`` of one of the step's padded lists (``kind``'s),
     in buffers kept with the step's plans, so every layer of the step shares them and a CUDA graph captured
     with them stays valid. fill: convert now (a list fixed for the step); the picks kinds' lists change per
-    layer call and are converted by :func:`picks_in_form`."""
+    layer call and are converted by :func:`picks_converter`'s function."""
     def make() -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, width = indices.shape
         flat = torch.full((num_tokens * width,), -1, dtype=torch.int32, device=indices.device)
@@ -246,7 +248,7 @@ def step_combined(meta: StepMetadata, kind: str, comp_indices: torch.Tensor, com
                   fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The combined form ``(indices (T, W + K), lens (T,))`` of the step's SWA list and ``kind``'s compressed
     list (``comp_indices (T, K)`` + ``comp_lens``), in buffers kept with the step's plans (see
-    :func:`step_ragged`); fill: build now (c128a), else per layer call by :func:`picks_in_form` (c4a)."""
+    :func:`step_ragged`); fill: build now (c128a), else per layer call by :func:`picks_converter`'s function (c4a)."""
     def make() -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, window = meta.swa_indices.shape
         out = torch.full((num_tokens, window + comp_indices.shape[1]), -1, dtype=torch.int32,
@@ -261,26 +263,40 @@ def step_combined(meta: StepMetadata, kind: str, comp_indices: torch.Tensor, com
     return meta.plan(("index_form", "combined", kind), make)
 
 
-def picks_in_form(meta: StepMetadata, local: torch.Tensor, kind: str, index_form: str,
-                  lists: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """A c4a / dsa layer call's picks converted into the step's picks buffers and, for the ragged and combined
-    forms, into that form's ``lists`` (:func:`step_ragged` / :func:`step_combined`'s buffers of the picks kind).
-    Returns the kept picks (``meta.picks_local``, for the workspace prefill). No host sync."""
+def picks_converter(meta: StepMetadata, kind: str, index_form: str,
+                    lists: tuple[torch.Tensor, torch.Tensor] | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How a c4a / dsa layer call's picks are converted in this step (made once per step plan): a function
+    ``convert(local) -> kept`` that writes the picks into the step's picks buffers and, for the ragged and combined
+    forms, into that form's ``lists`` (:func:`step_ragged` / :func:`step_combined`'s buffers of the picks kind), and
+    returns the kept picks (``meta.picks_local``, for the workspace prefill). No host sync."""
+    check_picks_kind(meta, kind)
     if index_form != "combined":
-        kept = convert_picks(meta, local, kind)[2]
-        if index_form == "ragged" and local.shape[0]:
-            flat, indptr = lists
-            _ragged_fill(meta.picks_indices, meta.picks_lens, indptr, flat)
-        return kept
-    check_picks_kind(meta, kind)  # one launch converts the picks into the combined rows' compressed columns
+        converter = meta.plan(("picks", kind), lambda: PicksConverter(meta, kind))
+        if index_form != "ragged":
+            def convert(local: torch.Tensor) -> torch.Tensor:
+                converter(local)
+                return meta.picks_local
+            return convert
+        flat, indptr = lists
+
+        def convert_ragged(local: torch.Tensor) -> torch.Tensor:
+            converter(local)
+            if local.shape[0]:
+                _ragged_fill(meta.picks_indices, meta.picks_lens, indptr, flat)
+            return meta.picks_local
+        return convert_ragged
+    # one launch converts the picks into the combined rows' compressed columns
     out, out_lens = lists
     window = meta.swa_indices.shape[1]
     converter = meta.plan(("picks", kind, "combined"), lambda: PicksConverter(
         meta, kind, (out[:, window:window + meta.spec.topk], out_lens, meta.picks_local)))
-    converter(local)
-    _combined_lens(meta.swa_lens, window, out_lens)
-    return meta.picks_local
+
+    def convert_combined(local: torch.Tensor) -> torch.Tensor:
+        converter(local)
+        _combined_lens(meta.swa_lens, window, out_lens)
+        return meta.picks_local
+    return convert_combined
 
 
 __all__ = ["ragged_from_padded", "combined_from_padded", "combined_from_picks", "INDEX_FORMS", "check_index_form",
-           "step_ragged", "step_combined", "picks_in_form"]
+           "step_ragged", "step_combined", "picks_converter"]

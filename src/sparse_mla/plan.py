@@ -118,6 +118,10 @@ class LayerPlan:
         self.per_tensor = any(v.fmt.per_tensor for v in views.values())
         self.form = "padded" if layer.index_form == "combined" and len(scopes) == 1 else layer.index_form
         self.lists = self._form_lists(meta)
+        # a picks layer's conversion of each call's picks (into the form's lists), resolved once per step
+        self._convert_picks = None if layer.kind not in PICKS_KINDS else index_forms.picks_converter(
+            meta, layer.kind, self.form,
+            None if self.lists is None else self.lists[-1] if self.form == "ragged" else self.lists)
         mode = layer.prefill_mode
         parts = []  # (rows, order)
         if mode == "mixed":
@@ -190,11 +194,7 @@ class LayerPlan:
         with unit-stride rows / contiguous; caches: the scopes' cache tensors in scope order; picks: a c4a / dsa
         layer's indexer picks ``(T, topk)`` int32 (converted here, into the layer's index form); sink / scale: the
         calling layer's; q_scale / kv_scale: ``(1,)`` float32, an fp8 q's and the fp8_e4m3 caches' scales."""
-        kept = None
-        if picks is not None:
-            kept = index_forms.picks_in_form(self.meta, picks, self.kind, self.form,
-                                             None if self.lists is None
-                                             else self.lists[-1] if self.form == "ragged" else self.lists)
+        kept = None if picks is None else self._convert_picks(picks)
         op_caches = tuple(c.view(torch.float8_e4m3fn) for c in caches) if self.per_tensor else caches
         for i, (rows, order, launch, indices, lens, ref) in enumerate(self.parts):
             q_rows = q if rows.start == 0 else q[rows]  # row 0 on: the same pointer, and the plan knows the count

@@ -54,7 +54,7 @@ def host_us(fn: Callable[[], object], calls: int = 50) -> float:
     fn()
     _sync()
     if torch.cuda.is_available():  # a spinning kernel ahead of the calls: their launches queue, never wait
-        torch.cuda._sleep(int(calls * 2e7))  # ~10 ms of GPU clock per call
+        torch.cuda._sleep(int(calls * 1e6))  # ~0.5 ms of GPU clock per call, some 10× a call's host time
     start = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -70,14 +70,26 @@ def host_median_us(fn: Callable[[], object], calls: int = 50, groups: int = 5) -
     return statistics.median(host_us(fn, calls // groups) for _ in range(groups))
 
 
-def timed_rounds(fns: Sequence[Callable[[], object]], rep_ms: int = 100, rounds: int = 3) -> list[float]:
-    """Medians over ``rounds`` of timing each of ``fns`` in turn (us): clock or load drift during a run
-    then moves all of them alike instead of skewing their ratios."""
+def _alternating(measure: Callable[[Callable[[], object]], float], fns: Sequence[Callable[[], object]],
+                 rounds: int) -> list[float]:
+    """Medians over ``rounds`` of ``measure``-ing each of ``fns`` in turn: clock or load drift during a run then
+    moves all of them alike instead of skewing their ratios."""
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
         for fn, mine in zip(fns, samples):
-            mine.append(timed(fn, rep_ms))
+            mine.append(measure(fn))
     return [statistics.median(s) for s in samples]
+
+
+def timed_rounds(fns: Sequence[Callable[[], object]], rep_ms: int = 100, rounds: int = 3) -> list[float]:
+    """GPU time of each of ``fns`` (us, :func:`timed`), timed in turn over ``rounds`` (:func:`_alternating`)."""
+    return _alternating(lambda fn: timed(fn, rep_ms), fns, rounds)
+
+
+def host_rounds(fns: Sequence[Callable[[], object]], calls: int = 50, rounds: int = 5) -> list[float]:
+    """Host time of one call of each of ``fns`` (us, :func:`host_us` over ``calls``), timed in turn over
+    ``rounds`` (:func:`_alternating`): host speed drifts more than GPU clocks, so sides compared must alternate."""
+    return _alternating(lambda fn: host_us(fn, calls), fns, rounds)
 
 
 def timed_pair(fn_a: Callable[[], object], fn_b: Callable[[], object], rep_ms: int = 100,
