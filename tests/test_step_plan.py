@@ -97,6 +97,45 @@ def test_caches_are_validated_once_per_tensor(monkeypatch):
         plan_module.resolve_cache_arg("cache", "caches['swa']")
 
 
+def test_a_layer_remembers_its_last_plan_but_no_cache(monkeypatch):
+    """A layer called again on the same step and caches skips the plan lookup; other caches (or a new step) are
+    looked up and read; the layer keeps no cache alive."""
+    import gc
+    import weakref
+
+    from sparse_mla import layer as layer_module
+
+    def filled(seed):
+        gen = torch.Generator().manual_seed(seed)
+        caches = {k: PagedCache(64, SIZES[k], "fp8_v4", device=DEVICE) for k in SIZES}
+        for c in caches.values():
+            c.write(torch.randn(c.num_slots, 512, generator=gen).to(torch.bfloat16).to(DEVICE),
+                    torch.arange(c.num_slots, dtype=torch.int32, device=DEVICE))
+        return caches
+
+    caches, builder = filled(1), engine()[1]
+    spec = MetadataSpec(window=8, topk=4)
+    meta = build_step_metadata(builder.build(requests(caches, [(100, 1), (50, 2)])), spec)
+    looked_up = []
+    resolve = layer_module.resolve_cache_arg
+    monkeypatch.setattr(layer_module, "resolve_cache_arg", lambda *a: looked_up.append(a[1]) or resolve(*a))
+    layer = SparseMLAAttention("c128a", 2, window=8)
+    q = torch.randn(16, 2, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
+    first = layer(q, meta, caches).clone()
+    assert len(looked_up) == 2
+    assert torch.equal(layer(q, meta, caches), first) and len(looked_up) == 2  # remembered
+    other = filled(3)
+    second = layer(q, meta, other).clone()
+    assert len(looked_up) == 4 and not torch.equal(second, first)  # other caches: looked up, and read
+    assert torch.equal(layer(q, meta, caches), first) and len(looked_up) == 6
+    build_step_metadata(builder.build(requests(caches, [(100, 1), (50, 2)])), spec, out=meta)
+    assert torch.equal(layer(q, meta, caches), first) and len(looked_up) == 8  # a new step: its own plans
+    refs = [weakref.ref(c) for c in caches.values()] + [weakref.ref(c.data) for c in caches.values()]
+    del caches
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 def test_a_cache_smaller_than_the_block_tables_is_named():
     caches, builder = engine(num_blocks=64)
     meta = build_step_metadata(builder.build(requests(caches, [(200, 1)])), MetadataSpec(window=8, topk=4))

@@ -147,7 +147,7 @@ def _signature(tensors: tuple, scalars: tuple) -> tuple | None:
     if not _PLAIN.issuperset(kinds):
         return None
     try:
-        return (tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.is_cuda, t.get_device(),
+        return (tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.get_device(),  # -1: CPU
                                                t.data_ptr() & 15) for t in tensors]), kinds, scalars)
     except (AttributeError, TypeError):
         return None
@@ -185,17 +185,18 @@ def _launch(memo: _Decode, q: torch.Tensor, k_cache: torch.Tensor, indices: torc
     as they are: the views the plan takes start at the same bytes); else the plan on the views the checked path
     makes."""
     b, s_q, h_q, d = q.shape
-    caches = (_bytes(k_cache),)
-    rows = (_rows(indices, b, s_q),)
     lens = (memo.full_lens[0] if topk_length is None else topk_length,)
     if extra_k_cache is not None:
-        caches += (_bytes(extra_k_cache),)
-        rows += (_rows(extra_indices, b, s_q),)
         lens += (memo.full_lens[1] if extra_topk_length is None else extra_topk_length,)
     out = torch.empty(b, s_q, h_q, HEAD_DIM_V, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
-    if memo.bound and memo.bound(q, out, lse, attn_sink, caches, rows, lens):
+    # the bound launch reads only data pointers: the caller's tensors start where the plan's views do
+    if memo.bound and memo.bound(q, out, lse, attn_sink, (k_cache, extra_k_cache), (indices, extra_indices), lens):
         return out, lse
+    caches, rows = (_bytes(k_cache),), (_rows(indices, b, s_q),)
+    if extra_k_cache is not None:
+        caches += (_bytes(extra_k_cache),)
+        rows += (_rows(extra_indices, b, s_q),)
     q_rows, paged = q.reshape(b * s_q, h_q, d), tuple(c.squeeze(2) for c in caches)
     memo.plan(q_rows, out, lse, attn_sink, memo.scale, paged, rows, lens, None)
     if memo.bound is None:  # tried once: a plan that cannot bind (no direct launch path) is not asked again
