@@ -5,6 +5,9 @@ launches the remembered plan; it gives what the checked path gives, for new valu
 The Triton path runs on a GPU, or on the CPU in Triton's interpreter (``BACKEND = "triton"``)."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -158,10 +161,14 @@ def test_a_bound_launch_equals_the_checked_path_bit_for_bit(checked, monkeypatch
     def call(q, idx, sink):
         return flash_mla_with_kvcache(q, cache, None, None, 512, sched, None, 0.05, indices=idx, attn_sink=sink)
 
-    for _ in range(2):  # checked and remembered, then the first remembered call, which binds
-        call(*inputs())
+    first = [inputs() for _ in range(2)]
+    first += [call(*args) for args in first]  # checked and remembered, then the first remembered call, which binds
     memo = next(iter(flash_mla._DECODES.values()))
     assert len(checked) == 1 and callable(memo.bound) and memo.plan.partial == split
+    refs = [weakref.ref(t) for group in first for t in group]
+    del first
+    gc.collect()
+    assert all(r() is None for r in refs)  # the memo and its bound launch keep none of their calls' tensors
     for _ in range(3):
         args = inputs()
         got = call(*args)

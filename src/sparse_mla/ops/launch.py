@@ -156,8 +156,9 @@ class BoundLaunch:
                  device: int) -> None:
         self._launch, self._leading = direct
         self._grid, self._constexprs, self._device = grid, constexprs, device
-        self._template = list(args)
         self._slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        # the binding call's tensors are not kept (each call passes its own): holding them would keep them alive
+        self._template = [None if i in self._slots else a for i, a in enumerate(args)]
 
     def __call__(self, tensors: list[torch.Tensor]) -> bool:
         if torch._C._cuda_getDevice() != self._device or _launch_hooks_installed():
