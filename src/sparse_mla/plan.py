@@ -211,18 +211,20 @@ class LayerPlan:
 
     def _launch(self, part: int, launch, q, out, sink, scale, caches, indices, lens, order, q_scale, kv_scale) -> None:
         """One part's attention launch: through its bound launch when this call's tensors are laid out as the binding
-        call's (the plan fixes every other tensor and the caches' geometry: ``CacheView.key``), else the plan's."""
-        ptrs = q.data_ptr() | out.data_ptr()
+        call's and on q's device (the plan fixes every other tensor and the caches' geometry: ``CacheView.key``),
+        else the plan's."""
+        ptrs, device, same_device = q.data_ptr() | out.data_ptr(), q.get_device(), True
         for t in (sink, q_scale, kv_scale, *caches):
             if t is not None:
                 ptrs |= t.data_ptr()
-        aligned, strides = ptrs & 15 == 0, (q.stride(0), q.stride(1))
+                same_device &= t.get_device() == device  # (a bound launch skips the launcher's pointer checks)
+        bindable, strides = same_device and ptrs & 15 == 0, (q.stride(0), q.stride(1))
         bound = self._bound[part]
-        if (bound and aligned and bound[1] == strides and bound[2] == scale
+        if (bound and bindable and bound[1] == strides and bound[2] == scale
                 and bound[0](q, out, self.lse, sink, caches, indices, lens, order, q_scale, kv_scale)):
             return
         launch(q, out, self.lse, sink, scale, caches, indices, lens, order, q_scale, kv_scale)
-        if bound is None and aligned:  # tried once: a launch with no direct path is not asked again
+        if bound is None and bindable:  # tried once: a launch with no direct path is not asked again
             done = launch.bind(q, out, self.lse, sink, scale, caches, indices, lens, order, q_scale, kv_scale)
             self._bound[part] = (done, strides, scale) if done else False
 
