@@ -130,6 +130,23 @@ def test_errors_keep_flashmla_names_after_a_remembered_call(checked):
         flash_mla_with_kvcache(case["q"], case["k_cache"], None, None, 512, object(), indices=case["indices"])
 
 
+@pytest.mark.parametrize("sliced", ["q", "indices", "extra_indices_in_kvcache"])
+def test_a_call_whose_rows_needed_a_copy_is_checked_every_time(checked, sliced):
+    """A q or index tensor whose batch and token axes do not merge into rows (a slice ``x[:, :s_q]`` of a longer
+    buffer) is copied by the checks; such a call is never remembered, so later calls of its signature cannot
+    launch on the raw tensor as if it were the copy."""
+    gen = torch.Generator().manual_seed(9)
+    cases = []
+    for _ in range(3):
+        case = on_device(v4_case(gen))
+        wide = torch.cat([case[sliced], case[sliced]], dim=1)  # (b, 2·s_q, …): [:, :s_q] does not merge
+        case[sliced] = wide[:, :2]
+        cases.append((case, call_decode(case)))
+    assert len(checked) == 3 and not flash_mla._DECODES
+    for case, got in cases:
+        assert close(got, reference_decode(case))
+
+
 def test_the_memo_is_bounded(checked, monkeypatch):
     monkeypatch.setattr(flash_mla, "_MAX_DECODES", 2)
     gen = torch.Generator().manual_seed(3)

@@ -128,7 +128,10 @@ def test_a_layer_remembers_its_last_plan_but_no_cache(monkeypatch):
     second = layer(q, meta, other).clone()
     assert len(looked_up) == 4 and not torch.equal(second, first)  # other caches: looked up, and read
     assert torch.equal(layer(q, meta, caches), first) and len(looked_up) == 6
+    old_plan = weakref.ref(next(p for p in meta._plans.values() if isinstance(p, plan_module.LayerPlan)))
     build_step_metadata(builder.build(requests(caches, [(100, 1), (50, 2)])), spec, out=meta)
+    gc.collect()
+    assert old_plan() is None  # the layer's memory of the last step keeps none of it alive
     assert torch.equal(layer(q, meta, caches), first) and len(looked_up) == 8  # a new step: its own plans
     refs = [weakref.ref(c) for c in caches.values()] + [weakref.ref(c.data) for c in caches.values()]
     del caches

@@ -155,14 +155,17 @@ def _signature(tensors: tuple, scalars: tuple) -> tuple | None:
 
 def _remember(sig: tuple, args: AttentionArgs, plan: AttentionPlan, q: torch.Tensor,
               caches: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...],
-              lens: tuple[torch.Tensor | None, ...], sink: torch.Tensor | None) -> None:
+              lens: tuple[torch.Tensor | None, ...], sink: torch.Tensor | None, raw: tuple[torch.Tensor, ...]) -> None:
     """Remember the checked outcome ``args`` of a Triton-path call (and its ``plan``) under its signature when the
     kernel takes the call's own tensors as they are (``q`` / ``indices`` / ``lens`` / ``sink``: as this module made
-    them; ``caches``: 4-D byte views), so that :func:`_launch` on the raw arguments of a later call launches what
-    the checks would have; a call whose tensors needed a copy is not remembered (it goes the checked path each
-    time)."""
+    them, views of ``raw``, the caller's q and index tensors; ``caches``: 4-D byte views), so that :func:`_launch`
+    on the raw arguments of a later call launches what the checks would have; a call whose tensors needed a copy
+    (a reshape of a q or indices whose batch and token axes do not merge, say ``q_all[:, :s_q]``) is not
+    remembered: it goes the checked path each time."""
     if args.q is not q or q.stride(-1) != 1 or args.sink is not sink:
         return
+    if any(view.data_ptr() != given.data_ptr() for view, given in zip((q, *indices), raw)):
+        return  # a copy: a later call's raw tensors are not laid out as the launch the plan would bind
     full = []
     for scope, cache, idx, ln in zip(args.scopes, caches, indices, lens):
         paged = cache.squeeze(2)
@@ -310,7 +313,7 @@ def flash_mla_with_kvcache(
         if sig is not None:
             n = len(args.scopes)
             _remember(sig, args, plan, q_rows, (k_cache, extra_k_cache)[:n], (idx, extra_idx)[:n],
-                      (lens, extra_lens)[:n], attn_sink)
+                      (lens, extra_lens)[:n], attn_sink, (q, indices, extra_indices_in_kvcache)[:n + 1])
         out, lse = ops.triton_attention.run(args, plan=plan)
     return out.view(b, s_q, h_q, HEAD_DIM_V), lse.view(b, s_q, h_q).transpose(1, 2)
 

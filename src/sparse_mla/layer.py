@@ -107,8 +107,8 @@ class SparseMLAAttention(torch.nn.Module):
         # what a step plan depends on besides the sink's presence and the caches (layers sharing it share a plan)
         self._config = (kind, num_heads, backend, prefill_mode, workspace_bytes, self.batch_invariant, kv_format,
                         self.index_form)
-        # (the step's plans dict, (has_sink, q_fp8), weak references to the caches given, their tensors' stamps, the
-        # plan): what _plan found on the last call
+        # what _plan found on the last call, all weakly held (a layer keeps neither a step nor a cache alive): (the
+        # plan, (has_sink, q_fp8), the caches given, their tensors' stamps)
         self._last_plan: tuple | None = None
 
     def extra_repr(self) -> str:
@@ -204,10 +204,11 @@ class SparseMLAAttention(torch.nn.Module):
         objs = [caches.get(k) for k in self.cache_kinds]
         tensors = tuple([c.data if isinstance(c, PagedCache) else c for c in objs])
         last = self._last_plan
-        if (last is not None and last[0] is meta._plans and last[1] == (has_sink, q_fp8)
-                and all([ref() is obj for ref, obj in zip(last[2], objs)])
+        plan = None if last is None else last[0]()
+        if (plan is not None and plan.step_plans is meta._plans and last[1] == (has_sink, q_fp8)
+                and all([obj is not None and ref() is obj for ref, obj in zip(last[2], objs)])
                 and last[3] == [cache_stamp(t) for t in tensors]):
-            return last[4], tensors, None
+            return plan, tensors, None
         views = {}
         for kind, name in self._cache_names:
             c = caches.get(kind)
@@ -224,8 +225,7 @@ class SparseMLAAttention(torch.nn.Module):
         # kept for the next call where the caches are the paged tensors themselves (no 4-D views) and no kv_scale
         # is read per call; weak references: the layer keeps no cache alive
         self._last_plan = None if kv_scale is not None or any(p is not t for p, t in zip(paged, tensors)) else (
-            meta._plans, (has_sink, q_fp8), [weakref.ref(obj) for obj in objs], [cache_stamp(t) for t in tensors],
-            plan)
+            weakref.ref(plan), (has_sink, q_fp8), [weakref.ref(obj) for obj in objs], [cache_stamp(t) for t in tensors])
         return plan, paged, kv_scale
 
     def _make_plan(self, meta: StepMetadata, views: dict, q_fp8: bool = False) -> LayerPlan:

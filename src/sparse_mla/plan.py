@@ -99,6 +99,7 @@ class LayerPlan:
     def __init__(self, meta, layer, views: dict[str, CacheView], q_fp8: bool = False) -> None:
         batch = meta.batch
         self.meta = meta
+        self.step_plans = meta._plans  # the step's plans, this one among them (a layer's memo tells steps apart by it)
         self.kind, self.head_dim, self.backend = layer.kind, layer.head_dim, layer.backend
         self.workspace_bytes, self.batch_invariant = layer.workspace_bytes, layer.batch_invariant
         self.impl = resolve_backend(layer.backend, batch.device)
