@@ -42,7 +42,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from sparse_mla.benchmark import save_result
+from sparse_mla.benchmark import main, report, save_result
 
 LAYER_CYCLE = ("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention")
 IMPLS = ("eager", "sdpa", "sparse_mla")
@@ -303,12 +303,8 @@ def run(args: argparse.Namespace) -> int:
     for impl in args.impls:
         run_impl(impl, model, args, sizes, device, console, write)
     save_result(path, result, start)
-    console.print(table(result))
-    console.print(f"JSON: {path} ({result['seconds']:.0f} s)")
-    return 0
+    return report(console, path, result, [table(result)])
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    raise SystemExit(run(parser.parse_args()))
+    main(__doc__, add_arguments, run)

@@ -7,12 +7,7 @@ The same as ``sparse-mla bench``: see :mod:`sparse_mla.benchmark`.
 """
 from __future__ import annotations
 
-import argparse
-import sys
-
 from sparse_mla import benchmark
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    benchmark.add_arguments(parser)
-    sys.exit(benchmark.run(parser.parse_args()))
+    benchmark.main(__doc__, benchmark.add_arguments, benchmark.run)

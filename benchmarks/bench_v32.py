@@ -34,13 +34,14 @@ from rich.console import Console
 from rich.table import Table
 
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed, slots_of
-from sparse_mla.benchmark import Env, Step, fill_random, flash_mla_side, prepare, run_info, save_result
+from sparse_mla.benchmark import (Env, Step, fill_random, flash_mla_side, main, prepare, report, run_info,
+                                  save_result)
 from sparse_mla.cache import PagedCache
 from sparse_mla.config import DEFAULT_BLOCK_SIZE, get_config
 from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.ops import dequantize_and_gather
-from sparse_mla.timing import graphed, host_median_us, load_flash_mla, rel, timed_rounds
+from sparse_mla.timing import graphed, host_rounds, load_flash_mla, rel, timed_rounds
 
 D_QK, D_V, BLOCK = 576, 512, DEFAULT_BLOCK_SIZE["dsa"]
 CFG = get_config("deepseek-v3.2")
@@ -209,15 +210,17 @@ def decode_part(pool: Pool, batches: list[int], s_qs: list[int], heads_list: lis
                 out = torch.empty(b * s_q, heads, D_V, dtype=torch.bfloat16, device=env.device)
                 fns = {"ours": lambda: layer(q, step.meta, step.caches, step.picks, out=out)}
                 fns["ours"]()
-                row = dict(heads=heads, batch=b, s_q=s_q, topk=env.sizes.topk, context=pool.seq_len,
-                           ours_host_us=host_median_us(fns["ours"], env.sizes.host_calls))
+                row = dict(heads=heads, batch=b, s_q=s_q, topk=env.sizes.topk, context=pool.seq_len)
                 def set_up() -> FlashMLADecode:  # called at once, in this iteration
                     fm = FlashMLADecode(env.flash_mla, step, q, CFG.softmax_scale)
-                    row.update(flashmla_heads=fm.q.shape[2], rel_err=rel(out, fm.output()),
-                               flashmla_host_us=host_median_us(fm, env.sizes.host_calls))
+                    row.update(flashmla_heads=fm.q.shape[2], rel_err=rel(out, fm.output()))
+                    row["ours_host_us"], row["flashmla_host_us"] = host_rounds([fns["ours"], fm],
+                                                                               env.sizes.host_calls)
                     return fm
 
                 _add_flash_mla(fns, row, f"decode h_q {heads} b {b} s_q {s_q}", env, set_up)
+                if "ours_host_us" not in row:  # no FlashMLA: ours alone
+                    row["ours_host_us"], = host_rounds([fns["ours"]], env.sizes.host_calls)
                 row.update(_alternating(fns, env, env.graphs))
                 if "flashmla_us" in row:
                     row["ratio"] = row["ours_us"] / row["flashmla_us"]
@@ -242,7 +245,7 @@ def prefill_part(heads: int, env: Env[Sizes]) -> list[dict]:
             fns[mode]()
         row = dict(heads=heads, prefix=prefix, tokens=chunk, topk=env.sizes.topk,
                    rel_err_paged_vs_workspace=rel(outs["paged"], outs["workspace"]),
-                   host_us={mode: host_median_us(fn, min(10, env.sizes.host_calls)) for mode, fn in fns.items()})
+                   host_us=dict(zip(fns, host_rounds(list(fns.values()), min(10, env.sizes.host_calls)))))
         def set_up() -> FlashMLAPrefill:  # called at once, in this iteration
             fm = FlashMLAPrefill(env.flash_mla, step, q, CFG.softmax_scale)
             fm_out = fm()[:, :heads]
@@ -272,10 +275,10 @@ def step_part(pool: Pool, env: Env[Sizes]) -> list[dict]:
             layer(q, step.meta, step.caches, step.picks, out=out)
 
     fns = {"ours": ours}
+    layer_host, build_host = host_rounds([lambda: layer(q, step.meta, step.caches, step.picks, out=out), step.build],
+                                         env.sizes.host_calls)
     row = dict(layers=layers, batch=b, s_q=2, heads=heads, topk=env.sizes.topk, context=pool.seq_len,
-               layer_host_us=host_median_us(lambda: layer(q, step.meta, step.caches, step.picks, out=out),
-                                     env.sizes.host_calls),
-               build_step_metadata_host_us=host_median_us(step.build, env.sizes.host_calls))
+               layer_host_us=layer_host, build_step_metadata_host_us=build_host)
     def set_up() -> Callable[[], None]:
         fm = FlashMLADecode(env.flash_mla, step, q, CFG.softmax_scale)
         fm()
@@ -393,13 +396,8 @@ def run(args: argparse.Namespace) -> int:
     for part in args.parts:
         result[part] = parts[part]()
         save_result(path, result, start)
-    for table in tables(result):
-        console.print(table)
-    console.print(f"JSON: {path} ({result['seconds']:.0f} s)")
-    return 0
+    return report(console, path, result, tables(result))
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    raise SystemExit(run(parser.parse_args()))
+    main(__doc__, add_arguments, run)

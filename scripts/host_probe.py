@@ -9,7 +9,6 @@ speed drifts over a run, so probes timed far apart are not comparable.
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
@@ -18,6 +17,7 @@ from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import build_step_metadata
 from sparse_mla.ops import sparse_attention_decode
 from sparse_mla.scenario import make_scenario
+from sparse_mla.timing import host_samples
 
 parser = argparse.ArgumentParser()
 parser.add_argument("b", nargs="?", type=int, default=128)
@@ -25,23 +25,6 @@ parser.add_argument("--rounds", type=int, default=5)
 parser.add_argument("--profile", action="store_true")
 parser.add_argument("--json")
 cli = parser.parse_args()
-
-BUSY = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-
-
-def host_us(fn, calls=200) -> float:
-    """Host µs per call of ``fn`` while the GPU works through a queue of large matmuls (launches never wait)."""
-    fn()
-    torch.cuda.synchronize()
-    for _ in range(30):
-        BUSY @ BUSY
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    dt = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return dt / calls * 1e6
-
 
 b, h = cli.b, 64
 gen = torch.Generator().manual_seed(0)
@@ -98,10 +81,7 @@ except Exception as err:  # noqa: BLE001 - FlashMLA refusing a shape leaves our 
 probes["sparse_attention_decode (swa)"] = lambda: sparse_attention_decode(
     q, sc.caches["swa"].data, sc.meta.swa_indices, None, sink=sink, scale=512 ** -0.5)
 
-rounds = {name: [] for name in probes}
-for _ in range(cli.rounds):
-    for name, fn in probes.items():
-        rounds[name].append(host_us(fn))
+rounds = dict(zip(probes, host_samples(list(probes.values()), calls=200, rounds=cli.rounds)))
 result = {name: statistics.median(t) for name, t in rounds.items()}
 for name, us in result.items():
     spread = f"{min(rounds[name]):.0f}–{max(rounds[name]):.0f}"

@@ -31,7 +31,7 @@ import platform
 import time
 from dataclasses import dataclass, replace
 from types import ModuleType
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Iterable, TypeVar
 
 import torch
 from rich.console import Console
@@ -44,7 +44,7 @@ from .layer import SparseMLAAttention, shared_workspace
 from .metadata import MetadataSpec, StepMetadata, build_step_metadata, convert_picks, workspace_indices
 from .ops import dequantize_and_gather
 from .scenario import random_picks
-from .timing import graphed, host_median_us, host_rounds, load_flash_mla, rel, timed_rounds, warm_up_gpu
+from .timing import graphed, host_rounds, load_flash_mla, rel, timed_rounds, warm_up_gpu
 
 __all__ = ["add_arguments", "run"]
 
@@ -413,7 +413,7 @@ def prefill_case(name: str, env: Env[Sizes]) -> list[dict]:
         for fn in fns.values():
             fn()
         row = dict(case=name, model=cfg.name, kind=kind, heads=heads, prefix=prefix, tokens=chunk,
-                   host_us={mode: host_median_us(fns[mode], min(10, env.sizes.host_calls)) for mode in modes},
+                   host_us=dict(zip(modes, host_rounds([fns[mode] for mode in modes], min(10, env.sizes.host_calls)))),
                    rel_err_paged_vs_workspace=rel(outs["paged"], outs["workspace"]))
 
         def set_up() -> Callable[[], None]:  # called at once, in this iteration
@@ -431,7 +431,7 @@ def prefill_case(name: str, env: Env[Sizes]) -> list[dict]:
         if "flashmla_us" in row:
             row.update({f"ratio_{mode}": row[f"{mode}_us"] / row["flashmla_us"] for mode in modes})
         rows.append(row)
-    row_build = host_median_us(step.build, min(10, env.sizes.host_calls))
+    row_build, = host_rounds([step.build], min(10, env.sizes.host_calls))
     for row in rows:
         row["build_step_metadata_host_us"] = row_build
     return rows
@@ -564,6 +564,22 @@ def save_result(path: str, result: dict, start: float) -> None:
         json.dump(result, f, indent=1)
 
 
+def report(console: Console, path: str, result: dict, tables: Iterable) -> int:
+    """Print a finished run's ``tables`` and where :func:`save_result` wrote its JSON; 0, the scripts' exit status."""
+    for table in tables:
+        console.print(table)
+    console.print(f"JSON: {path} ({result['seconds']:.0f} s)")
+    return 0
+
+
+def main(doc: str, add_args: Callable[[argparse.ArgumentParser], None],
+         run_args: Callable[[argparse.Namespace], int]) -> None:
+    """A benchmark script's entry: its arguments (``add_args``, described by ``doc``'s first line) parsed and run."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_args(parser)
+    raise SystemExit(run_args(parser.parse_args()))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the cases in ``args.cases``; print the table, write ``bench_step.json`` (+ ``.png``) to ``args.out``.
     Returns 0, or 2 without a CUDA GPU (unless ``--smoke``)."""
@@ -587,7 +603,5 @@ def run(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
         save_result(path, result, start)
     write_plot(result, os.path.join(args.out, "bench_step.png"), console)
-    console.print(results_table(result))
-    console.print(f"JSON: {path} ({result['seconds']:.0f} s)")
-    return 0
+    return report(console, path, result, [results_table(result)])
 

@@ -63,33 +63,31 @@ def host_us(fn: Callable[[], object], calls: int = 50) -> float:
     return elapsed / calls * 1e6
 
 
-def host_median_us(fn: Callable[[], object], calls: int = 50, groups: int = 5) -> float:
-    """Median host time of one call of ``fn`` (us): :func:`host_us` over ``min(groups, calls)`` groups of
-    the ``calls``, so one descheduled group does not move it."""
-    groups = max(1, min(groups, calls))
-    return statistics.median(host_us(fn, calls // groups) for _ in range(groups))
-
-
 def _alternating(measure: Callable[[Callable[[], object]], float], fns: Sequence[Callable[[], object]],
-                 rounds: int) -> list[float]:
-    """Medians over ``rounds`` of ``measure``-ing each of ``fns`` in turn: clock or load drift during a run then
-    moves all of them alike instead of skewing their ratios."""
+                 rounds: int) -> list[list[float]]:
+    """Each of ``fns`` ``measure``-d once per round, in turn, over ``rounds``: clock or load drift during a run then
+    moves all of them alike instead of skewing their ratios. Returns each function's samples, in round order."""
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
         for fn, mine in zip(fns, samples):
             mine.append(measure(fn))
-    return [statistics.median(s) for s in samples]
+    return samples
 
 
 def timed_rounds(fns: Sequence[Callable[[], object]], rep_ms: int = 100, rounds: int = 3) -> list[float]:
-    """GPU time of each of ``fns`` (us, :func:`timed`), timed in turn over ``rounds`` (:func:`_alternating`)."""
-    return _alternating(lambda fn: timed(fn, rep_ms), fns, rounds)
+    """GPU time of each of ``fns`` (us, :func:`timed`), timed in turn over ``rounds``: the median round's."""
+    return [statistics.median(s) for s in _alternating(lambda fn: timed(fn, rep_ms), fns, rounds)]
+
+
+def host_samples(fns: Sequence[Callable[[], object]], calls: int = 50, rounds: int = 5) -> list[list[float]]:
+    """Host time of one call of each of ``fns`` (us, :func:`host_us` over ``calls``), timed in turn over ``rounds``:
+    every round's (host speed drifts more than GPU clocks, so sides compared must alternate)."""
+    return _alternating(lambda fn: host_us(fn, calls), fns, rounds)
 
 
 def host_rounds(fns: Sequence[Callable[[], object]], calls: int = 50, rounds: int = 5) -> list[float]:
-    """Host time of one call of each of ``fns`` (us, :func:`host_us` over ``calls``), timed in turn over
-    ``rounds`` (:func:`_alternating`): host speed drifts more than GPU clocks, so sides compared must alternate."""
-    return _alternating(lambda fn: host_us(fn, calls), fns, rounds)
+    """:func:`host_samples`' median round of each of ``fns`` (us)."""
+    return [statistics.median(s) for s in host_samples(fns, calls, rounds)]
 
 
 def timed_pair(fn_a: Callable[[], object], fn_b: Callable[[], object], rep_ms: int = 100,
