@@ -8,7 +8,7 @@ Triton compiles for a GPUTarget without a device; ptxas then gives the register 
 bytes an H100 would see, and the SASS gives the instruction count of one key block (the body of
 the first key loop) by opcode. ``--dump`` writes the TTGIR, PTX, SASS and ptxas log for reading.
 For the Gluon kernel the registers are the launch's (the warpgroups then re-allocate: see
-``gluon_attention.MATH_REGS``) and the key loop is a math warpgroup's loop over one
+``gluon_attention.LOGITS_REGS`` / ``VALUES_REGS``) and the key loop is math warpgroup 0's loop over one
 pair of key blocks.
 """
 from __future__ import annotations

@@ -5,30 +5,31 @@ on an sm_90 GPU: every scope ``fp8_v4`` / ``fp8_v32`` (decode, paged-direct pref
 (workspace prefill, bf16 caches). One program = one query token × 64 heads × one split of the
 key list, in three warpgroups that run out of step, synchronised by mbarriers only:
 
-* The key list is walked in pairs of 64-key blocks held in two shared buffers. Math warpgroup 0
-  computes the logits of block 2j, math warpgroup 1 those of block 2j+1, so each reads Q from
-  shared memory once per 64 keys (an N = 64 wgmma).
-* Their row maxima are handed over in shared memory (0 → 1 → 0): warpgroup 1 starts from 0's
-  maximum, and 0 moves its probabilities and accumulator onto 1's. Each publishes its
-  probabilities P (bf16) for the other.
-* Warpgroup w owns output dims [256·w, 256·w + 256). It multiplies its own P (from registers) and
-  then the other's (from shared memory) by that half of the two blocks' values, so one's softmax
-  overlaps the other's wgmmas.
-* A copy warpgroup fills the buffers one 256-dim half of a block at a time, in the order the math
-  warpgroups read them, each as soon as that half's last reader of the previous pair is done:
-  bf16 rows with ``cp.async`` (the copies signal the half ready as they land); fp8 rows
-  gathered into registers as 32-bit words, then dequantised into the half once it is free. The
-  fp8 loop is software-pipelined so that two halves' gathers are in flight: the next half's loads
-  are issued before the current one is dequantised (decode is bound by this gather latency, not
-  by the conversion). The rope dims, already bf16, go by ``cp.async``. The math warpgroups never
-  wait for a gather or a conversion unless the copy warpgroup falls behind.
+* A copy warpgroup fills two shared buffers of 64 keys, one 256-dim half of a block at a time, each half as
+  soon as its last reader of the block two back is done: bf16 rows with ``cp.async`` (the copies signal the
+  half ready as they land); fp8 rows gathered into registers as 32-bit words, then dequantised into the half
+  once it is free. The fp8 loop is software-pipelined so that two halves' gathers are in flight: the next
+  half's loads are issued before the current one is dequantised. The rope dims, already bf16, go by
+  ``cp.async``.
+* fp8 rows (decode: bound by the copy warpgroup): math warpgroup 0 computes each block's logits over every dim
+  (one N = 64 wgmma chain from Q in shared memory), its online softmax, and the output dims [0, 256) with P
+  from its registers. It hands P (bf16) and the rows' rescale factors to math warpgroup 1 through shared
+  memory, which rescales its accumulator and adds P times output dims [256, 512), overlapping warpgroup 0's
+  next logits. The copy warpgroup runs a block ahead of the math, and warpgroup 1 needs no logits or softmax
+  registers, which leaves the copy warpgroup enough to hold two gathered halves without spilling.
+* bf16 rows (workspace prefill: bound by the math): the two math warpgroups are paired. Warpgroup w computes
+  the logits of block 2j + w of each pair and owns output dims [256·w, 256·w + 256); they trade row maxima and
+  P through shared memory, so both issue logits wgmmas and one's softmax overlaps the other's wgmmas.
+
+(Until version 10 fp8 rows went to the paired warpgroups too. Both then read both buffers at once, so the copy
+warpgroup could not run a block ahead, and fp8_v32's, left 88 registers, spilled: V3.2 decode ran 1.3-1.4x
+slower. bf16 rows through the fp8 layout ran up to 33 % slower. BENCHMARKS.md, version 10.)
 
 V3.2 (``D_QK = 576``): the shared rows hold the 512 V dims as V4's do; the 64 rope dims of the keys go
 by ``cp.async`` into a buffer of their own (``r_smem``) with the second half, and the query's rope dims
-stay in the math warpgroups' registers (the A operand of one more wgmma per block): with them in shared memory
-a block would need 233 KiB, over the 227 KiB an H100 block may take (without, 225.6 KiB). fp8_v32 tiles are 128
-dims with a float32 scale each, dequantised like fp8_v4's (e4m3 → f32, times the scale, → bf16: the rounding of
-``dequantize_and_gather`` and the Triton kernel).
+stay in registers (the A operand of one more wgmma per block; bf16 576-d blocks take 226.1 KiB of shared memory,
+of the 227 KiB an H100 block may). fp8_v32 tiles are 128 dims with a float32 scale each, dequantised like
+fp8_v4's (e4m3 → f32, times the scale, → bf16: the rounding of ``dequantize_and_gather`` and the Triton kernel).
 
 The split merge and the sink of split rows are ``triton_attention``'s combine kernel.
 
@@ -60,12 +61,15 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 PARTITION_WARPS = 4  # each of the three warpgroups
-# registers per thread of a math warpgroup (its 64 × 256 fp32 accumulator, the 64 × 64 logits and P), by format;
-# the copy warpgroup, the default partition, gets what is left: 72 for bf16 (cp.async holds nothing in registers),
-# 104 for fp8_v4, whose copy warpgroup holds two gathered half blocks at once. fp8_v32's math warpgroups also hold
-# q's rope dims (16 more): at 200 their key loop spilled, at 208 only the copy warpgroup spills (88 left to it). bf16
-# 576-d ones hold them too, at bf16's 216 (36 B of spills, outside the key loop)
-MATH_REGS = {"bf16": 216, "fp8_v4": 200, "fp8_v32": 208}
+# registers per thread of the fp8 formats' logits warpgroup (its 64 × 256 fp32 accumulator, the 64 × 64 logits and P;
+# 576-d: q's rope dims, 16 more) and values warpgroup (the accumulator), and of each of bf16's paired math warpgroups
+# (36 B of spills at 576-d, outside the key loop); the copy warpgroup, the default partition, gets what is left: 136
+# for fp8_v32 and 144 for fp8_v4, where two gathered half blocks at once need about 100; 72 for bf16 (cp.async holds
+# nothing in registers). No fp8 spills (scripts/sm90_report.py); with 152 for the values warpgroup its epilogue did
+# not fit, and ptxas then ignored every partition's register budget and serialised the wgmmas
+LOGITS_REGS = {"fp8_v4": 200, "fp8_v32": 208}
+VALUES_REGS = 160
+PAIRED_REGS = 216
 HEADS_PER_PROGRAM = 64
 VALIDATED_TRITON = ("3.6.",)  # checked on an H100 against the reference ops (tests/test_triton_attention.py)
 
@@ -98,11 +102,21 @@ if gluon is not None:
     FP8_V32 = gl.constexpr(FMT_FP8_V32)
     D_OUT = gl.constexpr(D_V)
     HALF = gl.constexpr(256)
+    # the wgmma accumulators of a math warpgroup: logits (64 heads × 64 keys) and output (64 heads × 256 dims)
+    S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[PARTITION_WARPS, 1],
+                                                      instr_shape=[16, 64, 16]))
+    O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[PARTITION_WARPS, 1],
+                                                      instr_shape=[16, 256, 16]))
+    P_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))  # P, from registers
+    KEYS_LAYOUT = gl.constexpr(gl.SliceLayout(0, S_LAYOUT))
+    ROWS_LAYOUT = gl.constexpr(gl.SliceLayout(1, S_LAYOUT))
+    O_ROWS = gl.constexpr(gl.SliceLayout(1, O_LAYOUT))
     WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
     WARPS = gl.constexpr(PARTITION_WARPS)
-    MATH_REGS_BF16 = gl.constexpr(MATH_REGS["bf16"])
-    MATH_REGS_V4 = gl.constexpr(MATH_REGS["fp8_v4"])
-    MATH_REGS_V32 = gl.constexpr(MATH_REGS["fp8_v32"])
+    PAIRED_REGS_BF16 = gl.constexpr(PAIRED_REGS)
+    LOGITS_REGS_V4 = gl.constexpr(LOGITS_REGS["fp8_v4"])
+    LOGITS_REGS_V32 = gl.constexpr(LOGITS_REGS["fp8_v32"])
+    VALUES_WG_REGS = gl.constexpr(VALUES_REGS)
 
     @gluon.jit
     def _opaque(x):
@@ -295,7 +309,7 @@ if gluon is not None:
                         c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT: gl.constexpr, BS0: gl.constexpr,
                         BS1: gl.constexpr, D_QK: gl.constexpr):
         """Gather each pair of key blocks into buffers 0 and 1, half by half (rows past ``hi`` or invalid: zeros),
-        in the order the math warpgroups read them; bf16 rows by ``cp.async``, fp8 rows dequantised.
+        block after block, as the math warpgroups read them; bf16 rows by ``cp.async``, fp8 rows dequantised.
 
         ``ready``/``free`` are indexed ``2·buffer + half``.
         """
@@ -324,16 +338,16 @@ if gluon is not None:
                 valid1 = valid1 & (blk0 + 1 < hi)
                 idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 2, rows_layout)
                 idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 3, rows_layout)
-                raw_b, sc_b = _gather_half(row1, scales1, valid1, 1, words_layout, FMT)
+                raw_b, sc_b = _gather_half(row0, scales0, valid0, 1, words_layout, FMT)
                 _store_half(k_smem, r_smem, ready, free, raw_a, sc_a, row0, valid0, j, 0, 0, FMT)
-                raw_a, sc_a = _gather_half(row0, scales0, valid0, 1, words_layout, FMT)
-                _store_half(k_smem, r_smem, ready, free, raw_b, sc_b, row1, valid1, j, 1, 1, FMT)
-                raw_b, sc_b = _gather_half(row1, scales1, valid1, 0, words_layout, FMT)
-                _store_half(k_smem, r_smem, ready, free, raw_a, sc_a, row0, valid0, j, 0, 1, FMT)
+                raw_a, sc_a = _gather_half(row1, scales1, valid1, 0, words_layout, FMT)
+                _store_half(k_smem, r_smem, ready, free, raw_b, sc_b, row0, valid0, j, 0, 1, FMT)
+                raw_b, sc_b = _gather_half(row1, scales1, valid1, 1, words_layout, FMT)
+                _store_half(k_smem, r_smem, ready, free, raw_a, sc_a, row1, valid1, j, 1, 0, FMT)
                 row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
                                                     idx0, blk0 + 2, nblk0, FMT, BS0, BS1, D_QK)
                 raw_a, sc_a = _gather_half(row0, scales0, valid0 & (blk0 + 2 < hi), 0, words_layout, FMT)
-                _store_half(k_smem, r_smem, ready, free, raw_b, sc_b, row1, valid1, j, 1, 0, FMT)
+                _store_half(k_smem, r_smem, ready, free, raw_b, sc_b, row1, valid1, j, 1, 1, FMT)
         else:
             copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # (64, 256), 16 B each
             rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
@@ -347,40 +361,135 @@ if gluon is not None:
                 row1, _, valid1 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx1,
                                               blk0 + 1, nblk0, FMT, BS0, BS1, D_QK)
                 valid1 = valid1 & (blk0 + 1 < hi)
+                # in the paired warpgroups' order (``_paired_partition``)
                 _copy_half(k_smem, r_smem, ready, free, row0, valid0, cols, j, 0, 0, D_QK)
                 _copy_half(k_smem, r_smem, ready, free, row1, valid1, cols, j, 1, 1, D_QK)
                 _copy_half(k_smem, r_smem, ready, free, row0, valid0, cols, j, 0, 1, D_QK)
                 _copy_half(k_smem, r_smem, ready, free, row1, valid1, cols, j, 1, 0, D_QK)
 
     @gluon.jit
-    def _math_partition(q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
-                        q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                        c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
-                        tok, hb, split, num_tokens, num_heads, qk_scale,
-                        HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, WG: gl.constexpr, D_QK: gl.constexpr):
-        """Warpgroup ``WG``: the logits of block 2j+WG of each pair, output dims [256·WG, 256·WG + 256).
-        576-d (V3.2): the scores add q's rope dims (read from ``q_tok``, held in registers) times ``r_smem``'s."""
-        OTHER: gl.constexpr = 1 - WG
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                          instr_shape=[16, 64, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                          instr_shape=[16, 256, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        keys_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-        rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    def _softmax_start():
+        """A math warpgroup's starting state: row maxima (-inf) and sums, output accumulator, zero logits."""
+        return (gl.full([H_BLOCK], float("-inf"), gl.float32, layout=ROWS_LAYOUT),
+                gl.zeros([H_BLOCK], gl.float32, layout=ROWS_LAYOUT),
+                gl.zeros([H_BLOCK, HALF], gl.float32, layout=O_LAYOUT),
+                gl.zeros([H_BLOCK, BLOCK_N], gl.float32, layout=S_LAYOUT))
 
-        m_i = gl.full([H_BLOCK], float("-inf"), gl.float32, layout=rows_layout)
-        l_i = gl.zeros([H_BLOCK], gl.float32, layout=rows_layout)
-        acc = gl.zeros([H_BLOCK, HALF], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([H_BLOCK, BLOCK_N], gl.float32, layout=s_layout)
+    @gluon.jit
+    def _rope_query(q_tok, stride_qh, hb, num_heads):
+        """q's 64 rope dims of this head block, ``(64, 64)`` bf16 in registers: the A operand of the rope logits
+        (576-d). Kept out of shared memory, which has no room left for them beside bf16 576-d rows."""
+        qr_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2)
+        heads_r = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, qr_layout))
+        cols_r = DIM + gl.arange(0, ROPE, layout=gl.SliceLayout(0, qr_layout))
+        return gl.load(q_tok + heads_r[:, None] * stride_qh + cols_r[None, :], mask=(heads_r < num_heads)[:, None],
+                       other=0.0)
+
+    @gluon.jit
+    def _logits_partition(q_smem, k_smem, r_smem, p_smem, a_smem, m_smem, l_smem, ready, free, p_bar, p_free, l_bar,
+                          q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                          c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
+                          tok, hb, split, num_tokens, num_heads, qk_scale,
+                          HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, D_QK: gl.constexpr):
+        """Math warpgroup 0: each block's logits over every dim and its softmax; hands P and the rows' rescale
+        factors to warpgroup 1 (``p_smem``, ``a_smem``), then multiplies P (from registers) by output dims
+        [0, 256) of the block's values. 576-d (V3.2): the logits add q's rope dims (read from ``q_tok``, held in
+        registers) times ``r_smem``'s."""
+        m_i, l_i, acc, s_zero = _softmax_start()
         if D_QK == QK_V32:
-            # the A operand of the rope scores, from registers: shared memory has no room left for it
-            qr_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-            heads_r = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, qr_layout))
-            cols_r = DIM + gl.arange(0, ROPE, layout=gl.SliceLayout(0, qr_layout))
-            q_rope = gl.load(q_tok + heads_r[:, None] * stride_qh + cols_r[None, :],
-                             mask=(heads_r < num_heads)[:, None], other=0.0)
+            q_rope = _rope_query(q_tok, stride_qh, hb, num_heads)
+        for j in range(gl.cdiv(hi - lo, 2)):
+            phase = j & 1
+            for BUF in gl.static_range(2):  # the pair's blocks, one after the other
+                blk = lo + 2 * j + BUF
+                n = 2 * j + BUF  # blocks handed to warpgroup 1 before this one
+                # the index rows' addresses and the wgmma operands' shared-memory descriptors are rebuilt each
+                # block from an opaque zero: hoisted out of the loop, they were spilled
+                zero = _opaque(0)
+                q_all = q_smem.index(zero)
+                k_blk = k_smem.index(BUF + zero)
+                idx = _block_indices(i0_row + zero, len0, nblk0, i1_row + zero, len1, blk, KEYS_LAYOUT)
+                valid = (idx >= 0) & (idx < gl.where(blk < nblk0, c0_slots, c1_slots)) & (blk < hi)
+                # both halves first: the copy warpgroup works a block ahead, and a barrier wait between two
+                # wgmmas made ptxas move the logits' registers around it (spills)
+                mbarrier.wait(ready.index(2 * BUF), phase)
+                mbarrier.wait(ready.index(2 * BUF + 1), phase)
+                fence_async_shared()  # rows copied through the generic proxy feed a wgmma
+                s = warpgroup_mma(q_all.slice(0, HALF, dim=1), k_blk.slice(0, HALF, dim=1).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+                s = warpgroup_mma(q_all.slice(HALF, HALF, dim=1), k_blk.slice(HALF, HALF, dim=1).permute((1, 0)), s,
+                                  is_async=True)
+                if D_QK == QK_V32:  # the rope dims arrived with half 1
+                    s = warpgroup_mma(q_rope, r_smem.index(BUF + zero).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+                s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+                alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
+                p = gl.exp2(s - gl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                p16 = p.to(gl.bfloat16)
+                # hand over once warpgroup 1 has read the previous block's P and factors
+                mbarrier.wait(p_free, (n & 1) ^ 1, pred=n >= 1)
+                p_smem.index(zero).store(p16)
+                a_smem.store(alpha)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(p_bar)
+                acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
+                acc = warpgroup_mma(gl.convert_layout(p16, P_OPERAND), k_blk.slice(0, HALF, dim=1), acc,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                gl.thread_barrier()
+                mbarrier.arrive(free.index(2 * BUF))  # half 0: its last reader was this P·V
+
+        m_smem.store(m_i)
+        l_smem.store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(l_bar)
+        _store_rows(acc, m_i, l_i, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                    tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, 0)
+
+    @gluon.jit
+    def _values_partition(q_smem, k_smem, p_smem, a_smem, m_smem, l_smem, free, p_bar, p_free, l_bar,
+                          out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, lo, hi,
+                          tok, hb, split, num_tokens, num_heads, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr):
+        """Math warpgroup 1: output dims [256, 512), from warpgroup 0's P (``p_smem``) and rescale factors."""
+        acc = gl.zeros([H_BLOCK, HALF], gl.float32, layout=O_LAYOUT)
+        for j in range(gl.cdiv(hi - lo, 2)):
+            for BUF in gl.static_range(2):
+                n = 2 * j + BUF
+                zero = _opaque(0)
+                mbarrier.wait(p_bar, n & 1)
+                # the block's rows were fenced for the async proxy by warpgroup 0 before it published P
+                acc = acc * a_smem.load(O_ROWS)[:, None]
+                acc = warpgroup_mma(p_smem.index(zero), k_smem.index(BUF + zero).slice(HALF, HALF, dim=1), acc,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                gl.thread_barrier()
+                mbarrier.arrive(free.index(2 * BUF + 1))  # half 1: its last reader was this P·V
+                mbarrier.arrive(p_free)
+
+        mbarrier.wait(l_bar, 0)
+        _store_rows(acc, m_smem.load(O_ROWS), l_smem.load(O_ROWS), q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+                    sink_ptr, tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, 1)
+
+    @gluon.jit
+    def _paired_partition(q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
+                          q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                          c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
+                          tok, hb, split, num_tokens, num_heads, qk_scale,
+                          HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, WG: gl.constexpr, D_QK: gl.constexpr):
+        """bf16 rows, math warpgroup ``WG``: the logits of block 2j+WG of each pair, output dims [256·WG, 256·WG +
+        256). The warpgroups trade their row maxima (``m_smem``, 0 → 1 → 0) and each publishes its P for the other;
+        each multiplies its own P (from registers), then the other's (from ``p_smem``), by its half of the two
+        blocks' values, so one's softmax overlaps the other's wgmmas. 576-d (V3.2): the scores add q's rope dims
+        (read from ``q_tok``, held in registers) times ``r_smem``'s."""
+        OTHER: gl.constexpr = 1 - WG
+        m_i, l_i, acc, s_zero = _softmax_start()
+        if D_QK == QK_V32:
+            q_rope = _rope_query(q_tok, stride_qh, hb, num_heads)
         for j in range(gl.cdiv(hi - lo, 2)):
             phase = j & 1
             blk = lo + 2 * j + WG
@@ -390,7 +499,7 @@ if gluon is not None:
             q_all = q_smem.index(zero)
             k_own = k_smem.index(WG + zero)
             k_other = k_smem.index(OTHER + zero)
-            idx = _block_indices(i0_row + zero, len0, nblk0, i1_row + zero, len1, blk, keys_layout)
+            idx = _block_indices(i0_row + zero, len0, nblk0, i1_row + zero, len1, blk, KEYS_LAYOUT)
             valid = (idx >= 0) & (idx < gl.where(blk < nblk0, c0_slots, c1_slots)) & (blk < hi)
             # the logits, over the half this warpgroup's PV reads first, then the other half
             mbarrier.wait(ready.index(2 * WG + WG), phase)
@@ -410,10 +519,10 @@ if gluon is not None:
             m_prev = m_i
             if WG == 1:  # start from warpgroup 0's maximum of this pair
                 mbarrier.wait(m_bar.index(0), phase)
-                m_prev = m_smem.index(0).load(rows_layout)
+                m_prev = m_smem.index(0).load(ROWS_LAYOUT)
             m_new = gl.maximum(m_prev, gl.max(s, 1))
             alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
-            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
             l_i = l_i * alpha
             m_i = m_new
             p = gl.exp2(s - gl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
@@ -422,7 +531,7 @@ if gluon is not None:
             gl.thread_barrier()
             mbarrier.arrive(m_bar.index(WG))
             p16 = p.to(gl.bfloat16)
-            acc = warpgroup_mma(gl.convert_layout(p16, p_layout), k_own.slice(WG * HALF, HALF, dim=1), acc,
+            acc = warpgroup_mma(gl.convert_layout(p16, P_OPERAND), k_own.slice(WG * HALF, HALF, dim=1), acc,
                                 is_async=True)
             if WG == 0:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -430,10 +539,10 @@ if gluon is not None:
                 mbarrier.arrive(free.index(0))  # half 0L: its last reader was this PV
                 # warpgroup 1's maximum includes this one's: move P and the accumulator onto it
                 mbarrier.wait(m_bar.index(1), phase)
-                m_pair = m_smem.index(1).load(rows_layout)
+                m_pair = m_smem.index(1).load(ROWS_LAYOUT)
                 beta = gl.where(m_pair == m_i, 1.0, gl.exp2(m_i - m_pair))
                 p16 = (p16.to(gl.float32) * beta[:, None]).to(gl.bfloat16)  # (fp32 P would spill)
-                acc = acc * gl.convert_layout(beta, o_rows)[:, None]
+                acc = acc * gl.convert_layout(beta, O_ROWS)[:, None]
                 l_i = l_i * beta
                 m_i = m_pair
             p_smem.index(WG).store(p16)
@@ -455,14 +564,24 @@ if gluon is not None:
         gl.thread_barrier()
         mbarrier.arrive(l_bar)
         mbarrier.wait(l_bar, 0)
-        l_all = l_smem.index(0).load(rows_layout) + l_smem.index(1).load(rows_layout)
-        heads, factor, dst = _row_outputs(m_i, l_all, o_rows, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+        l_all = l_smem.index(0).load(ROWS_LAYOUT) + l_smem.index(1).load(ROWS_LAYOUT)
+        _store_rows(acc, m_i, l_all, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                    tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, WG)
+
+    @gluon.jit
+    def _store_rows(acc, m_i, l_i, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                    tok, hb, split, num_tokens, num_heads, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr,
+                    WG: gl.constexpr):
+        """Warpgroup ``WG``'s output dims [256·WG, 256·WG + 256): ``acc`` normalised, into ``out`` or the split's
+        partial rows; warpgroup 0 also stores the LSE. Q is dead by now (warpgroup 0's logits are all done):
+        bf16 rows are staged in this warpgroup's half of it, so that each thread stores 16 consecutive bytes."""
+        o_layout: gl.constexpr = acc.type.layout
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        heads, factor, dst = _row_outputs(m_i, l_i, o_rows, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
                                           sink_ptr, tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL,
-                                          WG == 1)  # one warpgroup stores the LSE
+                                          WG == 0)
         vals = acc * factor[:, None]
         if not PARTIAL:
-            # Q is dead once both warpgroups are here: stage the bf16 rows in this warpgroup's half of it,
-            # so that each thread stores 16 consecutive bytes
             stage = q_smem.index(0).slice(WG * HALF, HALF, dim=1)
             stage.store(vals.to(gl.bfloat16))
             gl.thread_barrier()
@@ -505,13 +624,18 @@ if gluon is not None:
             r_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, ROPE], smem_layout)  # the keys' rope dims
         else:
             r_smem = k_smem  # unused: V4's rope dims are the last 64 of its rows
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, H_BLOCK, BLOCK_N], smem_layout)
+        # bf16 rows (cp.async: math-bound) go to two paired math warpgroups that share the logits, fp8 rows (bound
+        # by the copy warpgroup's gathers and dequantisation) to a logits warpgroup and a values warpgroup
+        PAIRED: gl.constexpr = FMT == BF16
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2 if PAIRED else 1, H_BLOCK, BLOCK_N], smem_layout)
+        a_smem = gl.allocate_shared_memory(gl.float32, [H_BLOCK], vec_layout)  # the rows' rescale factors
         m_smem = gl.allocate_shared_memory(gl.float32, [2, H_BLOCK], vec_layout)
         l_smem = gl.allocate_shared_memory(gl.float32, [2, H_BLOCK], vec_layout)
         ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         m_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for b in gl.static_range(4):
             if FMT == BF16:
@@ -524,7 +648,8 @@ if gluon is not None:
         for b in gl.static_range(2):
             mbarrier.init(m_bar.index(b), count=1)
             mbarrier.init(p_bar.index(b), count=1)
-        mbarrier.init(l_bar, count=2)
+        mbarrier.init(p_free, count=1)
+        mbarrier.init(l_bar, count=2 if PAIRED else 1)
 
         heads_q = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, q_layout))
         cols_q = gl.arange(0, DIM, layout=gl.SliceLayout(0, q_layout))
@@ -552,17 +677,31 @@ if gluon is not None:
         i1_row = i1_ptr + tok.to(gl.int64) * i1_stride
         gl.thread_barrier()
 
-        math_regs: gl.constexpr = MATH_REGS_BF16 if FMT == BF16 else MATH_REGS_V4 if FMT == FP8_V4 else MATH_REGS_V32
-        gl.warp_specialize([
-            (_copy_partition, (k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
-                               c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT, BS0, BS1, D_QK)),
-            (_math_partition, (q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
-                               q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                               c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
-                               tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, PARTIAL, 0, D_QK)),
-            (_math_partition, (q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
-                               q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                               c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
-                               tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, PARTIAL, 1, D_QK)),
-        ], [WARPS, WARPS], [math_regs, math_regs])
-
+        # (the partition lists are spelled out: a JIT function cannot be held in a variable)
+        if PAIRED:
+            gl.warp_specialize([
+                (_copy_partition, (k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
+                                   c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT, BS0, BS1, D_QK)),
+                (_paired_partition, (q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
+                                     q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                                     c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
+                                     tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, PARTIAL, 0, D_QK)),
+                (_paired_partition, (q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
+                                     q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                                     c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
+                                     tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, PARTIAL, 1, D_QK)),
+            ], [WARPS, WARPS], [PAIRED_REGS_BF16, PAIRED_REGS_BF16])
+        else:
+            logits_regs: gl.constexpr = LOGITS_REGS_V4 if FMT == FP8_V4 else LOGITS_REGS_V32
+            gl.warp_specialize([
+                (_copy_partition, (k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
+                                   c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT, BS0, BS1, D_QK)),
+                (_logits_partition, (q_smem, k_smem, r_smem, p_smem, a_smem, m_smem.index(0), l_smem.index(0), ready,
+                                     free, p_bar.index(0), p_free, l_bar, q_tok, stride_qh, out_ptr, lse_ptr,
+                                     part_o_ptr, part_lse_ptr, sink_ptr, c0_slots, i0_row, len0, nblk0, c1_slots,
+                                     i1_row, len1, lo, hi, tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK,
+                                     PARTIAL, D_QK)),
+                (_values_partition, (q_smem, k_smem, p_smem, a_smem, m_smem.index(0), l_smem.index(0), free,
+                                     p_bar.index(0), p_free, l_bar, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+                                     sink_ptr, lo, hi, tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL)),
+            ], [WARPS, WARPS], [logits_regs, VALUES_WG_REGS])
