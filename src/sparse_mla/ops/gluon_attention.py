@@ -11,12 +11,13 @@ key list, in three warpgroups that run out of step, synchronised by mbarriers on
   once it is free. The fp8 loop is software-pipelined so that two halves' gathers are in flight: the next
   half's loads are issued before the current one is dequantised. The rope dims, already bf16, go by
   ``cp.async``.
-* fp8 rows (decode: bound by the copy warpgroup): math warpgroup 0 computes each block's logits over every dim
-  (one N = 64 wgmma chain from Q in shared memory), its online softmax, and the output dims [0, 256) with P
-  from its registers. It hands P (bf16) and the rows' rescale factors to math warpgroup 1 through shared
-  memory, which rescales its accumulator and adds P times output dims [256, 512), overlapping warpgroup 0's
-  next logits. The copy warpgroup runs a block ahead of the math, and warpgroup 1 needs no logits or softmax
-  registers, which leaves the copy warpgroup enough to hold two gathered halves without spilling.
+* fp8 rows (decode: bound by the copy warpgroup): math warpgroup 0 loads q into shared memory itself, while
+  the copy warpgroup already gathers the first block (version 11: 1-3 % faster), then computes each block's
+  logits over every dim (one N = 64 wgmma chain from Q in shared memory), its online softmax, and the output
+  dims [0, 256) with P from its registers. It hands P (bf16) and the rows' rescale factors to math warpgroup 1
+  through shared memory, which rescales its accumulator and adds P times output dims [256, 512), overlapping
+  warpgroup 0's next logits. The copy warpgroup runs a block ahead of the math, and warpgroup 1 needs no logits
+  or softmax registers, which leaves the copy warpgroup enough to hold two gathered halves without spilling.
 * bf16 rows (workspace prefill: bound by the math): the two math warpgroups are paired. Warpgroup w computes
   the logits of block 2j + w of each pair and owns output dims [256·w, 256·w + 256); they trade row maxima and
   P through shared memory, so both issue logits wgmmas and one's softmax overlaps the other's wgmmas.
@@ -63,11 +64,12 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 PARTITION_WARPS = 4  # each of the three warpgroups
 # registers per thread of the fp8 formats' logits warpgroup (its 64 × 256 fp32 accumulator, the 64 × 64 logits and P;
 # 576-d: q's rope dims, 16 more) and values warpgroup (the accumulator), and of each of bf16's paired math warpgroups
-# (36 B of spills at 576-d, outside the key loop); the copy warpgroup, the default partition, gets what is left: 136
+# (36 B of spills at 576-d, outside the key loop); the copy warpgroup, the default partition, gets what is left: 128
 # for fp8_v32 and 144 for fp8_v4, where two gathered half blocks at once need about 100; 72 for bf16 (cp.async holds
-# nothing in registers). No fp8 spills (scripts/sm90_report.py); with 152 for the values warpgroup its epilogue did
-# not fit, and ptxas then ignored every partition's register budget and serialised the wgmmas
-LOGITS_REGS = {"fp8_v4": 200, "fp8_v32": 208}
+# nothing in registers). No fp8 spills (scripts/sm90_report.py). fp8_v32's logits warpgroup spilled 28 B at 208 once
+# it loaded q itself (version 11), and 216 made V3.2 decode 3 % faster; with 152 for the values warpgroup its epilogue
+# did not fit, and ptxas then ignored every partition's register budget and serialised the wgmmas
+LOGITS_REGS = {"fp8_v4": 200, "fp8_v32": 216}
 VALUES_REGS = 160
 PAIRED_REGS = 216
 HEADS_PER_PROGRAM = 64
@@ -386,6 +388,18 @@ if gluon is not None:
                        other=0.0)
 
     @gluon.jit
+    def _load_query(q_smem, q_tok, stride_qh, hb, num_heads):
+        """This head block's q rows (their first 512 dims) into ``q_smem``, fenced for the wgmmas."""
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+        heads_q = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, q_layout))
+        for SIDE in gl.static_range(2):
+            cols_q = SIDE * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, q_layout))
+            q = gl.load(q_tok + heads_q[:, None] * stride_qh + cols_q[None, :], mask=(heads_q < num_heads)[:, None],
+                        other=0.0)
+            q_smem.index(0).slice(SIDE * HALF, HALF, dim=1).store(q)
+        fence_async_shared()
+
+    @gluon.jit
     def _logits_partition(q_smem, k_smem, r_smem, p_smem, a_smem, m_smem, l_smem, ready, free, p_bar, p_free, l_bar,
                           q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
                           c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
@@ -395,6 +409,8 @@ if gluon is not None:
         factors to warpgroup 1 (``p_smem``, ``a_smem``), then multiplies P (from registers) by output dims
         [0, 256) of the block's values. 576-d (V3.2): the logits add q's rope dims (read from ``q_tok``, held in
         registers) times ``r_smem``'s."""
+        _load_query(q_smem, q_tok, stride_qh, hb, num_heads)  # while the copy warpgroup gathers the first block
+        gl.thread_barrier()
         m_i, l_i, acc, s_zero = _softmax_start()
         if D_QK == QK_V32:
             q_rope = _rope_query(q_tok, stride_qh, hb, num_heads)
@@ -608,9 +624,11 @@ if gluon is not None:
         gl.static_assert((FMT == BF16) & ((D_QK == DIM) | (D_QK == QK_V32)) | (FMT == FP8_V4) & (D_QK == DIM)
                          | (FMT == FP8_V32) & (D_QK == QK_V32),
                          "FMT and D_QK must be bf16 (512 or 576), fp8_v4 (512) or fp8_v32 (576)")
-        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        # bf16 rows (cp.async: math-bound) go to two paired math warpgroups that share the logits, fp8 rows (bound
+        # by the copy warpgroup's gathers and dequantisation) to a logits warpgroup and a values warpgroup
+        PAIRED: gl.constexpr = FMT == BF16
         head_blocks = gl.cdiv(num_heads, H_BLOCK)
         tok = gl.program_id(0) // head_blocks
         if HAS_ORDER:  # as triton_attention._ordered_token
@@ -624,9 +642,6 @@ if gluon is not None:
             r_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, ROPE], smem_layout)  # the keys' rope dims
         else:
             r_smem = k_smem  # unused: V4's rope dims are the last 64 of its rows
-        # bf16 rows (cp.async: math-bound) go to two paired math warpgroups that share the logits, fp8 rows (bound
-        # by the copy warpgroup's gathers and dequantisation) to a logits warpgroup and a values warpgroup
-        PAIRED: gl.constexpr = FMT == BF16
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [2 if PAIRED else 1, H_BLOCK, BLOCK_N], smem_layout)
         a_smem = gl.allocate_shared_memory(gl.float32, [H_BLOCK], vec_layout)  # the rows' rescale factors
         m_smem = gl.allocate_shared_memory(gl.float32, [2, H_BLOCK], vec_layout)
@@ -651,13 +666,10 @@ if gluon is not None:
         mbarrier.init(p_free, count=1)
         mbarrier.init(l_bar, count=2 if PAIRED else 1)
 
-        heads_q = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, q_layout))
-        cols_q = gl.arange(0, DIM, layout=gl.SliceLayout(0, q_layout))
         q_tok = q_ptr + tok.to(gl.int64) * stride_qt
-        q = gl.load(q_tok + heads_q[:, None] * stride_qh + cols_q[None, :], mask=(heads_q < num_heads)[:, None],
-                    other=0.0)
-        q_smem.index(0).store(q)
-        fence_async_shared()
+        if PAIRED:  # both paired warpgroups read q: loaded before they start. fp8: the logits warpgroup loads it
+            # while the copy warpgroup already gathers the first block (a program's first block waits less)
+            _load_query(q_smem, q_tok, stride_qh, hb, num_heads)
 
         len_row = tok // tokens_per_len  # as triton_attention's kernel
         len0 = gl.minimum(gl.maximum(gl.load(l0_ptr + len_row), 0), w0)
