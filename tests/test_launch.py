@@ -1,12 +1,13 @@
-"""The fast launcher's fingerprint (ops.launch): the generated per-type-pattern functions tell apart exactly what
+"""The fast launcher (ops.launch): the generated per-type-pattern fingerprint functions tell apart exactly what
 the plain per-argument walk did (what Triton specialises a compiled binary on)."""
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
-from sparse_mla.ops.launch import fingerprint, fingerprint_function
+from sparse_mla.ops.launch import BindOnce, BoundLaunch, fingerprint, fingerprint_function
 
 
 def walk_fingerprint(args: tuple) -> tuple:
@@ -59,3 +60,47 @@ def test_the_fingerprint_of_a_launch_like_argument_list():
     assert fingerprint(()) == ((), ())
     assert fingerprint((q[:, 1:], *args[1:])) != fingerprint(args)  # 2-byte offset: not 16-byte aligned
     assert fingerprint((*args[:-1], 1)) != fingerprint(args)  # a bool became an int
+
+
+def test_bind_once_binds_on_the_first_settle_and_launches_only_under_its_key():
+    launched, binds = [], []
+
+    def bind(result):
+        binds.append(result)
+        return result
+
+    def bound(*args):
+        launched.append(args)
+        return True
+
+    slot = BindOnce()
+    assert not slot("k", 1) and not launched  # nothing bound yet: the caller launches the ordinary way
+    slot.settle("k", lambda: bind(bound))
+    slot.settle("other", lambda: bind(bound))  # bound once: later settles change nothing
+    assert binds == [bound] and slot.key == "k"
+    assert slot("k", 1, 2) and launched == [(1, 2)]
+    assert not slot("other", 3) and launched == [(1, 2)]  # another key: the bound launch does not run
+
+    refused = BindOnce()
+    refused.settle("k", lambda: bind(None))  # no direct path: never asked again
+    refused.settle("k", lambda: bind(bound))
+    assert refused.bound is False and binds == [bound, None] and not refused("k", 1)
+
+
+def test_a_bound_launch_passes_the_binding_calls_values_with_each_calls_varying_tensors():
+    """The generated call of a :class:`BoundLaunch`: grid, stream, the launcher's leading values, then the arguments
+    in order — fixed tensors and non-tensors as bound, the other tensors from the call, as data pointers — and the
+    constexprs."""
+    calls = []
+    a, b, c, d = (torch.zeros(4, dtype=torch.int32) for _ in range(4))
+    args = (a, 7, b, None, 2.5, c, d, 1 << 40)
+    bound = BoundLaunch((lambda *xs: calls.append(xs), ("fn", None)), (3, 2, 1), args, ("C0", True), 0,
+                        fixed=frozenset({2, 6}))
+    x, y = torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    bound._call("stream", [x, y])  # (the device test of __call__ needs a GPU)
+    assert calls == [(3, 2, 1, "stream", "fn", None, x.data_ptr(), 7, b.data_ptr(), None, 2.5, y.data_ptr(),
+                      d.data_ptr(), 1 << 40, "C0", True)]
+    assert bound._held == [b, d]  # the fixed tensors stay alive with their baked-in pointers
+    with pytest.raises(ValueError):  # another number of tensors than bound: refused, never launched half-stale
+        bound._call("stream", [x])
+    assert len(calls) == 1

@@ -268,7 +268,7 @@ def test_bound_layer_launches_equal_the_planned_ones(monkeypatch, invariant):
             layer.scale = scale
         plans = [p for p in sc.meta._plans.values() if isinstance(p, plan_module.LayerPlan) and p.kind == kind
                  and p.backend == "auto" and p.batch_invariant == invariant]
-        assert len(plans) == 1 and plans[0]._bound[0] and plans[0].parts[0][2].partial == invariant
+        assert len(plans) == 1 and plans[0]._bound[0].bound and plans[0].parts[0][2].partial == invariant
 
 
 def test_identity_memo_remakes_on_a_new_stamp_and_forgets_dead_objects():

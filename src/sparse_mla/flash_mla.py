@@ -33,6 +33,7 @@ import torch
 from . import ops
 from ._checks import check_tensor
 from .ops import reference, sparse_attention_prefill
+from .ops.launch import BindOnce
 from .ops.validate import AttentionArgs, debug_checks_enabled
 
 if TYPE_CHECKING:
@@ -125,13 +126,13 @@ class _Decode:
     """What the checked path of one :func:`flash_mla_with_kvcache` call signature leaves for its later calls: the
     attention plan, the softmax scale, per scope the full-width lens standing in for an absent ``topk_length``
     (None where the call passes one), and once a remembered call has run, the plan's launch bound to the
-    signature's strides and sizes (``AttentionPlan.bind``; None until then, False where the plan cannot bind)."""
+    signature's strides and sizes (``AttentionPlan.bind``; the signature is its whole guard: key None)."""
 
     __slots__ = ("plan", "scale", "full_lens", "bound")
 
     def __init__(self, plan: AttentionPlan, scale: float, full_lens: tuple[torch.Tensor | None, ...]) -> None:
         self.plan, self.scale, self.full_lens = plan, scale, full_lens
-        self.bound = None
+        self.bound = BindOnce()
 
 
 _DECODES: OrderedDict[tuple, _Decode] = OrderedDict()  # by call signature, least recently used out
@@ -194,7 +195,7 @@ def _launch(memo: _Decode, q: torch.Tensor, k_cache: torch.Tensor, indices: torc
     out = torch.empty(b, s_q, h_q, HEAD_DIM_V, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
     # the bound launch reads only data pointers: the caller's tensors start where the plan's views do
-    if memo.bound and memo.bound(q, out, lse, attn_sink, (k_cache, extra_k_cache), (indices, extra_indices), lens):
+    if memo.bound(None, q, out, lse, attn_sink, (k_cache, extra_k_cache), (indices, extra_indices), lens):
         return out, lse
     caches, rows = (_bytes(k_cache),), (_rows(indices, b, s_q),)
     if extra_k_cache is not None:
@@ -202,8 +203,7 @@ def _launch(memo: _Decode, q: torch.Tensor, k_cache: torch.Tensor, indices: torc
         rows += (_rows(extra_indices, b, s_q),)
     q_rows, paged = q.reshape(b * s_q, h_q, d), tuple(c.squeeze(2) for c in caches)
     memo.plan(q_rows, out, lse, attn_sink, memo.scale, paged, rows, lens, None)
-    if memo.bound is None:  # tried once: a plan that cannot bind (no direct launch path) is not asked again
-        memo.bound = memo.plan.bind(q_rows, out, lse, attn_sink, memo.scale, paged, rows, lens) or False
+    memo.bound.settle(None, lambda: memo.plan.bind(q_rows, out, lse, attn_sink, memo.scale, paged, rows, lens))
     return out, lse
 
 

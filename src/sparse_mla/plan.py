@@ -20,6 +20,7 @@ from .config import PICKS_KINDS
 from .formats import IdentityMemo, KVFormat, cache_stamp, resolve_cache_once
 from .ops import dequantize_and_gather, sparse_attention_decode, sparse_attention_prefill
 from .ops.dispatch import pages_16_byte_aligned, resolve_backend
+from .ops.launch import BindOnce
 
 PREFILL_MODES = ("paged", "workspace", "mixed")
 
@@ -146,9 +147,9 @@ class LayerPlan:
                     pages_16_byte_aligned=all(v.aligned for v in views.values()), scratch=True, q_fp8=q_fp8,
                     **forms)
             self.parts.append((rows, order, launch, indices, lens, ref))
-        # per part, its launch bound by the first call whose tensors are all 16-byte aligned (AttentionPlan.bind), with
-        # that call's q strides and scale: (bound, q strides, scale); None until then, False where it cannot bind
-        self._bound: list = [None] * len(self.parts)
+        # per part, its launch bound by the first call whose tensors are all 16-byte aligned (AttentionPlan.bind),
+        # under that call's q strides and scale
+        self._bound = [BindOnce() for _ in self.parts]
         # the LSE the kernels write and the layer drops
         self.lse = torch.empty(self.capacity, layer.num_heads, dtype=torch.float32, device=batch.device)
 
@@ -219,15 +220,13 @@ class LayerPlan:
             if t is not None:
                 ptrs |= t.data_ptr()
                 same_device &= t.get_device() == device  # (a bound launch skips the launcher's pointer checks)
-        bindable, strides = same_device and ptrs & 15 == 0, (q.stride(0), q.stride(1))
-        bound = self._bound[part]
-        if (bound and bindable and bound[1] == strides and bound[2] == scale
-                and bound[0](q, out, self.lse, sink, caches, indices, lens, order, q_scale, kv_scale)):
+        bindable, key, slot = same_device and ptrs & 15 == 0, (q.stride(0), q.stride(1), scale), self._bound[part]
+        if bindable and slot(key, q, out, self.lse, sink, caches, indices, lens, order, q_scale, kv_scale):
             return
         launch(q, out, self.lse, sink, scale, caches, indices, lens, order, q_scale, kv_scale)
-        if bound is None and bindable:  # tried once: a launch with no direct path is not asked again
-            done = launch.bind(q, out, self.lse, sink, scale, caches, indices, lens, order, q_scale, kv_scale)
-            self._bound[part] = (done, strides, scale) if done else False
+        if bindable:
+            slot.settle(key, lambda: launch.bind(q, out, self.lse, sink, scale, caches, indices, lens, order, q_scale,
+                                                 kv_scale, lists_fixed=True))
 
     def _reference(self, q, out, caches, ref, order, sink, scale, q_scale, kv_scale) -> None:
         extra = dict(extra_cache=caches[1]) if len(caches) > 1 else {}

@@ -131,10 +131,12 @@ class Launch:
         return None
 
 
-    def bind(self, grid: tuple, args: tuple) -> BoundLaunch | None:
+    def bind(self, grid: tuple, args: tuple, fixed: frozenset[int] = frozenset()) -> BoundLaunch | None:
         """This launch with ``grid`` and ``args``' non-tensor arguments fixed, for later calls whose tensors have the
         dtypes and 16-byte alignments of ``args``' (the caller's guarantee): a :class:`BoundLaunch` once a call with
-        ``args``' fingerprint has compiled the binary, else None (and None off the direct path)."""
+        ``args``' fingerprint has compiled the binary, else None (and None off the direct path). ``fixed``: positions
+        in ``args`` of tensors that every later call passes again (buffers the caller owns for as long as the bound
+        launch): their pointers are read now, and later calls pass only the other tensors."""
         if not self._fast or not args[0].is_cuda or _launch_hooks_installed():
             return None
         by_types = self._binaries.get(tuple(map(type, args)))
@@ -143,36 +145,74 @@ class Launch:
         if direct is None:
             return None
         return BoundLaunch(direct, (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1), args,
-                           self.constexpr_values, device)
+                           self.constexpr_values, device, fixed)
 
 
 class BoundLaunch:
-    """A compiled binary with its grid and every non-tensor argument fixed (:meth:`Launch.bind`): ``bound(tensors)``
-    launches it with ``tensors`` in the places of the binding call's tensors, in order, skipping the fingerprint.
-    Returns False, launching nothing, where the direct path does not apply (launch hooks installed since, or another
-    current device): the caller then launches the ordinary way.
+    """A compiled binary with its grid, every non-tensor argument and the ``fixed`` tensors bound (:meth:`Launch.bind`):
+    ``bound(tensors)`` launches it with ``tensors`` in the places of the binding call's other tensors, in order,
+    skipping the fingerprint. Returns False, launching nothing, where the direct path does not apply (launch hooks
+    installed since, or another current device): the caller then launches the ordinary way.
 
     The tensors go to the launcher as their data pointers: it then skips its own check of each pointer (a driver
     query per tensor, some 15 per attention launch), so the caller vouches that every tensor lives on the bound
-    device, as its checks of the first call established."""
+    device, as its checks of the first call established. The call itself is one generated function with the bound
+    values in place (no per-argument loop)."""
 
     def __init__(self, direct: tuple[Callable, tuple], grid: tuple[int, int, int], args: tuple, constexprs: tuple,
-                 device: int) -> None:
-        self._launch, self._leading = direct
-        self._grid, self._constexprs, self._device = grid, constexprs, device
-        self._slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        # the binding call's tensors are not kept (each call passes its own): holding them would keep them alive
-        self._template = [None if i in self._slots else a for i, a in enumerate(args)]
+                 device: int, fixed: frozenset[int] = frozenset()) -> None:
+        launch, leading = direct
+        self._device = device
+        # the fixed tensors are held (their pointers are baked in); the binding call's other tensors are not: each
+        # call passes its own, and holding them would keep them alive
+        self._held = [a for i, a in enumerate(args) if i in fixed]
+        values = {"launch": launch}
+        terms, varying = [], 0
+        for i, a in enumerate([*grid, None, *leading, *args, *constexprs]):
+            position = i - 4 - len(leading)  # in args
+            if i == 3:
+                terms.append("stream")
+            elif isinstance(a, torch.Tensor) and 0 <= position < len(args) and position not in fixed:
+                terms.append(f"t{varying}.data_ptr()")
+                varying += 1
+            else:
+                values[f"v{i}"] = a.data_ptr() if isinstance(a, torch.Tensor) else a
+                terms.append(f"v{i}")
+        unpack = f"    {', '.join(f't{k}' for k in range(varying))}, = tensors\n" if varying else ""
+        source = f"def call(stream, tensors):\n{unpack}    launch({', '.join(terms)})\n"
+        exec(source, values)  # code made above from the argument positions; the values are bound by name
+        self._call = values["call"]
 
     def __call__(self, tensors: list[torch.Tensor]) -> bool:
         if torch._C._cuda_getDevice() != self._device or _launch_hooks_installed():
             return False
-        args = self._template.copy()
-        for i, t in zip(self._slots, tensors):
-            args[i] = t.data_ptr()
-        self._launch(*self._grid, torch._C._cuda_getCurrentRawStream(self._device), *self._leading, *args,
-                     *self._constexprs)
+        self._call(torch._C._cuda_getCurrentRawStream(self._device), tensors)
         return True
+
+
+class BindOnce:
+    """A launch bound by its first ordinary call, reused while later calls match that call's ``key``.
+
+    ``bound`` is None until tried, then the bound launch (a callable returning whether it launched, such as a
+    :class:`BoundLaunch`), or False where binding is impossible (no direct path: never asked again); ``key`` holds
+    what the caller's guard compares (strides, alignment, a scale: whatever the bound launch fixed but the call may
+    change). A call site goes ``if slot(key, *args): return``, else launches the ordinary way and then
+    ``slot.settle(key, lambda: ....bind(...))``."""
+
+    __slots__ = ("bound", "key")
+
+    def __init__(self) -> None:
+        self.bound: Callable[..., bool] | None | bool = None
+        self.key: object = None
+
+    def __call__(self, key: object, *args) -> bool:
+        """Launch through the bound launch when it exists and ``key`` is the binding call's; whether it launched."""
+        return bool(self.bound) and key == self.key and self.bound(*args)
+
+    def settle(self, key: object, bind: Callable[[], Callable[..., bool] | None]) -> None:
+        """After an ordinary launch: the first time only, bind (``bind()``; None means it cannot) under ``key``."""
+        if self.bound is None:
+            self.bound, self.key = bind() or False, key
 
 
 def _direct_call(binary) -> tuple[Callable, tuple]:

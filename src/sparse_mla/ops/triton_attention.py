@@ -563,23 +563,35 @@ class AttentionPlan:
     def bind(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None, scale: float,
              caches: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...], lens: tuple[torch.Tensor, ...],
              order: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
-             kv_scale: torch.Tensor | None = None):
+             kv_scale: torch.Tensor | None = None, *, lists_fixed: bool = False):
         """After a call with these arguments, a function ``bound(q, out, lse, sink, caches, indices, lens, order,
         q_scale, kv_scale) -> bool`` that launches the same kernel (and, for split key lists, the combine) with
         ``scale`` on new tensors laid out as these (every stride, size, dtype and 16-byte alignment: the caller's
         guarantee), skipping the argument assembly and the fingerprint. It reads only the new tensors' data pointers,
-        so a tensor of another rank over the same bytes (a 4-D cache for its 3-D paged view) serves. False means it
-        launched nothing (call the plan). None where there is no direct launch path."""
+        so a tensor of another rank over the same bytes (a 4-D cache for its 3-D paged view) serves. lists_fixed: every
+        later call passes these very ``lse``, ``indices``, ``lens`` and ``order`` (a step plan's buffers), whose
+        pointers are then bound too (the plan's scratch partials always are). False means it launched nothing (call
+        the plan). None where there is no direct launch path."""
         num_tokens, num_heads, _ = self.q_shape
         if num_tokens == 0 or num_heads == 0:
             return None
         tensors = self._tensors(q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale)
-        launch = self.attention.bind(self.grid, self._args(tensors, scale))
+        fixed = set()  # slots of _tensors' list: 2 lse, 3 / 4 partials, 6 order, 8 / 9 and 11 / 12 indices and lens
+        if self._scratch is not None:
+            fixed |= {3, 4}
+        if lists_fixed:
+            fixed |= {2, 6, 8, 9, 11, 12}
+        varying = [k for k in range(len(tensors)) if k not in fixed]
+        args = self._args(tensors, scale)
+        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]  # the slots' places in args
+        launch = self.attention.bind(self.grid, args, frozenset(positions[k] for k in fixed))
         combine = None
         if self.combine is not None:  # split partials: the per-call buffers of a plan without scratch are new each call
             _, out, lse, part_o, part_lse, sink_arg = tensors[:6]
+            combine_varying = [k for k, slot in enumerate((3, 4, 1, 2, 5)) if slot not in fixed]
             combine = self.combine.bind((num_tokens * num_heads,), (part_o, part_lse, out, lse, sink_arg,
-                                                                    num_tokens * num_heads, num_heads))
+                                                                    num_tokens * num_heads, num_heads),
+                                        frozenset(k for k, slot in enumerate((3, 4, 1, 2, 5)) if slot in fixed))
             if combine is None:
                 return None
         if launch is None:
@@ -587,11 +599,11 @@ class AttentionPlan:
 
         def bound(q, out, lse, sink, caches, indices, lens, order=None, q_scale=None, kv_scale=None) -> bool:
             tensors = self._tensors(q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale)
-            if not launch(tensors):
+            if not launch([tensors[k] for k in varying]):
                 return False
             if combine is not None:  # it launches: the attention's launch just passed the same device and hook test
-                _, out, lse, part_o, part_lse, sink_arg = tensors[:6]
-                combine([part_o, part_lse, out, lse, sink_arg])
+                mine = (tensors[3], tensors[4], tensors[1], tensors[2], tensors[5])
+                combine([mine[k] for k in combine_varying])
             return True
         return bound
 

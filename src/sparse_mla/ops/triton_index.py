@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cached_launch
+from .launch import BindOnce, cached_launch
 
 
 @triton.jit
@@ -168,22 +168,21 @@ def picks_converter(positions: torch.Tensor, token_to_req: torch.Tensor, table: 
                                            ("TOPK_P2", triton.next_power_of_2(topk))))
     head = (positions, token_to_req, table, table.stride(0), table.shape[1])
     tail = (out_indices, out_indices.stride(0), out_lens, out_kept, out_kept.stride(0), topk)
-    fixed = [a for a in head + tail if isinstance(a, torch.Tensor)]
+    # every tensor but the picks is the step's: bound with the launch (the step plan that holds this converter holds
+    # them too)
+    fixed = frozenset(i for i, a in enumerate((*head, None, None, *tail)) if isinstance(a, torch.Tensor))
     grid = (num_tokens,)
-    bound = None  # (launch bound to the first call's picks, their row stride, their alignment); False: cannot bind
+    slot = BindOnce()  # the launch bound to the first call's picks, under their row stride and alignment
 
     def convert(local: torch.Tensor) -> None:
-        nonlocal bound
         if not num_tokens:
             return
-        if bound and local.stride(0) == bound[1] and (local.data_ptr() & 15 == 0) == bound[2] \
-                and bound[0]([*fixed[:3], local, *fixed[3:]]):
+        key = (local.stride(0), local.data_ptr() & 15 == 0)
+        if slot(key, [local]):
             return
         args = (*head, local, local.stride(0), *tail)
         launch(grid, *args)
-        if bound is None:
-            done = launch.bind(grid, args)
-            bound = (done, local.stride(0), local.data_ptr() & 15 == 0) if done else False
+        slot.settle(key, lambda: launch.bind(grid, args, fixed))
     return convert
 
 
