@@ -97,10 +97,13 @@ def test_a_bound_launch_passes_the_binding_calls_values_with_each_calls_varying_
     bound = BoundLaunch((lambda *xs: calls.append(xs), ("fn", None)), (3, 2, 1), args, ("C0", True), 0,
                         fixed=frozenset({2, 6}))
     x, y = torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
-    bound._call("stream", [x, y])  # (the device test of __call__ needs a GPU)
+    bound._call(bound._launch, bound._values, "stream", [x, y])  # (the device test of __call__ needs a GPU)
     assert calls == [(3, 2, 1, "stream", "fn", None, x.data_ptr(), 7, b.data_ptr(), None, 2.5, y.data_ptr(),
                       d.data_ptr(), 1 << 40, "C0", True)]
-    assert bound._held == [b, d]  # the fixed tensors stay alive with their baked-in pointers
+    assert bound._held == [b, d]  # the fixed tensors stay alive with their bound pointers
+    again = BoundLaunch((lambda *xs: calls.append(xs), ("fn", None)), (1, 1, 1), args, ("C0", True), 0,
+                        fixed=frozenset({2, 6}))
+    assert again._call is bound._call  # one generated function per pattern of arguments, not per binding
     with pytest.raises(ValueError):  # another number of tensors than bound: refused, never launched half-stale
-        bound._call("stream", [x])
+        bound._call(bound._launch, bound._values, "stream", [x])
     assert len(calls) == 1

@@ -148,6 +148,28 @@ class Launch:
                            self.constexpr_values, device, fixed)
 
 
+@functools.lru_cache(maxsize=256)
+def bound_caller(varying: tuple[bool, ...]) -> Callable:
+    """The call of a :class:`BoundLaunch` whose launcher arguments after the stream are ``varying`` (True: a tensor each
+    call passes, as its data pointer; False: a value bound once), as one generated function ``call(launch, values,
+    stream, tensors)``: the grid from ``values``, the stream, then the other arguments in order. Made once per such
+    pattern (generating it per binding cost more than the calls saved: a step's plans bind anew each step)."""
+    terms, k, v = [], 0, 3
+    for is_tensor in varying:
+        if is_tensor:
+            terms.append(f"t{k}.data_ptr()")
+            k += 1
+        else:
+            terms.append(f"values[{v}]")
+            v += 1
+    unpack = f"    {', '.join(f't{i}' for i in range(k))}, = tensors\n" if k else ""
+    source = (f"def call(launch, values, stream, tensors):\n{unpack}"
+              f"    launch(values[0], values[1], values[2], stream, {', '.join(terms)})\n")
+    namespace: dict = {}
+    exec(source, namespace)  # code made above from the pattern alone
+    return namespace["call"]
+
+
 class BoundLaunch:
     """A compiled binary with its grid, every non-tensor argument and the ``fixed`` tensors bound (:meth:`Launch.bind`):
     ``bound(tensors)`` launches it with ``tensors`` in the places of the binding call's other tensors, in order,
@@ -156,37 +178,25 @@ class BoundLaunch:
 
     The tensors go to the launcher as their data pointers: it then skips its own check of each pointer (a driver
     query per tensor, some 15 per attention launch), so the caller vouches that every tensor lives on the bound
-    device, as its checks of the first call established. The call itself is one generated function with the bound
-    values in place (no per-argument loop)."""
+    device, as its checks of the first call established. The call is :func:`bound_caller`'s function for the
+    arguments' pattern, with the bound values in one tuple (no per-argument loop)."""
 
     def __init__(self, direct: tuple[Callable, tuple], grid: tuple[int, int, int], args: tuple, constexprs: tuple,
                  device: int, fixed: frozenset[int] = frozenset()) -> None:
-        launch, leading = direct
+        self._launch, leading = direct
         self._device = device
-        # the fixed tensors are held (their pointers are baked in); the binding call's other tensors are not: each
-        # call passes its own, and holding them would keep them alive
+        # the fixed tensors are held (their pointers are bound); the binding call's other tensors are not: each call
+        # passes its own, and holding them would keep them alive
         self._held = [a for i, a in enumerate(args) if i in fixed]
-        values = {"launch": launch}
-        terms, varying = [], 0
-        for i, a in enumerate([*grid, None, *leading, *args, *constexprs]):
-            position = i - 4 - len(leading)  # in args
-            if i == 3:
-                terms.append("stream")
-            elif isinstance(a, torch.Tensor) and 0 <= position < len(args) and position not in fixed:
-                terms.append(f"t{varying}.data_ptr()")
-                varying += 1
-            else:
-                values[f"v{i}"] = a.data_ptr() if isinstance(a, torch.Tensor) else a
-                terms.append(f"v{i}")
-        unpack = f"    {', '.join(f't{k}' for k in range(varying))}, = tensors\n" if varying else ""
-        source = f"def call(stream, tensors):\n{unpack}    launch({', '.join(terms)})\n"
-        exec(source, values)  # code made above from the argument positions; the values are bound by name
-        self._call = values["call"]
+        varying = [isinstance(a, torch.Tensor) and i not in fixed for i, a in enumerate(args)]
+        self._values = (*grid, *leading, *[a.data_ptr() if isinstance(a, torch.Tensor) else a
+                                           for a, v in zip(args, varying) if not v], *constexprs)
+        self._call = bound_caller((False,) * len(leading) + tuple(varying) + (False,) * len(constexprs))
 
     def __call__(self, tensors: list[torch.Tensor]) -> bool:
         if torch._C._cuda_getDevice() != self._device or _launch_hooks_installed():
             return False
-        self._call(torch._C._cuda_getCurrentRawStream(self._device), tensors)
+        self._call(self._launch, self._values, torch._C._cuda_getCurrentRawStream(self._device), tensors)
         return True
 
 
