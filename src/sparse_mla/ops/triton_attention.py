@@ -532,9 +532,16 @@ class AttentionPlan:
         if compiled is not None:
             LAST_COMPILED["attention"] = compiled
         if self.combine is not None:
-            _, out, lse, part_o, part_lse, sink_arg = tensors[:6]
-            self.combine((num_tokens * num_heads,), part_o, part_lse, out, lse, sink_arg, num_tokens * num_heads,
-                         num_heads)
+            self.combine((num_tokens * num_heads,), *self._combine_args(tensors))
+
+    # slots of _tensors' list: what a step plan's bound launch fixes (lists_fixed: lse, order, the scopes' indices and
+    # lens; the scratch partials), and the combine's tensors in its argument order (partials, out, lse, sink)
+    LIST_SLOTS, PARTIAL_SLOTS, COMBINE_SLOTS = (2, 6, 8, 9, 11, 12), (3, 4), (3, 4, 1, 2, 5)
+
+    def _combine_args(self, tensors: list[torch.Tensor]) -> tuple:
+        """The combine kernel's arguments for :meth:`_tensors`' list."""
+        num_tokens, num_heads, _ = self.q_shape
+        return (*[tensors[k] for k in self.COMBINE_SLOTS], num_tokens * num_heads, num_heads)
 
     def _tensors(self, q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale) -> list[torch.Tensor]:
         """The attention kernel's tensor arguments, in its order (absent optional ones stand in as ``lse``, which the
@@ -576,22 +583,16 @@ class AttentionPlan:
         if num_tokens == 0 or num_heads == 0:
             return None
         tensors = self._tensors(q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale)
-        fixed = set()  # slots of _tensors' list: 2 lse, 3 / 4 partials, 6 order, 8 / 9 and 11 / 12 indices and lens
-        if self._scratch is not None:
-            fixed |= {3, 4}
-        if lists_fixed:
-            fixed |= {2, 6, 8, 9, 11, 12}
+        fixed = set(self.PARTIAL_SLOTS if self._scratch is not None else ()) | set(self.LIST_SLOTS if lists_fixed else ())
         varying = [k for k in range(len(tensors)) if k not in fixed]
         args = self._args(tensors, scale)
         positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]  # the slots' places in args
         launch = self.attention.bind(self.grid, args, frozenset(positions[k] for k in fixed))
         combine = None
         if self.combine is not None:  # split partials: the per-call buffers of a plan without scratch are new each call
-            _, out, lse, part_o, part_lse, sink_arg = tensors[:6]
-            combine_varying = [k for k, slot in enumerate((3, 4, 1, 2, 5)) if slot not in fixed]
-            combine = self.combine.bind((num_tokens * num_heads,), (part_o, part_lse, out, lse, sink_arg,
-                                                                    num_tokens * num_heads, num_heads),
-                                        frozenset(k for k, slot in enumerate((3, 4, 1, 2, 5)) if slot in fixed))
+            combine_varying = [k for k in self.COMBINE_SLOTS if k not in fixed]
+            combine = self.combine.bind((num_tokens * num_heads,), self._combine_args(tensors),
+                                        frozenset(i for i, k in enumerate(self.COMBINE_SLOTS) if k in fixed))
             if combine is None:
                 return None
         if launch is None:
@@ -602,8 +603,7 @@ class AttentionPlan:
             if not launch([tensors[k] for k in varying]):
                 return False
             if combine is not None:  # it launches: the attention's launch just passed the same device and hook test
-                mine = (tensors[3], tensors[4], tensors[1], tensors[2], tensors[5])
-                combine([mine[k] for k in combine_varying])
+                combine([tensors[k] for k in combine_varying])
             return True
         return bound
 

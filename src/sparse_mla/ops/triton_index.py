@@ -169,7 +169,7 @@ def picks_converter(positions: torch.Tensor, token_to_req: torch.Tensor, table: 
     head = (positions, token_to_req, table, table.stride(0), table.shape[1])
     tail = (out_indices, out_indices.stride(0), out_lens, out_kept, out_kept.stride(0), topk)
     # every tensor but the picks is the step's: bound with the launch (the step plan that holds this converter holds
-    # them too)
+    # them too); the picks and their row stride sit between head and tail
     fixed = frozenset(i for i, a in enumerate((*head, None, None, *tail)) if isinstance(a, torch.Tensor))
     grid = (num_tokens,)
     slot = BindOnce()  # the launch bound to the first call's picks, under their row stride and alignment
