@@ -4,9 +4,10 @@
 # Installs the carried FlashMLA wheel, runs the GPU tests, then one benchmark: benchmarks/bench_$BENCH.py
 # (the step benchmark by default) with the given args. Logs and JSON go to $OUT (default results/); the
 # benchmark's table prints last.
-# GPU_TESTS defaults to the subset every session runs (~5 min on an H100, mostly kernel compiles): the plan /
+# GPU_TESTS defaults to the subset every session runs (~7 min on an H100, mostly kernel compiles): the plan /
 # CUDA-graph step, batch invariance on both kernels, the dsa layer (Gluon's 576-d path), FlashMLA against our
-# FlashMLA API (and its remembered calls) and caches, the direct launcher and bound launches, per-request lens.
+# FlashMLA API (and its remembered calls) and caches, the direct launcher and bound launches, per-request lens, the
+# Gluon kernel's persistent programs (V4 fp8: several rounds, and split rows).
 # GPU_TESTS=all adds the kernel, layer, cache, index and order files (more than one 10-minute call: split them over
 # two). BENCH=none skips the benchmark.
 set -uo pipefail
@@ -22,7 +23,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=cs
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 EVERY_SESSION="tests/test_step_plan.py tests/test_batch_invariance.py tests/test_dsa.py tests/test_flash_mla_api_gpu.py
     tests/test_flashmla_interop.py tests/test_layer_forms.py tests/test_flash_mla_memo.py tests/test_launch.py
-    tests/test_triton_attention.py::test_lens_shared_by_consecutive_tokens_read_like_expanded_ones"
+    tests/test_triton_attention.py::test_lens_shared_by_consecutive_tokens_read_like_expanded_ones
+    tests/test_triton_attention.py::test_persistent_programs_compute_the_same_bits[300-1-fp8_v4-512]
+    tests/test_triton_attention.py::test_persistent_programs_compute_the_same_bits[170-3-fp8_v4-512]"
 MORE="tests/test_triton_attention.py tests/test_layer.py tests/test_triton_cache.py tests/test_triton_index.py
     tests/test_order.py tests/test_checks.py"
 TESTS=${GPU_TESTS:-$EVERY_SESSION}

@@ -490,3 +490,29 @@ def test_choose_splits_on_an_h100_sized_gpu(monkeypatch, tokens, heads, blocks, 
     monkeypatch.setattr(triton_attention, "num_sms", lambda device: 132)
     head_blocks = -(-heads // 64)
     assert triton_attention.choose_splits(tokens, heads, head_blocks, blocks, torch.device("cuda")) == want
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("fmt,dim", FORMATS)
+@pytest.mark.parametrize("num_tokens,splits", [(5, 1), (300, 1), (170, 3)])
+def test_persistent_programs_compute_the_same_bits(fmt, dim, num_tokens, splits):
+    """The Gluon kernel's persistent programs (one per SM, taking work items in turn, here fewer items than
+    programs, several rounds, and split rows) give the bits of a program per item, which match the reference."""
+    from sparse_mla.ops import dispatch, longest_first, triton_attention
+    from sparse_mla.ops.validate import decode_args
+
+    if not dispatch.gluon_fits(torch.device(DEVICE), dim, frozenset({fmt}), True):
+        pytest.skip("no Hopper GPU with a validated Gluon here")
+    gen = torch.Generator().manual_seed(num_tokens + splits + dim + len(fmt))
+    (c0, i0, l0), (c1, i1, l1) = (random_scope(gen, fmt, dim, num_tokens, 128, 8, 64),
+                                  random_scope(gen, fmt, dim, num_tokens, 700, 16, 64))
+    q = torch.randn(num_tokens, 64, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    kw = dict(extra_cache=c1.data, extra_indices=i1, extra_lens=l1, sink=random_sink(gen, 64),
+              order=longest_first(l0, l1))
+    args = decode_args(q, c0.data, i0, l0, **kw)
+    per_item = triton_attention.run(args, splits=splits, gluon=1, persistent=False)
+    persistent = triton_attention.run(args, splits=splits, gluon=1, persistent=True)
+    assert triton_attention.plan_for(args, splits=splits, gluon=1, persistent=True).grid == (
+        triton_attention.num_sms(q.device),)
+    assert torch.equal(persistent[0], per_item[0]) and torch.equal(persistent[1], per_item[1])
+    check_close(persistent, sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw))

@@ -2,8 +2,10 @@
 
 Same contract and arguments as ``triton_attention``'s kernel, for the cases that dominate serving
 on an sm_90 GPU: every scope ``fp8_v4`` / ``fp8_v32`` (decode, paged-direct prefill) or every scope ``bf16``
-(workspace prefill, bf16 caches). One program = one query token × 64 heads × one split of the
-key list, in three warpgroups that run out of step, synchronised by mbarriers only:
+(workspace prefill, bf16 caches). A work item is one query token × 64 heads × one split of the key list;
+a program takes one item, or, launched persistent (``persistent``: many short items), one program per SM takes
+items in turn, so that an item's q load and output store overlap the next item's first gathers. A program is
+three warpgroups that run out of step, synchronised by mbarriers only:
 
 * A copy warpgroup fills two shared buffers of 64 keys, one 256-dim half of a block at a time, each half as
   soon as its last reader of the block two back is done: bf16 rows with ``cp.async`` (the copies signal the
@@ -74,6 +76,20 @@ VALUES_REGS = 160
 PAIRED_REGS = 216
 HEADS_PER_PROGRAM = 64
 VALIDATED_TRITON = ("3.6.",)  # checked on an H100 against the reference ops (tests/test_triton_attention.py)
+
+
+# Persistent programs (one per SM, each taking work items in turn: an item's q load and output store then overlap the
+# next item's first gathers) pay for their item loop, some 5 % of a V3.2 item's time, even where a program gets one
+# item; they win where items are short and many: on the H100, 4 rounds of fp8_v4 items of 1, 4, 8 and 16 key blocks
+# ran 13, 7, 4 and 2 % faster, the V4-Pro decode step at B 128 2 % (BENCHMARKS.md, version 12)
+PERSISTENT_MIN_ROUNDS = 2
+PERSISTENT_MAX_BLOCKS = 24
+
+
+def persistent(items: int, max_blocks: int, sms: int) -> bool:
+    """Whether a launch of ``items`` work items whose key lists span at most ``max_blocks`` key blocks runs as
+    persistent programs on ``sms`` SMs (else a program per item)."""
+    return items >= PERSISTENT_MIN_ROUNDS * sms and max_blocks <= PERSISTENT_MAX_BLOCKS
 
 
 def enabled() -> bool:
@@ -257,6 +273,58 @@ if gluon is not None:
         return heads, factor, dst
 
     @gluon.jit
+    def _rounds(num_tokens, num_heads, SPLITS: gl.constexpr, PERSISTENT: gl.constexpr):
+        """How many work items this program takes (:func:`_work_item`): one per round, in rounds of one item per
+        program, the last one partial; one without ``PERSISTENT`` (a program per item: the item loop folds away,
+        and with it its cost, some 5 % of a V3.2 item on the H100)."""
+        if PERSISTENT:
+            items = num_tokens * gl.cdiv(num_heads, H_BLOCK) * SPLITS
+            programs = gl.num_programs(0)
+            full = items // programs
+            rest = items % programs
+            pid = gl.program_id(0)
+            in_last = gl.where(full % 2 == 0, pid < rest, pid >= programs - rest)  # as _work_item numbers them
+            return full + in_last.to(gl.int32)
+        else:
+            return 1
+
+    @gluon.jit
+    def _work_item(r, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens,
+                   num_heads, tokens_per_len, HAS_ORDER: gl.constexpr, HAS_EXTRA: gl.constexpr, SPLITS: gl.constexpr,
+                   SPLIT_BLOCKS: gl.constexpr):
+        """This program's work item of round ``r``: one query token × 64 heads × one split of its key list, as
+        ``(tok, hb, split, len0, nblk0, len1, lo, hi, i0_row, i1_row)`` (``[lo, hi)``: its key blocks, the two
+        scopes' blocks in sequence; the scopes' index rows). Items are numbered split-major, then token slot
+        (through ``order``), then head block (a token's head blocks, which read the same keys, run side by side);
+        round r gives item ``r·P + p`` to program p of P, every odd round in reverse, so that longest-first
+        tokens even out over the programs."""
+        head_blocks = gl.cdiv(num_heads, H_BLOCK)
+        rows = num_tokens * head_blocks
+        programs = gl.num_programs(0)
+        pid = gl.program_id(0)
+        item = r * programs + gl.where(r % 2 == 0, pid, programs - 1 - pid)
+        split = item // rows
+        tok = (item % rows) // head_blocks
+        hb = item % head_blocks
+        if HAS_ORDER:  # as triton_attention._ordered_token
+            tok = gl.minimum(gl.maximum(gl.load(order_ptr + tok), 0), num_tokens - 1)
+        len_row = tok // tokens_per_len  # as triton_attention's kernel
+        len0 = gl.minimum(gl.maximum(gl.load(l0_ptr + len_row), 0), w0)
+        nblk0 = gl.cdiv(len0, BLOCK_N)
+        len1 = len0 * 0
+        if HAS_EXTRA:
+            len1 = gl.minimum(gl.maximum(gl.load(l1_ptr + len_row), 0), w1)
+        nblk1 = gl.cdiv(len1, BLOCK_N)
+        if SPLIT_BLOCKS > 0:  # batch-invariant: as triton_attention's kernel
+            per_split = SPLIT_BLOCKS
+        else:
+            per_split = gl.cdiv(nblk0 + nblk1, SPLITS)
+        lo = split * per_split
+        hi = gl.maximum(gl.minimum(lo + per_split, nblk0 + nblk1), lo)  # a split past the list's end: no blocks
+        return (tok, hb, split, len0, nblk0, len1, lo, hi, i0_ptr + tok.to(gl.int64) * i0_stride,
+                i1_ptr + tok.to(gl.int64) * i1_stride)
+
+    @gluon.jit
     def _copy_rope(dst, rows, ok, START: gl.constexpr):
         """``cp.async`` the 64 bf16 rope dims of each gathered row (``rows``: pointers to the rows' first byte or
         element; the rope starts ``START`` bf16 elements in) into ``dst (BLOCK_N, 64)``; invalid rows: zeros."""
@@ -307,67 +375,81 @@ if gluon is not None:
         mbarrier.arrive(ready.index(bar))
 
     @gluon.jit
-    def _copy_partition(k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
-                        c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT: gl.constexpr, BS0: gl.constexpr,
-                        BS1: gl.constexpr, D_QK: gl.constexpr):
-        """Gather each pair of key blocks into buffers 0 and 1, half by half (rows past ``hi`` or invalid: zeros),
-        block after block, as the math warpgroups read them; bf16 rows by ``cp.async``, fp8 rows dequantised.
+    def _copy_partition(k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
+                        order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads,
+                        tokens_per_len, FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, D_QK: gl.constexpr,
+                        HAS_ORDER: gl.constexpr, HAS_EXTRA: gl.constexpr, SPLITS: gl.constexpr,
+                        SPLIT_BLOCKS: gl.constexpr,
+                          PERSISTENT: gl.constexpr):
+        """Gather each pair of key blocks of each of the program's work items into buffers 0 and 1, half by half
+        (rows past ``hi`` or invalid: zeros), block after block, as the math warpgroups read them; bf16 rows by
+        ``cp.async``, fp8 rows dequantised. The next item's first blocks go in as soon as the math warpgroups free
+        the buffers, while they still store the last item's output.
 
-        ``ready``/``free`` are indexed ``2·buffer + half``.
+        ``ready``/``free`` are indexed ``2·buffer + half``; their phases count the pairs of every item so far (``g``).
         """
-        if FMT != BF16:
-            if FMT == FP8_V4:
-                # (rows, 4 tiles, 16 words): a thread holds 16 consecutive bytes of each of 4 tiles of two rows
-                words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
-            else:
-                # (rows, 2 tiles, 32 words): a thread holds 32 consecutive bytes of each of 2 tiles of two rows
-                words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
-            rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words_layout))
-            # software-pipelined: each half's gathers are issued before the previous half is dequantised, so
-            # two halves' loads are in flight (the next pair's indices are loaded one pair ahead for that)
-            idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo, rows_layout)
-            idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo + 1, rows_layout)
-            row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx0,
-                                                lo, nblk0, FMT, BS0, BS1, D_QK)
-            raw_a, sc_a = _gather_half(row0, scales0, valid0, 0, words_layout, FMT)
-            for j in range(gl.cdiv(hi - lo, 2)):
-                blk0 = lo + 2 * j
-                # row addresses are recomputed from the carried indices rather than carried (registers)
-                row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
-                                                    idx0, blk0, nblk0, FMT, BS0, BS1, D_QK)
-                row1, scales1, valid1 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
-                                                    idx1, blk0 + 1, nblk0, FMT, BS0, BS1, D_QK)
-                valid1 = valid1 & (blk0 + 1 < hi)
-                idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 2, rows_layout)
-                idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 3, rows_layout)
-                raw_b, sc_b = _gather_half(row0, scales0, valid0, 1, words_layout, FMT)
-                _store_half(k_smem, r_smem, ready, free, raw_a, sc_a, row0, valid0, j, 0, 0, FMT)
-                raw_a, sc_a = _gather_half(row1, scales1, valid1, 0, words_layout, FMT)
-                _store_half(k_smem, r_smem, ready, free, raw_b, sc_b, row0, valid0, j, 0, 1, FMT)
-                raw_b, sc_b = _gather_half(row1, scales1, valid1, 1, words_layout, FMT)
-                _store_half(k_smem, r_smem, ready, free, raw_a, sc_a, row1, valid1, j, 1, 0, FMT)
-                row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
-                                                    idx0, blk0 + 2, nblk0, FMT, BS0, BS1, D_QK)
-                raw_a, sc_a = _gather_half(row0, scales0, valid0 & (blk0 + 2 < hi), 0, words_layout, FMT)
-                _store_half(k_smem, r_smem, ready, free, raw_b, sc_b, row1, valid1, j, 1, 1, FMT)
+        if FMT == FP8_V4:
+            # (rows, 4 tiles, 16 words): a thread holds 16 consecutive bytes of each of 4 tiles of two rows
+            words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
         else:
-            copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # (64, 256), 16 B each
-            rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
-            cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, copy_layout))
-            for j in range(gl.cdiv(hi - lo, 2)):
-                blk0 = lo + 2 * j
-                idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0, rows_layout)
-                idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 1, rows_layout)
-                row0, _, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx0,
-                                              blk0, nblk0, FMT, BS0, BS1, D_QK)
-                row1, _, valid1 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx1,
-                                              blk0 + 1, nblk0, FMT, BS0, BS1, D_QK)
-                valid1 = valid1 & (blk0 + 1 < hi)
-                # in the paired warpgroups' order (``_paired_partition``)
-                _copy_half(k_smem, r_smem, ready, free, row0, valid0, cols, j, 0, 0, D_QK)
-                _copy_half(k_smem, r_smem, ready, free, row1, valid1, cols, j, 1, 1, D_QK)
-                _copy_half(k_smem, r_smem, ready, free, row0, valid0, cols, j, 0, 1, D_QK)
-                _copy_half(k_smem, r_smem, ready, free, row1, valid1, cols, j, 1, 0, D_QK)
+            # (rows, 2 tiles, 32 words): a thread holds 32 consecutive bytes of each of 2 tiles of two rows
+            words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
+        words_rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words_layout))
+        copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # bf16: (64, 256), 16 B each
+        copy_rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
+        g = 0
+        for r in range(_rounds(num_tokens, num_heads, SPLITS, PERSISTENT)):
+            tok, hb, split, len0, nblk0, len1, lo, hi, i0_row, i1_row = _work_item(
+                r, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads,
+                tokens_per_len, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS)
+            pairs = gl.cdiv(hi - lo, 2)
+            if FMT != BF16:
+                # software-pipelined: each half's gathers are issued before the previous half is dequantised, so
+                # two halves' loads are in flight (the next pair's indices are loaded one pair ahead for that)
+                idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo, words_rows)
+                idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo + 1, words_rows)
+                row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
+                                                    idx0, lo, nblk0, FMT, BS0, BS1, D_QK)
+                raw_a, sc_a = _gather_half(row0, scales0, valid0, 0, words_layout, FMT)
+                for j in range(pairs):
+                    blk0 = lo + 2 * j
+                    gj = g + j
+                    # row addresses are recomputed from the carried indices rather than carried (registers)
+                    row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
+                                                        idx0, blk0, nblk0, FMT, BS0, BS1, D_QK)
+                    row1, scales1, valid1 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
+                                                        idx1, blk0 + 1, nblk0, FMT, BS0, BS1, D_QK)
+                    valid1 = valid1 & (blk0 + 1 < hi)
+                    idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 2, words_rows)
+                    idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 3, words_rows)
+                    raw_b, sc_b = _gather_half(row0, scales0, valid0, 1, words_layout, FMT)
+                    _store_half(k_smem, r_smem, ready, free, raw_a, sc_a, row0, valid0, gj, 0, 0, FMT)
+                    raw_a, sc_a = _gather_half(row1, scales1, valid1, 0, words_layout, FMT)
+                    _store_half(k_smem, r_smem, ready, free, raw_b, sc_b, row0, valid0, gj, 0, 1, FMT)
+                    raw_b, sc_b = _gather_half(row1, scales1, valid1, 1, words_layout, FMT)
+                    _store_half(k_smem, r_smem, ready, free, raw_a, sc_a, row1, valid1, gj, 1, 0, FMT)
+                    row0, scales0, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
+                                                        idx0, blk0 + 2, nblk0, FMT, BS0, BS1, D_QK)
+                    raw_a, sc_a = _gather_half(row0, scales0, valid0 & (blk0 + 2 < hi), 0, words_layout, FMT)
+                    _store_half(k_smem, r_smem, ready, free, raw_b, sc_b, row1, valid1, gj, 1, 1, FMT)
+            else:
+                cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, copy_layout))
+                for j in range(pairs):
+                    blk0 = lo + 2 * j
+                    gj = g + j
+                    idx0 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0, copy_rows)
+                    idx1 = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk0 + 1, copy_rows)
+                    row0, _, valid0 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx0,
+                                                  blk0, nblk0, FMT, BS0, BS1, D_QK)
+                    row1, _, valid1 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx1,
+                                                  blk0 + 1, nblk0, FMT, BS0, BS1, D_QK)
+                    valid1 = valid1 & (blk0 + 1 < hi)
+                    # in the paired warpgroups' order (``_paired_partition``)
+                    _copy_half(k_smem, r_smem, ready, free, row0, valid0, cols, gj, 0, 0, D_QK)
+                    _copy_half(k_smem, r_smem, ready, free, row1, valid1, cols, gj, 1, 1, D_QK)
+                    _copy_half(k_smem, r_smem, ready, free, row0, valid0, cols, gj, 0, 1, D_QK)
+                    _copy_half(k_smem, r_smem, ready, free, row1, valid1, cols, gj, 1, 0, D_QK)
+            g += pairs
 
     @gluon.jit
     def _softmax_start():
@@ -388,8 +470,12 @@ if gluon is not None:
                        other=0.0)
 
     @gluon.jit
-    def _load_query(q_smem, q_tok, stride_qh, hb, num_heads):
-        """This head block's q rows (their first 512 dims) into ``q_smem``, fenced for the wgmmas."""
+    def _load_query(q_smem, q_free, r, q_tok, stride_qh, hb, num_heads):
+        """Round ``r``'s q rows of this head block (their first 512 dims) into ``q_smem``, fenced for the wgmmas, once
+        the buffer is free: it holds the previous item's output on its way out (``_store_rows``) until warpgroup 1
+        arrives on ``q_free`` (and this warpgroup's own, until the barrier)."""
+        mbarrier.wait(q_free, (r & 1) ^ 1, pred=r >= 1)
+        gl.thread_barrier()
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
         heads_q = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, q_layout))
         for SIDE in gl.static_range(2):
@@ -398,191 +484,235 @@ if gluon is not None:
                         other=0.0)
             q_smem.index(0).slice(SIDE * HALF, HALF, dim=1).store(q)
         fence_async_shared()
+        gl.thread_barrier()
 
     @gluon.jit
     def _logits_partition(q_smem, k_smem, r_smem, p_smem, a_smem, m_smem, l_smem, ready, free, p_bar, p_free, l_bar,
-                          q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                          c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
-                          tok, hb, split, num_tokens, num_heads, qk_scale,
-                          HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, D_QK: gl.constexpr):
-        """Math warpgroup 0: each block's logits over every dim and its softmax; hands P and the rows' rescale
-        factors to warpgroup 1 (``p_smem``, ``a_smem``), then multiplies P (from registers) by output dims
-        [0, 256) of the block's values. 576-d (V3.2): the logits add q's rope dims (read from ``q_tok``, held in
+                          q_free, q_ptr, stride_qt, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                          c0_slots, c1_slots, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride,
+                          num_tokens, num_heads, tokens_per_len, qk_scale, HAS_SINK: gl.constexpr,
+                          PARTIAL: gl.constexpr, D_QK: gl.constexpr, HAS_ORDER: gl.constexpr, HAS_EXTRA: gl.constexpr,
+                          SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr,
+                          PERSISTENT: gl.constexpr):
+        """Math warpgroup 0, per work item: loads its q, then each block's logits over every dim and its softmax;
+        hands P and the rows' rescale factors to warpgroup 1 (``p_smem``, ``a_smem``), then multiplies P (from
+        registers) by output dims [0, 256) of the block's values. 576-d (V3.2): the logits add q's rope dims (held in
         registers) times ``r_smem``'s."""
-        _load_query(q_smem, q_tok, stride_qh, hb, num_heads)  # while the copy warpgroup gathers the first block
-        gl.thread_barrier()
-        m_i, l_i, acc, s_zero = _softmax_start()
-        if D_QK == QK_V32:
-            q_rope = _rope_query(q_tok, stride_qh, hb, num_heads)
-        for j in range(gl.cdiv(hi - lo, 2)):
-            phase = j & 1
-            for BUF in gl.static_range(2):  # the pair's blocks, one after the other
-                blk = lo + 2 * j + BUF
-                n = 2 * j + BUF  # blocks handed to warpgroup 1 before this one
+        g = 0  # key-block pairs of the items before: the phases of the ring's and the hand-over's barriers
+        for r in range(_rounds(num_tokens, num_heads, SPLITS, PERSISTENT)):
+            tok, hb, split, len0, nblk0, len1, lo, hi, i0_row, i1_row = _work_item(
+                r, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads,
+                tokens_per_len, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS)
+            q_tok = q_ptr + tok.to(gl.int64) * stride_qt
+            _load_query(q_smem, q_free, r, q_tok, stride_qh, hb, num_heads)  # as the copy warpgroup gathers
+            m_i, l_i, acc, s_zero = _softmax_start()
+            if D_QK == QK_V32:
+                q_rope = _rope_query(q_tok, stride_qh, hb, num_heads)
+            pairs = gl.cdiv(hi - lo, 2)
+            for j in range(pairs):
+                phase = (g + j) & 1
+                for BUF in gl.static_range(2):  # the pair's blocks, one after the other
+                    blk = lo + 2 * j + BUF
+                    n = 2 * (g + j) + BUF  # blocks handed to warpgroup 1 before this one
+                    # the index rows' addresses and the wgmma operands' shared-memory descriptors are rebuilt each
+                    # block from an opaque zero: hoisted out of the loop, they were spilled
+                    zero = _opaque(0)
+                    q_all = q_smem.index(zero)
+                    k_blk = k_smem.index(BUF + zero)
+                    idx = _block_indices(i0_row + zero, len0, nblk0, i1_row + zero, len1, blk, KEYS_LAYOUT)
+                    valid = (idx >= 0) & (idx < gl.where(blk < nblk0, c0_slots, c1_slots)) & (blk < hi)
+                    # both halves first: the copy warpgroup works a block ahead, and a barrier wait between two
+                    # wgmmas made ptxas move the logits' registers around it (spills)
+                    mbarrier.wait(ready.index(2 * BUF), phase)
+                    mbarrier.wait(ready.index(2 * BUF + 1), phase)
+                    fence_async_shared()  # rows copied through the generic proxy feed a wgmma
+                    s = warpgroup_mma(q_all.slice(0, HALF, dim=1), k_blk.slice(0, HALF, dim=1).permute((1, 0)),
+                                      s_zero, use_acc=False, is_async=True)
+                    s = warpgroup_mma(q_all.slice(HALF, HALF, dim=1), k_blk.slice(HALF, HALF, dim=1).permute((1, 0)),
+                                      s, is_async=True)
+                    if D_QK == QK_V32:  # the rope dims arrived with half 1
+                        s = warpgroup_mma(q_rope, r_smem.index(BUF + zero).permute((1, 0)), s, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+                    s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+                    m_new = gl.maximum(m_i, gl.max(s, 1))
+                    alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
+                    p = gl.exp2(s - gl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+                    l_i = l_i * alpha + gl.sum(p, 1)
+                    m_i = m_new
+                    p16 = p.to(gl.bfloat16)
+                    # hand over once warpgroup 1 has read the previous block's P and factors
+                    mbarrier.wait(p_free, (n & 1) ^ 1, pred=n >= 1)
+                    p_smem.index(zero).store(p16)
+                    a_smem.store(alpha)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    mbarrier.arrive(p_bar)
+                    acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
+                    acc = warpgroup_mma(gl.convert_layout(p16, P_OPERAND), k_blk.slice(0, HALF, dim=1), acc,
+                                        is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    gl.thread_barrier()
+                    mbarrier.arrive(free.index(2 * BUF))  # half 0: its last reader was this P·V
+            g += pairs
+
+            # (warpgroup 1 read the last item's m and l before it freed q's buffer)
+            m_smem.store(m_i)
+            l_smem.store(l_i)
+            gl.thread_barrier()
+            mbarrier.arrive(l_bar)
+            _store_rows(acc, m_i, l_i, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                        tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, 0)
+
+    @gluon.jit
+    def _values_partition(q_smem, k_smem, p_smem, a_smem, m_smem, l_smem, free, p_bar, p_free, l_bar, q_free,
+                          out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, order_ptr, l0_ptr, w0, i0_ptr,
+                          i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads, tokens_per_len,
+                          HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, HAS_ORDER: gl.constexpr,
+                          HAS_EXTRA: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr,
+                          PERSISTENT: gl.constexpr):
+        """Math warpgroup 1, per work item: output dims [256, 512), from warpgroup 0's P (``p_smem``) and rescale
+        factors; frees q's buffer once its output has left it."""
+        g = 0
+        for r in range(_rounds(num_tokens, num_heads, SPLITS, PERSISTENT)):
+            tok, hb, split, len0, nblk0, len1, lo, hi, i0_row, i1_row = _work_item(
+                r, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads,
+                tokens_per_len, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS)
+            acc = gl.zeros([H_BLOCK, HALF], gl.float32, layout=O_LAYOUT)
+            pairs = gl.cdiv(hi - lo, 2)
+            for j in range(pairs):
+                for BUF in gl.static_range(2):
+                    n = 2 * (g + j) + BUF
+                    zero = _opaque(0)
+                    mbarrier.wait(p_bar, n & 1)
+                    # the block's rows were fenced for the async proxy by warpgroup 0 before it published P
+                    acc = acc * a_smem.load(O_ROWS)[:, None]
+                    acc = warpgroup_mma(p_smem.index(zero), k_smem.index(BUF + zero).slice(HALF, HALF, dim=1), acc,
+                                        is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    gl.thread_barrier()
+                    mbarrier.arrive(free.index(2 * BUF + 1))  # half 1: its last reader was this P·V
+                    mbarrier.arrive(p_free)
+            g += pairs
+
+            mbarrier.wait(l_bar, r & 1)
+            _store_rows(acc, m_smem.load(O_ROWS), l_smem.load(O_ROWS), q_smem, out_ptr, lse_ptr, part_o_ptr,
+                        part_lse_ptr, sink_ptr, tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, 1)
+            gl.thread_barrier()
+            mbarrier.arrive(q_free)
+
+    @gluon.jit
+    def _paired_partition(q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar, q_free,
+                          q_ready, q_ptr, stride_qt, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                          c0_slots, c1_slots, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride,
+                          num_tokens, num_heads, tokens_per_len, qk_scale, HAS_SINK: gl.constexpr,
+                          PARTIAL: gl.constexpr, WG: gl.constexpr, D_QK: gl.constexpr, HAS_ORDER: gl.constexpr,
+                          HAS_EXTRA: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr,
+                          PERSISTENT: gl.constexpr):
+        """bf16 rows, math warpgroup ``WG``, per work item: the logits of block 2j+WG of each pair, output dims
+        [256·WG, 256·WG + 256). The warpgroups trade their row maxima (``m_smem``, 0 → 1 → 0) and each publishes its
+        P for the other; each multiplies its own P (from registers), then the other's (from ``p_smem``), by its half
+        of the two blocks' values, so one's softmax overlaps the other's wgmmas. Warpgroup 0 loads each item's q
+        (``q_ready``) once warpgroup 1's output of the item before has left q's buffer (``q_free``). 576-d (V3.2):
+        the scores add q's rope dims (held in registers) times ``r_smem``'s."""
+        OTHER: gl.constexpr = 1 - WG
+        g = 0  # key-block pairs of the items before: the phases of the ring's and the maxima's barriers
+        for r in range(_rounds(num_tokens, num_heads, SPLITS, PERSISTENT)):
+            tok, hb, split, len0, nblk0, len1, lo, hi, i0_row, i1_row = _work_item(
+                r, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads,
+                tokens_per_len, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS)
+            q_tok = q_ptr + tok.to(gl.int64) * stride_qt
+            if WG == 0:
+                _load_query(q_smem, q_free, r, q_tok, stride_qh, hb, num_heads)
+                mbarrier.arrive(q_ready)
+            else:
+                mbarrier.wait(q_ready, r & 1)
+            m_i, l_i, acc, s_zero = _softmax_start()
+            if D_QK == QK_V32:
+                q_rope = _rope_query(q_tok, stride_qh, hb, num_heads)
+            pairs = gl.cdiv(hi - lo, 2)
+            for j in range(pairs):
+                phase = (g + j) & 1
+                blk = lo + 2 * j + WG
                 # the index rows' addresses and the wgmma operands' shared-memory descriptors are rebuilt each
-                # block from an opaque zero: hoisted out of the loop, they were spilled
+                # pair from an opaque zero: hoisted out of the loop, they were spilled
                 zero = _opaque(0)
                 q_all = q_smem.index(zero)
-                k_blk = k_smem.index(BUF + zero)
+                k_own = k_smem.index(WG + zero)
+                k_other = k_smem.index(OTHER + zero)
                 idx = _block_indices(i0_row + zero, len0, nblk0, i1_row + zero, len1, blk, KEYS_LAYOUT)
                 valid = (idx >= 0) & (idx < gl.where(blk < nblk0, c0_slots, c1_slots)) & (blk < hi)
-                # both halves first: the copy warpgroup works a block ahead, and a barrier wait between two
-                # wgmmas made ptxas move the logits' registers around it (spills)
-                mbarrier.wait(ready.index(2 * BUF), phase)
-                mbarrier.wait(ready.index(2 * BUF + 1), phase)
+                # the logits, over the half this warpgroup's PV reads first, then the other half
+                mbarrier.wait(ready.index(2 * WG + WG), phase)
                 fence_async_shared()  # rows copied through the generic proxy feed a wgmma
-                s = warpgroup_mma(q_all.slice(0, HALF, dim=1), k_blk.slice(0, HALF, dim=1).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-                s = warpgroup_mma(q_all.slice(HALF, HALF, dim=1), k_blk.slice(HALF, HALF, dim=1).permute((1, 0)), s,
+                s = warpgroup_mma(q_all.slice(WG * HALF, HALF, dim=1),
+                                  k_own.slice(WG * HALF, HALF, dim=1).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
+                mbarrier.wait(ready.index(2 * WG + OTHER), phase)
+                fence_async_shared()
+                s = warpgroup_mma(q_all.slice(OTHER * HALF, HALF, dim=1),
+                                  k_own.slice(OTHER * HALF, HALF, dim=1).permute((1, 0)), s, is_async=True)
                 if D_QK == QK_V32:  # the rope dims arrived with half 1
-                    s = warpgroup_mma(q_rope, r_smem.index(BUF + zero).permute((1, 0)), s, is_async=True)
+                    s = warpgroup_mma(q_rope, r_smem.index(WG + zero).permute((1, 0)), s, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
                 s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 1))
+                m_prev = m_i
+                if WG == 1:  # start from warpgroup 0's maximum of this pair
+                    mbarrier.wait(m_bar.index(0), phase)
+                    m_prev = m_smem.index(0).load(ROWS_LAYOUT)
+                m_new = gl.maximum(m_prev, gl.max(s, 1))
                 alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
-                p = gl.exp2(s - gl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
-                l_i = l_i * alpha + gl.sum(p, 1)
+                acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
+                l_i = l_i * alpha
                 m_i = m_new
+                p = gl.exp2(s - gl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+                l_i += gl.sum(p, 1)
+                m_smem.index(WG).store(m_new)
+                gl.thread_barrier()
+                mbarrier.arrive(m_bar.index(WG))
                 p16 = p.to(gl.bfloat16)
-                # hand over once warpgroup 1 has read the previous block's P and factors
-                mbarrier.wait(p_free, (n & 1) ^ 1, pred=n >= 1)
-                p_smem.index(zero).store(p16)
-                a_smem.store(alpha)
+                acc = warpgroup_mma(gl.convert_layout(p16, P_OPERAND), k_own.slice(WG * HALF, HALF, dim=1), acc,
+                                    is_async=True)
+                if WG == 0:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    gl.thread_barrier()
+                    mbarrier.arrive(free.index(0))  # half 0L: its last reader was this PV
+                    # warpgroup 1's maximum includes this one's: move P and the accumulator onto it
+                    mbarrier.wait(m_bar.index(1), phase)
+                    m_pair = m_smem.index(1).load(ROWS_LAYOUT)
+                    beta = gl.where(m_pair == m_i, 1.0, gl.exp2(m_i - m_pair))
+                    p16 = (p16.to(gl.float32) * beta[:, None]).to(gl.bfloat16)  # (fp32 P would spill)
+                    acc = acc * gl.convert_layout(beta, O_ROWS)[:, None]
+                    l_i = l_i * beta
+                    m_i = m_pair
+                p_smem.index(WG).store(p16)
                 fence_async_shared()
                 gl.thread_barrier()
-                mbarrier.arrive(p_bar)
-                acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
-                acc = warpgroup_mma(gl.convert_layout(p16, P_OPERAND), k_blk.slice(0, HALF, dim=1), acc,
+                mbarrier.arrive(p_bar.index(WG))
+                # the other block's half: its rows (cp.async or dequantised) were fenced for the async proxy by
+                # the warpgroup that owns the block, before it published its P
+                mbarrier.wait(p_bar.index(OTHER), phase)
+                acc = warpgroup_mma(p_smem.index(OTHER + zero), k_other.slice(WG * HALF, HALF, dim=1), acc,
                                     is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 gl.thread_barrier()
-                mbarrier.arrive(free.index(2 * BUF))  # half 0: its last reader was this P·V
+                mbarrier.arrive(free.index(2 * OTHER + WG))  # this warpgroup's half of the other block
+                if WG == 1:
+                    mbarrier.arrive(free.index(2 * WG + WG))  # half 1R, read by this warpgroup alone
 
-        m_smem.store(m_i)
-        l_smem.store(l_i)
-        gl.thread_barrier()
-        mbarrier.arrive(l_bar)
-        _store_rows(acc, m_i, l_i, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                    tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, 0)
-
-    @gluon.jit
-    def _values_partition(q_smem, k_smem, p_smem, a_smem, m_smem, l_smem, free, p_bar, p_free, l_bar,
-                          out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, lo, hi,
-                          tok, hb, split, num_tokens, num_heads, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr):
-        """Math warpgroup 1: output dims [256, 512), from warpgroup 0's P (``p_smem``) and rescale factors."""
-        acc = gl.zeros([H_BLOCK, HALF], gl.float32, layout=O_LAYOUT)
-        for j in range(gl.cdiv(hi - lo, 2)):
-            for BUF in gl.static_range(2):
-                n = 2 * j + BUF
-                zero = _opaque(0)
-                mbarrier.wait(p_bar, n & 1)
-                # the block's rows were fenced for the async proxy by warpgroup 0 before it published P
-                acc = acc * a_smem.load(O_ROWS)[:, None]
-                acc = warpgroup_mma(p_smem.index(zero), k_smem.index(BUF + zero).slice(HALF, HALF, dim=1), acc,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                gl.thread_barrier()
-                mbarrier.arrive(free.index(2 * BUF + 1))  # half 1: its last reader was this P·V
-                mbarrier.arrive(p_free)
-
-        mbarrier.wait(l_bar, 0)
-        _store_rows(acc, m_smem.load(O_ROWS), l_smem.load(O_ROWS), q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
-                    sink_ptr, tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, 1)
-
-    @gluon.jit
-    def _paired_partition(q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
-                          q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                          c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
-                          tok, hb, split, num_tokens, num_heads, qk_scale,
-                          HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, WG: gl.constexpr, D_QK: gl.constexpr):
-        """bf16 rows, math warpgroup ``WG``: the logits of block 2j+WG of each pair, output dims [256·WG, 256·WG +
-        256). The warpgroups trade their row maxima (``m_smem``, 0 → 1 → 0) and each publishes its P for the other;
-        each multiplies its own P (from registers), then the other's (from ``p_smem``), by its half of the two
-        blocks' values, so one's softmax overlaps the other's wgmmas. 576-d (V3.2): the scores add q's rope dims
-        (read from ``q_tok``, held in registers) times ``r_smem``'s."""
-        OTHER: gl.constexpr = 1 - WG
-        m_i, l_i, acc, s_zero = _softmax_start()
-        if D_QK == QK_V32:
-            q_rope = _rope_query(q_tok, stride_qh, hb, num_heads)
-        for j in range(gl.cdiv(hi - lo, 2)):
-            phase = j & 1
-            blk = lo + 2 * j + WG
-            # the index rows' addresses and the wgmma operands' shared-memory descriptors are rebuilt each
-            # pair from an opaque zero: hoisted out of the loop, they were spilled
-            zero = _opaque(0)
-            q_all = q_smem.index(zero)
-            k_own = k_smem.index(WG + zero)
-            k_other = k_smem.index(OTHER + zero)
-            idx = _block_indices(i0_row + zero, len0, nblk0, i1_row + zero, len1, blk, KEYS_LAYOUT)
-            valid = (idx >= 0) & (idx < gl.where(blk < nblk0, c0_slots, c1_slots)) & (blk < hi)
-            # the logits, over the half this warpgroup's PV reads first, then the other half
-            mbarrier.wait(ready.index(2 * WG + WG), phase)
-            fence_async_shared()  # rows copied through the generic proxy feed a wgmma
-            s = warpgroup_mma(q_all.slice(WG * HALF, HALF, dim=1),
-                              k_own.slice(WG * HALF, HALF, dim=1).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-            mbarrier.wait(ready.index(2 * WG + OTHER), phase)
-            fence_async_shared()
-            s = warpgroup_mma(q_all.slice(OTHER * HALF, HALF, dim=1),
-                              k_own.slice(OTHER * HALF, HALF, dim=1).permute((1, 0)), s, is_async=True)
-            if D_QK == QK_V32:  # the rope dims arrived with half 1
-                s = warpgroup_mma(q_rope, r_smem.index(WG + zero).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-
-            s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-            m_prev = m_i
-            if WG == 1:  # start from warpgroup 0's maximum of this pair
-                mbarrier.wait(m_bar.index(0), phase)
-                m_prev = m_smem.index(0).load(ROWS_LAYOUT)
-            m_new = gl.maximum(m_prev, gl.max(s, 1))
-            alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
-            acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-            p = gl.exp2(s - gl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
-            l_i += gl.sum(p, 1)
-            m_smem.index(WG).store(m_new)
+            # both sums are relative to the pair's common maximum; add them up
+            l_smem.index(WG).store(l_i)
             gl.thread_barrier()
-            mbarrier.arrive(m_bar.index(WG))
-            p16 = p.to(gl.bfloat16)
-            acc = warpgroup_mma(gl.convert_layout(p16, P_OPERAND), k_own.slice(WG * HALF, HALF, dim=1), acc,
-                                is_async=True)
-            if WG == 0:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                gl.thread_barrier()
-                mbarrier.arrive(free.index(0))  # half 0L: its last reader was this PV
-                # warpgroup 1's maximum includes this one's: move P and the accumulator onto it
-                mbarrier.wait(m_bar.index(1), phase)
-                m_pair = m_smem.index(1).load(ROWS_LAYOUT)
-                beta = gl.where(m_pair == m_i, 1.0, gl.exp2(m_i - m_pair))
-                p16 = (p16.to(gl.float32) * beta[:, None]).to(gl.bfloat16)  # (fp32 P would spill)
-                acc = acc * gl.convert_layout(beta, O_ROWS)[:, None]
-                l_i = l_i * beta
-                m_i = m_pair
-            p_smem.index(WG).store(p16)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(p_bar.index(WG))
-            # the other block's half: its rows (cp.async or dequantised) were fenced for the async proxy by
-            # the warpgroup that owns the block, before it published its P
-            mbarrier.wait(p_bar.index(OTHER), phase)
-            acc = warpgroup_mma(p_smem.index(OTHER + zero), k_other.slice(WG * HALF, HALF, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            gl.thread_barrier()
-            mbarrier.arrive(free.index(2 * OTHER + WG))  # this warpgroup's half of the other block
+            mbarrier.arrive(l_bar)
+            mbarrier.wait(l_bar, r & 1)
+            l_all = l_smem.index(0).load(ROWS_LAYOUT) + l_smem.index(1).load(ROWS_LAYOUT)
+            _store_rows(acc, m_i, l_all, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                        tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, WG)
+            g += pairs
             if WG == 1:
-                mbarrier.arrive(free.index(2 * WG + WG))  # half 1R, read by this warpgroup alone
-
-        # both sums are relative to the pair's common maximum; add them up
-        l_smem.index(WG).store(l_i)
-        gl.thread_barrier()
-        mbarrier.arrive(l_bar)
-        mbarrier.wait(l_bar, 0)
-        l_all = l_smem.index(0).load(ROWS_LAYOUT) + l_smem.index(1).load(ROWS_LAYOUT)
-        _store_rows(acc, m_i, l_all, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                    tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, WG)
+                gl.thread_barrier()
+                mbarrier.arrive(q_free)
 
     @gluon.jit
     def _store_rows(acc, m_i, l_i, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
@@ -619,6 +749,7 @@ if gluon is not None:
         num_tokens, num_heads, tokens_per_len, qk_scale,
         FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
         HAS_ORDER: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, D_QK: gl.constexpr,
+        PERSISTENT: gl.constexpr = False,
     ):
         # the copy side branches on FMT, the buffers and the math side on D_QK: only these pairs agree
         gl.static_assert((FMT == BF16) & ((D_QK == DIM) | (D_QK == QK_V32)) | (FMT == FP8_V4) & (D_QK == DIM)
@@ -629,12 +760,7 @@ if gluon is not None:
         # bf16 rows (cp.async: math-bound) go to two paired math warpgroups that share the logits, fp8 rows (bound
         # by the copy warpgroup's gathers and dequantisation) to a logits warpgroup and a values warpgroup
         PAIRED: gl.constexpr = FMT == BF16
-        head_blocks = gl.cdiv(num_heads, H_BLOCK)
-        tok = gl.program_id(0) // head_blocks
-        if HAS_ORDER:  # as triton_attention._ordered_token
-            tok = gl.minimum(gl.maximum(gl.load(order_ptr + tok), 0), num_tokens - 1)
-        hb = gl.program_id(0) % head_blocks
-        split = gl.program_id(1)
+        PARTIAL: gl.constexpr = (SPLITS > 1) | (SPLIT_BLOCKS > 0)  # write a split's partial row, not the output
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, H_BLOCK, DIM], smem_layout)  # indexed: see the loop
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DIM], smem_layout)
@@ -652,6 +778,8 @@ if gluon is not None:
         p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for b in gl.static_range(4):
             if FMT == BF16:
                 mbarrier.init(ready.index(b), count=WARPS * 32)  # every copying thread's cp.async arrival
@@ -665,55 +793,47 @@ if gluon is not None:
             mbarrier.init(p_bar.index(b), count=1)
         mbarrier.init(p_free, count=1)
         mbarrier.init(l_bar, count=2 if PAIRED else 1)
-
-        q_tok = q_ptr + tok.to(gl.int64) * stride_qt
-        if PAIRED:  # both paired warpgroups read q: loaded before they start. fp8: the logits warpgroup loads it
-            # while the copy warpgroup already gathers the first block (a program's first block waits less)
-            _load_query(q_smem, q_tok, stride_qh, hb, num_heads)
-
-        len_row = tok // tokens_per_len  # as triton_attention's kernel
-        len0 = gl.minimum(gl.maximum(gl.load(l0_ptr + len_row), 0), w0)
-        nblk0 = gl.cdiv(len0, BLOCK_N)
-        len1 = len0 * 0
-        if HAS_EXTRA:
-            len1 = gl.minimum(gl.maximum(gl.load(l1_ptr + len_row), 0), w1)
-        nblk1 = gl.cdiv(len1, BLOCK_N)
-        if SPLIT_BLOCKS > 0:  # batch-invariant: as triton_attention's kernel
-            per_split = SPLIT_BLOCKS
-        else:
-            per_split = gl.cdiv(nblk0 + nblk1, SPLITS)
-        lo = split * per_split
-        hi = gl.minimum(lo + per_split, nblk0 + nblk1)
-        PARTIAL: gl.constexpr = (SPLITS > 1) | (SPLIT_BLOCKS > 0)  # write a split's partial row, not the output
-        i0_row = i0_ptr + tok.to(gl.int64) * i0_stride
-        i1_row = i1_ptr + tok.to(gl.int64) * i1_stride
+        mbarrier.init(q_free, count=1)
+        mbarrier.init(q_ready, count=1)
         gl.thread_barrier()
 
-        # (the partition lists are spelled out: a JIT function cannot be held in a variable)
+        # (the partition lists are spelled out: a JIT function cannot be held in a variable, and a tuple variable
+        # would turn the constexprs in it into tensors)
         if PAIRED:
             gl.warp_specialize([
-                (_copy_partition, (k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
-                                   c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT, BS0, BS1, D_QK)),
+                (_copy_partition, (k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0,
+                                   c1_slots, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride,
+                                   num_tokens, num_heads, tokens_per_len, FMT, BS0, BS1, D_QK, HAS_ORDER, HAS_EXTRA,
+                                   SPLITS, SPLIT_BLOCKS, PERSISTENT)),
                 (_paired_partition, (q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
-                                     q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                                     c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
-                                     tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, PARTIAL, 0, D_QK)),
+                                     q_free, q_ready, q_ptr, stride_qt, stride_qh, out_ptr, lse_ptr, part_o_ptr,
+                                     part_lse_ptr, sink_ptr, c0_slots, c1_slots, order_ptr, l0_ptr, w0, i0_ptr,
+                                     i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads, tokens_per_len,
+                                     qk_scale, HAS_SINK, PARTIAL, 0, D_QK, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS,
+                                     PERSISTENT)),
                 (_paired_partition, (q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
-                                     q_tok, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                                     c0_slots, i0_row, len0, nblk0, c1_slots, i1_row, len1, lo, hi,
-                                     tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK, PARTIAL, 1, D_QK)),
+                                     q_free, q_ready, q_ptr, stride_qt, stride_qh, out_ptr, lse_ptr, part_o_ptr,
+                                     part_lse_ptr, sink_ptr, c0_slots, c1_slots, order_ptr, l0_ptr, w0, i0_ptr,
+                                     i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads, tokens_per_len,
+                                     qk_scale, HAS_SINK, PARTIAL, 1, D_QK, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS,
+                                     PERSISTENT)),
             ], [WARPS, WARPS], [PAIRED_REGS_BF16, PAIRED_REGS_BF16])
         else:
             logits_regs: gl.constexpr = LOGITS_REGS_V4 if FMT == FP8_V4 else LOGITS_REGS_V32
             gl.warp_specialize([
-                (_copy_partition, (k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, i0_row, len0, nblk0,
-                                   c1_ptr, c1_stride0, c1_slots, i1_row, len1, lo, hi, FMT, BS0, BS1, D_QK)),
+                (_copy_partition, (k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0,
+                                   c1_slots, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride,
+                                   num_tokens, num_heads, tokens_per_len, FMT, BS0, BS1, D_QK, HAS_ORDER, HAS_EXTRA,
+                                   SPLITS, SPLIT_BLOCKS, PERSISTENT)),
                 (_logits_partition, (q_smem, k_smem, r_smem, p_smem, a_smem, m_smem.index(0), l_smem.index(0), ready,
-                                     free, p_bar.index(0), p_free, l_bar, q_tok, stride_qh, out_ptr, lse_ptr,
-                                     part_o_ptr, part_lse_ptr, sink_ptr, c0_slots, i0_row, len0, nblk0, c1_slots,
-                                     i1_row, len1, lo, hi, tok, hb, split, num_tokens, num_heads, qk_scale, HAS_SINK,
-                                     PARTIAL, D_QK)),
+                                     free, p_bar.index(0), p_free, l_bar, q_free, q_ptr, stride_qt, stride_qh, out_ptr,
+                                     lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, c0_slots, c1_slots, order_ptr,
+                                     l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens,
+                                     num_heads, tokens_per_len, qk_scale, HAS_SINK, PARTIAL, D_QK, HAS_ORDER,
+                                     HAS_EXTRA, SPLITS, SPLIT_BLOCKS, PERSISTENT)),
                 (_values_partition, (q_smem, k_smem, p_smem, a_smem, m_smem.index(0), l_smem.index(0), free,
-                                     p_bar.index(0), p_free, l_bar, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
-                                     sink_ptr, lo, hi, tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL)),
+                                     p_bar.index(0), p_free, l_bar, q_free, out_ptr, lse_ptr, part_o_ptr,
+                                     part_lse_ptr, sink_ptr, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1,
+                                     i1_ptr, i1_stride, num_tokens, num_heads, tokens_per_len, HAS_SINK, PARTIAL,
+                                     HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS, PERSISTENT)),
             ], [WARPS, WARPS], [logits_regs, VALUES_WG_REGS])

@@ -443,14 +443,16 @@ class AttentionPlan:
     :data:`INVARIANT_SPLIT_BLOCKS`. pages_16_byte_aligned: whether every cache the calls pass has a 16-byte
     aligned base and page stride. scratch: keep the split partials' buffers in the plan (a plan used on one
     stream, as the layer's are) instead of allocating them per call. The remaining keyword arguments override
-    tuned launch choices (benchmarks sweep them).
+    tuned launch choices (benchmarks sweep them; ``persistent``: the Gluon kernel's persistent programs,
+    ``gluon_attention.persistent``).
     """
 
     def __init__(self, q_shape: tuple[int, int, int], device: torch.device, scopes: list, has_sink: bool,
                  has_order: bool, *, batch_invariant: bool = False, pages_16_byte_aligned: bool = True,
                  scratch: bool = False, ragged: tuple[bool, ...] = (), combined: bool = False, q_fp8: bool = False,
                  tokens_per_len: int = 1, block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, h_block: int | None = None, gluon: int | None = None) -> None:
+                 num_stages: int | None = None, h_block: int | None = None, gluon: int | None = None,
+                 persistent: bool | None = None) -> None:
         num_tokens, num_heads, dim = q_shape
         formats = frozenset(f.name for f, _, _ in scopes)
         interpret = device.type != "cuda"
@@ -485,6 +487,11 @@ class AttentionPlan:
             # every scope of one format: fp8_v4 or bf16 (512-d), fp8_v32 or bf16 (576-d)
             constants.update(FMT=f0.code, D_QK=dim)
             options = {"num_warps": gluon_attention.PARTITION_WARPS}
+            # a program per work item (token × head block × split), or persistent: one per SM, taking items in turn
+            items, sms = num_tokens * head_blocks * splits, num_sms(device)
+            constants["PERSISTENT"] = (gluon_attention.persistent(items, max_blocks, sms) if persistent is None
+                                       else persistent)
+            self.grid = (sms if constants["PERSISTENT"] else items,)
         else:
             pa, pb, pc, v_has_rope = latent_pieces(dim)
             constants.update(FMT0=f0.code, FMT1=f1.code, PA=pa, PB=pb, PC=pc,
@@ -494,9 +501,9 @@ class AttentionPlan:
                              COMBINED=combined)
             options = {} if interpret else {"num_warps": num_warps or 8,
                                             "num_stages": num_stages or default_stages(formats)}
+            self.grid = (num_tokens * head_blocks, splits)
         self._constants, self._options = tuple(constants.items()), tuple(options.items())
         self.attention = _launch(self.kernel, self._constants, self._options)
-        self.grid = (num_tokens * head_blocks, splits)
         self.combine = _launch("combine", (("SPLITS", splits), ("HAS_SINK", has_sink)), ()) if self.partial else None
 
     def _partials(self) -> tuple[torch.Tensor, torch.Tensor]:
