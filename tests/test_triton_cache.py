@@ -46,6 +46,35 @@ def test_insert_is_bit_identical_to_reference(fmt, dim, block_size):
     assert torch.equal(ref.view(torch.int16), got.view(torch.int16))
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("fmt,dim", [("fp8_v32", 576), ("bf16", 512)])
+def test_gather_into_out_writes_those_rows_only(fmt, dim, backend):
+    gen = torch.Generator().manual_seed(dim)
+    cache = allocate_cache(fmt, 3, 4, DEVICE, dim)
+    quantize_and_insert(hard_values(gen, 12, dim).to(DEVICE), cache, torch.arange(12, device=DEVICE))
+    slots = torch.tensor([[7, -1, 0], [11, 3, 3]], dtype=torch.int32, device=DEVICE)
+    want = dequantize_and_gather(cache, slots, backend=backend)
+    workspace = torch.full((9, dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got = dequantize_and_gather(cache, slots.view(-1), backend=backend, out=workspace[2:8])
+    assert got.data_ptr() == workspace[2].data_ptr()
+    assert torch.equal(workspace[2:8].view(torch.int16), want.view(-1, dim).view(torch.int16))
+    assert workspace[:2].isnan().all() and workspace[8:].isnan().all(), "nothing written outside out"
+
+
+def test_gather_into_out_checks_it():
+    cache = allocate_cache("bf16", 2, 4, DEVICE)
+    slots = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    ws = torch.empty(4, 512, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="^out must have shape"):
+        dequantize_and_gather(cache, slots, out=ws)
+    with pytest.raises(ValueError, match="^out must have dtype"):
+        dequantize_and_gather(cache, slots, out=ws[:2].float())
+    with pytest.raises(ValueError, match="^out must be contiguous"):
+        dequantize_and_gather(cache, slots, out=ws.view(2, 1024)[:, :512])
+    with pytest.raises(ValueError, match="^out overlaps cache"):
+        dequantize_and_gather(cache, slots, out=cache.view(8, 512)[6:])
+
+
 def test_out_of_range_slots_are_skipped_or_rejected(monkeypatch):
     kv = torch.ones(2, 512, dtype=torch.bfloat16, device=DEVICE)
     cache = allocate_cache("fp8_v4", 1, 4, DEVICE)

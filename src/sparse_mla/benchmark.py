@@ -234,8 +234,8 @@ def flash_mla_prefill(flash_mla: ModuleType, step: Step, layer: SparseMLAAttenti
         ws = ws_all[: chunk.num_rows]
         n_c = chunk.compressed_slots.shape[0]
         if n_c:
-            ws[:n_c] = dequantize_and_gather(data[layer.kind], chunk.compressed_slots)
-        ws[n_c:] = dequantize_and_gather(data["swa"], chunk.swa_slots)
+            dequantize_and_gather(data[layer.kind], chunk.compressed_slots, out=ws[:n_c])
+        dequantize_and_gather(data["swa"], chunk.swa_slots, out=ws[n_c:])
         idx, _ = workspace_indices(meta, chunk, local)
         out[chunk.tokens] = flash_mla.flash_mla_sparse_fwd(
             q[chunk.tokens], ws.unsqueeze(1), idx.unsqueeze(1), layer.scale, D_V, layer.sink, None,

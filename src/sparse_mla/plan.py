@@ -244,11 +244,11 @@ class LayerPlan:
             ws = ws_all[: chunk.num_rows]
             n_c = chunk.compressed_slots.shape[0]
             if n_c:
-                ws[:n_c] = dequantize_and_gather(by_kind[kind], chunk.compressed_slots, backend=self.backend,
-                                                 kv_scale=kv_scale)
+                dequantize_and_gather(by_kind[kind], chunk.compressed_slots, backend=self.backend, kv_scale=kv_scale,
+                                      out=ws[:n_c])
             if chunk.swa_slots.shape[0]:
-                ws[n_c:] = dequantize_and_gather(by_kind["swa"], chunk.swa_slots, backend=self.backend,
-                                                 kv_scale=kv_scale)
+                dequantize_and_gather(by_kind["swa"], chunk.swa_slots, backend=self.backend, kv_scale=kv_scale,
+                                      out=ws[n_c:])
             idx, lens = workspace_indices(meta, chunk, kept_picks)
             sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, sink, scale, backend=self.backend,
                                      out=out[chunk.tokens], batch_invariant=self.batch_invariant)

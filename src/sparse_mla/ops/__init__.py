@@ -153,13 +153,16 @@ def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, slot_mapping:
 
 
 def dequantize_and_gather(cache: torch.Tensor, slots: torch.Tensor, fmt: str | None = None,
-                          backend: str = "auto", kv_scale: float | torch.Tensor | None = None) -> torch.Tensor:
+                          backend: str = "auto", kv_scale: float | torch.Tensor | None = None,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantised tokens at ``slots`` (any shape; ``-1`` reads as zeros): ``slots.shape + (d,)`` bf16
-    (an fp8_e4m3 cache needs its ``kv_scale``)."""
+    (an fp8_e4m3 cache needs its ``kv_scale``), written into ``out`` when given (that shape, contiguous: e.g.
+    rows of a prefill workspace)."""
     if backend_for(backend, cache, "cache") == "reference":
-        return reference.dequantize_and_gather(*gather_args(cache, slots, fmt, kv_scale=kv_scale), slots)
-    return triton_cache.dequantize_and_gather(*gather_args(cache, slots, fmt, debug_checks_enabled(), kv_scale),
-                                              slots)
+        rows = reference.dequantize_and_gather(*gather_args(cache, slots, fmt, kv_scale=kv_scale, out=out), slots)
+        return rows if out is None else out.copy_(rows)
+    return triton_cache.dequantize_and_gather(*gather_args(cache, slots, fmt, debug_checks_enabled(), kv_scale, out),
+                                              slots, out)
 
 
 __all__ = ["sparse_attention_decode", "sparse_attention_prefill", "quantize_and_insert", "dequantize_and_gather",

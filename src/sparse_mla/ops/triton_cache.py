@@ -153,10 +153,12 @@ def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, fmt: formats.
 
 
 def dequantize_and_gather(cache: torch.Tensor, fmt: formats.KVFormat, kv_scale: torch.Tensor | None,
-                          slots: torch.Tensor) -> torch.Tensor:
-    """Launch the gather kernel: ``slots`` (any shape) -> ``slots.shape + (d,)`` bf16."""
+                          slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the gather kernel: ``slots`` (any shape) -> ``slots.shape + (d,)`` bf16 (into ``out``, checked by
+    ``gather_args``, when given)."""
     flat = slots.reshape(-1).contiguous()
-    out = torch.empty(flat.numel(), fmt.dim, dtype=torch.bfloat16, device=cache.device)
+    if out is None:
+        out = torch.empty(flat.numel(), fmt.dim, dtype=torch.bfloat16, device=cache.device)
     if flat.numel():
         pa, pb, pc, _ = latent_pieces(fmt.dim)
         _gather_kernel[(flat.numel(),)](cache, cache.stride(0), cache.shape[0] * cache.shape[1], flat, out,

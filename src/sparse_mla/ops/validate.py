@@ -296,12 +296,18 @@ def insert_args(kv_new, cache, slot_mapping, fmt=None, check_values: bool = True
     return kv_new, cache, f, slot_mapping.contiguous(), cache_scale(f, kv_scale, cache.device, check_values)
 
 
-def gather_args(cache, slots, fmt=None, check_ranges: bool = True, kv_scale=None
+def gather_args(cache, slots, fmt=None, check_ranges: bool = True, kv_scale=None, out=None
                 ) -> tuple[torch.Tensor, KVFormat, torch.Tensor | None]:
-    """Check ``dequantize_and_gather``'s arguments; returns the paged cache view, its format and the fp8_e4m3
-    cache's ``kv_scale`` ``(1,)`` float32 (None for the other formats)."""
+    """Check ``dequantize_and_gather``'s arguments (``out``, when given: ``slots.shape + (d,)`` bf16, contiguous,
+    apart from the cache and slots); returns the paged cache view, its format and the fp8_e4m3 cache's
+    ``kv_scale`` ``(1,)`` float32 (None for the other formats)."""
     cache, f = resolve_cache(cache, fmt)
     check_tensor("slots", slots, dtype=(torch.int32, torch.int64), device=cache.device)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(*slots.shape, f.dim), device=cache.device)
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        check_no_overlap("out", out, {"cache": cache, "slots": slots})
     if check_ranges:
         check_index_range("slots", slots, cache.shape[0] * cache.shape[1])
     return cache, f, cache_scale(f, kv_scale, cache.device, check_ranges)
