@@ -1,7 +1,7 @@
 """Compile the attention kernel for sm_90 on this machine (no GPU needed): registers, spills, key loop.
 
     python3 scripts/sm90_report.py [--fmt fp8_v4|fp8_v32|bf16] [--dim 512|576] [--heads 64] [--block-n 64]
-                                   [--kernel triton|gluon] [--persistent]
+                                   [--kernel triton|gluon] [--persistent] [--tail]
                                    [--warps 8] [--stages 1] [--dump DIR]
 
 Triton compiles for a GPUTarget without a device; ptxas then gives the register count and spill
@@ -81,6 +81,8 @@ def main() -> None:
     parser.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
                         help="gluon: the Hopper kernel of gluon_attention (needs a Triton with Gluon)")
     parser.add_argument("--persistent", action="store_true", help="gluon: the persistent programs' variant")
+    parser.add_argument("--tail", action="store_true",
+                        help="gluon: the last tokens' lists cut in 4 pieces, the others' whole (TAIL)")
     parser.add_argument("--dump", type=pathlib.Path)
     args = parser.parse_args()
     fixed_dim = {"fp8_v4": 512, "fp8_v32": 576}.get(args.fmt)  # bf16 takes either width
@@ -102,7 +104,9 @@ def main() -> None:
     constexprs = dict(FMT0=fmt, FMT1=fmt, BS0=256, BS1=64, HAS_EXTRA=True, HAS_SINK=True, HAS_ORDER=True, PA=pa,
                       PB=pb, PC=pc, V_HAS_ROPE=v_has_rope, H_BLOCK=args.heads, BLOCK_N=args.block_n, SPLITS=1,
                       SPLIT_BLOCKS=0, DOT=tl.bfloat16, Q_FP8=False, RAGGED0=False, RAGGED1=False, COMBINED=False,
-                      PERSISTENT=args.persistent)
+                      PERSISTENT=args.persistent, TAIL=args.tail)
+    if args.tail:
+        constexprs["SPLITS"] = 4
     constexprs.update(FMT=fmt, D_QK=args.dim)  # the Gluon kernel's one format code and its q·k width
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     sig, attrs = _signature(kernel, constexprs, "*bf16" if args.fmt == "bf16" else "*u8")

@@ -474,22 +474,98 @@ def test_attention_kernel_names_what_runs():
         attention_kernel("cuda", q, cache.data)
 
 
-@pytest.mark.parametrize("tokens,heads,blocks,want", [
-    (148, 16, 32, 4),    # the docstring's example: 2 waves unsplit, the last nearly empty
-    (148, 128, 32, 1),   # 296 programs of 128-head tokens: the partials cost more than the shorter last wave
-    (128, 64, 32, 1),    # one whole wave
-    (256, 64, 10, 1),    # two whole waves
-    (4096, 64, 20, 1),   # large grids stay unsplit
-    (40, 64, 32, 3),     # a third of the SMs: split to fill them (132 // 40)
-    (40, 64, 1, 1),      # a one-block list is never split
-    (0, 64, 32, 1),      # no token
+@pytest.mark.parametrize("tokens,heads,blocks,want,want_tails", [
+    (148, 16, 32, (4, 148), (8, 16)),  # the docstring's example: 2 waves unsplit, the last nearly empty
+    # 296 programs of 128-head tokens: cutting every list costs more in partials than the short last wave does;
+    # cutting the last wave's 16 tokens' lists in 4 fills the SMs the whole lists leave idle
+    (148, 128, 32, (1, 0), (4, 16)),
+    (296, 128, 32, (1, 0), (2, 32)),  # the last of 5 waves half full: every list in 2 gains under 15 %, a tail 7 %
+    (128, 64, 32, (1, 0), (1, 0)),  # one whole wave
+    (200, 64, 32, (1, 0), (1, 0)),  # the last wave more than half full
+    (256, 64, 10, (1, 0), (1, 0)),  # two whole waves
+    (4096, 64, 20, (1, 0), (1, 0)),  # large grids stay unsplit
+    (40, 64, 32, (3, 40), (3, 40)),  # a third of the SMs: every list split to fill them (132 // 40)
+    (40, 64, 1, (1, 0), (1, 0)),  # a one-block list is never split
+    (0, 64, 32, (1, 0), (1, 0)),  # no token
 ])
-def test_choose_splits_on_an_h100_sized_gpu(monkeypatch, tokens, heads, blocks, want):
+def test_choose_splits_on_an_h100_sized_gpu(monkeypatch, tokens, heads, blocks, want, want_tails):
     from sparse_mla.ops import triton_attention
 
     monkeypatch.setattr(triton_attention, "num_sms", lambda device: 132)
     head_blocks = -(-heads // 64)
-    assert triton_attention.choose_splits(tokens, heads, head_blocks, blocks, torch.device("cuda")) == want
+    device = torch.device("cuda")
+    assert triton_attention.choose_splits(tokens, heads, head_blocks, blocks, device) == want
+    assert triton_attention.choose_splits(tokens, heads, head_blocks, blocks, device, tails=True) == want_tails
+
+
+def test_a_tail_split_needs_the_gluon_kernel():
+    from sparse_mla.ops import triton_attention
+    from sparse_mla.ops.validate import decode_args
+
+    gen = torch.Generator().manual_seed(3)
+    cache, idx, lens = random_scope(gen, "bf16", 512, 4, 40, 8, 64)
+    args = decode_args(torch.randn(4, 16, 512, generator=gen).to(torch.bfloat16).to(DEVICE), cache.data, idx, lens)
+    with pytest.raises(ValueError, match="tail=2 needs the Gluon kernel"):
+        triton_attention.run(args, splits=2, tail=2, gluon=0)
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_the_combine_of_a_tail_split_merges_those_tokens_rows_only(ordered):
+    """``TAIL``: the combine takes the token slots from ``first_slot`` on (through the order), merges their pieces
+    by LSE (an empty piece skipped) with the sink, and leaves every other token's row alone."""
+    from sparse_mla.ops import triton_attention
+
+    tokens, heads, splits, first = 6, 3, 2, 4
+    gen = torch.Generator().manual_seed(int(ordered))
+    order = torch.randperm(tokens, generator=gen).int() if ordered else torch.arange(tokens, dtype=torch.int32)
+    part_o = torch.randn(splits, tokens, heads, 512, generator=gen)
+    part_lse = torch.randn(splits, tokens, heads, generator=gen)
+    part_lse[1, order[first], 0] = float("-inf")  # an empty piece
+    sink = torch.randn(heads, generator=gen)
+    out = torch.full((tokens, heads, 512), 7.0, dtype=torch.bfloat16)
+    lse = torch.full((tokens, heads), 7.0)
+    t = [x.to(DEVICE) for x in (part_o, part_lse, out, lse, sink, order)]
+    triton_attention._combine_kernel[((tokens - first) * heads,)](*t, tokens * heads, heads, first, SPLITS=splits,
+                                                                  HAS_SINK=True, TAIL=True, HAS_ORDER=ordered)
+    got_out, got_lse = t[2].cpu(), t[3].cpu()
+    cut = order[first:].long()
+    want_lse = torch.logsumexp(part_lse[:, cut], 0)
+    weights = torch.exp(part_lse[:, cut] - want_lse) / (1 + torch.exp(sink - want_lse))
+    want_out = (weights[..., None] * part_o[:, cut]).sum(0)
+    assert rel_err(got_out[cut], want_out) < 1e-2 and torch.allclose(got_lse[cut], want_lse, atol=1e-5)
+    rest = order[:first].long()
+    assert (got_out[rest] == 7).all() and (got_lse[rest] == 7).all(), "the whole tokens' rows are not the combine's"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("fmt,dim", [("fp8_v32", 576), ("bf16", 576), ("fp8_v4", 512)])  # both warpgroup layouts
+@pytest.mark.parametrize("num_tokens,tail,ordered", [(7, 3, False), (150, 18, True)])
+def test_tail_splits_cut_only_the_last_tokens_lists(fmt, dim, num_tokens, tail, ordered):
+    """The Gluon kernel with only the last ``tail`` tokens' lists cut (whole lists first, then those tokens'
+    pieces, merged by the combine over those tokens alone, through the order when given) matches the reference;
+    the whole tokens' rows are bitwise those of an unsplit launch, and persistent programs give the same bits."""
+    from sparse_mla.ops import dispatch, longest_first, triton_attention
+    from sparse_mla.ops.validate import decode_args
+
+    if not dispatch.gluon_fits(torch.device(DEVICE), dim, frozenset({fmt}), True):
+        pytest.skip("no Hopper GPU with a validated Gluon here")
+    gen = torch.Generator().manual_seed(num_tokens + tail + dim + len(fmt))
+    (c0, i0, l0), (c1, i1, l1) = (random_scope(gen, fmt, dim, num_tokens, 128, 8, 64),
+                                  random_scope(gen, fmt, dim, num_tokens, 700, 16, 64))
+    q = torch.randn(num_tokens, 128, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    kw = dict(extra_cache=c1.data, extra_indices=i1, extra_lens=l1, sink=random_sink(gen, 128))
+    order = longest_first(l0, l1) if ordered else torch.arange(num_tokens, dtype=torch.int32, device=DEVICE)
+    args = decode_args(q, c0.data, i0, l0, **kw, order=order if ordered else None)
+    plan = triton_attention.plan_for(args, splits=4, tail=tail, gluon=1, persistent=False)
+    assert plan.tail == tail and plan.grid == (2 * (num_tokens + 3 * tail),)  # 2 head blocks, 4 pieces
+    out, lse = triton_attention.run(args, splits=4, tail=tail, gluon=1, persistent=False)
+    check_close((out, lse), sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw))
+    whole_out, whole_lse = triton_attention.run(args, splits=1, gluon=1, persistent=False)
+    whole = order[: num_tokens - tail].long()
+    assert torch.equal(out[whole], whole_out[whole]) and torch.equal(lse[whole], whole_lse[whole])
+    if ordered:
+        persistent = triton_attention.run(args, splits=4, tail=tail, gluon=1, persistent=True)
+        assert torch.equal(persistent[0], out) and torch.equal(persistent[1], lse)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on Hopper GPUs only")

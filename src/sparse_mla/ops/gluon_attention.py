@@ -2,9 +2,11 @@
 
 Same contract and arguments as ``triton_attention``'s kernel, for the cases that dominate serving
 on an sm_90 GPU: every scope ``fp8_v4`` / ``fp8_v32`` (decode, paged-direct prefill) or every scope ``bf16``
-(workspace prefill, bf16 caches). A work item is one query token × 64 heads × one split of the key list;
-a program takes one item, or, launched persistent (``persistent``: many short items), one program per SM takes
-items in turn, so that an item's q load and output store overlap the next item's first gathers. A program is
+(workspace prefill, bf16 caches). A work item is one query token × 64 heads × one split of the key list (every
+token's list cut alike, or with ``TAIL`` just the last tokens', whose pieces fill the SMs the others' whole lists
+leave idle: ``triton_attention.choose_splits``); a program takes one item, or, launched persistent
+(``persistent``: many short items), one program per SM takes items in turn, so that an item's q load and output
+store overlap the next item's first gathers. A program is
 three warpgroups that run out of step, synchronised by mbarriers only:
 
 * A copy warpgroup fills two shared buffers of 64 keys, one 256-dim half of a block at a time, each half as
@@ -273,12 +275,15 @@ if gluon is not None:
         return heads, factor, dst
 
     @gluon.jit
-    def _rounds(num_tokens, num_heads, SPLITS: gl.constexpr, PERSISTENT: gl.constexpr):
+    def _rounds(num_tokens, num_heads, tail, SPLITS: gl.constexpr, TAIL: gl.constexpr, PERSISTENT: gl.constexpr):
         """How many work items this program takes (:func:`_work_item`): one per round, in rounds of one item per
         program, the last one partial; one without ``PERSISTENT`` (a program per item: the item loop folds away,
         and with it its cost, some 5 % of a V3.2 item on the H100)."""
         if PERSISTENT:
-            items = num_tokens * gl.cdiv(num_heads, H_BLOCK) * SPLITS
+            if TAIL:
+                items = (num_tokens + tail * (SPLITS - 1)) * gl.cdiv(num_heads, H_BLOCK)
+            else:
+                items = num_tokens * gl.cdiv(num_heads, H_BLOCK) * SPLITS
             programs = gl.num_programs(0)
             full = items // programs
             rest = items % programs
@@ -290,22 +295,32 @@ if gluon is not None:
 
     @gluon.jit
     def _work_item(r, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens,
-                   num_heads, tokens_per_len, HAS_ORDER: gl.constexpr, HAS_EXTRA: gl.constexpr, SPLITS: gl.constexpr,
-                   SPLIT_BLOCKS: gl.constexpr):
+                   num_heads, tokens_per_len, tail, HAS_ORDER: gl.constexpr, HAS_EXTRA: gl.constexpr,
+                   SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, TAIL: gl.constexpr):
         """This program's work item of round ``r``: one query token × 64 heads × one split of its key list, as
         ``(tok, hb, split, len0, nblk0, len1, lo, hi, i0_row, i1_row)`` (``[lo, hi)``: its key blocks, the two
         scopes' blocks in sequence; the scopes' index rows). Items are numbered split-major, then token slot
         (through ``order``), then head block (a token's head blocks, which read the same keys, run side by side);
         round r gives item ``r·P + p`` to program p of P, every odd round in reverse, so that longest-first
-        tokens even out over the programs."""
+        tokens even out over the programs. With ``TAIL`` only the last ``tail`` token slots are split: the other
+        tokens' whole lists come first, as items of split -1 (they write the output, not a partial row), then the
+        pieces of the last tokens, split-major, which fill the SMs that the whole items leave idle at the end."""
         head_blocks = gl.cdiv(num_heads, H_BLOCK)
-        rows = num_tokens * head_blocks
         programs = gl.num_programs(0)
         pid = gl.program_id(0)
         item = r * programs + gl.where(r % 2 == 0, pid, programs - 1 - pid)
-        split = item // rows
-        tok = (item % rows) // head_blocks
-        hb = item % head_blocks
+        if TAIL:
+            whole = (num_tokens - tail) * head_blocks
+            cut = tail * head_blocks
+            piece = gl.maximum(item - whole, 0)
+            split = gl.where(item >= whole, piece // cut, -1)
+            row = gl.where(item >= whole, whole + piece % cut, item)
+        else:
+            rows = num_tokens * head_blocks
+            split = item // rows
+            row = item % rows
+        tok = row // head_blocks
+        hb = row % head_blocks
         if HAS_ORDER:  # as triton_attention._ordered_token
             tok = gl.minimum(gl.maximum(gl.load(order_ptr + tok), 0), num_tokens - 1)
         len_row = tok // tokens_per_len  # as triton_attention's kernel
@@ -317,9 +332,11 @@ if gluon is not None:
         nblk1 = gl.cdiv(len1, BLOCK_N)
         if SPLIT_BLOCKS > 0:  # batch-invariant: as triton_attention's kernel
             per_split = SPLIT_BLOCKS
+        elif TAIL:
+            per_split = gl.where(split >= 0, gl.cdiv(nblk0 + nblk1, SPLITS), nblk0 + nblk1)
         else:
             per_split = gl.cdiv(nblk0 + nblk1, SPLITS)
-        lo = split * per_split
+        lo = gl.maximum(split, 0) * per_split
         hi = gl.maximum(gl.minimum(lo + per_split, nblk0 + nblk1), lo)  # a split past the list's end: no blocks
         return (tok, hb, split, len0, nblk0, len1, lo, hi, i0_ptr + tok.to(gl.int64) * i0_stride,
                 i1_ptr + tok.to(gl.int64) * i1_stride)
@@ -377,10 +394,9 @@ if gluon is not None:
     @gluon.jit
     def _copy_partition(k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots,
                         order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads,
-                        tokens_per_len, FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, D_QK: gl.constexpr,
-                        HAS_ORDER: gl.constexpr, HAS_EXTRA: gl.constexpr, SPLITS: gl.constexpr,
-                        SPLIT_BLOCKS: gl.constexpr,
-                          PERSISTENT: gl.constexpr):
+                        tokens_per_len, tail, FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr,
+                        D_QK: gl.constexpr, HAS_ORDER: gl.constexpr, HAS_EXTRA: gl.constexpr, SPLITS: gl.constexpr,
+                        SPLIT_BLOCKS: gl.constexpr, TAIL: gl.constexpr, PERSISTENT: gl.constexpr):
         """Gather each pair of key blocks of each of the program's work items into buffers 0 and 1, half by half
         (rows past ``hi`` or invalid: zeros), block after block, as the math warpgroups read them; bf16 rows by
         ``cp.async``, fp8 rows dequantised. The next item's first blocks go in as soon as the math warpgroups free
@@ -398,10 +414,10 @@ if gluon is not None:
         copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # bf16: (64, 256), 16 B each
         copy_rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
         g = 0
-        for r in range(_rounds(num_tokens, num_heads, SPLITS, PERSISTENT)):
+        for r in range(_rounds(num_tokens, num_heads, tail, SPLITS, TAIL, PERSISTENT)):
             tok, hb, split, len0, nblk0, len1, lo, hi, i0_row, i1_row = _work_item(
                 r, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads,
-                tokens_per_len, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS)
+                tokens_per_len, tail, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS, TAIL)
             pairs = gl.cdiv(hi - lo, 2)
             if FMT != BF16:
                 # software-pipelined: each half's gathers are issued before the previous half is dequantised, so
@@ -490,19 +506,19 @@ if gluon is not None:
     def _logits_partition(q_smem, k_smem, r_smem, p_smem, a_smem, m_smem, l_smem, ready, free, p_bar, p_free, l_bar,
                           q_free, q_ptr, stride_qt, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
                           c0_slots, c1_slots, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride,
-                          num_tokens, num_heads, tokens_per_len, qk_scale, HAS_SINK: gl.constexpr,
+                          num_tokens, num_heads, tokens_per_len, qk_scale, tail, HAS_SINK: gl.constexpr,
                           PARTIAL: gl.constexpr, D_QK: gl.constexpr, HAS_ORDER: gl.constexpr, HAS_EXTRA: gl.constexpr,
-                          SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr,
+                          SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, TAIL: gl.constexpr,
                           PERSISTENT: gl.constexpr):
         """Math warpgroup 0, per work item: loads its q, then each block's logits over every dim and its softmax;
         hands P and the rows' rescale factors to warpgroup 1 (``p_smem``, ``a_smem``), then multiplies P (from
         registers) by output dims [0, 256) of the block's values. 576-d (V3.2): the logits add q's rope dims (held in
         registers) times ``r_smem``'s."""
         g = 0  # key-block pairs of the items before: the phases of the ring's and the hand-over's barriers
-        for r in range(_rounds(num_tokens, num_heads, SPLITS, PERSISTENT)):
+        for r in range(_rounds(num_tokens, num_heads, tail, SPLITS, TAIL, PERSISTENT)):
             tok, hb, split, len0, nblk0, len1, lo, hi, i0_row, i1_row = _work_item(
                 r, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads,
-                tokens_per_len, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS)
+                tokens_per_len, tail, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS, TAIL)
             q_tok = q_ptr + tok.to(gl.int64) * stride_qt
             _load_query(q_smem, q_free, r, q_tok, stride_qh, hb, num_heads)  # as the copy warpgroup gathers
             m_i, l_i, acc, s_zero = _softmax_start()
@@ -562,22 +578,22 @@ if gluon is not None:
             gl.thread_barrier()
             mbarrier.arrive(l_bar)
             _store_rows(acc, m_i, l_i, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                        tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, 0)
+                        tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, TAIL, 0)
 
     @gluon.jit
     def _values_partition(q_smem, k_smem, p_smem, a_smem, m_smem, l_smem, free, p_bar, p_free, l_bar, q_free,
                           out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, order_ptr, l0_ptr, w0, i0_ptr,
-                          i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads, tokens_per_len,
+                          i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads, tokens_per_len, tail,
                           HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, HAS_ORDER: gl.constexpr,
-                          HAS_EXTRA: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr,
+                          HAS_EXTRA: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, TAIL: gl.constexpr,
                           PERSISTENT: gl.constexpr):
         """Math warpgroup 1, per work item: output dims [256, 512), from warpgroup 0's P (``p_smem``) and rescale
         factors; frees q's buffer once its output has left it."""
         g = 0
-        for r in range(_rounds(num_tokens, num_heads, SPLITS, PERSISTENT)):
+        for r in range(_rounds(num_tokens, num_heads, tail, SPLITS, TAIL, PERSISTENT)):
             tok, hb, split, len0, nblk0, len1, lo, hi, i0_row, i1_row = _work_item(
                 r, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads,
-                tokens_per_len, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS)
+                tokens_per_len, tail, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS, TAIL)
             acc = gl.zeros([H_BLOCK, HALF], gl.float32, layout=O_LAYOUT)
             pairs = gl.cdiv(hi - lo, 2)
             for j in range(pairs):
@@ -597,7 +613,7 @@ if gluon is not None:
 
             mbarrier.wait(l_bar, r & 1)
             _store_rows(acc, m_smem.load(O_ROWS), l_smem.load(O_ROWS), q_smem, out_ptr, lse_ptr, part_o_ptr,
-                        part_lse_ptr, sink_ptr, tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, 1)
+                        part_lse_ptr, sink_ptr, tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, TAIL, 1)
             gl.thread_barrier()
             mbarrier.arrive(q_free)
 
@@ -605,9 +621,9 @@ if gluon is not None:
     def _paired_partition(q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar, q_free,
                           q_ready, q_ptr, stride_qt, stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
                           c0_slots, c1_slots, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride,
-                          num_tokens, num_heads, tokens_per_len, qk_scale, HAS_SINK: gl.constexpr,
+                          num_tokens, num_heads, tokens_per_len, qk_scale, tail, HAS_SINK: gl.constexpr,
                           PARTIAL: gl.constexpr, WG: gl.constexpr, D_QK: gl.constexpr, HAS_ORDER: gl.constexpr,
-                          HAS_EXTRA: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr,
+                          HAS_EXTRA: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, TAIL: gl.constexpr,
                           PERSISTENT: gl.constexpr):
         """bf16 rows, math warpgroup ``WG``, per work item: the logits of block 2j+WG of each pair, output dims
         [256·WG, 256·WG + 256). The warpgroups trade their row maxima (``m_smem``, 0 → 1 → 0) and each publishes its
@@ -617,10 +633,10 @@ if gluon is not None:
         the scores add q's rope dims (held in registers) times ``r_smem``'s."""
         OTHER: gl.constexpr = 1 - WG
         g = 0  # key-block pairs of the items before: the phases of the ring's and the maxima's barriers
-        for r in range(_rounds(num_tokens, num_heads, SPLITS, PERSISTENT)):
+        for r in range(_rounds(num_tokens, num_heads, tail, SPLITS, TAIL, PERSISTENT)):
             tok, hb, split, len0, nblk0, len1, lo, hi, i0_row, i1_row = _work_item(
                 r, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads,
-                tokens_per_len, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS)
+                tokens_per_len, tail, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS, TAIL)
             q_tok = q_ptr + tok.to(gl.int64) * stride_qt
             if WG == 0:
                 _load_query(q_smem, q_free, r, q_tok, stride_qh, hb, num_heads)
@@ -708,7 +724,7 @@ if gluon is not None:
             mbarrier.wait(l_bar, r & 1)
             l_all = l_smem.index(0).load(ROWS_LAYOUT) + l_smem.index(1).load(ROWS_LAYOUT)
             _store_rows(acc, m_i, l_all, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
-                        tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, WG)
+                        tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, TAIL, WG)
             g += pairs
             if WG == 1:
                 gl.thread_barrier()
@@ -716,6 +732,23 @@ if gluon is not None:
 
     @gluon.jit
     def _store_rows(acc, m_i, l_i, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                    tok, hb, split, num_tokens, num_heads, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr,
+                    TAIL: gl.constexpr, WG: gl.constexpr):
+        """:func:`_store_item` for this item: with ``TAIL``, a whole item (split -1) writes the output and a piece of
+        the last tokens its partial rows; else every item as ``PARTIAL`` says."""
+        if TAIL:
+            if split >= 0:
+                _store_item(acc, m_i, l_i, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                            tok, hb, split, num_tokens, num_heads, HAS_SINK, True, WG)
+            else:
+                _store_item(acc, m_i, l_i, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                            tok, hb, 0, num_tokens, num_heads, HAS_SINK, False, WG)
+        else:
+            _store_item(acc, m_i, l_i, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                        tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, WG)
+
+    @gluon.jit
+    def _store_item(acc, m_i, l_i, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
                     tok, hb, split, num_tokens, num_heads, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr,
                     WG: gl.constexpr):
         """Warpgroup ``WG``'s output dims [256·WG, 256·WG + 256): ``acc`` normalised, into ``out`` or the split's
@@ -746,10 +779,10 @@ if gluon is not None:
         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, order_ptr,
         c0_ptr, c0_stride0, c0_slots, i0_ptr, i0_stride, l0_ptr, w0,
         c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
-        num_tokens, num_heads, tokens_per_len, qk_scale,
+        num_tokens, num_heads, tokens_per_len, qk_scale, tail,
         FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
         HAS_ORDER: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, D_QK: gl.constexpr,
-        PERSISTENT: gl.constexpr = False,
+        PERSISTENT: gl.constexpr = False, TAIL: gl.constexpr = False,
     ):
         # the copy side branches on FMT, the buffers and the math side on D_QK: only these pairs agree
         gl.static_assert((FMT == BF16) & ((D_QK == DIM) | (D_QK == QK_V32)) | (FMT == FP8_V4) & (D_QK == DIM)
@@ -803,37 +836,37 @@ if gluon is not None:
             gl.warp_specialize([
                 (_copy_partition, (k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0,
                                    c1_slots, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride,
-                                   num_tokens, num_heads, tokens_per_len, FMT, BS0, BS1, D_QK, HAS_ORDER, HAS_EXTRA,
-                                   SPLITS, SPLIT_BLOCKS, PERSISTENT)),
+                                   num_tokens, num_heads, tokens_per_len, tail, FMT, BS0, BS1, D_QK, HAS_ORDER,
+                                   HAS_EXTRA, SPLITS, SPLIT_BLOCKS, TAIL, PERSISTENT)),
                 (_paired_partition, (q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
                                      q_free, q_ready, q_ptr, stride_qt, stride_qh, out_ptr, lse_ptr, part_o_ptr,
                                      part_lse_ptr, sink_ptr, c0_slots, c1_slots, order_ptr, l0_ptr, w0, i0_ptr,
                                      i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads, tokens_per_len,
-                                     qk_scale, HAS_SINK, PARTIAL, 0, D_QK, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS,
-                                     PERSISTENT)),
+                                     qk_scale, tail, HAS_SINK, PARTIAL, 0, D_QK, HAS_ORDER, HAS_EXTRA, SPLITS,
+                                     SPLIT_BLOCKS, TAIL, PERSISTENT)),
                 (_paired_partition, (q_smem, k_smem, r_smem, p_smem, m_smem, l_smem, ready, free, m_bar, p_bar, l_bar,
                                      q_free, q_ready, q_ptr, stride_qt, stride_qh, out_ptr, lse_ptr, part_o_ptr,
                                      part_lse_ptr, sink_ptr, c0_slots, c1_slots, order_ptr, l0_ptr, w0, i0_ptr,
                                      i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads, tokens_per_len,
-                                     qk_scale, HAS_SINK, PARTIAL, 1, D_QK, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS,
-                                     PERSISTENT)),
+                                     qk_scale, tail, HAS_SINK, PARTIAL, 1, D_QK, HAS_ORDER, HAS_EXTRA, SPLITS,
+                                     SPLIT_BLOCKS, TAIL, PERSISTENT)),
             ], [WARPS, WARPS], [PAIRED_REGS_BF16, PAIRED_REGS_BF16])
         else:
             logits_regs: gl.constexpr = LOGITS_REGS_V4 if FMT == FP8_V4 else LOGITS_REGS_V32
             gl.warp_specialize([
                 (_copy_partition, (k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0,
                                    c1_slots, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride,
-                                   num_tokens, num_heads, tokens_per_len, FMT, BS0, BS1, D_QK, HAS_ORDER, HAS_EXTRA,
-                                   SPLITS, SPLIT_BLOCKS, PERSISTENT)),
+                                   num_tokens, num_heads, tokens_per_len, tail, FMT, BS0, BS1, D_QK, HAS_ORDER,
+                                   HAS_EXTRA, SPLITS, SPLIT_BLOCKS, TAIL, PERSISTENT)),
                 (_logits_partition, (q_smem, k_smem, r_smem, p_smem, a_smem, m_smem.index(0), l_smem.index(0), ready,
                                      free, p_bar.index(0), p_free, l_bar, q_free, q_ptr, stride_qt, stride_qh, out_ptr,
                                      lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, c0_slots, c1_slots, order_ptr,
                                      l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens,
-                                     num_heads, tokens_per_len, qk_scale, HAS_SINK, PARTIAL, D_QK, HAS_ORDER,
-                                     HAS_EXTRA, SPLITS, SPLIT_BLOCKS, PERSISTENT)),
+                                     num_heads, tokens_per_len, qk_scale, tail, HAS_SINK, PARTIAL, D_QK, HAS_ORDER,
+                                     HAS_EXTRA, SPLITS, SPLIT_BLOCKS, TAIL, PERSISTENT)),
                 (_values_partition, (q_smem, k_smem, p_smem, a_smem, m_smem.index(0), l_smem.index(0), free,
                                      p_bar.index(0), p_free, l_bar, q_free, out_ptr, lse_ptr, part_o_ptr,
                                      part_lse_ptr, sink_ptr, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1,
-                                     i1_ptr, i1_stride, num_tokens, num_heads, tokens_per_len, HAS_SINK, PARTIAL,
-                                     HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS, PERSISTENT)),
+                                     i1_ptr, i1_stride, num_tokens, num_heads, tokens_per_len, tail, HAS_SINK, PARTIAL,
+                                     HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS, TAIL, PERSISTENT)),
             ], [WARPS, WARPS], [logits_regs, VALUES_WG_REGS])

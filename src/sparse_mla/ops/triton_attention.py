@@ -328,14 +328,21 @@ def _sparse_mla_kernel(
 
 
 @triton.jit
-def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, sink_ptr, num_rows, num_heads,
-                    SPLITS: tl.constexpr, HAS_SINK: tl.constexpr):
-    """Merge the ``SPLITS`` partial rows (normalised outputs + LSE) of one (token, head) and apply the sink.
+def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, sink_ptr, order_ptr, num_rows, num_heads, first_slot,
+                    SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, TAIL: tl.constexpr, HAS_ORDER: tl.constexpr):
+    """Merge the ``SPLITS`` partial rows (normalised outputs + LSE) of one (token, head) and apply the sink: a
+    program per row of every token, or with ``TAIL`` of the token slots from ``first_slot`` on (through ``order``
+    when given, as the Gluon kernel numbers them), the only ones whose lists were cut.
 
     The partials are summed one after another in split order, and empty ones (LSE ``-inf``) are skipped
     exactly, so a row's result depends on its own non-empty partials only, not on ``SPLITS`` (batch invariance).
     """
     row = tl.program_id(0).to(tl.int64)
+    if TAIL:
+        tok = first_slot + row // num_heads
+        if HAS_ORDER:  # as the attention kernels read the order
+            tok = tl.minimum(tl.maximum(tl.load(order_ptr + tok), 0), num_rows // num_heads - 1)
+        row = tok * num_heads + row % num_heads
     m = tl.load(part_lse_ptr + row)
     for s in range(1, SPLITS):
         m = tl.maximum(m, tl.load(part_lse_ptr + s * num_rows + row))
@@ -371,8 +378,10 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_splits(num_tokens: int, num_heads: int, head_blocks: int, max_blocks: int, device: torch.device) -> int:
-    """How many pieces each key list is cut into (the pieces merged by the combine kernel).
+def choose_splits(num_tokens: int, num_heads: int, head_blocks: int, max_blocks: int, device: torch.device,
+                  tails: bool = False) -> tuple[int, int]:
+    """How many pieces key lists are cut into (the pieces merged by the combine kernel), and whose: ``(pieces,
+    tokens)``, the tokens being the last ones in the launch's order (``(1, 0)``: nothing is cut).
 
     num_heads: a token's heads (all its head blocks'); max_blocks: the longest key list the widths allow, in key
     blocks (the scopes' widths summed). A program holds a whole SM (its accumulators fill the register file), so
@@ -381,22 +390,38 @@ def choose_splits(num_tokens: int, num_heads: int, head_blocks: int, max_blocks:
     15 %, counted in key-block times: ``waves × blocks per program``, plus per piece (none when unsplit) one block
     for its prologue and one per 32 heads for its float32 partial rows, written and read again by the combine.
     E.g. 148 tokens of 16 heads and 32 blocks on 132 SMs take 2 waves × 32 = 64 block times unsplit and
-    5 × 8 + 4 × 1.5 = 46 in four pieces; grids of whole waves (128 or 256 programs on an H100), and large ones,
-    whose last wave is a small part of their time, stay unsplit. (Calibrated on the H100: BENCHMARKS.md.)
+    5 × 8 + 4 × 1.5 = 46 with every token in four pieces; grids of whole waves (128 or 256 programs on an H100), and
+    large ones, whose last wave is a small part of their time, stay unsplit.
+
+    ``tails`` (the Gluon kernel, which numbers its items so): where the last wave is at most half full, only the
+    tokens of that wave may be cut instead; their pieces then fill the SMs the other tokens' whole lists leave idle:
+    ``full waves × blocks + the pieces' waves × (blocks per piece + the per-piece costs above)``, kept where it is
+    5 % shorter. The 16-head example: the last 16 tokens in 8 pieces, 1 × 32 + 1 × (4 + 1.5) = 37.5; 148 tokens of
+    128 heads (296 programs): unsplit 3 × 32 = 96, the last 16 tokens in 4 pieces 2 × 32 + (8 + 5) = 77. (Calibrated
+    on the H100: BENCHMARKS.md, version 13.)
     """
     programs = num_tokens * head_blocks
     sms = num_sms(device)
     if max_blocks <= 1 or programs == 0:
-        return 1
+        return 1, 0
     if 2 * programs <= sms:
-        return max(1, min(sms // programs, max_blocks // 2, 32))
-
-    def cost(pieces: int) -> float:
-        partials = 0.0 if pieces == 1 else pieces * (1 + num_heads / 32)
-        return triton.cdiv(programs * pieces, sms) * triton.cdiv(max_blocks, pieces) + partials
-
-    best = min((p for p in (2, 4, 8) if 4 * p <= max_blocks), key=cost, default=1)
-    return best if cost(best) < 0.85 * cost(1) else 1
+        pieces = max(1, min(sms // programs, max_blocks // 2, 32))
+        return (pieces, num_tokens) if pieces > 1 else (1, 0)
+    per_piece = 1 + num_heads / 32
+    sizes = [p for p in (2, 4, 8) if 4 * p <= max_blocks]
+    unsplit = triton.cdiv(programs, sms) * max_blocks
+    # (estimated time, pieces, tokens cut), kept where it beats the unsplit grid by 15 % (every token's partials
+    # cost more than counted here) or, cutting a tail (the partials of at most half a wave), by 5 %
+    options = [(triton.cdiv(programs * p, sms) * triton.cdiv(max_blocks, p) + p * per_piece, p, num_tokens)
+               for p in sizes]
+    options = [o for o in options if o[0] < 0.85 * unsplit]
+    last_wave = programs % sms
+    if tails and 0 < 2 * last_wave <= sms:
+        cut = triton.cdiv(last_wave, head_blocks)  # the last wave's tokens
+        options += [o for o in ((programs // sms * max_blocks + triton.cdiv(cut * head_blocks * p, sms)
+                                 * (triton.cdiv(max_blocks, p) + per_piece), p, cut) for p in sizes)
+                    if o[0] < 0.95 * unsplit]
+    return min(options, default=(unsplit, 1, 0))[1:]
 
 
 # Batch-invariant mode: every token's key list is cut into splits of this many key blocks, whatever the batch,
@@ -443,8 +468,9 @@ class AttentionPlan:
     :data:`INVARIANT_SPLIT_BLOCKS`. pages_16_byte_aligned: whether every cache the calls pass has a 16-byte
     aligned base and page stride. scratch: keep the split partials' buffers in the plan (a plan used on one
     stream, as the layer's are) instead of allocating them per call. The remaining keyword arguments override
-    tuned launch choices (benchmarks sweep them; ``persistent``: the Gluon kernel's persistent programs,
-    ``gluon_attention.persistent``).
+    tuned launch choices (benchmarks sweep them; ``splits``: every token's list in that many pieces, or with
+    ``tail`` (the Gluon kernel) just the last ``tail`` tokens' (:func:`choose_splits`); ``persistent``: the Gluon
+    kernel's persistent programs, ``gluon_attention.persistent``).
     """
 
     def __init__(self, q_shape: tuple[int, int, int], device: torch.device, scopes: list, has_sink: bool,
@@ -452,7 +478,7 @@ class AttentionPlan:
                  scratch: bool = False, ragged: tuple[bool, ...] = (), combined: bool = False, q_fp8: bool = False,
                  tokens_per_len: int = 1, block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None, h_block: int | None = None, gluon: int | None = None,
-                 persistent: bool | None = None) -> None:
+                 persistent: bool | None = None, tail: int | None = None) -> None:
         num_tokens, num_heads, dim = q_shape
         formats = frozenset(f.name for f, _, _ in scopes)
         interpret = device.type != "cuda"
@@ -473,10 +499,16 @@ class AttentionPlan:
         split_blocks = 0
         if batch_invariant:
             split_blocks = max(1, INVARIANT_SPLIT_BLOCKS * 64 // block_n)  # the same keys per split on every kernel
-            splits = max(1, triton.cdiv(max_blocks, split_blocks))
-        splits = splits or choose_splits(num_tokens, num_heads, head_blocks, max_blocks, device)
+            splits, tail = max(1, triton.cdiv(max_blocks, split_blocks)), None
+        if tail is not None and (self.kernel != "gluon" or not splits or not 0 < tail <= num_tokens):
+            raise ValueError(f"tail={tail} needs the Gluon kernel, splits and 0 < tail <= {num_tokens} tokens")
+        if not splits:
+            splits, tail = choose_splits(num_tokens, num_heads, head_blocks, max_blocks, device,
+                                         tails=self.kernel == "gluon")
         self.q_shape, self.device, self.splits = q_shape, device, splits
         self.partial = splits > 1 or batch_invariant
+        # the tokens whose lists are cut (the last ones in the launch's order); the others' items write the output
+        self.tail = (num_tokens if tail is None else tail) if self.partial else 0
         self.has_extra = len(scopes) > 1
         self._scratch = self._partials() if self.partial and scratch else None
         (f0, bs0, _), *rest = scopes
@@ -488,9 +520,10 @@ class AttentionPlan:
             constants.update(FMT=f0.code, D_QK=dim)
             options = {"num_warps": gluon_attention.PARTITION_WARPS}
             # a program per work item (token × head block × split), or persistent: one per SM, taking items in turn
-            items, sms = num_tokens * head_blocks * splits, num_sms(device)
+            items, sms = (num_tokens + self.tail * (splits - 1)) * head_blocks, num_sms(device)
             constants["PERSISTENT"] = (gluon_attention.persistent(items, max_blocks, sms) if persistent is None
                                        else persistent)
+            constants["TAIL"] = 0 < self.tail < num_tokens
             self.grid = (sms if constants["PERSISTENT"] else items,)
         else:
             pa, pb, pc, v_has_rope = latent_pieces(dim)
@@ -504,7 +537,9 @@ class AttentionPlan:
             self.grid = (num_tokens * head_blocks, splits)
         self._constants, self._options = tuple(constants.items()), tuple(options.items())
         self.attention = _launch(self.kernel, self._constants, self._options)
-        self.combine = _launch("combine", (("SPLITS", splits), ("HAS_SINK", has_sink)), ()) if self.partial else None
+        self.combine = (_launch("combine", (("SPLITS", splits), ("HAS_SINK", has_sink),
+                                            ("TAIL", 0 < self.tail < num_tokens), ("HAS_ORDER", has_order)), ())
+                        if self.partial else None)
 
     def _partials(self) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, num_heads, _ = self.q_shape
@@ -539,16 +574,16 @@ class AttentionPlan:
         if compiled is not None:
             LAST_COMPILED["attention"] = compiled
         if self.combine is not None:
-            self.combine((num_tokens * num_heads,), *self._combine_args(tensors))
+            self.combine((self.tail * num_heads,), *self._combine_args(tensors))
 
     # slots of _tensors' list: what a step plan's bound launch fixes (lists_fixed: lse, order, the scopes' indices and
-    # lens; the scratch partials), and the combine's tensors in its argument order (partials, out, lse, sink)
-    LIST_SLOTS, PARTIAL_SLOTS, COMBINE_SLOTS = (2, 6, 8, 9, 11, 12), (3, 4), (3, 4, 1, 2, 5)
+    # lens; the scratch partials), and the combine's tensors in its argument order (partials, out, lse, sink, order)
+    LIST_SLOTS, PARTIAL_SLOTS, COMBINE_SLOTS = (2, 6, 8, 9, 11, 12), (3, 4), (3, 4, 1, 2, 5, 6)
 
     def _combine_args(self, tensors: list[torch.Tensor]) -> tuple:
         """The combine kernel's arguments for :meth:`_tensors`' list."""
         num_tokens, num_heads, _ = self.q_shape
-        return (*[tensors[k] for k in self.COMBINE_SLOTS], num_tokens * num_heads, num_heads)
+        return (*[tensors[k] for k in self.COMBINE_SLOTS], num_tokens * num_heads, num_heads, num_tokens - self.tail)
 
     def _tensors(self, q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale) -> list[torch.Tensor]:
         """The attention kernel's tensor arguments, in its order (absent optional ones stand in as ``lse``, which the
@@ -572,7 +607,8 @@ class AttentionPlan:
         return (q, q.stride(0), q.stride(1), out, lse, part_o, part_lse, sink_arg, order_arg,
                 c0, c0.stride(0), c0.shape[0] * c0.shape[1], i0, i0.stride(0), l0, i0.shape[-1],
                 c1, c1.stride(0), c1.shape[0] * c1.shape[1], i1, i1.stride(0), l1, i1.shape[-1],
-                num_tokens, num_heads, self.tokens_per_len, scale * LOG2E, *fp8_scales)
+                num_tokens, num_heads, self.tokens_per_len, scale * LOG2E,
+                *(fp8_scales if self.kernel == "triton" else (self.tail,)))
 
     def bind(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None, scale: float,
              caches: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...], lens: tuple[torch.Tensor, ...],
@@ -598,7 +634,7 @@ class AttentionPlan:
         combine = None
         if self.combine is not None:  # split partials: the per-call buffers of a plan without scratch are new each call
             combine_varying = [k for k in self.COMBINE_SLOTS if k not in fixed]
-            combine = self.combine.bind((num_tokens * num_heads,), self._combine_args(tensors),
+            combine = self.combine.bind((self.tail * num_heads,), self._combine_args(tensors),
                                         frozenset(i for i, k in enumerate(self.COMBINE_SLOTS) if k in fixed))
             if combine is None:
                 return None
