@@ -517,10 +517,10 @@ def test_the_combine_of_a_tail_split_merges_those_tokens_rows_only(ordered):
 
     tokens, heads, splits, first = 6, 3, 2, 4
     gen = torch.Generator().manual_seed(int(ordered))
-    order = torch.randperm(tokens, generator=gen).int() if ordered else torch.arange(tokens, dtype=torch.int32)
+    order = torch.randperm(tokens, generator=gen).int()  # without HAS_ORDER the kernel must not read it
     part_o = torch.randn(splits, tokens, heads, 512, generator=gen)
     part_lse = torch.randn(splits, tokens, heads, generator=gen)
-    part_lse[1, order[first], 0] = float("-inf")  # an empty piece
+    part_lse[1, :, 0] = float("-inf")  # an empty piece in each token's head 0
     sink = torch.randn(heads, generator=gen)
     out = torch.full((tokens, heads, 512), 7.0, dtype=torch.bfloat16)
     lse = torch.full((tokens, heads), 7.0)
@@ -528,12 +528,13 @@ def test_the_combine_of_a_tail_split_merges_those_tokens_rows_only(ordered):
     triton_attention._combine_kernel[((tokens - first) * heads,)](*t, tokens * heads, heads, first, SPLITS=splits,
                                                                   HAS_SINK=True, TAIL=True, HAS_ORDER=ordered)
     got_out, got_lse = t[2].cpu(), t[3].cpu()
-    cut = order[first:].long()
+    slots = order if ordered else torch.arange(tokens, dtype=torch.int32)
+    cut = slots[first:].long()
     want_lse = torch.logsumexp(part_lse[:, cut], 0)
     weights = torch.exp(part_lse[:, cut] - want_lse) / (1 + torch.exp(sink - want_lse))
     want_out = (weights[..., None] * part_o[:, cut]).sum(0)
     assert rel_err(got_out[cut], want_out) < 1e-2 and torch.allclose(got_lse[cut], want_lse, atol=1e-5)
-    rest = order[:first].long()
+    rest = slots[:first].long()
     assert (got_out[rest] == 7).all() and (got_lse[rest] == 7).all(), "the whole tokens' rows are not the combine's"
 
 
@@ -560,6 +561,11 @@ def test_tail_splits_cut_only_the_last_tokens_lists(fmt, dim, num_tokens, tail, 
     assert plan.tail == tail and plan.grid == (2 * (num_tokens + 3 * tail),)  # 2 head blocks, 4 pieces
     out, lse = triton_attention.run(args, splits=4, tail=tail, gluon=1, persistent=False)
     check_close((out, lse), sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw))
+    lists = ((c0.data, c1.data), (i0, i1), (l0, l1), args.order)
+    bound = plan.bind(q, out, lse, args.sink, args.scale, *lists)  # a step plan's launch path: the same bits
+    bound_out, bound_lse = torch.empty_like(out), torch.empty_like(lse)
+    assert bound(q, bound_out, bound_lse, args.sink, *lists)
+    assert torch.equal(bound_out, out) and torch.equal(bound_lse, lse)
     whole_out, whole_lse = triton_attention.run(args, splits=1, gluon=1, persistent=False)
     whole = order[: num_tokens - tail].long()
     assert torch.equal(out[whole], whole_out[whole]) and torch.equal(lse[whole], whole_lse[whole])

@@ -500,8 +500,8 @@ class AttentionPlan:
         if batch_invariant:
             split_blocks = max(1, INVARIANT_SPLIT_BLOCKS * 64 // block_n)  # the same keys per split on every kernel
             splits, tail = max(1, triton.cdiv(max_blocks, split_blocks)), None
-        if tail is not None and (self.kernel != "gluon" or not splits or not 0 < tail <= num_tokens):
-            raise ValueError(f"tail={tail} needs the Gluon kernel, splits and 0 < tail <= {num_tokens} tokens")
+        if tail is not None and (self.kernel != "gluon" or (splits or 0) < 2 or not 0 < tail <= num_tokens):
+            raise ValueError(f"tail={tail} needs the Gluon kernel, splits >= 2 and 0 < tail <= {num_tokens} tokens")
         if not splits:
             splits, tail = choose_splits(num_tokens, num_heads, head_blocks, max_blocks, device,
                                          tails=self.kernel == "gluon")
