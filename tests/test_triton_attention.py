@@ -538,6 +538,22 @@ def test_the_combine_of_a_tail_split_merges_those_tokens_rows_only(ordered):
     assert (got_out[rest] == 7).all() and (got_lse[rest] == 7).all(), "the whole tokens' rows are not the combine's"
 
 
+def gluon_decode_case(fmt: str, dim: int, num_tokens: int, heads: int, seed: int):
+    """For the Gluon kernel's tests (skipped where it does not run): q ``(num_tokens, heads, dim)``, two random
+    scopes of ``fmt`` (128 and 700 wide) as ``(cache, indices, lens)``, and the keyword arguments that pass the
+    second scope and a sink."""
+    from sparse_mla.ops import dispatch
+
+    if not dispatch.gluon_fits(torch.device(DEVICE), dim, frozenset({fmt}), True):
+        pytest.skip("no Hopper GPU with a validated Gluon here")
+    gen = torch.Generator().manual_seed(seed)
+    (c0, i0, l0), (c1, i1, l1) = (random_scope(gen, fmt, dim, num_tokens, 128, 8, 64),
+                                  random_scope(gen, fmt, dim, num_tokens, 700, 16, 64))
+    q = torch.randn(num_tokens, heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    return q, (c0, i0, l0), (c1, i1, l1), dict(extra_cache=c1.data, extra_indices=i1, extra_lens=l1,
+                                               sink=random_sink(gen, heads))
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on Hopper GPUs only")
 @pytest.mark.parametrize("fmt,dim", [("fp8_v32", 576), ("bf16", 576), ("fp8_v4", 512)])  # both warpgroup layouts
 @pytest.mark.parametrize("num_tokens,tail,ordered", [(7, 3, False), (150, 18, True)])
@@ -545,16 +561,10 @@ def test_tail_splits_cut_only_the_last_tokens_lists(fmt, dim, num_tokens, tail, 
     """The Gluon kernel with only the last ``tail`` tokens' lists cut (whole lists first, then those tokens'
     pieces, merged by the combine over those tokens alone, through the order when given) matches the reference;
     the whole tokens' rows are bitwise those of an unsplit launch, and persistent programs give the same bits."""
-    from sparse_mla.ops import dispatch, longest_first, triton_attention
+    from sparse_mla.ops import longest_first, triton_attention
     from sparse_mla.ops.validate import decode_args
 
-    if not dispatch.gluon_fits(torch.device(DEVICE), dim, frozenset({fmt}), True):
-        pytest.skip("no Hopper GPU with a validated Gluon here")
-    gen = torch.Generator().manual_seed(num_tokens + tail + dim + len(fmt))
-    (c0, i0, l0), (c1, i1, l1) = (random_scope(gen, fmt, dim, num_tokens, 128, 8, 64),
-                                  random_scope(gen, fmt, dim, num_tokens, 700, 16, 64))
-    q = torch.randn(num_tokens, 128, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
-    kw = dict(extra_cache=c1.data, extra_indices=i1, extra_lens=l1, sink=random_sink(gen, 128))
+    q, (c0, i0, l0), (c1, i1, l1), kw = gluon_decode_case(fmt, dim, num_tokens, 128, num_tokens + tail + dim + len(fmt))
     order = longest_first(l0, l1) if ordered else torch.arange(num_tokens, dtype=torch.int32, device=DEVICE)
     args = decode_args(q, c0.data, i0, l0, **kw, order=order if ordered else None)
     plan = triton_attention.plan_for(args, splits=4, tail=tail, gluon=1, persistent=False)
@@ -580,18 +590,11 @@ def test_tail_splits_cut_only_the_last_tokens_lists(fmt, dim, num_tokens, tail, 
 def test_persistent_programs_compute_the_same_bits(fmt, dim, num_tokens, splits):
     """The Gluon kernel's persistent programs (one per SM, taking work items in turn, here fewer items than
     programs, several rounds, and split rows) give the bits of a program per item, which match the reference."""
-    from sparse_mla.ops import dispatch, longest_first, triton_attention
+    from sparse_mla.ops import longest_first, triton_attention
     from sparse_mla.ops.validate import decode_args
 
-    if not dispatch.gluon_fits(torch.device(DEVICE), dim, frozenset({fmt}), True):
-        pytest.skip("no Hopper GPU with a validated Gluon here")
-    gen = torch.Generator().manual_seed(num_tokens + splits + dim + len(fmt))
-    (c0, i0, l0), (c1, i1, l1) = (random_scope(gen, fmt, dim, num_tokens, 128, 8, 64),
-                                  random_scope(gen, fmt, dim, num_tokens, 700, 16, 64))
-    q = torch.randn(num_tokens, 64, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
-    kw = dict(extra_cache=c1.data, extra_indices=i1, extra_lens=l1, sink=random_sink(gen, 64),
-              order=longest_first(l0, l1))
-    args = decode_args(q, c0.data, i0, l0, **kw)
+    q, (c0, i0, l0), _, kw = gluon_decode_case(fmt, dim, num_tokens, 64, num_tokens + splits + dim + len(fmt))
+    args = decode_args(q, c0.data, i0, l0, **kw, order=longest_first(l0, kw["extra_lens"]))
     per_item = triton_attention.run(args, splits=splits, gluon=1, persistent=False)
     persistent = triton_attention.run(args, splits=splits, gluon=1, persistent=True)
     assert triton_attention.plan_for(args, splits=splits, gluon=1, persistent=True).grid == (
