@@ -68,7 +68,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 PARTITION_WARPS = 4  # each of the three warpgroups
 # registers per thread of the fp8 formats' logits warpgroup (its 64 × 256 fp32 accumulator, the 64 × 64 logits and P;
 # 576-d: q's rope dims, 16 more) and values warpgroup (the accumulator), and of each of bf16's paired math warpgroups
-# (36 B of spills at 576-d, outside the key loop); the copy warpgroup, the default partition, gets what is left: 128
+# (32 B of spills at 576-d, outside the key loop); the copy warpgroup, the default partition, gets what is left: 128
 # for fp8_v32 and 144 for fp8_v4, where two gathered half blocks at once need about 100; 72 for bf16 (cp.async holds
 # nothing in registers). No fp8 spills (scripts/sm90_report.py). fp8_v32's logits warpgroup spilled 28 B at 208 once
 # it loaded q itself (version 11), and 216 made V3.2 decode 3 % faster; with 152 for the values warpgroup its epilogue
@@ -626,9 +626,11 @@ if gluon is not None:
                           HAS_EXTRA: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, TAIL: gl.constexpr,
                           PERSISTENT: gl.constexpr):
         """bf16 rows, math warpgroup ``WG``, per work item: the logits of block 2j+WG of each pair, output dims
-        [256·WG, 256·WG + 256). The warpgroups trade their row maxima (``m_smem``, 0 → 1 → 0) and each publishes its
-        P for the other; each multiplies its own P (from registers), then the other's (from ``p_smem``), by its half
-        of the two blocks' values, so one's softmax overlaps the other's wgmmas. Warpgroup 0 loads each item's q
+        [256·WG, 256·WG + 256). The warpgroups trade their row maxima (``m_smem``: 0's to 1, the pair's back to 0,
+        so both compute P on the pair's maximum; until version 13 warpgroup 0 computed P on its own and rescaled P
+        and its accumulator afterwards, 1-3 % slower) and each publishes its P for the other; each multiplies its
+        own P (from registers), then the other's (from ``p_smem``), by its half of the two blocks' values, so one's
+        softmax overlaps the other's wgmmas. Warpgroup 0 loads each item's q
         (``q_ready``) once warpgroup 1's output of the item before has left q's buffer (``q_free``). 576-d (V3.2):
         the scores add q's rope dims (held in registers) times ``r_smem``'s."""
         OTHER: gl.constexpr = 1 - WG
@@ -678,15 +680,22 @@ if gluon is not None:
                     mbarrier.wait(m_bar.index(0), phase)
                     m_prev = m_smem.index(0).load(ROWS_LAYOUT)
                 m_new = gl.maximum(m_prev, gl.max(s, 1))
+                if WG == 0:  # hand its maximum to warpgroup 1, take back the pair's
+                    m_smem.index(0).store(m_new)
+                    gl.thread_barrier()
+                    mbarrier.arrive(m_bar.index(0))
+                    mbarrier.wait(m_bar.index(1), phase)
+                    m_new = m_smem.index(1).load(ROWS_LAYOUT)
                 alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
                 acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
                 l_i = l_i * alpha
                 m_i = m_new
                 p = gl.exp2(s - gl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
                 l_i += gl.sum(p, 1)
-                m_smem.index(WG).store(m_new)
-                gl.thread_barrier()
-                mbarrier.arrive(m_bar.index(WG))
+                if WG == 1:
+                    m_smem.index(1).store(m_new)
+                    gl.thread_barrier()
+                    mbarrier.arrive(m_bar.index(1))
                 p16 = p.to(gl.bfloat16)
                 acc = warpgroup_mma(gl.convert_layout(p16, P_OPERAND), k_own.slice(WG * HALF, HALF, dim=1), acc,
                                     is_async=True)
@@ -694,14 +703,6 @@ if gluon is not None:
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                     gl.thread_barrier()
                     mbarrier.arrive(free.index(0))  # half 0L: its last reader was this PV
-                    # warpgroup 1's maximum includes this one's: move P and the accumulator onto it
-                    mbarrier.wait(m_bar.index(1), phase)
-                    m_pair = m_smem.index(1).load(ROWS_LAYOUT)
-                    beta = gl.where(m_pair == m_i, 1.0, gl.exp2(m_i - m_pair))
-                    p16 = (p16.to(gl.float32) * beta[:, None]).to(gl.bfloat16)  # (fp32 P would spill)
-                    acc = acc * gl.convert_layout(beta, O_ROWS)[:, None]
-                    l_i = l_i * beta
-                    m_i = m_pair
                 p_smem.index(WG).store(p16)
                 fence_async_shared()
                 gl.thread_barrier()
