@@ -42,7 +42,7 @@ from .cache import PagedCache
 from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, V4_KINDS, ModelConfig, get_config
 from .layer import SparseMLAAttention, shared_workspace
 from .metadata import MetadataSpec, StepMetadata, build_step_metadata, convert_picks, workspace_indices
-from .ops import dequantize_and_gather
+from .plan import fill_workspace
 from .scenario import random_picks
 from .timing import graphed, host_rounds, load_flash_mla, rel, timed_rounds, warm_up_gpu
 
@@ -231,11 +231,7 @@ def flash_mla_prefill(flash_mla: ModuleType, step: Step, layer: SparseMLAAttenti
     local = convert_picks(meta, step.picks, "c4a")[2] if layer.kind == "c4a" else None
     ws_all = shared_workspace(q.device, layer.workspace_bytes, layer.head_dim)
     for chunk in meta.workspace_plan(layer.kind, layer.workspace_bytes, layer.head_dim):
-        ws = ws_all[: chunk.num_rows]
-        n_c = chunk.compressed_slots.shape[0]
-        if n_c:
-            dequantize_and_gather(data[layer.kind], chunk.compressed_slots, out=ws[:n_c])
-        dequantize_and_gather(data["swa"], chunk.swa_slots, out=ws[n_c:])
+        ws = fill_workspace(ws_all, chunk, data)
         idx, _ = workspace_indices(meta, chunk, local)
         out[chunk.tokens] = flash_mla.flash_mla_sparse_fwd(
             q[chunk.tokens], ws.unsqueeze(1), idx.unsqueeze(1), layer.scale, D_V, layer.sink, None,

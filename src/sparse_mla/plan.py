@@ -10,7 +10,7 @@ Caches are validated once per cache tensor, not once per call (``formats.resolve
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -22,7 +22,25 @@ from .ops import dequantize_and_gather, sparse_attention_decode, sparse_attentio
 from .ops.dispatch import pages_16_byte_aligned, resolve_backend
 from .ops.launch import BindOnce
 
+if TYPE_CHECKING:
+    from .metadata import WorkspaceChunk
+
 PREFILL_MODES = ("paged", "workspace", "mixed")
+
+
+def fill_workspace(ws_all: torch.Tensor, chunk: WorkspaceChunk, caches: dict[str, torch.Tensor],
+                   backend: str = "auto", kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A prefill chunk's keys dequantised into the first ``chunk.num_rows`` rows of the bf16 workspace ``ws_all``
+    (``(rows, d)``): its compressed entries, then its window's raw tokens (the layout of
+    :class:`~sparse_mla.metadata.WorkspaceChunk`), from ``caches`` by kind. Returns that ``(num_rows, d)`` view."""
+    ws = ws_all[: chunk.num_rows]
+    n_c = chunk.compressed_slots.shape[0]
+    if n_c:
+        dequantize_and_gather(caches[chunk.kind], chunk.compressed_slots, backend=backend, kv_scale=kv_scale,
+                              out=ws[:n_c])
+    if chunk.swa_slots.shape[0]:
+        dequantize_and_gather(caches["swa"], chunk.swa_slots, backend=backend, kv_scale=kv_scale, out=ws[n_c:])
+    return ws
 
 
 class CacheView(NamedTuple):
@@ -241,14 +259,7 @@ class LayerPlan:
         by_kind = {k: c for c, (k, _, _) in zip(caches, self.scopes)}
         ws_all = shared_workspace(q.device, self.workspace_bytes, dim)
         for chunk in meta.workspace_plan(kind, self.workspace_bytes, dim):
-            ws = ws_all[: chunk.num_rows]
-            n_c = chunk.compressed_slots.shape[0]
-            if n_c:
-                dequantize_and_gather(by_kind[kind], chunk.compressed_slots, backend=self.backend, kv_scale=kv_scale,
-                                      out=ws[:n_c])
-            if chunk.swa_slots.shape[0]:
-                dequantize_and_gather(by_kind["swa"], chunk.swa_slots, backend=self.backend, kv_scale=kv_scale,
-                                      out=ws[n_c:])
+            ws = fill_workspace(ws_all, chunk, by_kind, self.backend, kv_scale)
             idx, lens = workspace_indices(meta, chunk, kept_picks)
             sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, sink, scale, backend=self.backend,
                                      out=out[chunk.tokens], batch_invariant=self.batch_invariant)

@@ -509,6 +509,7 @@ class AttentionPlan:
         self.partial = splits > 1 or batch_invariant
         # the tokens whose lists are cut (the last ones in the launch's order); the others' items write the output
         self.tail = (num_tokens if tail is None else tail) if self.partial else 0
+        tail_only = 0 < self.tail < num_tokens  # the Gluon kernel's TAIL numbering, and the combine's
         self.has_extra = len(scopes) > 1
         self._scratch = self._partials() if self.partial and scratch else None
         (f0, bs0, _), *rest = scopes
@@ -523,7 +524,7 @@ class AttentionPlan:
             items, sms = (num_tokens + self.tail * (splits - 1)) * head_blocks, num_sms(device)
             constants["PERSISTENT"] = (gluon_attention.persistent(items, max_blocks, sms) if persistent is None
                                        else persistent)
-            constants["TAIL"] = 0 < self.tail < num_tokens
+            constants["TAIL"] = tail_only
             self.grid = (sms if constants["PERSISTENT"] else items,)
         else:
             pa, pb, pc, v_has_rope = latent_pieces(dim)
@@ -538,7 +539,7 @@ class AttentionPlan:
         self._constants, self._options = tuple(constants.items()), tuple(options.items())
         self.attention = _launch(self.kernel, self._constants, self._options)
         self.combine = (_launch("combine", (("SPLITS", splits), ("HAS_SINK", has_sink),
-                                            ("TAIL", 0 < self.tail < num_tokens), ("HAS_ORDER", has_order)), ())
+                                            ("TAIL", tail_only), ("HAS_ORDER", has_order)), ())
                         if self.partial else None)
 
     def _partials(self) -> tuple[torch.Tensor, torch.Tensor]:
