@@ -7,7 +7,8 @@
 # GPU_TESTS defaults to the subset every session runs (~7 min on an H100, mostly kernel compiles): the plan /
 # CUDA-graph step, batch invariance on both kernels, the dsa layer (Gluon's 576-d path), FlashMLA against our
 # FlashMLA API (and its remembered calls) and caches, the direct launcher and bound launches, per-request lens, the
-# Gluon kernel's persistent programs (V4 fp8: several rounds, and split rows) and tail splits (V3.2 fp8).
+# Gluon kernel's persistent programs (V4 fp8: several rounds, and split rows), tail splits (V3.2 fp8) and narrow
+# items (at most 16 heads, both fp8 formats).
 # GPU_TESTS=all adds the kernel, layer, cache, index and order files (more than one 10-minute call: split them over
 # two). BENCH=none skips the benchmark.
 set -uo pipefail
@@ -27,7 +28,9 @@ EVERY_SESSION="tests/test_step_plan.py tests/test_batch_invariance.py tests/test
     tests/test_triton_attention.py::test_persistent_programs_compute_the_same_bits[300-1-fp8_v4-512]
     tests/test_triton_attention.py::test_persistent_programs_compute_the_same_bits[170-3-fp8_v4-512]
     tests/test_triton_attention.py::test_tail_splits_cut_only_the_last_tokens_lists[7-3-False-fp8_v32-576]
-    tests/test_triton_attention.py::test_tail_splits_cut_only_the_last_tokens_lists[150-18-True-fp8_v32-576]"
+    tests/test_triton_attention.py::test_tail_splits_cut_only_the_last_tokens_lists[150-18-True-fp8_v32-576]
+    tests/test_triton_attention.py::test_narrow_items_match_the_reference[16-16-fp8_v32-576]
+    tests/test_triton_attention.py::test_narrow_items_match_the_reference[11-16-fp8_v4-512]"
 MORE="tests/test_triton_attention.py tests/test_layer.py tests/test_triton_cache.py tests/test_triton_index.py
     tests/test_order.py tests/test_checks.py"
 TESTS=${GPU_TESTS:-$EVERY_SESSION}

@@ -1,7 +1,7 @@
 """Compile the attention kernel for sm_90 on this machine (no GPU needed): registers, spills, key loop.
 
     python3 scripts/sm90_report.py [--fmt fp8_v4|fp8_v32|bf16] [--dim 512|576] [--heads 64] [--block-n 64]
-                                   [--kernel triton|gluon] [--persistent] [--tail]
+                                   [--kernel triton|gluon] [--persistent] [--tail] [--narrow]
                                    [--warps 8] [--stages 1] [--dump DIR]
 
 Triton compiles for a GPUTarget without a device; ptxas then gives the register count and spill
@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--persistent", action="store_true", help="gluon: the persistent programs' variant")
     parser.add_argument("--tail", action="store_true",
                         help="gluon: the last tokens' lists cut in 4 pieces, the others' whole (TAIL)")
+    parser.add_argument("--narrow", action="store_true",
+                        help="gluon, fp8: the narrow items' variant (HEADS_N, at most 16 heads)")
     parser.add_argument("--dump", type=pathlib.Path)
     args = parser.parse_args()
     fixed_dim = {"fp8_v4": 512, "fp8_v32": 576}.get(args.fmt)  # bf16 takes either width
@@ -93,6 +95,7 @@ def main() -> None:
     pa, pb, pc, v_has_rope = ta.latent_pieces(args.dim)
     kernel = ta._sparse_mla_kernel
     source_type = ASTSource
+    heads_n = 0
     if args.kernel.startswith("gluon"):
         from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -100,6 +103,7 @@ def main() -> None:
 
         kernel, source_type = gluon_attention._attention_kernel, GluonASTSource
         args.warps = gluon_attention.PARTITION_WARPS  # of the default partition; the kernel adds two more groups
+        heads_n = gluon_attention.NARROW_HEADS if args.narrow else 0
     fmt = FORMAT_CODES[args.fmt]
     constexprs = dict(FMT0=fmt, FMT1=fmt, BS0=256, BS1=64, HAS_EXTRA=True, HAS_SINK=True, HAS_ORDER=True, PA=pa,
                       PB=pb, PC=pc, V_HAS_ROPE=v_has_rope, H_BLOCK=args.heads, BLOCK_N=args.block_n, SPLITS=1,
@@ -107,7 +111,7 @@ def main() -> None:
                       PERSISTENT=args.persistent, TAIL=args.tail)
     if args.tail:
         constexprs["SPLITS"] = 4
-    constexprs.update(FMT=fmt, D_QK=args.dim)  # the Gluon kernel's one format code and its q·k width
+    constexprs.update(FMT=fmt, D_QK=args.dim, HEADS_N=heads_n)  # the Gluon kernel's format, q·k width, narrow heads
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     sig, attrs = _signature(kernel, constexprs, "*bf16" if args.fmt == "bf16" else "*u8")
     src = source_type(kernel, sig, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)

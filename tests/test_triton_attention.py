@@ -601,3 +601,26 @@ def test_persistent_programs_compute_the_same_bits(fmt, dim, num_tokens, splits)
         triton_attention.num_sms(q.device),)
     assert torch.equal(persistent[0], per_item[0]) and torch.equal(persistent[1], per_item[1])
     check_close(persistent, sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("fmt,dim", [("fp8_v32", 576), ("fp8_v4", 512)])
+@pytest.mark.parametrize("num_heads,heads_n", [(1, 16), (11, 16), (16, 16), (17, 0)])
+def test_narrow_items_match_the_reference(fmt, dim, num_heads, heads_n):
+    """fp8 launches of at most 16 heads take narrow items (heads as the wgmmas' N, two copy warpgroups): they match
+    the reference and the 64-head items, unsplit, split, tail-split and persistent, through a token order; padding
+    padding heads (past num_heads, up to the narrow width) are written nowhere."""
+    from sparse_mla.ops import longest_first, triton_attention
+    from sparse_mla.ops.validate import decode_args
+
+    q, (c0, i0, l0), _, kw = gluon_decode_case(fmt, dim, 150, num_heads, 7 * num_heads + dim)
+    args = decode_args(q, c0.data, i0, l0, **kw, order=longest_first(l0, kw["extra_lens"]))
+    ref = sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw)
+    assert dict(triton_attention.plan_for(args, gluon=1)._constants)["HEADS_N"] == heads_n
+    wide = triton_attention.run(args, gluon=1, narrow=False, splits=1)
+    check_close(wide, ref)
+    for launch in (dict(splits=1), dict(splits=3), dict(splits=4, tail=18), dict(splits=3, persistent=True),
+                   dict(splits=1, persistent=True)):
+        got = triton_attention.run(args, gluon=1, **launch)
+        check_close(got, ref)
+        assert rel_err(got[0], wide[0]) < 5e-3, launch

@@ -22,6 +22,11 @@ three warpgroups that run out of step, synchronised by mbarriers only:
   through shared memory, which rescales its accumulator and adds P times output dims [256, 512), overlapping
   warpgroup 0's next logits. The copy warpgroup runs a block ahead of the math, and warpgroup 1 needs no logits
   or softmax registers, which leaves the copy warpgroup enough to hold two gathered halves without spilling.
+* fp8 rows of at most 16 heads (tensor-parallel shards: ``narrow_heads``), "narrow items": one math warpgroup with
+  the keys and the output dims as the wgmmas' M and the heads as N (logits ``(64 keys, 16)`` = K·Qᵀ, output
+  ``(512 dims, 16)`` += Vᵀ·Pᵀ, V read transposed from the key rows), whose accumulators take 80 registers per
+  thread; that leaves the registers for two copy warpgroups, one per buffer, each with two halves in flight
+  (version 15: V3.2 shards 7-12 % faster, V4's 6 %).
 * bf16 rows (workspace prefill: bound by the math): the two math warpgroups are paired. Warpgroup w computes
   the logits of block 2j + w of each pair and owns output dims [256·w, 256·w + 256); they trade row maxima and
   P through shared memory, so both issue logits wgmmas and one's softmax overlaps the other's wgmmas.
@@ -77,6 +82,13 @@ LOGITS_REGS = {"fp8_v4": 200, "fp8_v32": 216}
 VALUES_REGS = 160
 PAIRED_REGS = 216
 HEADS_PER_PROGRAM = 64
+# Narrow items: fp8 rows of at most NARROW_HEADS heads (tensor-parallel shards), the heads as the wgmmas' N, so that
+# one math warpgroup's accumulators leave the registers for two copy warpgroups: the second copy warpgroup's and the
+# math warpgroup's registers per thread (the first copy warpgroup, the default partition, gets what is left: 176).
+# On the H100, V3.2 16-head shards ran 7-12 % faster than as 64-head items, V4's 6 %; 32 heads (N = 32, copy
+# warpgroups at 136 registers) ran V3.2 up to 12 % slower, so they stay 64-head items (BENCHMARKS.md, version 15)
+NARROW_HEADS = 16
+NARROW_COPY_REGS, NARROW_MATH_REGS = 168, 160
 VALIDATED_TRITON = ("3.6.",)  # checked on an H100 against the reference ops (tests/test_triton_attention.py)
 
 
@@ -92,6 +104,12 @@ def persistent(items: int, max_blocks: int, sms: int) -> bool:
     """Whether a launch of ``items`` work items whose key lists span at most ``max_blocks`` key blocks runs as
     persistent programs on ``sms`` SMs (else a program per item)."""
     return items >= PERSISTENT_MIN_ROUNDS * sms and max_blocks <= PERSISTENT_MAX_BLOCKS
+
+
+def narrow_heads(fmt: str, num_heads: int) -> int:
+    """The head width (the wgmmas' N) of narrow items for ``num_heads`` heads of ``fmt`` rows, or 0 for 64-head
+    items: fp8 rows (decode, bound by the copy warpgroups) of at most ``NARROW_HEADS`` heads."""
+    return NARROW_HEADS if fmt != "bf16" and num_heads <= NARROW_HEADS else 0
 
 
 def enabled() -> bool:
@@ -137,6 +155,8 @@ if gluon is not None:
     LOGITS_REGS_V4 = gl.constexpr(LOGITS_REGS["fp8_v4"])
     LOGITS_REGS_V32 = gl.constexpr(LOGITS_REGS["fp8_v32"])
     VALUES_WG_REGS = gl.constexpr(VALUES_REGS)
+    NARROW_COPY_WG_REGS = gl.constexpr(NARROW_COPY_REGS)
+    NARROW_MATH_WG_REGS = gl.constexpr(NARROW_MATH_REGS)
 
     @gluon.jit
     def _opaque(x):
@@ -252,7 +272,7 @@ if gluon is not None:
                      STORE_LSE: gl.constexpr = True):
         """The rows' heads, output factor (1/l, with the sink unless the row is a split's partial) and
         destination row block (``out`` or the split's partial rows); with ``STORE_LSE``, stores the LSE."""
-        heads = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=rows_layout)
+        heads = hb * H_BLOCK + gl.arange(0, m_i.shape[0], layout=rows_layout)  # a head block, or a narrow item's
         head_mask = heads < num_heads
         l_o = gl.convert_layout(l_i, rows_layout)
         m_o = gl.convert_layout(m_i, rows_layout)
@@ -493,7 +513,7 @@ if gluon is not None:
         mbarrier.wait(q_free, (r & 1) ^ 1, pred=r >= 1)
         gl.thread_barrier()
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
-        heads_q = hb * H_BLOCK + gl.arange(0, H_BLOCK, layout=gl.SliceLayout(1, q_layout))
+        heads_q = hb * H_BLOCK + gl.arange(0, q_smem.shape[1], layout=gl.SliceLayout(1, q_layout))
         for SIDE in gl.static_range(2):
             cols_q = SIDE * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, q_layout))
             q = gl.load(q_tok + heads_q[:, None] * stride_qh + cols_q[None, :], mask=(heads_q < num_heads)[:, None],
@@ -732,6 +752,123 @@ if gluon is not None:
                 mbarrier.arrive(q_free)
 
     @gluon.jit
+    def _copy_buffer_partition(k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0,
+                               c1_slots, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride,
+                               num_tokens, num_heads, tokens_per_len, tail, FMT: gl.constexpr, BS0: gl.constexpr,
+                               BS1: gl.constexpr, D_QK: gl.constexpr, HAS_ORDER: gl.constexpr,
+                               HAS_EXTRA: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr,
+                               TAIL: gl.constexpr, PERSISTENT: gl.constexpr, BUF: gl.constexpr):
+        """fp8 rows, narrow items: one of two copy warpgroups, each with a buffer of its own: block 2j + ``BUF`` of
+        each pair of each work item into buffer ``BUF``, dequantised half by half as ``_copy_partition`` does both
+        buffers' (the next half's gathers issued before the current half is stored: two halves in flight)."""
+        if FMT == FP8_V4:
+            words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
+        else:
+            words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
+        words_rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words_layout))
+        g = 0
+        for r in range(_rounds(num_tokens, num_heads, tail, SPLITS, TAIL, PERSISTENT)):
+            tok, hb, split, len0, nblk0, len1, lo, hi, i0_row, i1_row = _work_item(
+                r, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads,
+                tokens_per_len, tail, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS, TAIL)
+            pairs = gl.cdiv(hi - lo, 2)
+            idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, lo + BUF, words_rows)
+            row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx,
+                                             lo + BUF, nblk0, FMT, BS0, BS1, D_QK)
+            raw_a, sc_a = _gather_half(row, scales, valid & (lo + BUF < hi), 0, words_layout, FMT)
+            for j in range(pairs):
+                blk = lo + 2 * j + BUF
+                row, scales, valid = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx,
+                                                 blk, nblk0, FMT, BS0, BS1, D_QK)
+                valid = valid & (blk < hi)
+                idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk + 2, words_rows)
+                raw_b, sc_b = _gather_half(row, scales, valid, 1, words_layout, FMT)
+                _store_half(k_smem, r_smem, ready, free, raw_a, sc_a, row, valid, g + j, BUF, 0, FMT)
+                row2, scales2, valid2 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx,
+                                                    blk + 2, nblk0, FMT, BS0, BS1, D_QK)
+                raw_a, sc_a = _gather_half(row2, scales2, valid2 & (blk + 2 < hi), 0, words_layout, FMT)
+                _store_half(k_smem, r_smem, ready, free, raw_b, sc_b, row, valid, g + j, BUF, 1, FMT)
+            g += pairs
+
+    @gluon.jit
+    def _narrow_partition(q_smem, qr_smem, k_smem, r_smem, p_smem, ready, free, q_free, q_ptr, stride_qt, stride_qh,
+                          out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, c0_slots, c1_slots, order_ptr, l0_ptr,
+                          w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads, tokens_per_len,
+                          qk_scale, tail, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, D_QK: gl.constexpr,
+                          HAS_ORDER: gl.constexpr, HAS_EXTRA: gl.constexpr, SPLITS: gl.constexpr,
+                          SPLIT_BLOCKS: gl.constexpr, TAIL: gl.constexpr, PERSISTENT: gl.constexpr,
+                          HEADS_N: gl.constexpr):
+        """fp8 rows, narrow items (at most ``HEADS_N`` heads, the wgmmas' N): the one math warpgroup, per work item,
+        with keys and output dims as the wgmmas' M: each block's logits transposed, ``(64 keys, heads)`` = K·Qᵀ
+        (576-d: plus the keys' rope dims times q's, ``qr_smem``), their online softmax over the keys, Pᵀ into
+        ``p_smem``, and the output transposed, ``(512 dims, heads)`` += Vᵀ·Pᵀ, V read transposed from the key
+        rows. Its accumulators (with its share of P's sums: ``l_parts``, reduced across the warps once per item)
+        take 5·``HEADS_N`` registers per thread, against 64 heads' 128 + 32 per math warpgroup, which leaves the
+        registers for two copy warpgroups."""
+        nt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                            instr_shape=[16, HEADS_N, 16])
+        keys_layout: gl.constexpr = gl.SliceLayout(1, nt_layout)
+        heads_layout: gl.constexpr = gl.SliceLayout(0, nt_layout)
+        g = 0
+        for r in range(_rounds(num_tokens, num_heads, tail, SPLITS, TAIL, PERSISTENT)):
+            tok, hb, split, len0, nblk0, len1, lo, hi, i0_row, i1_row = _work_item(
+                r, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads,
+                tokens_per_len, tail, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS, TAIL)
+            q_tok = q_ptr + tok.to(gl.int64) * stride_qt
+            _load_query(q_smem, q_free, r, q_tok, stride_qh, hb, num_heads)
+            if D_QK == QK_V32:
+                qr_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+                heads_r = gl.arange(0, HEADS_N, layout=gl.SliceLayout(1, qr_layout))
+                cols_r = DIM + gl.arange(0, ROPE, layout=gl.SliceLayout(0, qr_layout))
+                qr_smem.store(gl.load(q_tok + heads_r[:, None] * stride_qh + cols_r[None, :],
+                                      mask=(heads_r < num_heads)[:, None], other=0.0))
+                fence_async_shared()
+                gl.thread_barrier()
+            m_i = gl.full([HEADS_N], float("-inf"), gl.float32, layout=heads_layout)
+            # each thread's share of the sums of P, reduced over the keys (across the warps) once per item
+            l_parts = gl.zeros([BLOCK_N, HEADS_N], gl.float32, layout=nt_layout)
+            acc = gl.zeros([DIM, HEADS_N], gl.float32, layout=nt_layout)
+            s_zero = gl.zeros([BLOCK_N, HEADS_N], gl.float32, layout=nt_layout)
+            pairs = gl.cdiv(hi - lo, 2)
+            for j in range(pairs):
+                phase = (g + j) & 1
+                for BUF in gl.static_range(2):
+                    blk = lo + 2 * j + BUF
+                    zero = _opaque(0)
+                    k_blk = k_smem.index(BUF + zero)
+                    idx = _block_indices(i0_row + zero, len0, nblk0, i1_row + zero, len1, blk, keys_layout)
+                    valid = (idx >= 0) & (idx < gl.where(blk < nblk0, c0_slots, c1_slots)) & (blk < hi)
+                    mbarrier.wait(ready.index(2 * BUF), phase)
+                    mbarrier.wait(ready.index(2 * BUF + 1), phase)
+                    fence_async_shared()  # rows dequantised through the generic proxy feed a wgmma
+                    s = warpgroup_mma(k_blk, q_smem.index(zero).permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                    if D_QK == QK_V32:
+                        s = warpgroup_mma(r_smem.index(BUF + zero), qr_smem.permute((1, 0)), s, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+                    s = gl.where(valid[:, None], s * qk_scale, float("-inf"))
+                    m_new = gl.maximum(m_i, gl.max(s, 0))
+                    alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
+                    p = gl.exp2(s - gl.where(m_new == float("-inf"), 0.0, m_new)[None, :])
+                    l_parts = l_parts * alpha[None, :] + p
+                    m_i = m_new
+                    p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    acc = acc * alpha[None, :]
+                    acc = warpgroup_mma(k_blk.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    gl.thread_barrier()
+                    mbarrier.arrive(free.index(2 * BUF))
+                    mbarrier.arrive(free.index(2 * BUF + 1))
+            g += pairs
+            _store_rows(acc, m_i, gl.sum(l_parts, 0), q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                        tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL, TAIL, -1)
+            gl.thread_barrier()
+            mbarrier.arrive(q_free)  # (its own: the next item's q overwrites the staged output)
+
+    @gluon.jit
     def _store_rows(acc, m_i, l_i, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
                     tok, hb, split, num_tokens, num_heads, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr,
                     TAIL: gl.constexpr, WG: gl.constexpr):
@@ -754,25 +891,52 @@ if gluon is not None:
                     WG: gl.constexpr):
         """Warpgroup ``WG``'s output dims [256·WG, 256·WG + 256): ``acc`` normalised, into ``out`` or the split's
         partial rows; warpgroup 0 also stores the LSE. Q is dead by now (warpgroup 0's logits are all done):
-        bf16 rows are staged in this warpgroup's half of it, so that each thread stores 16 consecutive bytes."""
-        o_layout: gl.constexpr = acc.type.layout
-        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        heads, factor, dst = _row_outputs(m_i, l_i, o_rows, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
-                                          sink_ptr, tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL,
-                                          WG == 0)
-        vals = acc * factor[:, None]
-        if not PARTIAL:
-            stage = q_smem.index(0).slice(WG * HALF, HALF, dim=1)
-            stage.store(vals.to(gl.bfloat16))
-            gl.thread_barrier()
-            store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
-            vals_s = stage.load(store_layout)
-            heads_s = gl.convert_layout(heads, gl.SliceLayout(1, store_layout))
-            cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, store_layout))
-            gl.store(dst + heads_s[:, None] * D_OUT + cols[None, :], vals_s, mask=(heads_s < num_heads)[:, None])
+        bf16 rows are staged in this warpgroup's half of it, so that each thread stores 16 consecutive bytes.
+        ``WG`` -1: the narrow warpgroup's whole output (:func:`_store_narrow`)."""
+        if WG < 0:
+            _store_narrow(acc, m_i, l_i, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                          tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL)
         else:
-            cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-            gl.store(dst + heads[:, None] * D_OUT + cols[None, :], vals, mask=(heads < num_heads)[:, None])
+            o_layout: gl.constexpr = acc.type.layout
+            o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+            heads, factor, dst = _row_outputs(m_i, l_i, o_rows, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+                                              sink_ptr, tok, hb, split, num_tokens, num_heads, HAS_SINK, PARTIAL,
+                                              WG == 0)
+            vals = acc * factor[:, None]
+            if not PARTIAL:
+                _staged_store(vals.to(gl.bfloat16), q_smem.index(0).slice(WG * HALF, HALF, dim=1), dst, heads,
+                              WG * HALF, num_heads)
+            else:
+                cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+                gl.store(dst + heads[:, None] * D_OUT + cols[None, :], vals, mask=(heads < num_heads)[:, None])
+
+    @gluon.jit
+    def _staged_store(vals, stage, dst, heads, col0, num_heads):
+        """Output rows ``vals (heads, cols)`` bf16 into ``dst``'s rows ``heads`` (dims ``col0 + cols``), staged
+        through ``stage`` (shared memory of their shape, dead by now) so that each thread stores 16 consecutive
+        bytes."""
+        stage.store(vals)
+        gl.thread_barrier()
+        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+        vals_s = stage.load(store_layout)
+        heads_s = gl.convert_layout(heads, gl.SliceLayout(1, store_layout))
+        cols = col0 + gl.arange(0, vals.shape[1], layout=gl.SliceLayout(0, store_layout))
+        gl.store(dst + heads_s[:, None] * D_OUT + cols[None, :], vals_s, mask=(heads_s < num_heads)[:, None])
+
+    @gluon.jit
+    def _store_narrow(acc, m_i, l_i, q_smem, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr,
+                      tok, hb, split, num_tokens, num_heads, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr):
+        """The narrow warpgroup's ``acc (512 dims, heads)`` normalised, into ``out`` (staged, transposed, in q's
+        buffer, which holds exactly the item's rows) or the split's partial rows; stores the LSE."""
+        heads, factor, dst = _row_outputs(m_i, l_i, gl.SliceLayout(0, acc.type.layout), out_ptr, lse_ptr, part_o_ptr,
+                                          part_lse_ptr, sink_ptr, tok, hb, split, num_tokens, num_heads, HAS_SINK,
+                                          PARTIAL)
+        vals = acc * factor[None, :]
+        if not PARTIAL:
+            _staged_store(gl.permute(vals.to(gl.bfloat16), (1, 0)), q_smem.index(0), dst, heads, 0, num_heads)
+        else:
+            dims = gl.arange(0, DIM, layout=gl.SliceLayout(1, acc.type.layout))
+            gl.store(dst + heads[None, :] * D_OUT + dims[:, None], vals, mask=(heads < num_heads)[None, :])
 
     @gluon.jit
     def _attention_kernel(
@@ -783,7 +947,7 @@ if gluon is not None:
         num_tokens, num_heads, tokens_per_len, qk_scale, tail,
         FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
         HAS_ORDER: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, D_QK: gl.constexpr,
-        PERSISTENT: gl.constexpr = False, TAIL: gl.constexpr = False,
+        PERSISTENT: gl.constexpr = False, TAIL: gl.constexpr = False, HEADS_N: gl.constexpr = 0,
     ):
         # the copy side branches on FMT, the buffers and the math side on D_QK: only these pairs agree
         gl.static_assert((FMT == BF16) & ((D_QK == DIM) | (D_QK == QK_V32)) | (FMT == FP8_V4) & (D_QK == DIM)
@@ -796,13 +960,22 @@ if gluon is not None:
         PAIRED: gl.constexpr = FMT == BF16
         PARTIAL: gl.constexpr = (SPLITS > 1) | (SPLIT_BLOCKS > 0)  # write a split's partial row, not the output
 
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, H_BLOCK, DIM], smem_layout)  # indexed: see the loop
+        NARROW: gl.constexpr = HEADS_N > 0  # fp8 rows of at most HEADS_N heads: narrow items (``narrow_heads``)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, HEADS_N if NARROW else H_BLOCK, DIM],
+                                           smem_layout)  # indexed: see the loop
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DIM], smem_layout)
         if D_QK == QK_V32:
             r_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, ROPE], smem_layout)  # the keys' rope dims
         else:
             r_smem = k_smem  # unused: V4's rope dims are the last 64 of its rows
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2 if PAIRED else 1, H_BLOCK, BLOCK_N], smem_layout)
+        if NARROW:
+            p_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS_N, BLOCK_N], smem_layout)  # Pᵀ's rows
+            if D_QK == QK_V32:
+                qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS_N, ROPE], smem_layout)  # q's rope dims
+            else:
+                qr_smem = p_smem  # unused
+        else:
+            p_smem = gl.allocate_shared_memory(gl.bfloat16, [2 if PAIRED else 1, H_BLOCK, BLOCK_N], smem_layout)
         a_smem = gl.allocate_shared_memory(gl.float32, [H_BLOCK], vec_layout)  # the rows' rescale factors
         m_smem = gl.allocate_shared_memory(gl.float32, [2, H_BLOCK], vec_layout)
         l_smem = gl.allocate_shared_memory(gl.float32, [2, H_BLOCK], vec_layout)
@@ -833,7 +1006,24 @@ if gluon is not None:
 
         # (the partition lists are spelled out: a JIT function cannot be held in a variable, and a tuple variable
         # would turn the constexprs in it into tensors)
-        if PAIRED:
+        if NARROW:
+            gl.warp_specialize([
+                (_copy_buffer_partition, (k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, c1_ptr,
+                                          c1_stride0, c1_slots, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1,
+                                          i1_ptr, i1_stride, num_tokens, num_heads, tokens_per_len, tail, FMT, BS0,
+                                          BS1, D_QK, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS, TAIL, PERSISTENT, 0)),
+                (_copy_buffer_partition, (k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, c1_ptr,
+                                          c1_stride0, c1_slots, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1,
+                                          i1_ptr, i1_stride, num_tokens, num_heads, tokens_per_len, tail, FMT, BS0,
+                                          BS1, D_QK, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS, TAIL, PERSISTENT, 1)),
+                (_narrow_partition, (q_smem, qr_smem, k_smem, r_smem, p_smem, ready, free, q_free, q_ptr, stride_qt,
+                                     stride_qh, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, c0_slots,
+                                     c1_slots, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr,
+                                     i1_stride, num_tokens, num_heads, tokens_per_len, qk_scale, tail, HAS_SINK,
+                                     PARTIAL, D_QK, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS, TAIL, PERSISTENT,
+                                     HEADS_N)),
+            ], [WARPS, WARPS], [NARROW_COPY_WG_REGS, NARROW_MATH_WG_REGS])
+        elif PAIRED:
             gl.warp_specialize([
                 (_copy_partition, (k_smem, r_smem, ready, free, c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0,
                                    c1_slots, order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride,

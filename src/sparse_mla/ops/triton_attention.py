@@ -470,7 +470,8 @@ class AttentionPlan:
     stream, as the layer's are) instead of allocating them per call. The remaining keyword arguments override
     tuned launch choices (benchmarks sweep them; ``splits``: every token's list in that many pieces, or with
     ``tail`` (the Gluon kernel) just the last ``tail`` tokens' (:func:`choose_splits`); ``persistent``: the Gluon
-    kernel's persistent programs, ``gluon_attention.persistent``).
+    kernel's persistent programs, ``gluon_attention.persistent``; ``narrow=False``: 64-head items where the Gluon
+    kernel would take narrow ones, ``gluon_attention.narrow_heads``).
     """
 
     def __init__(self, q_shape: tuple[int, int, int], device: torch.device, scopes: list, has_sink: bool,
@@ -478,7 +479,7 @@ class AttentionPlan:
                  scratch: bool = False, ragged: tuple[bool, ...] = (), combined: bool = False, q_fp8: bool = False,
                  tokens_per_len: int = 1, block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None, h_block: int | None = None, gluon: int | None = None,
-                 persistent: bool | None = None, tail: int | None = None) -> None:
+                 persistent: bool | None = None, tail: int | None = None, narrow: bool | None = None) -> None:
         num_tokens, num_heads, dim = q_shape
         formats = frozenset(f.name for f, _, _ in scopes)
         interpret = device.type != "cuda"
@@ -525,6 +526,8 @@ class AttentionPlan:
             constants["PERSISTENT"] = (gluon_attention.persistent(items, max_blocks, sms) if persistent is None
                                        else persistent)
             constants["TAIL"] = tail_only
+            heads_n = gluon_attention.narrow_heads(f0.name, num_heads)
+            constants["HEADS_N"] = heads_n if narrow is None or narrow else 0
             self.grid = (sms if constants["PERSISTENT"] else items,)
         else:
             pa, pb, pc, v_has_rope = latent_pieces(dim)
