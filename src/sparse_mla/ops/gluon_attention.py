@@ -177,6 +177,13 @@ if gluon is not None:
         return idx
 
     @gluon.jit
+    def _block_keys_valid(i0_row, len0, nblk0, i1_row, len1, blk, hi, c0_slots, c1_slots, keys_layout: gl.constexpr):
+        """Which keys of block ``blk`` the math warpgroups attend: within the list and the item's blocks (``< hi``),
+        and a slot inside its cache (the copy side reads the others as zeros)."""
+        idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk, keys_layout)
+        return (idx >= 0) & (idx < gl.where(blk < nblk0, c0_slots, c1_slots)) & (blk < hi)
+
+    @gluon.jit
     def _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx, blk, nblk0,
                     FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, D_QK: gl.constexpr):
         """Pointers to the rows of block ``blk``'s slots ``idx`` (bytes for fp8, elements for bf16), to their
@@ -555,8 +562,8 @@ if gluon is not None:
                     zero = _opaque(0)
                     q_all = q_smem.index(zero)
                     k_blk = k_smem.index(BUF + zero)
-                    idx = _block_indices(i0_row + zero, len0, nblk0, i1_row + zero, len1, blk, KEYS_LAYOUT)
-                    valid = (idx >= 0) & (idx < gl.where(blk < nblk0, c0_slots, c1_slots)) & (blk < hi)
+                    valid = _block_keys_valid(i0_row + zero, len0, nblk0, i1_row + zero, len1, blk, hi, c0_slots,
+                                              c1_slots, KEYS_LAYOUT)
                     # both halves first: the copy warpgroup works a block ahead, and a barrier wait between two
                     # wgmmas made ptxas move the logits' registers around it (spills)
                     mbarrier.wait(ready.index(2 * BUF), phase)
@@ -678,8 +685,8 @@ if gluon is not None:
                 q_all = q_smem.index(zero)
                 k_own = k_smem.index(WG + zero)
                 k_other = k_smem.index(OTHER + zero)
-                idx = _block_indices(i0_row + zero, len0, nblk0, i1_row + zero, len1, blk, KEYS_LAYOUT)
-                valid = (idx >= 0) & (idx < gl.where(blk < nblk0, c0_slots, c1_slots)) & (blk < hi)
+                valid = _block_keys_valid(i0_row + zero, len0, nblk0, i1_row + zero, len1, blk, hi, c0_slots,
+                                          c1_slots, KEYS_LAYOUT)
                 # the logits, over the half this warpgroup's PV reads first, then the other half
                 mbarrier.wait(ready.index(2 * WG + WG), phase)
                 fence_async_shared()  # rows copied through the generic proxy feed a wgmma
@@ -836,8 +843,8 @@ if gluon is not None:
                     blk = lo + 2 * j + BUF
                     zero = _opaque(0)
                     k_blk = k_smem.index(BUF + zero)
-                    idx = _block_indices(i0_row + zero, len0, nblk0, i1_row + zero, len1, blk, keys_layout)
-                    valid = (idx >= 0) & (idx < gl.where(blk < nblk0, c0_slots, c1_slots)) & (blk < hi)
+                    valid = _block_keys_valid(i0_row + zero, len0, nblk0, i1_row + zero, len1, blk, hi, c0_slots,
+                                              c1_slots, keys_layout)
                     mbarrier.wait(ready.index(2 * BUF), phase)
                     mbarrier.wait(ready.index(2 * BUF + 1), phase)
                     fence_async_shared()  # rows dequantised through the generic proxy feed a wgmma
