@@ -8,7 +8,7 @@ OUT=${OUT:-results}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 NCU_CMD=${NCU_CMD:-python3 benchmarks/bench_decode.py --families c4a --batches 128 --rep 5 --skip-torch --out /tmp/ncu}
-ncu --kernel-name regex:"${KERNEL:-_attention_kernel|_sparse_mla_kernel}" --launch-skip 2 --launch-count 1 --section SourceCounters \
+ncu --clock-control none --kernel-name regex:"${KERNEL:-_attention_kernel|_sparse_mla_kernel}" --launch-skip 2 --launch-count 1 --section SourceCounters \
     --section WarpStateStats --section SpeedOfLight --section ComputeWorkloadAnalysis -o /tmp/profile -f \
     $NCU_CMD >/dev/null 2>&1
 ncu -i /tmp/profile.ncu-rep --page details --csv 2>/dev/null | python3 -c "

@@ -609,7 +609,7 @@ def test_persistent_programs_compute_the_same_bits(fmt, dim, num_tokens, splits)
 def test_narrow_items_match_the_reference(fmt, dim, num_heads, heads_n):
     """fp8 launches of at most 16 heads take narrow items (heads as the wgmmas' N, two copy warpgroups): they match
     the reference and the 64-head items, unsplit, split, tail-split and persistent, through a token order; padding
-    padding heads (past num_heads, up to the narrow width) are written nowhere."""
+    heads (past num_heads, up to the narrow width) are written nowhere."""
     from sparse_mla.ops import longest_first, triton_attention
     from sparse_mla.ops.validate import decode_args
 

@@ -26,7 +26,8 @@ three warpgroups that run out of step, synchronised by mbarriers only:
   the keys and the output dims as the wgmmas' M and the heads as N (logits ``(64 keys, 16)`` = K·Qᵀ, output
   ``(512 dims, 16)`` += Vᵀ·Pᵀ, V read transposed from the key rows), whose accumulators take 80 registers per
   thread; that leaves the registers for two copy warpgroups, one per buffer, each with two halves in flight
-  (version 15: V3.2 shards 7-12 % faster, V4's 6 %).
+  (version 15: V3.2 shards 7-12 % faster, V4's 6 %), which dequantise a half before they wait for its buffer to be
+  free (version 16: V4's 16-head shard 6 % faster, V3.2's level).
 * bf16 rows (workspace prefill: bound by the math): the two math warpgroups are paired. Warpgroup w computes
   the logits of block 2j + w of each pair and owns output dims [256·w, 256·w + 256); they trade row maxima and
   P through shared memory, so both issue logits wgmmas and one's softmax overlaps the other's wgmmas.
@@ -394,14 +395,20 @@ if gluon is not None:
 
     @gluon.jit
     def _store_half(k_smem, r_smem, ready, free, raw, scales, rows, ok, j, BUF: gl.constexpr, SIDE: gl.constexpr,
-                    FMT: gl.constexpr):
+                    FMT: gl.constexpr, DEQUANT_FIRST: gl.constexpr = False):
         """fp8: once half ``SIDE`` of buffer ``BUF`` is free of pair j-1's readers, dequantise into it a half
         block gathered by ``_gather_half`` (``rows``/``ok``: the block's rows, for the second half's rope, which
         goes by ``cp.async`` (fp8_v4: into the row's last 64 dims; fp8_v32: into ``r_smem``) and arrives on
-        ``ready`` as it lands), and signal the half ready."""
+        ``ready`` as it lands), and signal the half ready. ``DEQUANT_FIRST``: dequantise before the wait, so that
+        only the stores stand between the readers' release and the half's ready signal; the converted half (twice
+        the gathered words) then stays in registers through the wait, which the narrow items' copy warpgroups have
+        room for (fp8_v32's single copy warpgroup spilled 208 B)."""
         bar: gl.constexpr = 2 * BUF + SIDE
+        if DEQUANT_FIRST:
+            vals = _dequant(raw, scales, FMT)
         mbarrier.wait(free.index(bar), (j & 1) ^ 1, pred=j >= 1)
-        vals = _dequant(raw, scales, FMT)
+        if not DEQUANT_FIRST:
+            vals = _dequant(raw, scales, FMT)
         words = k_smem.index(BUF)._reinterpret(gl.int32, [BLOCK_N, DIM // 2], WORDS_SMEM)  # bf16 pairs
         words.slice(SIDE * HALF // 2, HALF // 2, dim=1).store(gl.reshape(vals, [BLOCK_N, HALF // 2]))
         if SIDE == 1:
@@ -767,7 +774,8 @@ if gluon is not None:
                                TAIL: gl.constexpr, PERSISTENT: gl.constexpr, BUF: gl.constexpr):
         """fp8 rows, narrow items: one of two copy warpgroups, each with a buffer of its own: block 2j + ``BUF`` of
         each pair of each work item into buffer ``BUF``, dequantised half by half as ``_copy_partition`` does both
-        buffers' (the next half's gathers issued before the current half is stored: two halves in flight)."""
+        buffers' (the next half's gathers issued before the current half is stored: two halves in flight), each
+        half dequantised before its buffer is free (``_store_half``'s ``DEQUANT_FIRST``)."""
         if FMT == FP8_V4:
             words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
         else:
@@ -790,11 +798,11 @@ if gluon is not None:
                 valid = valid & (blk < hi)
                 idx = _block_indices(i0_row, len0, nblk0, i1_row, len1, blk + 2, words_rows)
                 raw_b, sc_b = _gather_half(row, scales, valid, 1, words_layout, FMT)
-                _store_half(k_smem, r_smem, ready, free, raw_a, sc_a, row, valid, g + j, BUF, 0, FMT)
+                _store_half(k_smem, r_smem, ready, free, raw_a, sc_a, row, valid, g + j, BUF, 0, FMT, True)
                 row2, scales2, valid2 = _block_rows(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, idx,
                                                     blk + 2, nblk0, FMT, BS0, BS1, D_QK)
                 raw_a, sc_a = _gather_half(row2, scales2, valid2 & (blk + 2 < hi), 0, words_layout, FMT)
-                _store_half(k_smem, r_smem, ready, free, raw_b, sc_b, row, valid, g + j, BUF, 1, FMT)
+                _store_half(k_smem, r_smem, ready, free, raw_b, sc_b, row, valid, g + j, BUF, 1, FMT, True)
             g += pairs
 
     @gluon.jit
