@@ -806,6 +806,21 @@ if gluon is not None:
             g += pairs
 
     @gluon.jit
+    def _keys_max(s):
+        """The maximum over the keys (rows) of narrow logits ``s (BLOCK_N, 16)`` in their wgmma layout, per head, in
+        the layout of its columns: each warp's 16 rows by shuffles, then every warp's maxima to every thread through
+        one shared-memory round trip (``gl.max`` over the rows takes two, with a barrier each)."""
+        gl.static_assert(s.shape[1] == 16, "the warps' maxima layout below spells out 16 heads")
+        per_warp = gl.max(gl.reshape(s, [WARPS, BLOCK_N // WARPS, 16]), 1)  # (warps, heads)
+        # each thread: every warp's maxima of its heads (head bits: 1 and 8 in registers, 2 and 4 in lanes, as the
+        # wgmma layout's columns)
+        every: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [0, 1], [0, 8]],
+                                                         lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+                                                         warp_bases=[[0, 0], [0, 0]], block_bases=[],
+                                                         shape=[WARPS, 16])
+        return gl.convert_layout(gl.max(gl.convert_layout(per_warp, every), 0), gl.SliceLayout(0, s.type.layout))
+
+    @gluon.jit
     def _narrow_partition(q_smem, qr_smem, k_smem, r_smem, p_smem, ready, free, q_free, q_ptr, stride_qt, stride_qh,
                           out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, c0_slots, c1_slots, order_ptr, l0_ptr,
                           w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads, tokens_per_len,
@@ -863,7 +878,7 @@ if gluon is not None:
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
                     s = gl.where(valid[:, None], s * qk_scale, float("-inf"))
-                    m_new = gl.maximum(m_i, gl.max(s, 0))
+                    m_new = gl.maximum(m_i, _keys_max(s))
                     alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
                     p = gl.exp2(s - gl.where(m_new == float("-inf"), 0.0, m_new)[None, :])
                     l_parts = l_parts * alpha[None, :] + p
