@@ -810,7 +810,7 @@ if gluon is not None:
         """The maximum over the keys (rows) of narrow logits ``s (BLOCK_N, 16)`` in their wgmma layout, per head, in
         the layout of its columns: each warp's 16 rows by shuffles, then every warp's maxima to every thread through
         one shared-memory round trip (``gl.max`` over the rows takes two, with a barrier each)."""
-        gl.static_assert(s.shape[1] == 16, "the warps' maxima layout below spells out 16 heads")
+        gl.static_assert((s.shape[1] == 16) & (WARPS == 4), "the layout below spells out 16 heads, 4 warps")
         per_warp = gl.max(gl.reshape(s, [WARPS, BLOCK_N // WARPS, 16]), 1)  # (warps, heads)
         # each thread: every warp's maxima of its heads (head bits: 1 and 8 in registers, 2 and 4 in lanes, as the
         # wgmma layout's columns)
