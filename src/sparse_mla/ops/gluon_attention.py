@@ -151,6 +151,11 @@ if gluon is not None:
     ROWS_LAYOUT = gl.constexpr(gl.SliceLayout(1, S_LAYOUT))
     O_ROWS = gl.constexpr(gl.SliceLayout(1, O_LAYOUT))
     WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+    # a copy warpgroup's gathered fp8 half block (``_gather_half``) as 4-byte words: fp8_v4 (rows, 4 tiles, 16 words),
+    # a thread holding 16 consecutive bytes of each of 4 tiles of two rows; fp8_v32 (rows, 2 tiles, 32 words), 32 bytes
+    # of each of 2 tiles of two rows
+    WORDS_V4 = gl.constexpr(gl.BlockedLayout([1, 1, 4], [8, 1, 4], [PARTITION_WARPS, 1, 1], [2, 1, 0]))
+    WORDS_V32 = gl.constexpr(gl.BlockedLayout([1, 1, 8], [8, 1, 4], [PARTITION_WARPS, 1, 1], [2, 1, 0]))
     WARPS = gl.constexpr(PARTITION_WARPS)
     PAIRED_REGS_BF16 = gl.constexpr(PAIRED_REGS)
     LOGITS_REGS_V4 = gl.constexpr(LOGITS_REGS["fp8_v4"])
@@ -438,12 +443,7 @@ if gluon is not None:
 
         ``ready``/``free`` are indexed ``2·buffer + half``; their phases count the pairs of every item so far (``g``).
         """
-        if FMT == FP8_V4:
-            # (rows, 4 tiles, 16 words): a thread holds 16 consecutive bytes of each of 4 tiles of two rows
-            words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
-        else:
-            # (rows, 2 tiles, 32 words): a thread holds 32 consecutive bytes of each of 2 tiles of two rows
-            words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
+        words_layout: gl.constexpr = WORDS_V4 if FMT == FP8_V4 else WORDS_V32
         words_rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words_layout))
         copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # bf16: (64, 256), 16 B each
         copy_rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
@@ -776,10 +776,7 @@ if gluon is not None:
         each pair of each work item into buffer ``BUF``, dequantised half by half as ``_copy_partition`` does both
         buffers' (the next half's gathers issued before the current half is stored: two halves in flight), each
         half dequantised before its buffer is free (``_store_half``'s ``DEQUANT_FIRST``)."""
-        if FMT == FP8_V4:
-            words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
-        else:
-            words_layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
+        words_layout: gl.constexpr = WORDS_V4 if FMT == FP8_V4 else WORDS_V32
         words_rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words_layout))
         g = 0
         for r in range(_rounds(num_tokens, num_heads, tail, SPLITS, TAIL, PERSISTENT)):
