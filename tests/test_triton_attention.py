@@ -608,8 +608,8 @@ def test_persistent_programs_compute_the_same_bits(fmt, dim, num_tokens, splits)
 @pytest.mark.parametrize("num_heads,heads_n", [(1, 16), (11, 16), (16, 16), (17, 0)])
 def test_narrow_items_match_the_reference(fmt, dim, num_heads, heads_n):
     """fp8 launches of at most 16 heads take narrow items (heads as the wgmmas' N, two copy warpgroups): they match
-    the reference and the 64-head items, unsplit, split, tail-split and persistent, through a token order; padding
-    heads (past num_heads, up to the narrow width) are written nowhere."""
+    the reference and the 64-head items, unsplit, split, tail-split and persistent, through a token order, with
+    15, 5 and 0 padding heads (past num_heads, up to the narrow width)."""
     from sparse_mla.ops import longest_first, triton_attention
     from sparse_mla.ops.validate import decode_args
 

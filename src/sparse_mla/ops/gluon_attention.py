@@ -86,8 +86,9 @@ HEADS_PER_PROGRAM = 64
 # Narrow items: fp8 rows of at most NARROW_HEADS heads (tensor-parallel shards), the heads as the wgmmas' N, so that
 # one math warpgroup's accumulators leave the registers for two copy warpgroups: the second copy warpgroup's and the
 # math warpgroup's registers per thread (the first copy warpgroup, the default partition, gets what is left: 176).
-# On the H100, V3.2 16-head shards ran 7-12 % faster than as 64-head items, V4's 6 %; 32 heads (N = 32, copy
-# warpgroups at 136 registers) ran V3.2 up to 12 % slower, so they stay 64-head items (BENCHMARKS.md, version 15)
+# On the H100, V3.2 16-head shards ran 7-12 % faster than as 64-head items, V4's 6 %; 32 heads stay 64-head items:
+# as narrow items of N = 32 (copy warpgroups at 136 registers) V3.2 ran up to 12 % slower (version 15), and with a
+# math warpgroup per 16 heads (four warpgroups of 128 registers) 8-9 % slower (docs/history.md, version 17)
 NARROW_HEADS = 16
 NARROW_COPY_REGS, NARROW_MATH_REGS = 168, 160
 VALIDATED_TRITON = ("3.6.",)  # checked on an H100 against the reference ops (tests/test_triton_attention.py)
