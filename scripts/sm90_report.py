@@ -8,7 +8,7 @@ Triton compiles for a GPUTarget without a device; ptxas then gives the register 
 bytes an H100 would see, and the SASS gives the instruction count of one key block (the body of
 the first key loop) by opcode. ``--dump`` writes the TTGIR, PTX, SASS and ptxas log for reading.
 For the Gluon kernel the registers are the launch's (the warpgroups then re-allocate: see
-``gluon_attention.LOGITS_REGS`` / ``VALUES_REGS``) and the key loop is math warpgroup 0's loop over one
+``sparse_mla.ops.gluon.LOGITS_REGS`` / ``VALUES_REGS``) and the key loop is math warpgroup 0's loop over one
 pair of key blocks.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from sparse_mla.formats import FORMAT_CODES  # noqa: E402
+from sparse_mla.ops import launch_configs, targets  # noqa: E402
 from sparse_mla.ops import triton_attention as ta  # noqa: E402
 
 PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"  # the ptxas whose PTX version Triton targets
@@ -79,7 +80,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, choices=[512, 576],
                         help="latent dims: 512 (V4), 576 (V3.2); default: fp8_v32's 576, else 512")
     parser.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
-                        help="gluon: the Hopper kernel of gluon_attention (needs a Triton with Gluon)")
+                        help="gluon: the Hopper kernel of sparse_mla.ops.gluon (needs a Triton with Gluon)")
     parser.add_argument("--persistent", action="store_true", help="gluon: the persistent programs' variant")
     parser.add_argument("--tail", action="store_true",
                         help="gluon: the last tokens' lists cut in 4 pieces, the others' whole (TAIL)")
@@ -99,11 +100,11 @@ def main() -> None:
     if args.kernel.startswith("gluon"):
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        from sparse_mla.ops import gluon_attention
+        from sparse_mla.ops import gluon
 
-        kernel, source_type = gluon_attention._attention_kernel, GluonASTSource
-        args.warps = gluon_attention.PARTITION_WARPS  # of the default partition; the kernel adds two more groups
-        heads_n = gluon_attention.NARROW_HEADS if args.narrow else 0
+        kernel, source_type = gluon._attention_kernel, GluonASTSource
+        args.warps = gluon.PARTITION_WARPS  # of the default partition; the kernel adds two more groups
+        heads_n = gluon.NARROW_HEADS if args.narrow else 0
     fmt = FORMAT_CODES[args.fmt]
     constexprs = dict(FMT0=fmt, FMT1=fmt, BS0=256, BS1=64, HAS_EXTRA=True, HAS_SINK=True, HAS_ORDER=True, PA=pa,
                       PB=pb, PC=pc, V_HAS_ROPE=v_has_rope, H_BLOCK=args.heads, BLOCK_N=args.block_n, SPLITS=1,
@@ -112,6 +113,10 @@ def main() -> None:
     if args.tail:
         constexprs["SPLITS"] = 4
     constexprs.update(FMT=fmt, D_QK=args.dim, HEADS_N=heads_n)  # the Gluon kernel's format, q·k width, narrow heads
+    # the portable kernel's strategy flags as the launch-config table sets them for sm_90 (NATIVE_FP8, Q_IN_LOOP, ...)
+    row = launch_configs.attention_config(targets.target_for("cuda", 90), args.dim, frozenset({args.fmt}), args.heads,
+                                          False, False)
+    constexprs.update({k: v for k, v in row.constexprs.items() if k not in ("H_BLOCK", "BLOCK_N")})
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     sig, attrs = _signature(kernel, constexprs, "*bf16" if args.fmt == "bf16" else "*u8")
     src = source_type(kernel, sig, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)

@@ -12,11 +12,11 @@ import torch
 
 from .._checks import check_no_overlap, check_tensor
 from .dispatch import HAVE_TRITON, builders_use_triton
+from .gluon import KEYS_PER_BLOCK  # the GPU kernels' key block: a program's time goes by these
 
 if HAVE_TRITON:
     from . import triton_index
 
-KEYS_PER_BLOCK = 64  # the GPU kernels' key block: a program's time goes by these
 RANK_KERNEL_MAX_TOKENS = 8192  # the rank kernel's work grows as T²: past this a sort is cheaper (H100)
 
 

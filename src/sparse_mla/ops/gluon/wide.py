@@ -1,0 +1,203 @@
+"""64-head items of fp8 rows (decode: bound by the copy warpgroup): its three partitions.
+
+* The copy warpgroup (:func:`_copy_partition`) fills the two key buffers half by half, each half as soon as its last
+  reader of the block two back is done: fp8 rows gathered into registers as 32-bit words, then dequantised into the
+  half once it is free (:mod:`.fp8_rows`). The loop is software-pipelined so that two halves' gathers are in
+  flight: the next half's loads are issued before the current one is dequantised.
+* Math warpgroup 0 (:func:`_logits_partition`) loads q into shared memory itself, while the copy warpgroup already
+  gathers the first block (version 11: 1-3 % faster), then computes each block's logits over every dim (one N = 64
+  wgmma chain from Q in shared memory), its online softmax, and the output dims [0, 256) with P from its registers.
+  It hands P (bf16) and the rows' rescale factors to math warpgroup 1 through shared memory.
+* Math warpgroup 1 (:func:`_values_partition`) rescales its accumulator and adds P times output dims [256, 512),
+  overlapping warpgroup 0's next logits.
+
+The copy warpgroup runs a block ahead of the math, and warpgroup 1 needs no logits or softmax registers, which leaves
+the copy warpgroup enough to hold two gathered halves without spilling. (Until version 10 fp8 rows went to the paired
+warpgroups of :mod:`.paired`. Both then read both buffers at once, so the copy warpgroup could not run a block ahead,
+and fp8_v32's, left 88 registers, spilled: V3.2 decode ran 1.3-1.4x slower. BENCHMARKS.md, version 10.)
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from triton.language.core import _aggregate as aggregate
+
+from .common import (FP8_V4, HALF, KEYS_LAYOUT, O_LAYOUT, O_ROWS, P_OPERAND, QK_V32, H_BLOCK, _block_keys_valid,
+                     _load_query, _opaque, _rope_query, _softmax_start, _phase, _store_rows, _wait_free)
+from .fp8_rows import WORDS_V4, WORDS_V32, _gather_half, _store_half
+
+
+@aggregate
+class WideShared:
+    """The math warpgroups' shared memory besides the key ring: q's rows ``q_smem (1, 64, DIM)`` (also the output's
+    staging), warpgroup 0's P ``p_smem (1, 64, 64)``, the rows' rescale factors ``a_smem (64,)`` for each block and
+    their maxima and sums ``m_smem``/``l_smem (64,)`` for the item's output; the barriers: P and the factors
+    published (``p_bar``) and read (``p_free``), the maxima and sums published (``l_bar``), q's buffer free
+    (``q_free``)."""
+    q_smem: gl.shared_memory_descriptor
+    p_smem: gl.shared_memory_descriptor
+    a_smem: gl.shared_memory_descriptor
+    m_smem: gl.shared_memory_descriptor
+    l_smem: gl.shared_memory_descriptor
+    p_bar: gl.shared_memory_descriptor
+    p_free: gl.shared_memory_descriptor
+    l_bar: gl.shared_memory_descriptor
+    q_free: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q_smem, p_smem, a_smem, m_smem, l_smem, p_bar, p_free, l_bar, q_free):
+        self.q_smem = q_smem
+        self.p_smem = p_smem
+        self.a_smem = a_smem
+        self.m_smem = m_smem
+        self.l_smem = l_smem
+        self.p_bar = p_bar
+        self.p_free = p_free
+        self.l_bar = l_bar
+        self.q_free = q_free
+
+
+@gluon.jit
+def _copy_partition(ring, caches, items):
+    """Gather each pair of key blocks of each of the program's work items into buffers 0 and 1, half by half
+    (rows past ``hi`` or invalid: zeros), block after block, as the math warpgroups read them, dequantised. The next
+    item's first blocks go in as soon as the math warpgroups free the buffers, while they still store the last
+    item's output. The ring's phases count the pairs of every item so far (``g``)."""
+    FMT: gl.constexpr = caches.FMT
+    words_layout: gl.constexpr = WORDS_V4 if FMT == FP8_V4 else WORDS_V32
+    words_rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words_layout))
+    g = 0
+    for r in range(items.rounds()):
+        item = items.item(r)
+        lo = item.lo
+        hi = item.hi
+        nblk0 = item.nblk0
+        pairs = item.pairs()
+        # software-pipelined: each half's gathers are issued before the previous half is dequantised, so
+        # two halves' loads are in flight (the next pair's indices are loaded one pair ahead for that)
+        idx0 = item.indices(lo, words_rows)
+        idx1 = item.indices(lo + 1, words_rows)
+        row0, scales0, valid0 = caches.rows(idx0, lo, nblk0)
+        raw_a, sc_a = _gather_half(row0, scales0, valid0, 0, words_layout, FMT)
+        for j in range(pairs):
+            blk0 = lo + 2 * j
+            gj = g + j
+            # row addresses are recomputed from the carried indices rather than carried (registers)
+            row0, scales0, valid0 = caches.rows(idx0, blk0, nblk0)
+            row1, scales1, valid1 = caches.rows(idx1, blk0 + 1, nblk0)
+            valid1 = valid1 & (blk0 + 1 < hi)
+            idx0 = item.indices(blk0 + 2, words_rows)
+            idx1 = item.indices(blk0 + 3, words_rows)
+            raw_b, sc_b = _gather_half(row0, scales0, valid0, 1, words_layout, FMT)
+            _store_half(ring, raw_a, sc_a, row0, valid0, gj, 0, 0, FMT)
+            raw_a, sc_a = _gather_half(row1, scales1, valid1, 0, words_layout, FMT)
+            _store_half(ring, raw_b, sc_b, row0, valid0, gj, 0, 1, FMT)
+            raw_b, sc_b = _gather_half(row1, scales1, valid1, 1, words_layout, FMT)
+            _store_half(ring, raw_a, sc_a, row1, valid1, gj, 1, 0, FMT)
+            row0, scales0, valid0 = caches.rows(idx0, blk0 + 2, nblk0)
+            raw_a, sc_a = _gather_half(row0, scales0, valid0 & (blk0 + 2 < hi), 0, words_layout, FMT)
+            _store_half(ring, raw_b, sc_b, row1, valid1, gj, 1, 1, FMT)
+        g += pairs
+
+
+@gluon.jit
+def _logits_partition(ring, ex, q, outs, caches, items, qk_scale):
+    """Math warpgroup 0, per work item: loads its q, then each block's logits over every dim and its softmax;
+    hands P and the rows' rescale factors to warpgroup 1 (``p_smem``, ``a_smem``), then multiplies P (from
+    registers) by output dims [0, 256) of the block's values. 576-d (V3.2): the logits add q's rope dims (held in
+    registers) times ``r_smem``'s."""
+    q_smem = ex.q_smem
+    p_smem = ex.p_smem
+    g = 0  # key-block pairs of the items before: the uses of the ring's and the hand-over's barriers
+    for r in range(items.rounds()):
+        item = items.item(r)
+        q_tok = q.q_ptr + item.tok.to(gl.int64) * q.stride_qt
+        _load_query(q_smem, ex.q_free, r, q_tok, q.stride_qh, item.hb, items.num_heads)  # as the copy wg gathers
+        m_i, l_i, acc, s_zero = _softmax_start()
+        if caches.D_QK == QK_V32:
+            q_rope = _rope_query(q_tok, q.stride_qh, item.hb, items.num_heads)
+        pairs = item.pairs()
+        for j in range(pairs):
+            phase = _phase(g + j)
+            for BUF in gl.static_range(2):  # the pair's blocks, one after the other
+                blk = item.lo + 2 * j + BUF
+                n = 2 * (g + j) + BUF  # blocks handed to warpgroup 1 before this one
+                # the index rows' addresses and the wgmma operands' shared-memory descriptors are rebuilt each
+                # block from an opaque zero: hoisted out of the loop, they were spilled
+                zero = _opaque(0)
+                q_all = q_smem.index(zero)
+                k_blk = ring.k_smem.index(BUF + zero)
+                valid = _block_keys_valid(item, blk, caches, zero, KEYS_LAYOUT)
+                # both halves first: the copy warpgroup works a block ahead, and a barrier wait between two
+                # wgmmas made ptxas move the logits' registers around it (spills)
+                mbarrier.wait(ring.ready.index(2 * BUF), phase)
+                mbarrier.wait(ring.ready.index(2 * BUF + 1), phase)
+                fence_async_shared()  # rows copied through the generic proxy feed a wgmma
+                s = warpgroup_mma(q_all.slice(0, HALF, dim=1), k_blk.slice(0, HALF, dim=1).permute((1, 0)),
+                                  s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma(q_all.slice(HALF, HALF, dim=1), k_blk.slice(HALF, HALF, dim=1).permute((1, 0)),
+                                  s, is_async=True)
+                if caches.D_QK == QK_V32:  # the rope dims arrived with half 1
+                    s = warpgroup_mma(q_rope, ring.r_smem.index(BUF + zero).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+                s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+                alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
+                p = gl.exp2(s - gl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                p16 = p.to(gl.bfloat16)
+                # hand over once warpgroup 1 has read the previous block's P and factors
+                _wait_free(ex.p_free, n)
+                p_smem.index(zero).store(p16)
+                ex.a_smem.store(alpha)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(ex.p_bar)
+                acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
+                acc = warpgroup_mma(gl.convert_layout(p16, P_OPERAND), k_blk.slice(0, HALF, dim=1), acc,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                gl.thread_barrier()
+                mbarrier.arrive(ring.free.index(2 * BUF))  # half 0: its last reader was this P·V
+        g += pairs
+
+        # (warpgroup 1 read the last item's m and l before it freed q's buffer)
+        ex.m_smem.store(m_i)
+        ex.l_smem.store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(ex.l_bar)
+        _store_rows(acc, m_i, l_i, q_smem, outs, items, item, 0)
+
+
+@gluon.jit
+def _values_partition(ring, ex, outs, items):
+    """Math warpgroup 1, per work item: output dims [256, 512), from warpgroup 0's P (``p_smem``) and rescale
+    factors; frees q's buffer once its output has left it."""
+    g = 0
+    for r in range(items.rounds()):
+        item = items.item(r)
+        acc = gl.zeros([H_BLOCK, HALF], gl.float32, layout=O_LAYOUT)
+        pairs = item.pairs()
+        for j in range(pairs):
+            for BUF in gl.static_range(2):
+                n = 2 * (g + j) + BUF
+                zero = _opaque(0)
+                mbarrier.wait(ex.p_bar, _phase(n))
+                # the block's rows were fenced for the async proxy by warpgroup 0 before it published P
+                acc = acc * ex.a_smem.load(O_ROWS)[:, None]
+                acc = warpgroup_mma(ex.p_smem.index(zero), ring.k_smem.index(BUF + zero).slice(HALF, HALF, dim=1),
+                                    acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                gl.thread_barrier()
+                mbarrier.arrive(ring.free.index(2 * BUF + 1))  # half 1: its last reader was this P·V
+                mbarrier.arrive(ex.p_free)
+        g += pairs
+
+        mbarrier.wait(ex.l_bar, _phase(r))
+        _store_rows(acc, ex.m_smem.load(O_ROWS), ex.l_smem.load(O_ROWS), ex.q_smem, outs, items,
+                    item, 1)
+        gl.thread_barrier()
+        mbarrier.arrive(ex.q_free)
