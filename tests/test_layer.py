@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
 from sparse_mla.cache import PagedCache
 from sparse_mla.formats import decode_records, encode_records, get_format
-from sparse_mla import layer as layer_module
+from sparse_mla import workspace as workspace_module
 from sparse_mla import plan as plan_module
 from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import MetadataSpec, build_step_metadata
@@ -192,7 +192,7 @@ def test_warm_up_without_metadata_writes_zeros_and_reserves_the_workspace():
     layer = SparseMLAAttention("c4a", 2, topk=8, prefill_mode="workspace", workspace_bytes=10 * 1024)
     got = layer(torch.zeros(5, 2, 512, dtype=torch.bfloat16), None, {}, out=out)
     assert got is out and (out == 0).all()
-    assert layer_module._WORKSPACES[(torch.device("cpu"), 512)].shape[0] >= 10  # reserved by the warm-up
+    assert workspace_module._WORKSPACES[(torch.device("cpu"), 512)].shape[0] >= 10  # reserved by the warm-up
     other = SparseMLAAttention("swa", 2, prefill_mode="workspace", workspace_bytes=10 * 1024)
     assert layer._workspace_buffer(out.device).shape == (10, 512)
     assert other._workspace_buffer(out.device).data_ptr() == layer._workspace_buffer(out.device).data_ptr()

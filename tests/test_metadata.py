@@ -10,19 +10,22 @@ from hypothesis import strategies as st
 
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
 from strategies import step_lengths
-from sparse_mla.metadata import (MetadataSpec, build_step_metadata, compact_rows, convert_picks,
-                                 plan_prefill_workspace, workspace_indices)
+from sparse_mla.metadata import MetadataSpec, build_step_metadata, compact_rows, convert_picks
+from sparse_mla.workspace import plan_prefill_workspace, workspace_indices, workspace_plan
 
 SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
 RATIO = {"swa": 1, "c4a": 4, "c128a": 128}
 
 
 def make_batch(lengths, threshold=1, padding=0, seed=0, max_model_len=None, builder=None):
-    """A batch whose block tables are random distinct physical blocks (from ``builder``, or a new one)."""
+    """A batch whose block tables are random physical blocks, distinct over the whole step (from ``builder``, or a
+    new one)."""
     rng = random.Random(seed)
+    need = {k: [blocks_needed(s, k, SIZES[k]) for s, _ in lengths] for k in SIZES}
+    blocks = {k: rng.sample(range(max(1000, 2 * sum(n))), sum(n)) for k, n in need.items()}
     requests = []
-    for s, q in lengths:
-        tables = {k: rng.sample(range(1000), blocks_needed(s, k, SIZES[k])) for k in SIZES}
+    for r, (s, q) in enumerate(lengths):
+        tables = {k: blocks[k][sum(need[k][:r]):sum(need[k][:r + 1])] for k in SIZES}
         requests.append(Request(s, q, tables))
     n_tok = sum(q for _, q in lengths)
     if builder is None:
@@ -146,11 +149,9 @@ def test_compact_rows():
 def test_buffers_are_refilled_in_place_across_steps():
     spec = MetadataSpec(window=8, topk=4)
     builder = StepBatchBuilder(16, 4, 512, block_sizes=SIZES)
-    rng = random.Random(0)
 
     def step(lengths):
-        return builder.build([Request(s, q, {k: rng.sample(range(500), blocks_needed(s, k, SIZES[k])) for k in SIZES})
-                              for s, q in lengths])
+        return make_batch(lengths, builder=builder)[0]
 
     first = build_step_metadata(step([(300, 10), (40, 5)]), spec)
     ptrs = [t.data_ptr() for t in (first.swa_indices, first.swa_lens, first.c128a_indices, first.picks_indices)]
@@ -181,7 +182,7 @@ def test_bad_picks_and_specs_raise_value_error():
     with pytest.raises(ValueError, match="kind must be one of this batch's kinds"):
         batch.new_entries("c8a")
     with pytest.raises(ValueError, match="head_dim must be 512"):
-        meta.workspace_plan("swa", 1 << 20, head_dim=0)
+        workspace_plan(meta, "swa", 1 << 20, head_dim=0)
 
 
 def test_picks_out_of_any_range_are_an_error_in_debug_mode(monkeypatch):
@@ -244,7 +245,7 @@ def test_workspace_plan_splits_a_long_prefill_and_names_a_budget_too_small():
     assert len(chunks) == 2 and all(c.num_rows <= 200 for c in chunks)
     # first chunk: positions 700..878: 15 earlier window tokens + 179 tokens + (878+1)//128 = 6 entries = 200
     assert chunks[0].tokens == slice(1, 180) and chunks[0].num_rows == 15 + 179 + 6
-    assert meta.workspace_plan("c128a", 200 * 1024) is meta.workspace_plan("c128a", 200 * 1024)  # built once
+    assert workspace_plan(meta, "c128a", 200 * 1024) is workspace_plan(meta, "c128a", 200 * 1024)  # built once
     with pytest.raises(ValueError, match=r"cannot hold the 16 keys of request 1's token at position 700"):
         plan_prefill_workspace(meta, "swa", 15 * 1024)
 

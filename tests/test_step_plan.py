@@ -28,10 +28,15 @@ def engine(num_blocks=64, max_tokens=16, max_reqs=4, max_model_len=600, threshol
     return caches, builder
 
 
-def requests(caches, lengths):
-    out = []
+def requests(caches, lengths, first_block=0):
+    """Requests of ``lengths`` whose blocks are distinct across the step, numbered per kind from ``first_block``."""
+    out, next_block = [], dict.fromkeys(SIZES, first_block)
     for s, q in lengths:
-        out.append(Request(s, q, {k: list(range(blocks_needed(s, k, SIZES[k]))) for k in SIZES}))
+        tables = {}
+        for k in SIZES:
+            n = blocks_needed(s, k, SIZES[k])
+            tables[k], next_block[k] = list(range(next_block[k], next_block[k] + n)), next_block[k] + n
+        out.append(Request(s, q, tables))
     return out
 
 
@@ -177,7 +182,7 @@ def test_a_whole_decode_step_captured_once_replays_for_other_batches(index_form)
     from sparse_mla.graphs import StepGraph
 
     spec = MetadataSpec(window=8, topk=4)
-    caches, builder = engine(num_blocks=256, max_tokens=8, max_reqs=4, max_model_len=1000)
+    caches, builder = engine(num_blocks=1024, max_tokens=8, max_reqs=4, max_model_len=1000)
     for c in caches.values():
         c.write(torch.randn(c.num_slots, 512).to(torch.bfloat16).to(DEVICE),
                 torch.arange(c.num_slots, dtype=torch.int32, device=DEVICE))
@@ -196,8 +201,7 @@ def test_a_whole_decode_step_captured_once_replays_for_other_batches(index_form)
             layer(q, meta, caches, picks if layer.kind == "c4a" else None, out=out)
 
     def new_batch(lengths):
-        batch = builder.build([Request(s, n, {k: list(range(blocks_needed(s, k, SIZES[k]))) for k in SIZES})
-                               for s, n in lengths])
+        batch = builder.build(requests(caches, lengths))
         picks.copy_(random_picks(batch.positions.cpu(), 4, gen, 250, ratio=4).to(DEVICE))
         return batch
 
@@ -206,7 +210,10 @@ def test_a_whole_decode_step_captured_once_replays_for_other_batches(index_form)
     graph = StepGraph(step, first, meta)
     for lengths in ([(100, 1), (800, 2), (33, 2), (600, 1)], [(999, 2), (1, 1), (256, 1), (257, 2)]):
         batch = new_batch(lengths)
+        with pytest.raises(ValueError, match="stale step"):  # built, not yet replayed: the lists are the last step's
+            meta.swa_indices
         graph.replay(batch)
+        assert meta.swa_indices is not None and meta.batch is batch  # a replay leaves the metadata current
         replayed = [o.clone() for o in outs]
         step(batch)  # eager, same inputs
         for got, want in zip(replayed, outs):
@@ -215,9 +222,9 @@ def test_a_whole_decode_step_captured_once_replays_for_other_batches(index_form)
     with pytest.raises(ValueError, match="batch has shape"):
         graph.replay(new_batch([(100, 1), (800, 2), (33, 2)]))
     # a table naming a block past a captured cache: eager calls check it in each step's plan, a replay too
-    far = builder.build([Request(s, n, {k: [caches[k].num_blocks] * blocks_needed(s, k, SIZES[k]) for k in SIZES})
-                         for s, n in [(100, 1), (800, 2), (33, 2), (600, 1)]])
-    with pytest.raises(ValueError, match="block tables name block 256, but the captured step reads a 'swa' cache"):
+    far = builder.build(requests(caches, [(100, 1), (800, 2), (33, 2), (600, 1)], first_block=1024))
+    with pytest.raises(ValueError, match=r"block tables name block \d+, but the captured step reads a 'swa' cache "
+                                         r"of 1024 blocks"):
         graph.replay(far)
 
 
@@ -227,15 +234,15 @@ def test_bound_layer_launches_equal_the_planned_ones(monkeypatch, invariant):
     """From a plan's second call on, a layer launches through its bound launches (the attention, the combine of
     split key lists, the picks' conversion) on the call's own tensors: the oracle's answer, and the same bits as the
     plan's launches, which a q laid out differently or a new scale still take."""
-    from sparse_mla.ops import triton_attention
+    from sparse_mla.ops import attention_plan
 
     sc = make_scenario([(3000, 2)] * 40, window=128, topk=64, decode_threshold=2, device=DEVICE, seed=5)
     gen = torch.Generator().manual_seed(6)
     cap, rows = sc.batch.token_capacity, list(range(0, sc.batch.num_tokens, 7))
     sink = torch.randn(16, generator=gen).to(DEVICE)
     planned = []
-    plan_call = triton_attention.AttentionPlan.__call__
-    monkeypatch.setattr(triton_attention.AttentionPlan, "__call__",
+    plan_call = attention_plan.AttentionPlan.__call__
+    monkeypatch.setattr(attention_plan.AttentionPlan, "__call__",
                         lambda self, *a: planned.append(1) or plan_call(self, *a))
     for kind in ("swa", "c4a", "c128a"):
         topk = 64 if kind == "c4a" else None

@@ -8,6 +8,11 @@ function must write into the same metadata object and read the same tensors ever
 must come from the same builder with the same shape: requests, decode requests, decode tokens and tokens
 (the host numbers the launches were planned with). Prefill rows are not allowed: their workspace chunks are
 planned on the host from each batch's lengths.
+
+The metadata is stale from the builder's next ``build`` until that batch is replayed (its reads raise
+``ValueError``, as after any build); :meth:`StepGraph.replay` makes it the replayed batch's, so eager reads and
+layer calls after a replay see the new step. The staleness checks are host-side integer compares that run only
+in eager Python: a captured graph contains none of them.
 """
 from __future__ import annotations
 

@@ -270,31 +270,34 @@ def picks_converter(meta: StepMetadata, kind: str, index_form: str,
     forms, into that form's ``lists`` (:func:`step_ragged` / :func:`step_combined`'s buffers of the picks kind), and
     returns the kept picks (``meta.picks_local``, for the workspace prefill). No host sync."""
     check_picks_kind(meta, kind)
+    # the step's buffers, read here once (this checks the metadata is current; each layer call checks it too)
+    kept = meta.picks_local
     if index_form != "combined":
         converter = meta.plan(("picks", kind), lambda: PicksConverter(meta, kind))
         if index_form != "ragged":
             def convert(local: torch.Tensor) -> torch.Tensor:
                 converter(local)
-                return meta.picks_local
+                return kept
             return convert
         flat, indptr = lists
+        picks_indices, picks_lens = meta.picks_indices, meta.picks_lens
 
         def convert_ragged(local: torch.Tensor) -> torch.Tensor:
             converter(local)
             if local.shape[0]:
-                _ragged_fill(meta.picks_indices, meta.picks_lens, indptr, flat)
-            return meta.picks_local
+                _ragged_fill(picks_indices, picks_lens, indptr, flat)
+            return kept
         return convert_ragged
     # one launch converts the picks into the combined rows' compressed columns
     out, out_lens = lists
-    window = meta.swa_indices.shape[1]
+    swa_lens, window = meta.swa_lens, meta.swa_indices.shape[1]
     converter = meta.plan(("picks", kind, "combined"), lambda: PicksConverter(
-        meta, kind, (out[:, window:window + meta.spec.topk], out_lens, meta.picks_local)))
+        meta, kind, (out[:, window:window + meta.spec.topk], out_lens, kept)))
 
     def convert_combined(local: torch.Tensor) -> torch.Tensor:
         converter(local)
-        _combined_lens(meta.swa_lens, window, out_lens)
-        return meta.picks_local
+        _combined_lens(swa_lens, window, out_lens)
+        return kept
     return convert_combined
 
 

@@ -13,23 +13,14 @@ from .index_forms import check_index_form
 from .metadata import StepMetadata
 from .ops.dispatch import check_backend_name
 from .ops.validate import D_V
-from .plan import PREFILL_MODES, LayerPlan, layer_kv_scale, resolve_cache_arg
+from .plan import PREFILL_MODES, LayerPlan, check_cache_kv_scale, layer_kv_scale, resolve_cache_arg
+from .workspace import DEFAULT_WORKSPACE_BYTES, shared_workspace
 
-DEFAULT_WORKSPACE_BYTES = 64 << 20
-# One bf16 workspace per (device, head_dim), shared by every layer: layers of a step run one after
-# another on one stream, so a model needs a single workspace, not one per layer.
-_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def shared_workspace(device: torch.device, budget_bytes: int, head_dim: int) -> torch.Tensor:
-    """The ``(budget_bytes // (2 · head_dim), head_dim)`` bf16 view of the workspace shared by all layers on
-    ``device`` (grown on demand)."""
-    rows = budget_bytes // (2 * head_dim)
-    key = (torch.device(device), head_dim)
-    buf = _WORKSPACES.get(key)
-    if buf is None or buf.shape[0] < rows:
-        buf = _WORKSPACES[key] = torch.empty(rows, head_dim, dtype=torch.bfloat16, device=device)
-    return buf[:rows]
+# What a layer's plans and checks are made for, fixed at construction: layers of one configuration share a step's
+# plan, so a layer changed afterwards would launch with another configuration's heads, mode or lists.
+FIXED_CONFIGURATION = frozenset(("kind", "num_heads", "head_dim", "window", "topk", "compress_ratio", "backend",
+                                 "prefill_mode", "workspace_bytes", "kv_format", "batch_invariant", "index_form",
+                                 "cache_kinds"))
 
 
 class SparseMLAAttention(torch.nn.Module):
@@ -55,8 +46,15 @@ class SparseMLAAttention(torch.nn.Module):
     first. Prefill tokens do too with ``prefill_mode="paged"`` (V4's default); ``"mixed"`` runs every token in
     one launch (no decode order); ``"workspace"`` (V3.2's default) gathers each chunk's keys into a bf16
     workspace of at most ``workspace_bytes`` first (FlashMLA's prefill path; one workspace per device is shared
-    by all layers, see :func:`shared_workspace`). The defaults are the faster modes on an H100 (BENCHMARKS.md). The layer reads caches only: the engine inserts the step's new KV and compressed
-    entries before ``forward``.
+    by all layers, see :func:`~sparse_mla.workspace.shared_workspace`). The defaults are the faster modes on an H100
+    (BENCHMARKS.md). The layer reads caches only: the engine inserts the step's new KV and compressed entries before
+    ``forward``.
+
+    After construction, ``sink`` and ``scale`` may be replaced (``layer.sink = new``: checked at once — shape,
+    dtype, contiguity, no NaN, which syncs once for a GPU tensor —, and its device at the next call) and so may
+    a cache's ``kv_scale`` (checked the first time a call reads it); the rest of the configuration is fixed
+    (assigning it is a ``ValueError``). Values written into the sink or a scale tensor in place are checked only
+    with ``SPARSE_MLA_DEBUG=1`` (a NaN there gives NaN rows, never a read outside a tensor).
     """
 
     def __init__(self, kind: str, num_heads: int, head_dim: int = 512, window: int = 128, *,
@@ -90,7 +88,7 @@ class SparseMLAAttention(torch.nn.Module):
         if kind in PICKS_KINDS and not (is_int(topk) and topk >= 1):
             raise ValueError(f"topk must be a positive int, got {topk!r}")
         if sink is not None:
-            check_sink(sink, num_heads)  # its values once here, not on every step
+            _check_layer_sink(sink, num_heads)  # its values once here, not on every step
         check_backend_name(backend)
         if kv_format is not None and kv_format not in FORMAT_NAMES:
             raise ValueError(f"kv_format must be None or one of {FORMAT_NAMES}, got {kv_format!r}")
@@ -110,6 +108,30 @@ class SparseMLAAttention(torch.nn.Module):
         # what _plan found on the last call, all weakly held (a layer keeps neither a step nor a cache alive): (the
         # plan, (has_sink, q_fp8), the caches given, their tensors' stamps)
         self._last_plan: tuple | None = None
+        # the sink last checked against a call's device, and that device: a sink replaced or moved since (the
+        # setter, register_buffer, .to()/.half()) is checked again at the next call, without a sync
+        self._sink_seen: tuple[torch.Tensor, torch.device] | None = None
+        self._kv_scale_seen: torch.Tensor | None = None  # the last fp8_e4m3 kv_scale tensor checked (_plan)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        """``sink`` and ``scale`` are checked when assigned; the configuration is fixed (``ValueError``)."""
+        if name == "sink":
+            if value is not None:
+                _check_layer_sink(value, self.num_heads)  # values: a sync for a GPU tensor, once per assignment
+        elif name == "scale":
+            value = check_scale(value)
+        elif name in FIXED_CONFIGURATION and name in self.__dict__:
+            raise ValueError(f"{name} is fixed when a SparseMLAAttention is made (the step plans it shares with "
+                             f"layers of its configuration depend on it), got an assignment of {value!r}: make "
+                             f"another layer")
+        super().__setattr__(name, value)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        """``load_state_dict`` copies a sink into the buffer in place: its values are checked first."""
+        sink = state_dict.get(prefix + "sink")
+        if sink is not None and isinstance(sink, torch.Tensor) and self._buffers.get("sink") is not None:
+            check_sink(sink.detach().to(torch.float32), self.num_heads)  # copy_ converts the dtype
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"kind={self.kind}, num_heads={self.num_heads}, head_dim={self.head_dim}, window={self.window}, "
@@ -158,9 +180,11 @@ class SparseMLAAttention(torch.nn.Module):
         if q.stride(2) != 1:
             q = q.contiguous()
         out = self._out(q, out, capacity)
-        if self.kind != "dsa" and meta.spec.window != self.window:
-            raise ValueError(f"the step's metadata has window {meta.spec.window}, this layer {self.window}")
         sink = self._buffers["sink"]
+        seen = self._sink_seen
+        if sink is not None and (seen is None or seen[0] is not sink or seen[1] != device):
+            _check_layer_sink(sink, self.num_heads, device, values=False)
+            self._sink_seen = (sink, device)
         plan, caches_t, kv_scale = self._plan(meta, caches, sink is not None, q_scale is not None)
         if q_scale is not None:
             if self.prefill_mode == "workspace":
@@ -171,8 +195,6 @@ class SparseMLAAttention(torch.nn.Module):
             if topk_indices is None:
                 raise ValueError(f"topk_indices must be given to a {self.kind} layer: the indexer's picks, "
                                  f"(T, topk) int32")
-            if meta.spec.topk != self.topk:
-                raise ValueError(f"the step's metadata has topk {meta.spec.topk}, this layer {self.topk}")
         elif topk_indices is not None:
             raise ValueError(f"topk_indices must be given only to a c4a or dsa layer, not to this {self.kind} layer")
         plan(q, out, caches_t, topk_indices, sink, self.scale, q_scale, kv_scale)
@@ -209,6 +231,7 @@ class SparseMLAAttention(torch.nn.Module):
                 and all([obj is not None and ref() is obj for ref, obj in zip(last[2], objs)])
                 and last[3] == [cache_stamp(t) for t in tensors]):
             return plan, tensors, None
+        self._check_step(meta)
         views = {}
         for kind, name in self._cache_names:
             c = caches.get(kind)
@@ -217,6 +240,10 @@ class SparseMLAAttention(torch.nn.Module):
             views[kind] = resolve_cache_arg(c, name)
         key = (self._config, has_sink, q_fp8, tuple([v.key for v in views.values()]))
         kv_scale = layer_kv_scale(views)
+        if kv_scale is not None and kv_scale is not self._kv_scale_seen:  # a scale tensor not met yet: checked once
+            kind = next(iter(views))
+            check_cache_kv_scale(kv_scale, views[kind].tensor.device, f"caches[{kind!r}].kv_scale")
+            self._kv_scale_seen = kv_scale
         if q_fp8 and kv_scale is None:
             raise ValueError(f"q_scale (an fp8 q) needs fp8_e4m3 caches, got "
                              f"{ {k: v.fmt.name for k, v in views.items()} }")
@@ -227,6 +254,20 @@ class SparseMLAAttention(torch.nn.Module):
         self._last_plan = None if kv_scale is not None or any(p is not t for p, t in zip(paged, tensors)) else (
             weakref.ref(plan), (has_sink, q_fp8), [weakref.ref(obj) for obj in objs], [cache_stamp(t) for t in tensors])
         return plan, paged, kv_scale
+
+    def _check_step(self, meta: StepMetadata) -> None:
+        """This layer against the step's metadata: its model family, window and top-k. On every plan lookup, so once
+        per step at least (a layer's remembered plan is of the step it was checked against)."""
+        batch, spec = meta.batch, meta.spec
+        if (self.kind == "dsa") != ("dsa" in batch.block_tables):
+            want = ("V3.2 step metadata (a batch of kinds ('dsa',))" if self.kind == "dsa" else
+                    "V4 step metadata (a batch whose kinds include 'swa')")
+            raise ValueError(f"meta was built from a batch of kinds {batch.kinds}, but a {self.kind} layer reads "
+                             f"{want}")
+        if self.kind != "dsa" and spec.window != self.window:
+            raise ValueError(f"the step's metadata has window {spec.window}, this layer {self.window}")
+        if self.kind in PICKS_KINDS and spec.topk != self.topk:
+            raise ValueError(f"the step's metadata has topk {spec.topk}, this layer {self.topk}")
 
     def _make_plan(self, meta: StepMetadata, views: dict, q_fp8: bool = False) -> LayerPlan:
         """Check this layer against the step and its caches (once per step and configuration), then plan."""
@@ -255,3 +296,12 @@ class SparseMLAAttention(torch.nn.Module):
             if view.tensor.device != batch.device:
                 raise ValueError(f"{name} is on {view.tensor.device}, the step's metadata on {batch.device}")
         return LayerPlan(meta, self, views, q_fp8)
+
+
+def _check_layer_sink(sink: object, num_heads: int, device: torch.device | None = None, values: bool = True) -> None:
+    """A layer's sink: :func:`~sparse_mla._checks.check_sink` (with ``values``, no NaN: a sync for a GPU tensor), and
+    contiguous (the kernels read it as ``num_heads`` packed floats)."""
+    check_sink(sink, num_heads, device, values)
+    if not sink.is_contiguous():
+        raise ValueError(f"sink must be contiguous (the kernels read {num_heads} packed float32), got strides "
+                         f"{sink.stride()}")

@@ -14,13 +14,15 @@ decode step can be captured in a CUDA graph.
   dropped; converted per layer by :meth:`StepMetadata.dsa_indices` (the c4a rule with ratio 1).
 * Decode order (:meth:`StepMetadata.decode_order`): per kind with long lists, the decode tokens longest key
   lists first, the order the attention kernels take them in (``sparse_mla.ops.order``).
-* Prefill workspace plan (:meth:`StepMetadata.workspace_plan`): for backends that gather the keys of
-  prefill tokens into a bf16 workspace, chunks of prefill tokens whose keys fit a byte budget.
-* Layer plans (:meth:`StepMetadata.layer_plan`): what a layer call needs beyond its own tensors, resolved
-  once per step (``sparse_mla.plan``).
+* Step plans (:meth:`StepMetadata.plan`): what is resolved once per step and kept with its metadata — the
+  layer plans (:mod:`sparse_mla.plan`), the prefill workspace plans (:mod:`sparse_mla.workspace`), the index
+  forms' buffers (:mod:`sparse_mla.index_forms`).
 
 Metadata is only as current as its batch: once the batch's builder builds another step, its buffers hold
-that step, and using this metadata is a ``ValueError`` (:meth:`StepBatch.check_current`).
+that step, and every public read of this metadata — its index lists, :meth:`~StepMetadata.c4a_indices`,
+:meth:`~StepMetadata.dsa_indices`, :meth:`~StepMetadata.decode_order`, :meth:`~StepMetadata.plan` — is a
+``ValueError`` (:meth:`StepBatch.check_current`: an integer compare, no device sync) until
+``build_step_metadata(new_batch, spec, out=this)`` refills it.
 """
 from __future__ import annotations
 
@@ -65,6 +67,18 @@ def compact_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> tuple[t
     return out, lens
 
 
+def _step_list(name: str, doc: str) -> property:
+    """A read-only attribute of :class:`StepMetadata` holding one of the step's buffers (kept in ``_<name>``):
+    reading it checks the metadata is current (an integer compare)."""
+    private = "_" + name
+
+    def current(self: StepMetadata):
+        self.batch.check_current()
+        return getattr(self, private)
+
+    return property(current, doc=doc)
+
+
 @dataclass
 class StepMetadata:
     """Index lists of one step, shared by all layers. Row ``t`` belongs to token ``t`` of the batch
@@ -77,22 +91,36 @@ class StepMetadata:
     :meth:`dsa_indices`; picks_bound ``(T,)``: ``min(topk, entries visible to the token)``, what any layer's
     picks count can reach (the decode order's estimate). decode_orders: ``(T,)`` per ordered kind, see
     :meth:`decode_order`.
+
+    The lists are read-only attributes that raise ``ValueError`` once the metadata is stale (its batch's builder
+    has built another step): the buffers then hold another step's lists, or are about to.
     """
 
     batch: StepBatch
     spec: MetadataSpec
-    is_valid_token: torch.Tensor
-    swa_indices: torch.Tensor | None
-    swa_lens: torch.Tensor | None
-    c128a_indices: torch.Tensor | None
-    c128a_lens: torch.Tensor | None
-    picks_indices: torch.Tensor | None
-    picks_lens: torch.Tensor | None
-    picks_local: torch.Tensor | None
-    picks_bound: torch.Tensor | None
-    decode_orders: dict[str, torch.Tensor] = field(default_factory=dict)
+    _is_valid_token: torch.Tensor
+    _swa_indices: torch.Tensor | None
+    _swa_lens: torch.Tensor | None
+    _c128a_indices: torch.Tensor | None
+    _c128a_lens: torch.Tensor | None
+    _picks_indices: torch.Tensor | None
+    _picks_lens: torch.Tensor | None
+    _picks_local: torch.Tensor | None
+    _picks_bound: torch.Tensor | None
+    _decode_orders: dict[str, torch.Tensor] = field(default_factory=dict)
     _plans: dict = field(default_factory=dict, repr=False)  # this step's plans (cleared by each build)
     _fill_lists: object = field(default=None, repr=False)  # the bound launch of the step lists (every build)
+
+    is_valid_token = _step_list("is_valid_token", "``(T,)`` int32: 1 for the batch's tokens, 0 for padding rows.")
+    swa_indices = _step_list("swa_indices", "``(T, W)`` int32 SWA slots, valid prefix (None for V3.2).")
+    swa_lens = _step_list("swa_lens", "``(T,)`` int32 lengths of :attr:`swa_indices`' rows.")
+    c128a_indices = _step_list("c128a_indices", "``(T, ceil(max_model_len/128))`` int32 c128a slots, valid prefix.")
+    c128a_lens = _step_list("c128a_lens", "``(T,)`` int32 lengths of :attr:`c128a_indices`' rows.")
+    picks_indices = _step_list("picks_indices", "``(T, topk)`` int32 slots of the last converted picks.")
+    picks_lens = _step_list("picks_lens", "``(T,)`` int32 lengths of :attr:`picks_indices`' rows.")
+    picks_local = _step_list("picks_local", "``(T, topk)`` int32 the last converted picks that were kept.")
+    picks_bound = _step_list("picks_bound", "``(T,)`` int32 ``min(topk, entries visible to the token)``.")
+    decode_orders = _step_list("decode_orders", "``{kind: (T,) int32}`` decode order buffers, see decode_order.")
 
     @property
     def picks_kind(self) -> str | None:
@@ -128,26 +156,19 @@ class StepMetadata:
         :func:`~sparse_mla.ops.longest_first` permutation, ``(num_decode_tokens,)`` int32, a view of a buffer
         refilled by each build (so a CUDA graph that reads it stays valid). None for SWA layers, whose
         lists (at most the window) are too short for their order to matter."""
-        buf = self.decode_orders.get(kind)
+        buf = self.decode_orders.get(kind)  # checks the metadata is current
         return None if buf is None else buf[: self.batch.num_decode_tokens]
-
-    def workspace_plan(self, kind: str, budget_bytes: int, head_dim: int = 512) -> list["WorkspaceChunk"]:
-        """The prefill workspace plan of layers of ``kind`` (see :func:`plan_prefill_workspace`),
-        built on first use and shared by every layer of the step that asks for the same budget."""
-        key = ("workspace", kind, budget_bytes, head_dim)
-        if key not in self._plans:
-            self._plans[key] = plan_prefill_workspace(self, kind, budget_bytes, head_dim)
-        return self._plans[key]
 
     def plan(self, key: tuple, make):
         """The step-scoped plan stored under ``key``, made by ``make()`` on first use (cleared by each build)."""
+        self.batch.check_current()
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = make()
         return plan
 
 
-def _visible_entries(batch: StepBatch, ratio: int) -> torch.Tensor:
+def visible_entries(batch: StepBatch, ratio: int) -> torch.Tensor:
     """Compressed entries complete before each token: ``(pos + 1) // ratio`` (0 for padding); for ratio 1
     (dsa) the raw positions ``0 … pos``."""
     return torch.where(batch.positions >= 0, (batch.positions + 1) // ratio, 0)
@@ -258,7 +279,7 @@ def _check_reusable(out: StepMetadata, batch: StepBatch, spec: MetadataSpec) -> 
         "picks_indices": (batch.token_capacity, spec.topk) if any(k in kinds for k in PICKS_KINDS) else None,
     }
     for name, shape in fresh_shapes.items():
-        buf = getattr(out, name)
+        buf = getattr(out, "_" + name)  # out's batch is stale (a new batch was built): its buffers, unchecked
         got = None if buf is None else tuple(buf.shape)
         if got != shape or (buf is not None and buf.device != batch.device):
             raise ValueError(f"out's {name} has shape {got} on {None if buf is None else buf.device}, this step needs "
@@ -277,7 +298,7 @@ def _window_indices_torch(batch: StepBatch, kind: str, indices: torch.Tensor, le
         count = torch.where(valid, pos - start + 1, 0)
         entries = torch.where(j < count[:, None], start[:, None] + j, -1)
     else:
-        count = _visible_entries(batch, COMPRESS_RATIO[kind])
+        count = visible_entries(batch, COMPRESS_RATIO[kind])
         entries = torch.where(j < count[:, None], j, -1)
     req = batch.token_to_req.clamp_min(0)[:, None]
     indices.copy_(slots_of(batch.block_tables[kind], req, entries, batch.block_sizes[kind]))
@@ -285,9 +306,9 @@ def _window_indices_torch(batch: StepBatch, kind: str, indices: torch.Tensor, le
 
 
 def _picks_buffers(meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    if meta.picks_indices is None:
+    if meta._picks_indices is None:
         return None
-    return meta.picks_indices, meta.picks_local, meta.picks_lens, meta.picks_bound
+    return meta._picks_indices, meta._picks_local, meta._picks_lens, meta._picks_bound
 
 
 def _step_lists_triton(batch: StepBatch, out: StepMetadata) -> None:
@@ -301,25 +322,25 @@ def _step_lists_triton(batch: StepBatch, out: StepMetadata) -> None:
 
         picks = _picks_buffers(out)
         out._fill_lists = triton_index.step_lists_launcher(
-            batch.positions, batch.token_to_req, out.is_valid_token,
-            window_list("swa", out.swa_indices, out.swa_lens),
-            window_list("c128a", out.c128a_indices, out.c128a_lens), picks,
+            batch.positions, batch.token_to_req, out._is_valid_token,
+            window_list("swa", out._swa_indices, out._swa_lens),
+            window_list("c128a", out._c128a_indices, out._c128a_lens), picks,
             COMPRESS_RATIO[out.picks_kind] if picks is not None else 1)
     out._fill_lists()
 
 
 def _step_lists_torch(batch: StepBatch, out: StepMetadata) -> None:
     """Torch twin of :func:`_step_lists_triton`."""
-    out.is_valid_token.copy_(batch.positions >= 0)
-    if out.swa_indices is not None:
-        _window_indices_torch(batch, "swa", out.swa_indices, out.swa_lens)
-    if out.c128a_indices is not None:
-        _window_indices_torch(batch, "c128a", out.c128a_indices, out.c128a_lens)
+    out._is_valid_token.copy_(batch.positions >= 0)
+    if out._swa_indices is not None:
+        _window_indices_torch(batch, "swa", out._swa_indices, out._swa_lens)
+    if out._c128a_indices is not None:
+        _window_indices_torch(batch, "c128a", out._c128a_indices, out._c128a_lens)
     picks = _picks_buffers(out)
     if picks is not None:  # until a layer converts its picks: nothing visible
         for buf, empty in zip(picks, (-1, -1, 0)):
             buf.fill_(empty)
-        out.picks_bound.copy_(_visible_entries(batch, COMPRESS_RATIO[out.picks_kind]).clamp_max(out.spec.topk))
+        out._picks_bound.copy_(visible_entries(batch, COMPRESS_RATIO[out.picks_kind]).clamp_max(out.spec.topk))
 
 
 def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),
@@ -357,179 +378,3 @@ def _fill_decode_orders(meta: StepMetadata) -> None:
             fill_longest_first(extra, None, buf[rows])
         else:
             fill_longest_first(swa, extra, buf[rows])
-
-
-# ----------------------------------------------------------------------------------------------
-# Prefill workspace plan
-# ----------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class WorkspaceChunk:
-    """A run of prefill tokens whose keys are gathered into one bf16 workspace ``(num_rows, head_dim)``.
-
-    Workspace layout: rows ``[0, n_c)`` hold ``compressed_slots`` of the compressed cache (each
-    segment's entries ``0 … N-1``, N = the entries complete before its last token), rows
-    ``[n_c, n_c + n_s)`` hold ``swa_slots`` of the SWA cache (each segment's raw tokens from its first
-    token's window start to its last token). A segment is the part of one request inside the chunk;
-    a long prefill is split over several chunks.
-
-    Per token (rows ``tokens`` of the batch): ``swa_rows`` ``(n, W)`` workspace rows of its window
-    (valid prefix, ``swa_lens``) and ``comp_base`` ``(n,)``, the workspace row of its segment's entry 0.
-    ``indices`` / ``lens``: the token's full workspace index list, valid prefix — precomputed for swa
-    and c128a; for c4a it depends on the layer's picks (:func:`workspace_indices`).
-    """
-
-    kind: str
-    tokens: slice
-    num_rows: int
-    compressed_slots: torch.Tensor
-    swa_slots: torch.Tensor
-    swa_rows: torch.Tensor
-    swa_lens: torch.Tensor
-    comp_base: torch.Tensor
-    indices: torch.Tensor | None
-    lens: torch.Tensor | None
-
-
-def _segment_rows(p0: int, p1: int, window: int, ratio: int) -> int:
-    """Workspace rows of a segment whose tokens sit at positions ``p0 … p1``: its window's raw tokens
-    (``window`` 0: none, V3.2) plus the ``(p1+1) // ratio`` entries its last token can see (``ratio`` 0: none)."""
-    return (p1 - max(0, p0 - window + 1) + 1 if window else 0) + ((p1 + 1) // ratio if ratio else 0)
-
-
-def _workspace_geometry(meta: StepMetadata, kind: str) -> tuple[int, int]:
-    """(window, ratio) of ``kind``'s workspace segments: swa = (W, 0), c4a / c128a = (W, r), dsa = (0, 1)
-    (every raw position up to the token's, no window part)."""
-    if kind == "dsa":
-        return 0, 1
-    return meta.spec.window, (COMPRESS_RATIO[kind] if kind != "swa" else 0)
-
-
-def plan_prefill_workspace(meta: StepMetadata, kind: str, budget_bytes: int,
-                           head_dim: int = 512) -> list[WorkspaceChunk]:
-    """Chunk the step's prefill tokens so each chunk's bf16 workspace fits ``budget_bytes``.
-
-    A request's segment needs ``gather_len = n_tokens + min(prefix, W-1)`` SWA rows (prefix = the
-    positions before the segment) plus, for c4a / c128a, the ``(p_last+1) // ratio`` compressed entries
-    its last token can see. Chunks are filled greedily in token order; a request that does not fit
-    is split between chunks. Planning runs on the host from the batch's host copies (no device sync);
-    only the per-chunk index tensors are built on the device, vectorised.
-    """
-    if kind not in meta.batch.block_tables:
-        raise ValueError(f"kind must be one of this batch's kinds {meta.batch.kinds}, got {kind!r}")
-    if head_dim not in (512, 576):
-        raise ValueError(f"head_dim must be 512 (V4) or 576 (V3.2), got {head_dim!r}")
-    batch = meta.batch
-    window, ratio = _workspace_geometry(meta, kind)
-    budget = budget_bytes // (2 * head_dim)
-    chunks: list[list[tuple[int, int, int]]] = []  # per chunk: (request, first position, last position)
-    current: list[tuple[int, int, int]] = []
-    used = 0
-    for r in range(batch.num_decodes, batch.num_reqs):
-        seq, qlen = batch.seq_lens_host[r], batch.query_lens_host[r]
-        p0 = seq - qlen
-        while p0 < seq:
-            if _segment_rows(p0, p0, window, ratio) > budget - used:
-                if not current:
-                    raise ValueError(f"budget_bytes={budget_bytes} ({budget} workspace rows of {head_dim} bf16) cannot "
-                                     f"hold the {_segment_rows(p0, p0, window, ratio)} keys of request {r}'s token "
-                                     f"at position {p0}")
-                chunks.append(current)
-                current, used = [], 0
-                continue
-            lo, hi = p0, seq - 1  # largest p1 whose segment still fits
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if _segment_rows(p0, mid, window, ratio) <= budget - used:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            current.append((r, p0, lo))
-            used += _segment_rows(p0, lo, window, ratio)
-            p0 = lo + 1
-            if p0 < seq:
-                chunks.append(current)
-                current, used = [], 0
-    if current:
-        chunks.append(current)
-    return [_build_chunk(meta, kind, segs) for segs in chunks]
-
-
-def _build_chunk(meta: StepMetadata, kind: str, segs: list[tuple[int, int, int]]) -> WorkspaceChunk:
-    batch, dev = meta.batch, meta.batch.device
-    window, ratio = _workspace_geometry(meta, kind)
-    i32 = dict(dtype=torch.int32, device=dev)
-    qsl, seq, qlen = batch.query_start_loc_host, batch.seq_lens_host, batch.query_lens_host
-    n_comp = [(p1 + 1) // ratio if ratio else 0 for _, _, p1 in segs]
-    swa_start = [max(0, p0 - window + 1) for _, p0, _ in segs]
-    n_swa = [p1 - s + 1 if window else 0 for (_, _, p1), s in zip(segs, swa_start)]
-    n_tok = [p1 - p0 + 1 for _, p0, p1 in segs]
-    total_c = sum(n_comp)
-    comp_base = [sum(n_comp[:i]) for i in range(len(segs))]
-    swa_base = [total_c + sum(n_swa[:i]) for i in range(len(segs))]
-    reqs = [r for r, _, _ in segs]
-    first_row = qsl[segs[0][0]] + segs[0][1] - (seq[segs[0][0]] - qlen[segs[0][0]])
-    last = segs[-1]
-    last_row = qsl[last[0]] + last[2] - (seq[last[0]] - qlen[last[0]])
-
-    def per_item(values: list[int], counts: list[int]) -> torch.Tensor:
-        return torch.repeat_interleave(torch.tensor(values, **i32), torch.tensor(counts, dtype=torch.long, device=dev),
-                                       output_size=sum(counts))
-
-    def ramp(counts: list[int]) -> torch.Tensor:  # 0 … counts[i]-1 for each item, concatenated
-        total = sum(counts)
-        starts = per_item([sum(counts[:i]) for i in range(len(counts))], counts)
-        return torch.arange(total, **i32) - starts
-
-    comp_req = per_item(reqs, n_comp)
-    compressed_slots = (slots_of(batch.block_tables[kind], comp_req, ramp(n_comp), batch.block_sizes[kind])
-                        if total_c else torch.empty(0, **i32))
-    tokens = slice(first_row, last_row + 1)
-    pos = batch.positions[tokens]
-    if not window:  # dsa: no window part
-        chunk = WorkspaceChunk(kind, tokens, total_c, compressed_slots, torch.empty(0, **i32),
-                               torch.empty(pos.shape[0], 0, **i32), torch.zeros(pos.shape[0], **i32),
-                               per_item(comp_base, n_tok), None, None)
-        return chunk
-    swa_req = per_item(reqs, n_swa)
-    swa_pos = per_item(swa_start, n_swa) + ramp(n_swa)
-    swa_slots = slots_of(batch.block_tables["swa"], swa_req, swa_pos, batch.block_sizes["swa"])
-    lens = meta.swa_lens[tokens]
-    # token at p: window keys at positions p-lens+1 … p -> rows swa_base + (position - swa_start)
-    first_key_row = per_item(swa_base, n_tok) + pos - lens + 1 - per_item(swa_start, n_tok)
-    j = torch.arange(window, **i32)[None, :]
-    swa_rows = torch.where(j < lens[:, None], first_key_row[:, None] + j, -1)
-    chunk = WorkspaceChunk(kind, tokens, total_c + sum(n_swa), compressed_slots, swa_slots, swa_rows, lens,
-                           per_item(comp_base, n_tok), None, None)
-    if kind in PICKS_KINDS:  # the lists depend on each layer's picks: workspace_indices
-        return chunk
-    idx, lens = workspace_indices(meta, chunk)
-    return WorkspaceChunk(kind, tokens, chunk.num_rows, compressed_slots, swa_slots, swa_rows, chunk.swa_lens,
-                          chunk.comp_base, idx, lens)
-
-
-def workspace_indices(meta: StepMetadata, chunk: WorkspaceChunk,
-                      kept_local: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each chunk token's workspace rows: ``[its window][its visible compressed entries]``, compacted.
-
-    kept_local: c4a / dsa only, ``(T, topk)`` the kept picks of every batch token (the third result of
-    :func:`convert_picks`: each row a valid prefix, which a dsa chunk's rows keep as they are). Returns (indices
-    ``(n, width)`` int32, lens ``(n,)`` int32).
-    """
-    if chunk.kind == "swa":
-        return chunk.swa_rows, chunk.swa_lens
-    base = chunk.comp_base[:, None]
-    if chunk.kind == "c128a":
-        n = _visible_entries(meta.batch, COMPRESS_RATIO["c128a"])[chunk.tokens]
-        e = torch.arange(meta.c128a_indices.shape[1], dtype=torch.int32, device=base.device)[None, :]
-        comp = torch.where(e < n[:, None], base + e, -1)
-    else:
-        if kept_local is None:
-            raise ValueError(f"a {chunk.kind} workspace chunk needs the layer's kept picks (kept_local)")
-        local = kept_local[chunk.tokens]
-        comp = torch.where(local >= 0, base + local, -1)
-    if not chunk.swa_rows.shape[1]:
-        # no window part (dsa): the kept picks are a valid prefix already, so the rows are too; compacting them
-        # anyway cost a 4096-token V3.2 chunk ~0.47 ms on the H100, 10 % of the whole prefill
-        return comp, (comp >= 0).sum(1, dtype=torch.int32)
-    return compact_rows(torch.cat([chunk.swa_rows, comp], dim=1))

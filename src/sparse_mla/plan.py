@@ -10,37 +10,23 @@ Caches are validated once per cache tensor, not once per call (``formats.resolve
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from . import index_forms
+from ._checks import check_kv_scale, check_sink
 from .cache import PagedCache
 from .config import PICKS_KINDS
 from .formats import IdentityMemo, KVFormat, cache_stamp, resolve_cache_once
-from .ops import dequantize_and_gather, sparse_attention_decode, sparse_attention_prefill
+from .metadata import StepMetadata
+from .ops import sparse_attention_decode, sparse_attention_prefill
 from .ops.dispatch import pages_16_byte_aligned, resolve_backend
 from .ops.launch import BindOnce
-
-if TYPE_CHECKING:
-    from .metadata import WorkspaceChunk
+from .ops.validate import debug_checks_enabled
+from .workspace import fill_workspace, shared_workspace, workspace_indices, workspace_plan
 
 PREFILL_MODES = ("paged", "workspace", "mixed")
-
-
-def fill_workspace(ws_all: torch.Tensor, chunk: WorkspaceChunk, caches: dict[str, torch.Tensor],
-                   backend: str = "auto", kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """A prefill chunk's keys dequantised into the first ``chunk.num_rows`` rows of the bf16 workspace ``ws_all``
-    (``(rows, d)``): its compressed entries, then its window's raw tokens (the layout of
-    :class:`~sparse_mla.metadata.WorkspaceChunk`), from ``caches`` by kind. Returns that ``(num_rows, d)`` view."""
-    ws = ws_all[: chunk.num_rows]
-    n_c = chunk.compressed_slots.shape[0]
-    if n_c:
-        dequantize_and_gather(caches[chunk.kind], chunk.compressed_slots, backend=backend, kv_scale=kv_scale,
-                              out=ws[:n_c])
-    if chunk.swa_slots.shape[0]:
-        dequantize_and_gather(caches["swa"], chunk.swa_slots, backend=backend, kv_scale=kv_scale, out=ws[n_c:])
-    return ws
 
 
 class CacheView(NamedTuple):
@@ -71,8 +57,26 @@ def resolve_cache_arg(cache: object, name: str) -> CacheView:
         if kv_scale is None:
             raise ValueError(f"{name} is an fp8_e4m3 cache tensor: pass its PagedCache, which keeps the cache's "
                              f"kv_scale (PagedCache(..., 'fp8_e4m3', kv_scale=...))")
+        if not isinstance(kv_scale, torch.Tensor):
+            raise TypeError(f"{name}.kv_scale must be a (1,) float32 tensor on the cache's device, got "
+                            f"{type(kv_scale).__name__}")
         return view._replace(kv_scale=kv_scale)
     return view
+
+
+_CHECKED_SCALES = IdentityMemo()  # kv_scale tensor -> checked, under (device, whether its values were skipped)
+
+
+def check_cache_kv_scale(kv_scale: torch.Tensor, device: torch.device, name: str) -> None:
+    """A cache's ``kv_scale`` as a layer reads it, checked once per tensor: one float32 value on the cache's
+    ``device``, positive and finite. The value check syncs once, on a GPU; it is skipped while a CUDA graph is being
+    captured (no sync is allowed then; ``StepGraph`` warms up before capturing, so a step's scales are met first
+    outside the capture) and made at the next check outside it. Values written into it in place later are checked
+    only with ``SPARSE_MLA_DEBUG=1`` (per call: :class:`LayerPlan`)."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    # the memo keeps True, not what check_kv_scale returns (the tensor itself, which the entry must not hold)
+    _CHECKED_SCALES.get(kv_scale, (device, capturing),
+                        lambda: check_kv_scale(kv_scale, device, name, values=not capturing) is not None)
 
 
 def _view(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor | None, KVFormat, bool, tuple, bool]:
@@ -115,9 +119,12 @@ class LayerPlan:
     The form's buffers are kept with the step's plans: fixed for the step, refilled without a host sync.
     """
 
-    def __init__(self, meta, layer, views: dict[str, CacheView], q_fp8: bool = False) -> None:
+    def __init__(self, meta: StepMetadata, layer, views: dict[str, CacheView], q_fp8: bool = False) -> None:
         batch = meta.batch
         self.meta = meta
+        # SPARSE_MLA_DEBUG=1 when the step's plan is made: each call also checks the values of the tensors a caller
+        # may write in place (sink, kv_scale, q_scale: they sync); read once per plan, not per call
+        self.debug = debug_checks_enabled()
         self.step_plans = meta._plans  # the step's plans, this one among them (a layer's memo tells steps apart by it)
         self.kind, self.head_dim, self.backend = layer.kind, layer.head_dim, layer.backend
         self.workspace_bytes, self.batch_invariant = layer.workspace_bytes, layer.batch_invariant
@@ -157,7 +164,7 @@ class LayerPlan:
             indices, lens, geometry, forms, ref = self._part_lists(rows, views)
             launch = None
             if self.impl == "triton":
-                from .ops.triton_attention import AttentionPlan  # needs Triton: only this backend gets here
+                from .ops.attention_plan import AttentionPlan  # needs Triton: only this backend gets here
 
                 launch = AttentionPlan(
                     (rows.stop - rows.start, layer.num_heads, layer.head_dim), batch.device, geometry,
@@ -214,6 +221,8 @@ class LayerPlan:
         with unit-stride rows / contiguous; caches: the scopes' cache tensors in scope order; picks: a c4a / dsa
         layer's indexer picks ``(T, topk)`` int32 (converted here, into the layer's index form); sink / scale: the
         calling layer's; q_scale / kv_scale: ``(1,)`` float32, an fp8 q's and the fp8_e4m3 caches' scales."""
+        if self.debug:
+            _check_values(sink, q_scale, kv_scale)
         kept = None if picks is None else self._convert_picks(picks)
         op_caches = tuple(c.view(torch.float8_e4m3fn) for c in caches) if self.per_tensor else caches
         for i, (rows, order, launch, indices, lens, ref) in enumerate(self.parts):
@@ -252,14 +261,20 @@ class LayerPlan:
                                 order=order, q_scale=q_scale, kv_scale=kv_scale, **extra)
 
     def _prefill_workspace(self, q, out, caches, kept_picks, sink, scale, kv_scale) -> None:
-        from .layer import shared_workspace
-        from .metadata import workspace_indices
-
         meta, kind, dim = self.meta, self.kind, self.head_dim
         by_kind = {k: c for c, (k, _, _) in zip(caches, self.scopes)}
         ws_all = shared_workspace(q.device, self.workspace_bytes, dim)
-        for chunk in meta.workspace_plan(kind, self.workspace_bytes, dim):
+        for chunk in workspace_plan(meta, kind, self.workspace_bytes, dim):
             ws = fill_workspace(ws_all, chunk, by_kind, self.backend, kv_scale)
             idx, lens = workspace_indices(meta, chunk, kept_picks)
             sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, sink, scale, backend=self.backend,
                                      out=out[chunk.tokens], batch_invariant=self.batch_invariant)
+
+
+def _check_values(sink: torch.Tensor | None, q_scale: torch.Tensor | None, kv_scale: torch.Tensor | None) -> None:
+    """The debug-mode checks of a layer call's sink and scales (they sync): no NaN sink, positive finite scales."""
+    if sink is not None:
+        check_sink(sink, sink.shape[0])
+    for name, value in (("q_scale", q_scale), ("kv_scale", kv_scale)):
+        if value is not None:
+            check_kv_scale(value, value.device, name)
