@@ -13,7 +13,8 @@ SIZES = {"swa": 4, "c4a": 4, "c128a": 2}  # small blocks: contexts cross many bl
 
 
 def tables_for(seq_len: int, start: int = 0, reverse: bool = True) -> dict[str, list[int]]:
-    """Block tables of distinct, non-consecutive physical blocks (reversed), for every kind."""
+    """Block tables of distinct, non-consecutive physical blocks (reversed), for every kind: ``start``, ``start + 2``,
+    … (requests of one step take starts whose ranges do not meet)."""
     out = {}
     for kind, bs in SIZES.items():
         n = blocks_needed(seq_len, kind, bs)
@@ -35,7 +36,7 @@ def expected_tokens(requests, block_size=4):
 
 
 def test_hand_checked_batch():
-    requests = [Request(10, 1, tables_for(10)), Request(7, 2, tables_for(7, 1)), Request(20, 5, tables_for(20, 3))]
+    requests = [Request(10, 1, tables_for(10)), Request(7, 2, tables_for(7, 1)), Request(20, 5, tables_for(20, 5))]
     b = StepBatchBuilder(16, 4, 64, block_sizes=SIZES, decode_threshold=2).build(requests)
     assert (b.num_reqs, b.num_decodes, b.num_decode_tokens, b.num_tokens, b.token_capacity) == (3, 2, 3, 8, 16)
     assert (b.num_prefills, b.num_prefill_tokens) == (1, 5)
@@ -64,7 +65,7 @@ def request_lists(draw):
 @given(case=request_lists())
 def test_tokens_match_a_loop_over_tokens(case):
     lengths, threshold, padding = case
-    requests = [Request(s, q, tables_for(s, start=r, reverse=r % 2 == 0)) for r, (s, q) in enumerate(lengths)]
+    requests = [Request(s, q, tables_for(s, start=1000 * r, reverse=r % 2 == 0)) for r, (s, q) in enumerate(lengths)]
     n_tok = sum(q for _, q in lengths)
     b = StepBatchBuilder(n_tok + padding, len(lengths), 330, block_sizes=SIZES,
                          decode_threshold=threshold).build(requests)
@@ -87,7 +88,7 @@ def test_tokens_match_a_loop_over_tokens(case):
 def test_mtp_decodes_of_two_to_four_tokens():
     """decode_threshold = 1 + speculative tokens: query_len 2-4 are decodes with 3 draft tokens, 5 is a prefill."""
     lengths = [(50, 4), (60, 2), (70, 3), (80, 1), (90, 5)]
-    requests = [Request(s, q, tables_for(s)) for s, q in lengths]
+    requests = [Request(s, q, tables_for(s, 100 * r)) for r, (s, q) in enumerate(lengths)]
     b = StepBatchBuilder(32, 8, 128, block_sizes=SIZES, decode_threshold=4).build(requests)
     assert (b.num_decodes, b.num_decode_tokens, b.num_tokens) == (4, 10, 15)
     assert b.positions[:4].tolist() == [46, 47, 48, 49]
@@ -97,7 +98,7 @@ def test_mtp_decodes_of_two_to_four_tokens():
 
 def test_buffers_are_reused_and_stale_rows_cleared():
     builder = StepBatchBuilder(16, 4, 64, block_sizes=SIZES)
-    big = builder.build([Request(20, 10, tables_for(20)), Request(9, 3, tables_for(9))])
+    big = builder.build([Request(20, 10, tables_for(20)), Request(9, 3, tables_for(9, 1))])
     ptrs = [t.data_ptr() for t in (big.positions, big.token_to_req, big.slot_mapping, big.block_tables["swa"])]
     small = builder.build([Request(5, 1, tables_for(5))])
     assert [t.data_ptr() for t in (small.positions, small.token_to_req, small.slot_mapping,
@@ -173,6 +174,13 @@ def test_block_numbers_past_a_cache_are_rejected_when_its_size_is_given():
 def test_bad_builder_arguments():
     with pytest.raises(ValueError, match="decode_threshold must be >= 1"):
         StepBatchBuilder(16, 4, 256, decode_threshold=0)
+    with pytest.raises(TypeError, match=r"max_tokens must be a positive int, got 2.5 \(float\)"):
+        StepBatchBuilder(max_tokens=2.5, max_reqs=4, max_model_len=256)
+    for name, args in (("max_reqs", (16, 0, 256)), ("max_model_len", (16, 4, -3))):
+        with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+            StepBatchBuilder(*args)
+    with pytest.raises(TypeError, match="decode_threshold must be an int"):
+        StepBatchBuilder(16, 4, 256, decode_threshold=1.5)
     with pytest.raises(ValueError, match="kinds must be V4 kinds including 'swa'"):
         StepBatchBuilder(16, 4, 256, kinds=("c4a",))
     with pytest.raises(ValueError, match=r"block_sizes\['swa'\] must be an int >= 1, got 0"):
@@ -181,3 +189,87 @@ def test_bad_builder_arguments():
         StepBatchBuilder(16, 4, 256, block_sizes={"c4": 64})
     with pytest.raises(ValueError, match="kind must be one of"):
         blocks_needed(100, "c8a")
+
+
+def test_requests_of_the_wrong_types_are_named():
+    builder = StepBatchBuilder(16, 4, 512)
+    with pytest.raises(TypeError, match=r"request 0: block_tables must be a dict of cache kind -> block numbers, "
+                                        r"got None"):
+        builder.build([Request(300, 1, None)])
+    with pytest.raises(TypeError, match=r"request 0: block_tables\['swa'\] must be a list of block numbers, got 3"):
+        builder.build([Request(3, 1, {"swa": 3, "c4a": [], "c128a": []})])
+    with pytest.raises(TypeError, match=r"requests\[1\] must be a Request, got tuple"):
+        builder.build([Request(3, 1, table(1)), (3, 1, table(1))])
+    with pytest.raises(TypeError, match="request 0: shared_prefix_blocks must be a dict"):
+        builder.build([Request(3, 1, table(1), None)])
+
+
+ALIAS_SIZES = {"swa": 16, "c4a": 4, "c128a": 2}
+
+
+def alias_tables(swa, c4a=(), c128a=()):
+    return {"swa": list(swa), "c4a": list(c4a), "c128a": list(c128a)}
+
+
+@pytest.mark.parametrize("requests,match", [
+    # two token ranges of one request on one block: the second write would overwrite the first
+    ([Request(48, 48, alias_tables([0, 1, 1], range(3)))], r"request 0: block table for 'swa' names block 1 twice"),
+    ([Request(40, 1, alias_tables([0, 1, 2], [5, 6, 5]))], r"request 0: block table for 'c4a' names block 5 twice"),
+    # two requests on one writable block (request 1 writes its block 3 this step, request 0 reads it)
+    ([Request(20, 1, alias_tables([3, 4], [0, 1])), Request(30, 2, alias_tables([7, 3], [2, 3]))],
+     r"requests 0 and 1 both use block 3 of the 'swa' cache, outside request 0's shared_prefix_blocks"),
+    # shared on one side only: request 1 did not declare it read-only
+    ([Request(40, 1, alias_tables([3, 4, 5], [0, 1, 2]), {"swa": 1}),
+      Request(40, 1, alias_tables([3, 6, 7], [3, 4, 5]))],
+     r"requests 0 and 1 both use block 3 of the 'swa' cache, outside request 1's shared_prefix_blocks"),
+    # a repeated block inside a shared prefix is still two ranges of one request on one block
+    ([Request(40, 1, alias_tables([3, 3, 5], [0, 1, 2]), {"swa": 2})],
+     r"request 0: block table for 'swa' names block 3 twice"),
+])
+def test_aliased_block_tables_are_rejected(requests, match):
+    builder = StepBatchBuilder(64, 4, 256, block_sizes=ALIAS_SIZES)
+    with pytest.raises(ValueError, match=match):
+        builder.build(requests)
+
+
+def test_read_only_shared_prefix_blocks_are_allowed():
+    """Prefix caching: requests list a common prompt's full blocks, each declaring them read-only."""
+    builder = StepBatchBuilder(64, 4, 256, block_sizes=ALIAS_SIZES)
+    prefix = {"swa": [10, 11], "c4a": [20, 21, 22, 23, 24, 25, 26, 27]}  # 32 tokens: 2 swa blocks, 8 c4a entries
+    shared = {"swa": 2, "c4a": 2}
+    requests = [Request(40, 1, alias_tables(prefix["swa"] + [1], prefix["c4a"][:2] + [2, 3, 4]), shared),
+                Request(36, 4, alias_tables(prefix["swa"] + [5], prefix["c4a"][:2] + [6, 7, 8]), shared)]
+    b = builder.build(requests)
+    assert b.block_tables["swa"][:, :3].tolist() == [[10, 11, 1], [10, 11, 5]]
+    # the new tokens land in each request's own block: positions 39 and 32…35 -> block 2 of its table
+    assert b.slot_mapping[:5].tolist() == [1 * 16 + 7] + [5 * 16 + i for i in range(4)]
+    req, entry, slots = b.new_entries("c4a")
+    assert req.tolist() == [0, 1] and entry.tolist() == [9, 8]  # 40 // 4 - 1 = 9; 32 // 4 = 8
+    assert slots.tolist() == [2 * 4 + 1, 6 * 4 + 0]
+
+
+@pytest.mark.parametrize("shared,match", [
+    ({"swa": 3}, r"shared_prefix_blocks\['swa'\] must be an int in \[0, 2\] \(shared blocks are read-only; this "
+                 r"step writes its entry 39, in block 2\), got 3"),
+    ({"c4a": 3}, r"shared_prefix_blocks\['c4a'\] must be an int in \[0, 2\]"),  # entry 9 (block 2) is completed
+    ({"c128a": 1}, r"shared_prefix_blocks\['c128a'\] must be an int in \[0, 0\]"),  # needs no block
+    ({"swa": -1}, r"must be an int in \[0, 2\]"),
+    ({"swa": 1.0}, r"must be an int in \[0, 2\]"),
+    ({"dsa": 1}, r"shared_prefix_blocks has 'dsa', not among kinds"),
+])
+def test_shared_prefixes_must_be_read_only(shared, match):
+    builder = StepBatchBuilder(64, 4, 256, block_sizes=ALIAS_SIZES)
+    with pytest.raises(ValueError, match=match):
+        builder.build([Request(40, 1, alias_tables([1, 2, 3], [4, 5, 6]), shared)])
+
+
+def test_aliasing_check_with_large_block_numbers():
+    """Block numbers far above the step's table size (a large cache) take the sorting path: same verdicts."""
+    builder = StepBatchBuilder(64, 4, 256, block_sizes=ALIAS_SIZES)
+    big = 2**24
+    ok = builder.build([Request(40, 1, alias_tables([big, big + 1, 7], [0, 1, 2])),
+                        Request(20, 1, alias_tables([big + 2, 8], [3, 4]))])
+    assert ok.max_block["swa"] == big + 2
+    with pytest.raises(ValueError, match=f"requests 0 and 1 both use block {big + 1}"):
+        builder.build([Request(40, 1, alias_tables([big, big + 1, 7], [0, 1, 2])),
+                       Request(20, 1, alias_tables([big + 1, 8], [3, 4]))])

@@ -61,6 +61,10 @@ def test_allocator_errors():
     for bad in ([0.0], [True]):
         with pytest.raises(ValueError, match="blocks must be ints"):
             alloc.free(bad)
+    for bad in (got[1], "1", None):  # one block, not a list of them
+        with pytest.raises(TypeError, match=r"blocks must be a list of block numbers \(as allocate returns them\), "
+                                            f"got {bad!r}"):
+            alloc.free(bad)
     with pytest.raises(ValueError, match="n must be an int"):
         alloc.allocate(True)
     with pytest.raises(TypeError, match="num_blocks must be a positive int"):

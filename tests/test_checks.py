@@ -29,6 +29,23 @@ def small_case(seed: int, fmt: str = "fp8_v4", lens_mode: str = "random"):
     return cache, idx, lens, q
 
 
+def test_checks_without_a_sync_run_in_both_modes(debug):
+    """Shapes, dtypes and other checks that read no device values raise on the fast path with or without
+    ``SPARSE_MLA_DEBUG`` (docs/checks.md, "Always")."""
+    cache, idx, lens, q = small_case(8)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    for kwargs, match in ((dict(sink=torch.zeros(2, device=DEVICE)), r"sink must have shape \(3,\)"),
+                          (dict(order=torch.arange(4, device=DEVICE)), "order must have dtype torch.int32"),
+                          (dict(lens=lens.long()), "lens must have dtype torch.int32"),
+                          (dict(indices=idx.reshape(-1), lens=None, indptr=torch.zeros(4, **i32)),
+                           r"indptr must have shape \(5,\)"),
+                          (dict(scale=float("nan")), "scale must be a positive finite number"),
+                          (dict(out=torch.empty(4, 3, 512, dtype=torch.bfloat16, device=DEVICE)[:, :, :256]),
+                           "out must have shape")):
+        with pytest.raises(ValueError, match=match):
+            sparse_attention_decode(q, cache.data, **{"indices": idx, "lens": lens, **kwargs}, backend="triton")
+
+
 def test_nan_sink(debug):
     """Without the check a NaN sink turns that head's rows NaN; the other heads are right."""
     cache, idx, lens, q = small_case(1, lens_mode="full")
@@ -104,6 +121,25 @@ def test_lens_out_of_range(debug):
     keep = [0, 2, 3]
     assert rel_err(out[keep], ref[keep]) < 1e-2
     assert torch.allclose(lse[keep], ref_lse[keep], atol=2e-3, rtol=1e-3)
+
+
+def test_indptr_that_is_not_monotone(debug):
+    """Without the check each ragged row starts at ``indptr[t]`` clamped into ``[0, capacity]`` and ends at
+    ``indptr[t+1]`` clamped into ``[start, capacity]``: a row that goes back is empty, one past the list is cut."""
+    cache, idx, _, q = small_case(7, fmt="bf16", lens_mode="full")
+    flat = idx.reshape(-1)[:30].contiguous()
+    indptr = torch.tensor([4, 9, 2, 1 << 30, -3], dtype=torch.int32, device=DEVICE)  # rows [4,9) [9,9) [2,30) [30,30)
+    if debug:
+        with pytest.raises(ValueError, match=r"indptr must be nondecreasing from >= 0 to <= 30"):
+            sparse_attention_decode(q, cache.data, flat, backend="triton", indptr=indptr)
+        return
+    out, lse = sparse_attention_decode(q, cache.data, flat, backend="triton", indptr=indptr)
+    rows = torch.full((4, 30), -1, dtype=torch.int32, device=DEVICE)
+    rows[0, :5], rows[2, :28] = flat[4:9], flat[2:30]
+    ref, ref_lse = sparse_attention_decode(q, cache.data, rows, torch.tensor([5, 0, 28, 0], dtype=torch.int32,
+                                                                             device=DEVICE), backend="reference")
+    assert rel_err(out, ref) < 1e-2 and (out[[1, 3]] == 0).all() and torch.isinf(lse[[1, 3]]).all()
+    assert torch.allclose(lse[[0, 2]], ref_lse[[0, 2]], atol=2e-3, rtol=1e-3)
 
 
 def test_indices_and_slots_out_of_range(debug):

@@ -101,10 +101,26 @@ def test_v32_decode_576(fmt):
     case = dict(q=torch.randn(b, s_q, h, 576, generator=gen).to(torch.bfloat16),
                 k_cache=paged(fmt, 2, 64, 576, gen), indices=slots(b, s_q, 48, 128, gen),
                 topk_length=torch.tensor([48, 30], dtype=torch.int32))
-    out, lse = call_decode(case, kv_format="V32" if fmt == "fp8_v32" else None)
+    out, lse = call_decode(case, kv_format="V32" if fmt == "fp8_v32" else None, softmax_scale=0.1352)
     check_decode_returns(out, lse, b, s_q, h)
-    ref_out, ref_lse = reference_decode(case)  # default scale 576 ** -0.5, as FlashMLA's
+    ref_out, ref_lse = reference_decode(case, scale=0.1352)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_a_scale_is_required_where_no_default_is_the_model_s():
+    """FlashMLA's prefill has no default sm_scale, so neither has ours; its decode defaults to d ** -0.5, which is
+    V4's scale (d = 512) but never V3.2's (d = 576: 0.1352, not 0.0417), so a 576-d decode needs one too."""
+    gen = torch.Generator().manual_seed(2)
+    case = dict(q=torch.randn(2, 1, 4, 576, generator=gen).to(torch.bfloat16),
+                k_cache=paged("fp8_v32", 2, 64, 576, gen), indices=slots(2, 1, 16, 128, gen))
+    with pytest.raises(ValueError, match="softmax_scale is required for q of head dim 576"):
+        call_decode(case)
+    v4 = v4_case(gen)
+    assert all(torch.equal(x, y) for x, y in zip(call_decode(v4), call_decode(v4, softmax_scale=512 ** -0.5)))
+    for d in (512, 576):
+        pre = prefill_case(gen, d)
+        with pytest.raises(ValueError, match="sm_scale is required"):
+            flash_mla_sparse_fwd(pre["q"], pre["kv"], pre["indices"], None)
 
 
 def test_scheduler_reuse_across_topk_lengths():

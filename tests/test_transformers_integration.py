@@ -142,6 +142,45 @@ def test_errors(v4):
     assert model.config._attn_implementation == "eager"
 
 
+def test_sinks_are_copied_not_shared(v4):
+    """The layers' sinks are the model's values in memory of their own (a float32 model on the same device would
+    otherwise share them): writing either leaves the other as it was, while enabled and after ``remove()``."""
+    model = v4[0]
+    attns = [layer.self_attn for layer in model.model.layers]
+    saved = [a.sinks.detach().clone() for a in attns]
+    integration = enable_sparse_mla(model)
+    try:
+        for attn, layer, before in zip(attns, integration.layers, saved):
+            assert layer.sink.dtype == torch.float32 and torch.equal(layer.sink, before)
+            assert layer.sink.untyped_storage().data_ptr() != attn.sinks.untyped_storage().data_ptr()
+            with torch.no_grad():
+                attn.sinks.add_(1.0)
+            assert torch.equal(layer.sink, before)
+            layer.sink.fill_(-5.0)
+            assert torch.equal(attn.sinks.detach(), before + 1.0)
+        integration.remove()
+        for attn, layer, before in zip(attns, integration.layers, saved):
+            layer.sink.fill_(3.0)
+            assert torch.equal(attn.sinks.detach(), before + 1.0)
+    finally:
+        integration.remove()
+        with torch.no_grad():
+            for attn, before in zip(attns, saved):
+                attn.sinks.copy_(before)  # the module's model is shared by the other tests
+
+
+def test_v32_latent_sizes_are_blamed_on_the_config():
+    """A V3.2 model whose latent is not 512 + 64 dims: the error names the config field, not a layer argument."""
+    from test_hf_v32_parity import v32_config
+
+    cfg = v32_config(1)
+    cfg.kv_lora_rank = 256
+    model = transformers.DeepseekV32ForCausalLM(cfg).eval()
+    with pytest.raises(ValueError, match=r"config.kv_lora_rank must be 512 \(sparse-mla's V3.2 latent: 512 dims \+ 64 "
+                                         r"rope dims\), got 256"):
+        enable_sparse_mla(model)
+    assert model.config._attn_implementation != "sparse_mla"
+
 
 @pytest.mark.parametrize("kv_format, num_layers, tol", [("bf16", 2, 1e-2), ("fp8_v32", 1, 5e-2)])
 def test_v32_generate_matches_eager(kv_format, num_layers, tol):

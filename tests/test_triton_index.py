@@ -25,8 +25,15 @@ def test_triton_builders_equal_torch_builders(lengths, window, topk, padding, se
     sizes = {k: SIZES[k] for k in kinds}
     builder = StepBatchBuilder(sum(q for _, q in lengths) + padding, len(lengths), 600, kinds, block_sizes=sizes,
                                decode_threshold=1, device=DEVICE)
-    reqs = [Request(s, q, {k: torch.randperm(1000, generator=gen)[: blocks_needed(s, k, SIZES[k])].tolist()
-                           for k in kinds}) for s, q in lengths]
+    # each kind's blocks drawn from one permutation, so no two requests share a writable block (build rejects that)
+    free = {k: torch.randperm(1000, generator=gen).tolist() for k in kinds}
+    reqs = []
+    for s, q in lengths:
+        tables = {}
+        for k in kinds:
+            n = blocks_needed(s, k, SIZES[k])
+            tables[k], free[k] = free[k][:n], free[k][n:]
+        reqs.append(Request(s, q, tables))
     b = builder.build(reqs)
     T = b.token_capacity
     i32 = dict(dtype=torch.int32, device=DEVICE)

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ._checks import is_int
+from ._checks import check_positive_int, is_int
 from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, V4_KINDS
 
 
@@ -22,12 +22,20 @@ class Request:
 
     seq_len: tokens cached after this step (prefix + new); query_len: new tokens this step.
     block_tables: physical block numbers per cache kind (``"swa"``, ``"c4a"``, ``"c128a"``, or V3.2's
-    ``"dsa"``); each must cover the request's ``seq_len`` tokens (:func:`blocks_needed`).
+    ``"dsa"``); each must cover the request's ``seq_len`` tokens (:func:`blocks_needed`). A block holds one range
+    of entries: the blocks a request's ``seq_len`` needs are distinct, and no two requests of a step share one,
+    except a shared prefix (below).
+    shared_prefix_blocks: per kind, how many leading blocks of the table are a read-only prefix that other requests
+    of the step may list too (prefix caching: a common prompt's full blocks); default 0. The step must not write
+    them: they end at or before the block holding the first entry this request writes (its first new token, or
+    for a compressed kind the first entry this step completes). A block two requests share must lie in both
+    requests' shared prefixes.
     """
 
     seq_len: int
     query_len: int
     block_tables: dict[str, Sequence[int]] = field(default_factory=dict)
+    shared_prefix_blocks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -161,11 +169,12 @@ class StepBatchBuilder:
                  kinds: Sequence[str] = V4_KINDS, block_sizes: dict[str, int] | None = None,
                  decode_threshold: int = 1, device: torch.device | str = "cpu",
                  num_blocks: Mapping[str, int] | None = None) -> None:
+        if not is_int(decode_threshold):
+            raise TypeError(f"decode_threshold must be an int (1 + speculative tokens), got {decode_threshold!r}")
         if decode_threshold < 1:
             raise ValueError(f"decode_threshold must be >= 1 (1 + speculative tokens), got {decode_threshold}")
-        if min(max_tokens, max_reqs, max_model_len) < 1:
-            raise ValueError(f"max_tokens, max_reqs and max_model_len must be positive, got "
-                             f"{max_tokens}, {max_reqs}, {max_model_len}")
+        max_tokens, max_reqs, max_model_len = (check_positive_int(name, v) for name, v in (
+            ("max_tokens", max_tokens), ("max_reqs", max_reqs), ("max_model_len", max_model_len)))
         if isinstance(kinds, str) or not (tuple(kinds) == ("dsa",) or ("swa" in kinds and set(kinds) <= set(V4_KINDS))):
             raise ValueError(f"kinds must be V4 kinds including 'swa' (from {V4_KINDS}) or V3.2's ('dsa',), "
                              f"got {kinds!r}")
@@ -193,6 +202,11 @@ class StepBatchBuilder:
             raise ValueError(f"requests must hold 1 to {self.max_reqs} requests, got {len(requests)}")
         num_decodes, seen_prefill = 0, False
         for r, req in enumerate(requests):
+            if not isinstance(req, Request):
+                raise TypeError(f"requests[{r}] must be a Request, got {type(req).__name__}")
+            if not isinstance(req.block_tables, Mapping):
+                raise TypeError(f"request {r}: block_tables must be a dict of cache kind -> block numbers, got "
+                                f"{req.block_tables!r}")
             if not (is_int(req.seq_len) and is_int(req.query_len)):
                 raise ValueError(f"request {r}: seq_len and query_len must be ints, got {req.seq_len!r}, "
                                  f"{req.query_len!r}")
@@ -212,21 +226,43 @@ class StepBatchBuilder:
                 if table is None:
                     raise ValueError(f"request {r}: block_tables has no {kind!r} table (keys: {sorted(req.block_tables)}); "
                                      f"every kind in {self.kinds} needs one, empty while seq_len needs no block")
+                if isinstance(table, (str, bytes)) or not hasattr(table, "__len__"):
+                    raise TypeError(f"request {r}: block_tables[{kind!r}] must be a list of block numbers, got "
+                                    f"{table!r}")
                 if len(table) < need:
                     raise ValueError(f"request {r}: block table for {kind!r} has {len(table)} "
                                      f"blocks, seq_len {req.seq_len} needs {need}")
                 if len(table) > self._tables[kind].shape[1]:
                     raise ValueError(f"request {r}: block table for {kind!r} has {len(table)} blocks, more than "
                                      f"max_model_len {self.max_model_len} needs ({self._tables[kind].shape[1]})")
+            self._check_shared_prefix(r, req)
         total = sum(req.query_len for req in requests)
         if total > self.max_tokens:
             raise ValueError(f"requests hold {total} new tokens, more than max_tokens={self.max_tokens}")
         return num_decodes, {kind: self._table_rows(kind, requests) for kind in self.kinds}
 
+    def _check_shared_prefix(self, r: int, req: Request) -> None:
+        """Request ``r``'s ``shared_prefix_blocks``: known kinds, each an int from 0 to the blocks its table holds
+        before the first entry the step writes (all its ``seq_len`` needs when it writes none)."""
+        shared = req.shared_prefix_blocks
+        if not isinstance(shared, Mapping):
+            raise TypeError(f"request {r}: shared_prefix_blocks must be a dict of cache kind -> int, got {shared!r}")
+        for kind, count in shared.items():
+            if kind not in self.kinds:
+                raise ValueError(f"request {r}: shared_prefix_blocks has {kind!r}, not among kinds {self.kinds}")
+            ratio, bs = COMPRESS_RATIO[kind], self.block_sizes[kind]
+            first, end = (req.seq_len - req.query_len) // ratio, req.seq_len // ratio  # entries written this step
+            most = first // bs if end > first else blocks_needed(req.seq_len, kind, bs)
+            if not (is_int(count) and 0 <= count <= most):
+                written = f"; this step writes its entry {first}, in block {first // bs}" if end > first else ""
+                raise ValueError(f"request {r}: shared_prefix_blocks[{kind!r}] must be an int in [0, {most}] (shared "
+                                 f"blocks are read-only{written}), got {count!r}")
+
     def _table_rows(self, kind: str, requests: Sequence[Request]) -> tuple[torch.Tensor, int]:
         """The requests' ``kind`` block tables as ``(n, width)`` int32 rows padded with -1, checked in one
         pass over the whole step: the blocks a request's ``seq_len`` needs must be ints >= 0 whose slots
-        fit int32 and, with ``num_blocks``, lie inside the cache."""
+        fit int32 and, with ``num_blocks``, lie inside the cache; no block may hold two ranges of entries
+        (:func:`_check_aliasing`)."""
         width, bs = self._tables[kind].shape[1], self.block_sizes[kind]
         rows = torch.tensor([list(r.block_tables[kind]) + [-1] * (width - len(r.block_tables[kind]))
                              for r in requests])
@@ -245,7 +281,10 @@ class StepBatchBuilder:
             if bool(bad.any()):
                 r, c = (int(i) for i in bad.nonzero()[0])
                 raise ValueError(f"request {r}: block table for {kind!r} " + what.format(b=int(rows[r, c])))
-        return rows.to(torch.int32), int(torch.where(used, rows, -1).max()) if rows.numel() else -1
+        used_rows = torch.where(used, rows, -1)
+        largest = int(used_rows.max()) if rows.numel() else -1
+        _check_aliasing(kind, used_rows, [r.shared_prefix_blocks.get(kind, 0) for r in requests], largest)
+        return rows.to(torch.int32), largest
 
     def build(self, requests: Sequence[Request]) -> StepBatch:
         """Fill the buffers from ``requests`` (decodes first) and return views of them."""
@@ -283,6 +322,41 @@ class StepBatchBuilder:
             max_model_len=self.max_model_len, decode_threshold=self.decode_threshold,
             seq_lens_host=seq_host, query_lens_host=qlen_host, query_start_loc_host=qsl_host,
             builder=self, build_number=self.builds, max_block={k: m for k, (_, m) in table_rows.items()})
+
+
+def _check_aliasing(kind: str, rows: torch.Tensor, shared: list[int], largest: int) -> None:
+    """No block of the ``kind`` cache holds two ranges of entries: within a request every used block is distinct,
+    and a block two requests use lies in both requests' shared (read-only) prefixes. Every block used once (the
+    step without shared prefixes) is one count of the used blocks; else one sort of them by ``(block, request)``,
+    which puts a block's uses side by side.
+
+    rows: ``(n, width)`` int64 block numbers of the entries each request's seq_len needs, ``-1`` elsewhere; shared:
+    each request's ``shared_prefix_blocks`` count of this kind; largest: the largest block number in ``rows``.
+    """
+    # a count per block number costs memory in proportion to the largest: only where that stays near the table size
+    if largest < 4 * rows.numel() + 65536 and int(torch.bincount(rows.flatten() + 1, minlength=2)[1:].max()) < 2:
+        return
+    used = rows >= 0
+    blocks, num_reqs = rows[used], rows.shape[0]
+    req = torch.arange(num_reqs)[:, None].expand_as(rows)[used]
+    shared = (torch.arange(rows.shape[1])[None, :] < torch.tensor(shared)[:, None])[used]
+    order = torch.argsort(blocks * num_reqs + req)
+    blocks, req, shared = blocks[order], req[order], shared[order]
+    same = blocks[1:] == blocks[:-1]
+    twice = same & (req[1:] == req[:-1])
+    if bool(twice.any()):
+        i = int(twice.nonzero()[0])
+        raise ValueError(f"request {int(req[i])}: block table for {kind!r} names block {int(blocks[i])} twice: two "
+                         f"ranges of its entries would share that block's slots (the later write overwrites the "
+                         f"earlier)")
+    clash = same & ~(shared[1:] & shared[:-1])
+    if bool(clash.any()):
+        i = int(clash.nonzero()[0])
+        first, second = int(req[i]), int(req[i + 1])
+        writer = first if not bool(shared[i]) else second
+        raise ValueError(f"requests {first} and {second} both use block {int(blocks[i])} of the {kind!r} cache, "
+                         f"outside request {writer}'s shared_prefix_blocks: requests may share only read-only "
+                         f"prefix blocks that each declares in shared_prefix_blocks")
 
 
 def _check_per_kind(name: str, values: Mapping[str, int] | None, kinds: Sequence[str], least: int) -> None:

@@ -37,6 +37,8 @@ class BlockAllocator:
     def free(self, blocks: list[int]) -> None:
         """Return blocks to the pool; freeing a block that is not allocated (or twice) is an error,
         and then no block of the call is freed."""
+        if isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__"):
+            raise TypeError(f"blocks must be a list of block numbers (as allocate returns them), got {blocks!r}")
         blocks = list(blocks)
         if not all(is_int(b) for b in blocks):
             raise ValueError(f"blocks must be ints, got {blocks!r}")

@@ -37,7 +37,7 @@ from .ops.launch import BindOnce
 from .ops.validate import AttentionArgs, debug_checks_enabled
 
 if TYPE_CHECKING:
-    from .ops.triton_attention import AttentionPlan
+    from .ops.attention_plan import AttentionPlan
 
 HEAD_DIM_V = 512
 _FP8_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)  # the byte dtypes FlashMLA accepts for caches
@@ -239,7 +239,8 @@ def flash_mla_with_kvcache(
     ``-1`` invalid. topk_length / extra_topk_length: ``(b,)`` int32: every token of request ``i``
     attends to the first ``topk_length[i]`` entries of its row (default: all).
     attn_sink: ``(h_q,)`` float32 logit joining the softmax denominator only (``-inf``: none; ``+inf``:
-    zero output). softmax_scale defaults to ``d ** -0.5``. head_dim_v must be 512.
+    zero output). softmax_scale defaults to ``d ** -0.5`` for d = 512 (V4's scale, FlashMLA's default); for
+    d = 576 it is required (``ValueError``): ``576 ** -0.5`` is not V3.2's scale. head_dim_v must be 512.
     block_table, cache_seqlens, use_legacy: accepted and unused (FlashMLA ignores the first two in
     sparse mode; ``use_legacy`` picks one of its kernel sets, we have one). num_splits must be None.
     kv_format: None (inferred from the cache), ``"V4"`` or ``"V32"`` (checked against the cache).
@@ -282,6 +283,10 @@ def flash_mla_with_kvcache(
         raise NotImplementedError("descale_q / descale_k belong to FlashMLA's dense fp8 decoding, not supported")
     check_tensor("q", q, ndim=4)
     b, s_q, h_q, d = q.shape
+    if softmax_scale is None and d != HEAD_DIM_V:
+        raise ValueError(f"softmax_scale is required for q of head dim {d}: the default d ** -0.5 is V4's scale "
+                         "(d = 512), not V3.2's (qk_head_dim ** -0.5 · mscale², "
+                         "sparse_mla.config.get_config('deepseek-v3.2').softmax_scale)")
     k_cache = _paged("k_cache", k_cache)
     is_fp8 = k_cache.dtype == torch.uint8
     if is_fp8_kvcache is not None and bool(is_fp8_kvcache) != is_fp8:
@@ -309,12 +314,12 @@ def flash_mla_with_kvcache(
     if family == "reference":
         out, lse = reference.run(args)
     else:
-        plan = ops.triton_attention.plan_for(args, bool(enable_batch_invariant))
+        plan = ops.attention_plan.plan_for(args, bool(enable_batch_invariant))
         if sig is not None:
             n = len(args.scopes)
             _remember(sig, args, plan, q_rows, (k_cache, extra_k_cache)[:n], (idx, extra_idx)[:n],
                       (lens, extra_lens)[:n], attn_sink, (q, indices, extra_indices_in_kvcache)[:n + 1])
-        out, lse = ops.triton_attention.run(args, plan=plan)
+        out, lse = ops.attention_plan.run(args, plan=plan)
     return out.view(b, s_q, h_q, HEAD_DIM_V), lse.view(b, s_q, h_q).transpose(1, 2)
 
 
@@ -336,7 +341,8 @@ def flash_mla_sparse_fwd(
     q: ``(s_q, h_q, d_qk)`` bf16, d_qk = 512 or 576, any ``h_q``. kv: ``(s_kv, 1, d_qk)`` bf16.
     indices: ``(s_q, 1, topk)`` int32 rows of kv; ``-1`` and (as in FlashMLA) anything outside
     ``[0, s_kv)`` is invalid. topk_length: ``(s_q,)`` int32, token ``t`` attends to its first
-    ``topk_length[t]`` entries. attn_sink: ``(h_q,)`` float32, output only. d_v must be 512.
+    ``topk_length[t]`` entries. attn_sink: ``(h_q,)`` float32, output only. sm_scale: required, as in
+    FlashMLA (``None`` is a ``ValueError``). d_v must be 512.
     use_legacy: accepted and unused.
 
     Returns ``(out, max_logits, lse)``: out ``(s_q, h_q, 512)`` bf16; lse ``(s_q, h_q)`` float32, the
@@ -346,6 +352,9 @@ def flash_mla_sparse_fwd(
     it is ``None`` by default (FlashMLA always returns it). ``return_log2_lse=True`` gives both in base 2
     (``× log2 e``), ``False`` returns ``(out, None, None)``.
     """
+    if sm_scale is None:  # FlashMLA's sm_scale has no default either: none fits both V4 and V3.2
+        raise ValueError("sm_scale is required (a positive float): V4's is 512 ** -0.5, V3.2's qk_head_dim ** -0.5 · "
+                         "mscale² (sparse_mla.config.get_config(model).softmax_scale)")
     check_tensor("q", q, ndim=3)
     check_tensor("kv", kv, ndim=3)
     if kv.shape[1] != 1:

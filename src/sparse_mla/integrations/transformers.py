@@ -183,6 +183,11 @@ class SparseMLAIntegration:
 
     def _make_layer(self, attn: torch.nn.Module) -> SparseMLAAttention:
         if self.family == "v32":
+            # the layer's 576-d latent is kv_lora_rank + qk_rope_head_dim: blame the config, not a head_dim
+            for name, want in (("kv_lora_rank", 512), ("qk_rope_head_dim", 64)):
+                if getattr(attn, name) != want:
+                    raise ValueError(f"config.{name} must be {want} (sparse-mla's V3.2 latent: 512 dims + 64 rope "
+                                     f"dims), got {getattr(attn, name)}")
             self.absorption[attn.layer_idx] = Absorption.from_kv_b_proj(
                 attn.kv_b_proj.weight.to(self.device), attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim,
                 attn.kv_lora_rank)
@@ -192,9 +197,10 @@ class SparseMLAIntegration:
         if attn.head_dim != 512:
             raise ValueError(f"config.head_dim must be 512 (sparse-mla's V4 latent), got {attn.head_dim}")
         kind = V4_KINDS[attn.layer_type]
+        # a copy: a float32 model's sinks on the layer's device would be shared otherwise (a write to one, the other)
+        sink = attn.sinks.detach().to(self.device, torch.float32, copy=True)
         return SparseMLAAttention(kind, attn.num_heads, 512, self.window, topk=self.topk if kind == "c4a" else None,
-                                  scale=attn.scaling, sink=attn.sinks.detach().float().to(self.device),
-                                  backend=self.backend, kv_format=self.kv_format)
+                                  scale=attn.scaling, sink=sink, backend=self.backend, kv_format=self.kv_format)
 
     def _capture(self, layer: int):
         def hook(module, args, output):
