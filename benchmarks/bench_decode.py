@@ -21,11 +21,12 @@ import os
 
 import torch
 import triton
-from common import graphed, host_rounds, host_us, load_flash_mla, parse_sweep, rel, timed, timed_rounds, warm_up_gpu
+from common import parse_sweep
+from timing import graphed, host_rounds, host_us, load_flash_mla, rel, timed, timed_rounds, warm_up_gpu
 
 from sparse_mla import flash_mla as ours_api
 from sparse_mla.formats import dequantize_blocks, quantize_blocks
-from sparse_mla.ops import longest_first, sparse_attention_decode, triton_attention
+from sparse_mla.ops import attention_plan, longest_first, sparse_attention_decode
 from sparse_mla.ops.validate import decode_args
 
 D = 512
@@ -79,16 +80,16 @@ def run_case(c, gen, args, flash_mla, configs):
     ref, _ = sparse_attention_decode(qt, cache0, i0, lens0, cache1, i1, lens1, sink, scale, backend="reference")
     results = {}
     for cfg in configs:
-        ours = lambda cfg=cfg: triton_attention.run(dargs, **cfg)
+        ours = lambda cfg=cfg: attention_plan.run(dargs, **cfg)
         out, _ = ours()
         err = rel(out, ref)
         assert err < 1e-2 and not out.isnan().any(), f"ours wrong on {c} {cfg}: rel err {err}"
-        k = triton_attention.LAST_COMPILED["attention"]
+        k = attention_plan.LAST_COMPILED["attention"]
         results[json.dumps(cfg)] = (timed(ours, args.rep), err)
         print(f"  {cfg}: {results[json.dumps(cfg)][0]:.1f} us, regs {k.n_regs}, spills {k.n_spills}, "
               f"smem {k.metadata.shared}, wgmma {'wgmma' in k.asm['ptx']}", flush=True)
     best_cfg = min(results, key=lambda k: results[k][0])
-    best = lambda: triton_attention.run(dargs, **json.loads(best_cfg))
+    best = lambda: attention_plan.run(dargs, **json.loads(best_cfg))
     row.update(ours_host_us=host_us(best), ours_err=results[best_cfg][1], cfg=best_cfg,
                sweep={k: v[0] for k, v in results.items()})
     # the same call through our FlashMLA-compatible API (sparse_mla.flash_mla: grid order, its remembered plan)

@@ -21,7 +21,8 @@ from rich.table import Table
 from sparse_mla.formats import quantize_blocks
 from sparse_mla.index_forms import ragged_from_padded
 from sparse_mla.ops import sparse_attention_decode
-from sparse_mla.timing import graphed, rel, timed_rounds, warm_up_gpu
+
+from timing import graphed, rel, timed_rounds, warm_up_gpu
 
 SWA_KEYS, SWA_BLOCK = 128, 64
 # bench_decode's cases: (name, heads, compressed keys per token, compressed block size, ragged lengths)

@@ -42,7 +42,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from sparse_mla.benchmark import main, report, save_result
+from harness import main, report, save_result
+
 
 LAYER_CYCLE = ("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention")
 IMPLS = ("eager", "sdpa", "sparse_mla")

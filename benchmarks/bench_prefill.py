@@ -20,12 +20,13 @@ import sys
 
 import torch
 import triton
-from common import graphed, load_flash_mla, parse_sweep, rel, timed, timed_pair, warm_up_gpu
+from common import parse_sweep
+from timing import graphed, load_flash_mla, rel, timed, timed_pair, warm_up_gpu
 
 from sparse_mla.config import get_config
 from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import build_step_metadata
-from sparse_mla.ops import quantize_and_insert, sparse_attention_prefill, triton_attention
+from sparse_mla.ops import attention_plan, quantize_and_insert, sparse_attention_prefill
 from sparse_mla.ops.validate import prefill_args
 from sparse_mla.scenario import make_scenario
 
@@ -48,14 +49,14 @@ def workspace_cases(flash_mla, rep, configs, heads=(64, 128), topks=(640, 1152))
             ref = sparse_attention_prefill(q[sub], kv, idx[sub], None, sink, scale, backend="reference")[0]
             sweep = {}
             for cfg in configs:
-                ours = lambda cfg=cfg: triton_attention.run(args, **cfg)
+                ours = lambda cfg=cfg: attention_plan.run(args, **cfg)
                 out = ours()[0]
                 err = rel(out[sub], ref)
                 assert err < 1e-2 and not out.isnan().any(), f"ours wrong at h {h} topk {topk} {cfg}: {err}"
                 sweep[json.dumps(cfg)] = timed(ours, rep)
                 print(f"  h {h} topk {topk} {cfg}: {sweep[json.dumps(cfg)]:.0f} us", flush=True)
             best_cfg = min(sweep, key=sweep.get)
-            best = lambda: triton_attention.run(args, **json.loads(best_cfg))
+            best = lambda: attention_plan.run(args, **json.loads(best_cfg))
             out = best()[0]
             row = dict(h=h, topk=topk, ours_err=rel(out[sub], ref), ours_us=sweep[best_cfg], cfg=best_cfg,
                        sweep=sweep)

@@ -34,14 +34,14 @@ from rich.console import Console
 from rich.table import Table
 
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed, slots_of
-from sparse_mla.benchmark import (Env, Step, fill_random, flash_mla_side, main, prepare, report, run_info,
-                                  save_result)
 from sparse_mla.cache import PagedCache
 from sparse_mla.config import DEFAULT_BLOCK_SIZE, get_config
 from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.ops import dequantize_and_gather
-from sparse_mla.timing import graphed, host_rounds, load_flash_mla, rel, timed_rounds
+
+from harness import Env, Step, fill_random, flash_mla_side, main, positive_int, prepare, report, run_info, save_result
+from timing import graphed, host_rounds, load_flash_mla, rel, timed_rounds
 
 D_QK, D_V, BLOCK = 576, 512, DEFAULT_BLOCK_SIZE["dsa"]
 CFG = get_config("deepseek-v3.2")
@@ -185,7 +185,7 @@ class FlashMLAPrefill:
 
 def _add_flash_mla(fns: dict[str, Callable[[], object]], row: dict, case: str, env: Env[Sizes],
                    set_up: Callable[[], Callable[[], object]]) -> None:
-    """``fns["flashmla"]`` from :func:`~sparse_mla.benchmark.flash_mla_side` (nothing when it is not timed)."""
+    """``fns["flashmla"]`` from :func:`harness.flash_mla_side` (nothing when it is not timed)."""
     fn = flash_mla_side(row, case, env, set_up)
     if fn is not None:
         fns["flashmla"] = fn
@@ -357,8 +357,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, nargs="+", default=[128, 32, 16],
                         help="decode h_q: 128 and the tensor-parallel shards")
     parser.add_argument("--prefill-heads", type=int, default=128)
-    parser.add_argument("--rep", type=int, default=60, help="do_bench repetition time per timing, ms")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (median)")
+    parser.add_argument("--rep", type=positive_int, default=60, help="do_bench repetition time per timing, ms")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="alternating timing rounds (median)")
     parser.add_argument("--no-flashmla", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "results"))
     parser.add_argument("--smoke", action="store_true",

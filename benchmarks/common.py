@@ -1,8 +1,5 @@
-"""Helpers shared by the benchmark scripts (run them as ``python benchmarks/<name>.py``)."""
+"""What the kernel sweeps (``bench_decode.py``, ``bench_prefill.py``) share besides :mod:`timing`."""
 from __future__ import annotations
-
-from sparse_mla.timing import (graphed, host_rounds, host_us, load_flash_mla, rel, timed, timed_pair,  # noqa: F401
-                               timed_rounds, warm_up_gpu)
 
 
 def parse_sweep(spec: str) -> list[dict]:

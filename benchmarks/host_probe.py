@@ -4,7 +4,7 @@ is installed, FlashMLA's own call on the same inputs (one SWA scope; and two sco
 Every probe is timed in each of several rounds, the probes alternating, and the median round is reported: host
 speed drifts over a run, so probes timed far apart are not comparable.
 
-    python3 scripts/host_probe.py [B] [--rounds N] [--profile] [--json PATH]
+    python3 benchmarks/host_probe.py [B] [--rounds N] [--profile] [--json PATH]
 """
 import argparse
 import json
@@ -17,7 +17,8 @@ from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import build_step_metadata
 from sparse_mla.ops import sparse_attention_decode
 from sparse_mla.scenario import make_scenario
-from sparse_mla.timing import host_samples
+
+from timing import host_samples  # benchmarks/timing.py (this script's folder is first on sys.path)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("b", nargs="?", type=int, default=128)

@@ -1,5 +1,6 @@
-"""The step benchmark (``sparse_mla.benchmark``) and the V3.2 benchmark run end to end on the CPU in ``--smoke``
-mode and write the JSON the GPU runs are read from."""
+"""The step benchmark (``benchmarks/bench_step.py``) and the V3.2 benchmark run end to end on the CPU in ``--smoke``
+mode and write the JSON the GPU runs are read from. The scripts are loaded as they run: ``benchmarks/`` first on
+``sys.path`` (their ``harness`` and ``timing`` modules live there)."""
 from __future__ import annotations
 
 import argparse
@@ -11,10 +12,19 @@ import sys
 import pytest
 import torch
 
-from sparse_mla import benchmark
 from sparse_mla.config import LAYER_KINDS
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+
+
+def load_script(name: str, monkeypatch: pytest.MonkeyPatch):
+    """``benchmarks/<name>.py`` as a module, imported the way ``python benchmarks/<name>.py`` imports it."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def _args(module, argv: list[str]) -> argparse.Namespace:
@@ -23,7 +33,8 @@ def _args(module, argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_step_benchmark_smoke_writes_the_expected_json(tmp_path, capsys):
+def test_step_benchmark_smoke_writes_the_expected_json(tmp_path, capsys, monkeypatch):
+    benchmark = load_script("bench_step", monkeypatch)
     args = _args(benchmark, ["--smoke", "--cases", "flash-b32", "prefill-flash", "--out", str(tmp_path)])
     assert benchmark.run(args) == 0
     result = json.loads((tmp_path / "bench_step.json").read_text())
@@ -39,12 +50,14 @@ def test_step_benchmark_smoke_writes_the_expected_json(tmp_path, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
-def test_step_benchmark_without_a_gpu_asks_for_one(tmp_path, capsys):
+def test_step_benchmark_without_a_gpu_asks_for_one(tmp_path, capsys, monkeypatch):
+    benchmark = load_script("bench_step", monkeypatch)
     assert benchmark.run(_args(benchmark, ["--out", str(tmp_path)])) == 2
-    assert "CUDA GPU" in capsys.readouterr().out
+    assert "CUDA GPU" in capsys.readouterr().err
 
 
-def test_model_layers_follow_the_presets():
+def test_model_layers_follow_the_presets(monkeypatch):
+    benchmark = load_script("bench_step", monkeypatch)
     flash = benchmark.model_layers(benchmark.Sizes.of(False).model("deepseek-v4-flash"), None)
     pro = benchmark.model_layers(benchmark.Sizes.of(False).model("deepseek-v4-pro"), None)
     assert len(flash) == 43 and (flash.count("swa"), flash.count("c4a"), flash.count("c128a")) == (2, 21, 20)
@@ -53,10 +66,7 @@ def test_model_layers_follow_the_presets():
 
 @pytest.mark.skipif("dsa" not in LAYER_KINDS, reason="the dsa layer kind has not landed")
 def test_v32_benchmark_smoke_writes_the_expected_json(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_v32", os.path.join(BENCHMARKS, "bench_v32.py"))
-    bench_v32 = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_v32", bench_v32)  # its dataclasses look their module up
-    spec.loader.exec_module(bench_v32)
+    bench_v32 = load_script("bench_v32", monkeypatch)
     assert bench_v32.run(_args(bench_v32, ["--smoke", "--out", str(tmp_path)])) == 0
     result = json.loads((tmp_path / "bench_v32.json").read_text())
     assert {"decode", "prefill", "step"} <= set(result)

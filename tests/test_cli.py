@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
+import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -76,10 +79,16 @@ BAD_OPTIONS = [
     (["demo", "--decodes", "0", "--prefill-tokens", "0"], "--decodes 0"),
     (["demo", "--prefill-tokens", "-5"], "--prefill-tokens"),
     (["demo", "--max-context", "0"], "--max-context"),
+    (["demo", "--max-context", "1", "--decodes", "2"], "--max-context"),  # an MTP request needs 2 tokens
     (["demo", "--model", "deepseek-v3.2"], "--model"),
     (["demo", "--no-such-option"], "--no-such-option"),
     (["verify", "--device", "tpu"], "--device"),
     (["verify", "--fast"], "--fast"),
+    # the step benchmark's options: usage errors before any device check (this CPU included)
+    (["bench", "--cases", "flash-b33"], "--cases"),
+    (["bench", "--rep", "0"], "--rep"),
+    (["bench", "--rep", "fast"], "--rep"),
+    (["bench", "--rounds", "-2", "--smoke"], "--rounds"),
 ] + ([] if ON_GPU else [(["demo", "--device", "cuda"], "--device cuda"),
                         (["verify", "--device", "cuda"], "--device cuda")])
 
@@ -112,10 +121,67 @@ def test_usage_error_from_the_console_has_no_traceback():
                                                     ">= 0, got -1")
 
 
+def test_demo_too_big_for_memory_is_one_error_line():
+    """Sizes no machine holds (terabytes of caches and oracle keys) end in one ``error:`` line, at once, instead of
+    the OOM killer or an allocation traceback."""
+    done = subprocess.run([sys.executable, "-m", "sparse_mla.cli", "demo", "--decodes", "100000", "--max-context",
+                           "100000"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("sparse-mla demo: error: --decodes 100000 --max-context 100000") and "memory" in last
+
+
+def test_demo_checks_its_memory_against_what_is_available(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "available_bytes", lambda device: 10**8)  # 0.1 GB free
+    with pytest.raises(SystemExit) as done:
+        cli.main(["demo", "--device", "cpu", *SMALL])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert done.value.code == 2 and "GB of cpu memory, 0.1 GB is available" in last
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM and VmRSS from /proc")
+def test_demo_memory_estimate_follows_the_measured_peak():
+    """The estimate :func:`cli.demo_bytes` tracks what the demo really holds (the growth of the peak resident memory
+    of a CPU run with long contexts, where the caches and the oracle dominate), so the check neither lets an OOM
+    through nor refuses sizes that fit. (Not ``ru_maxrss``: Linux keeps it across ``exec``, from pytest's process.)"""
+    argv = ["--decodes", "4", "--max-context", "200000", "--prefill-tokens", "0"]
+    probe = textwrap.dedent(f"""
+        import contextlib, io, torch
+        from sparse_mla import cli
+
+        def status(key):
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+        argv = {argv!r}
+        args = cli.build_parser().parse_args(["demo", *argv])
+        lengths = cli._demo_requests(args, torch.Generator().manual_seed(args.seed))
+        est = cli.demo_bytes(lengths, cli.get_config(args.model), "fp8_v4", -sum(q for _, q in lengths) % 64,
+                              cli.PREFILL_SAMPLE + 1)
+        base = status("VmRSS")
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert cli.main(["demo", "--device", "cpu", *argv]) == 0
+        print(est["cpu"], status("VmHWM") - base)
+        """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    estimated, measured = map(int, done.stdout.split())
+    assert 0.7 * measured < estimated < 1.5 * measured, (estimated, measured)
+
+
+def test_bench_smoke_runs_on_the_cpu(tmp_path, capsys):
+    """``sparse-mla bench --smoke``: the step benchmark of this checkout at tiny sizes, on any machine."""
+    assert cli.main(["bench", "--smoke", "--cases", "prefill-flash", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "bench_step.json").read_text())
+    assert result["smoke"] and result["cases"] == ["prefill-flash"] and len(result["prefill"]) == 2
+    assert "prefill-flash" in capsys.readouterr().out  # the table
+
+
 @pytest.mark.skipif(ON_GPU, reason="on a GPU bench runs the benchmark")
-def test_bench_on_a_cpu_says_what_it_needs(capsys):
-    assert cli.main(["bench", "--anything"]) == 1
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+def test_bench_on_a_cpu_without_smoke_says_what_it_needs(tmp_path, capsys):
+    assert cli.main(["bench", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "--smoke" in err
 
 
 def test_verify_passes_on_this_machine(capsys):

@@ -1,4 +1,5 @@
-"""Timing helpers shared by ``sparse_mla.benchmark`` and the scripts in ``benchmarks/``.
+"""Timing helpers shared by the scripts in ``benchmarks/`` (they import it as ``timing``: a script's folder is
+first on ``sys.path``).
 
 GPU timings are CUDA-event medians from ``triton.testing.do_bench``, which flushes the L2 cache
 before each call; on a machine without CUDA (the benchmarks' ``--smoke`` mode) :func:`timed`

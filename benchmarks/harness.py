@@ -1,0 +1,146 @@
+"""What the benchmark scripts share: the run's environment (:class:`Env`), a synthetic step's holder
+(:class:`Step`), random cache contents, FlashMLA's optional side of a case, and the scripts' entry, result
+file and report. The scripts (``bench_step.py``, ``bench_v32.py``, ``bench_hf.py``) import it as ``harness``:
+a script's folder is first on ``sys.path``. Not part of the ``sparse_mla`` package: a serving engine never
+imports rich, matplotlib or a benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable, Generic, Iterable, TypeVar
+
+import torch
+from rich.console import Console
+
+from sparse_mla.batch import StepBatch
+from sparse_mla.cache import PagedCache
+from sparse_mla.metadata import MetadataSpec, StepMetadata, build_step_metadata
+
+from timing import warm_up_gpu
+
+SizesT = TypeVar("SizesT")
+
+
+@dataclass
+class Env(Generic[SizesT]):
+    """What every case needs: device, backend, FlashMLA (or None), whether to capture graphs, timing reps,
+    the run's sizes (each script's own ``Sizes``), seed, console."""
+
+    device: torch.device
+    backend: str
+    flash_mla: ModuleType | None
+    graphs: bool
+    rep_ms: int
+    rounds: int
+    sizes: SizesT
+    seed: int
+    console: Console
+
+
+@dataclass
+class Step:
+    """One synthetic serving step: batch, metadata (refilled in place by each build), caches, indexer picks."""
+
+    batch: StepBatch
+    spec: MetadataSpec
+    meta: StepMetadata
+    caches: dict[str, PagedCache]
+    picks: torch.Tensor  # (T, topk) int32 indexer picks (c4a: local entries; dsa: positions), valid prefix, -1 after
+
+    def build(self) -> StepMetadata:
+        """The step's metadata work: ``build_step_metadata`` into the step's buffers."""
+        return build_step_metadata(self.batch, self.spec, out=self.meta)
+
+
+def fill_random(cache: PagedCache, gen: torch.Generator, chunk: int = 1 << 18) -> None:
+    """Write every slot of ``cache`` with random latents (N(0, 0.25), bf16, quantised to its format)."""
+    for start in range(0, cache.num_slots, chunk):
+        n = min(chunk, cache.num_slots - start)
+        slots = torch.arange(start, start + n, dtype=torch.int32, device=cache.device)
+        kv = (torch.randn(n, cache.fmt.dim, generator=gen, device=cache.device) * 0.5).to(torch.bfloat16)
+        cache.write(kv, slots)
+
+
+FLASH_MLA_ERRORS = (RuntimeError, AssertionError, TypeError, ValueError)
+
+
+def flash_mla_side(row: dict, case: str, env: Env, set_up: Callable[[], Callable[[], object]]
+                   ) -> Callable[[], object] | None:
+    """FlashMLA's side of a case: ``set_up()`` (runs it once, compares outputs, fills ``row``; returns what to
+    time), or None when FlashMLA is not timed or rejects the case (its wheel's legacy path may refuse an
+    argument): then ``row["flashmla_error"]`` says why, and the case times ours alone."""
+    if env.flash_mla is None:
+        return None
+    try:
+        return set_up()
+    except FLASH_MLA_ERRORS as err:
+        row["flashmla_error"] = f"{type(err).__name__}: {err}"
+        env.console.log(f"[red]{case}: FlashMLA failed, timing ours alone: {row['flashmla_error']}[/red]")
+        return None
+
+
+def prepare(args: argparse.Namespace, console: Console, needs: str,
+            make_env: Callable[[argparse.Namespace, Console], Env]) -> Env | None:
+    """The run's :class:`Env` (``make_env``), the GPU warmed up; None, after printing ``needs`` to stderr, on a
+    machine without CUDA unless ``args.smoke``."""
+    if not args.smoke and not torch.cuda.is_available():
+        print(f"{needs} On a CPU run it with --smoke (tiny sizes).", file=sys.stderr)
+        return None
+    env = make_env(args, console)
+    if env.device.type == "cuda":
+        warm_up_gpu()
+    return env
+
+
+def run_info(env: Env) -> dict:
+    """What a result was measured on: device, torch, triton and flash_mla versions."""
+    fm = env.flash_mla
+    out = dict(device=torch.cuda.get_device_name() if env.device.type == "cuda" else f"cpu ({platform.machine()})",
+               torch=torch.__version__, flash_mla=getattr(fm, "__version__", "unknown") if fm else None)
+    try:
+        import triton
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    return out
+
+
+def save_result(path: str, result: dict, start: float) -> None:
+    """Write ``result`` as JSON to ``path``, with the seconds since ``start`` (the benchmarks call it after each
+    part, so a run cut short keeps what ran)."""
+    result["seconds"] = time.perf_counter() - start
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def report(console: Console, path: str, result: dict, tables: Iterable) -> int:
+    """Print a finished run's ``tables`` and where :func:`save_result` wrote its JSON; 0, the scripts' exit status."""
+    for table in tables:
+        console.print(table)
+    console.print(f"JSON: {path} ({result['seconds']:.0f} s)")
+    return 0
+
+
+def main(doc: str, add_args: Callable[[argparse.ArgumentParser], None],
+         run_args: Callable[[argparse.Namespace], int]) -> None:
+    """A benchmark script's entry: its arguments (``add_args``, described by ``doc``'s first line) parsed and run."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_args(parser)
+    raise SystemExit(run_args(parser.parse_args()))
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a positive integer, else a usage error naming the value (before any device check)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
