@@ -9,8 +9,11 @@
 # FlashMLA API (and its remembered calls) and caches, the direct launcher and bound launches, per-request lens, the
 # Gluon kernel's persistent programs (V4 fp8: several rounds, and split rows), tail splits (V3.2 fp8) and narrow
 # items (at most 16 heads, both fp8 formats).
+# It then runs the essentials of tests/test_lowerings.py (every kernel over every format, every layer kind with MTP
+# and padding rows) with the kernels lowered as for sm_80 and sm_89 (one process each: SPARSE_MLA_LOWERING).
 # GPU_TESTS=all adds the kernel, layer, cache, index and order files (more than one 10-minute call: split them over
-# two). BENCH=none skips the benchmark.
+# two). GPU_TESTS=lowerings runs all of tests/test_lowerings.py under the sm_80, sm_86 and sm_89 lowerings (and
+# nothing else; with BENCH=none, one 10-minute call). BENCH=none skips the benchmark.
 set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -33,10 +36,24 @@ EVERY_SESSION="tests/test_step_plan.py tests/test_batch_invariance.py tests/test
     tests/test_triton_attention.py::test_narrow_items_match_the_reference[11-16-fp8_v4-512]"
 MORE="tests/test_triton_attention.py tests/test_layer.py tests/test_triton_cache.py tests/test_triton_index.py
     tests/test_order.py tests/test_checks.py"
+lowered() {  # lowered ARCH [pytest args...]: tests/test_lowerings.py with the kernels lowered as for ARCH
+    local arch=$1
+    shift
+    echo "== lowered as $arch"
+    SPARSE_MLA_LOWERING=$arch python3 -m pytest -q -s -p no:cacheprovider tests/test_lowerings.py "$@" 2>&1 \
+        | tee "$OUT/gpu_tests_$arch.log" | grep -E "registers|passed|failed|Error" | tail -n 15
+}
 TESTS=${GPU_TESTS:-$EVERY_SESSION}
 [ "$TESTS" = all ] && TESTS="$EVERY_SESSION $MORE"
-# shellcheck disable=SC2086
-python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+if [ "$TESTS" = lowerings ]; then
+    for arch in sm80 sm86 sm89; do lowered $arch; done
+else
+    # shellcheck disable=SC2086
+    python3 -m pytest -q -p no:cacheprovider --durations=10 $TESTS 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+    if [ -z "${GPU_TESTS:-}" ]; then
+        for arch in sm80 sm89; do lowered $arch -k "plans_for or kernels_match or layers_match"; done
+    fi
+fi
 python3 -m sparse_mla.cli demo 2>&1 | tee "$OUT/demo.log"
 BENCH=${BENCH:-step}
 [ "$BENCH" = none ] && exit 0

@@ -6,6 +6,10 @@ Hypothesis profiles, chosen by ``HYPOTHESIS_PROFILE``: ``ci`` (the default: few 
 stays under two minutes on two cores) and ``thorough`` (many examples; before a release, or after
 changing a kernel: ``HYPOTHESIS_PROFILE=thorough make test``). Property tests take their example
 counts from the profile, not from their own ``@settings``.
+
+``SPARSE_MLA_LOWERING=sm80`` (or sm86, sm89; on an NVIDIA GPU): every kernel of the session is lowered as for that
+target and assembled for the real GPU (``targets.lower_as``), and the library plans for that target — how
+``tests/test_lowerings.py`` runs the other targets' code on the H100 (``GPU_TESTS=lowerings``, gpu_check.sh).
 """
 import os
 import sys
@@ -17,6 +21,11 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests import their helpers (hel
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+elif os.environ.get("SPARSE_MLA_LOWERING"):
+    from sparse_mla.ops.targets import lower_as
+
+    # for the whole session, before any kernel is compiled (plans and launches keep what they compiled)
+    LOWERED_AS = lower_as(os.environ["SPARSE_MLA_LOWERING"]).__enter__()
 
 settings.register_profile("ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

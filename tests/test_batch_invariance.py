@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparse_mla.cache import PagedCache
-from sparse_mla.ops import sparse_attention_decode, triton_attention
+from sparse_mla.ops import sparse_attention_decode, attention_plan
 from sparse_mla.ops.validate import decode_args
 
 ON_GPU = torch.cuda.is_available()
@@ -37,7 +37,7 @@ KERNELS = [0, 1] if ON_GPU and torch.cuda.get_device_capability()[0] == 9 else [
 @pytest.mark.parametrize("gluon", KERNELS)
 @pytest.mark.parametrize("fmt", ["fp8_v4", "bf16"])
 def test_a_token_alone_equals_the_same_token_in_any_batch(monkeypatch, gluon, fmt):
-    monkeypatch.setattr(triton_attention, "INVARIANT_SPLIT_BLOCKS", SPLIT_KEYS // 64)
+    monkeypatch.setattr(attention_plan, "INVARIANT_SPLIT_BLOCKS", SPLIT_KEYS // 64)
     gen = torch.Generator().manual_seed(7 + gluon)
     big = max(BATCHES)
     swa, comp, i0, i1, l0, l1 = scopes(big, gen, fmt)
@@ -47,7 +47,7 @@ def test_a_token_alone_equals_the_same_token_in_any_batch(monkeypatch, gluon, fm
     def run(rows):
         args = decode_args(q[rows], swa.data, i0[rows], l0[rows], comp.data, i1[rows], l1[rows], sink,
                            check_ranges=False)
-        return triton_attention.run(args, batch_invariant=True, gluon=gluon)
+        return attention_plan.run(args, batch_invariant=True, gluon=gluon)
 
     alone = [run(slice(t, t + 1)) for t in range(0, big, max(1, big // 6))]
     for n in BATCHES:
@@ -62,7 +62,7 @@ def test_a_token_alone_equals_the_same_token_in_any_batch(monkeypatch, gluon, fm
 
 
 def test_the_default_splits_by_batch_size_and_invariance_does_not():
-    plan = triton_attention.AttentionPlan
+    plan = attention_plan.AttentionPlan
     fmt = PagedCache(1, 2, "bf16").fmt
     device = torch.device("cuda" if ON_GPU else "cpu")
     few = plan((1, 64, 512), device, [(fmt, 2, 1024)], False, False)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dense import dense_attention, e4m3_bytes, e4m3_round
+from launch_strategies import STRATEGIES, STRATEGY_IDS, force_strategy
 from sparse_mla.cache import PagedCache
 from sparse_mla.formats import (FP8_E4M3, allocate_cache, block_bytes, bytes_per_token, dequantize_blocks,
                                 get_format, infer_format, quantize_blocks, quantize_per_tensor)
@@ -130,6 +131,23 @@ def make_case(gen, num_tokens=4, heads=3, kv_scale=0.02, device="cpu"):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fp8_q", [True, False])
 def test_attention_matches_the_dense_oracle(backend, fp8_q):
+    check_against_the_dense_oracle(backend, fp8_q)
+
+
+ORACLE_STRATEGIES = ("int", "int-q-v", "native-q-v")
+
+
+@pytest.mark.parametrize("strategy", [s for s, name in zip(STRATEGIES, STRATEGY_IDS) if name in ORACLE_STRATEGIES],
+                         ids=ORACLE_STRATEGIES)
+@pytest.mark.parametrize("fp8_q", [True, False])
+def test_attention_without_fp8_instructions_matches_the_dense_oracle(monkeypatch, fp8_q, strategy):
+    """The kernel's fp8 q and cache reads by integer operations (CUDA < 8.9, AMD; ``ops.fp8``), and the other
+    strategies a target's launch configuration can choose."""
+    force_strategy(monkeypatch, **strategy)
+    check_against_the_dense_oracle("triton", fp8_q)
+
+
+def check_against_the_dense_oracle(backend: str, fp8_q: bool) -> None:
     gen = torch.Generator().manual_seed(5)
     swa, comp, (i0, l0, i1, l1), keys = make_case(gen, device=DEVICE)
     q = torch.randn(4, 3, 512, generator=gen) * 3

@@ -36,10 +36,10 @@ def decode_both(q, scopes, sink, splits=None, gluon=None):
     if splits is None and gluon is None:
         got = sparse_attention_decode(q, c0.data, i0, l0, sink=sink, backend="triton", **kw)
     else:
-        from sparse_mla.ops import triton_attention
+        from sparse_mla.ops import attention_plan
         from sparse_mla.ops.validate import decode_args
 
-        got = triton_attention.run(decode_args(q, c0.data, i0, l0, sink=sink, **kw), splits=splits, gluon=gluon)
+        got = attention_plan.run(decode_args(q, c0.data, i0, l0, sink=sink, **kw), splits=splits, gluon=gluon)
     return got, ref
 
 
@@ -69,7 +69,7 @@ def test_split_key_lists_merge_exactly(splits, fmt, dim):
 def test_lens_shared_by_consecutive_tokens_read_like_expanded_ones(fmt, dim, splits, form):
     """``tokens_per_len``: each group of consecutive tokens reads one length (FlashMLA's per-request topk_length),
     bit for bit what the same lens expanded per token give, and the reference's answer."""
-    from sparse_mla.ops import triton_attention
+    from sparse_mla.ops import attention_plan
     from sparse_mla.ops.validate import decode_args
 
     gen = torch.Generator().manual_seed(hash((fmt, splits, form)) % 2**31)
@@ -90,7 +90,7 @@ def test_lens_shared_by_consecutive_tokens_read_like_expanded_ones(fmt, dim, spl
         if backend == "reference":
             return sparse_attention_decode(q, swa[0].data, idx, sink=sink, backend=backend, tokens_per_len=per,
                                            **per_lens, **kw)
-        return triton_attention.run(decode_args(q, swa[0].data, idx, sink=sink, tokens_per_len=per, **per_lens,
+        return attention_plan.run(decode_args(q, swa[0].data, idx, sink=sink, tokens_per_len=per, **per_lens,
                                                 **kw), splits=splits)
 
     (out, lse), (out_tok, lse_tok) = run(group), run(1)
@@ -224,46 +224,8 @@ def test_out_is_written_in_place(backend):
                                 .transpose(0, 1))
 
 
-@pytest.mark.skipif(ON_GPU, reason="replaces the kernel launch with a stub")
-def test_launch_falls_back_to_one_stage_when_shared_memory_runs_out(monkeypatch):
-    from triton.runtime.errors import OutOfResources
-
-    from sparse_mla.ops import triton_attention
-
-    stages_tried = []
-    fitting = {"stages": 1}  # the deepest pipeline the stub GPU's shared memory holds
-
-    def stub_launch(kernel_name, constexprs, options):
-        def launch(grid, *args):
-            stages_tried.append(dict(options)["num_stages"])
-            if dict(options)["num_stages"] > fitting["stages"]:
-                raise OutOfResources(197632, 101376, "shared memory")
-        return launch
-
-    cache = PagedCache(2, 4, "bf16")
-    q = torch.zeros(1, 2, 512, dtype=torch.bfloat16)
-    idx, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
-
-    def plan_with_stages(stages):
-        plan = triton_attention.AttentionPlan((1, 2, 512), torch.device("cpu"), [(cache.fmt, 4, 4)], False, False)
-        plan._options = (("num_warps", 8), ("num_stages", stages))
-        plan.attention = stub_launch("triton", (), plan._options)
-        return plan
-
-    monkeypatch.setattr(triton_attention, "_launch", stub_launch)
-    out, lse = torch.empty(1, 2, 512, dtype=torch.bfloat16), torch.empty(1, 2)
-    call = (q, out, lse, None, 1.0, (cache.data,), (idx,), (lens,), None)
-    plan_with_stages(2)(*call)
-    assert stages_tried == [2, 1]
-    stages_tried.clear()
-    fitting["stages"] = 0
-    with pytest.raises(OutOfResources):
-        plan_with_stages(1)(*call)
-    assert stages_tried == [1]
-
-
 def test_gluon_path_only_on_validated_triton_or_when_asked(monkeypatch):
-    from sparse_mla.ops import gluon_attention
+    from sparse_mla.ops.gluon import host as gluon_attention
 
     if gluon_attention.gluon is None:
         pytest.skip("this Triton has no Gluon")
@@ -295,7 +257,7 @@ def test_triton_kernel_where_gluon_is_the_default(fmt, dim, splits):
 def test_the_default_kernel_on_hopper_is_gluon_for_every_one_format_call(fmt, dim):
     """Where the Gluon kernel is enabled on a Hopper GPU it is what ``backend="auto"`` runs for V4 and V3.2 scopes
     of one format (so the GPU runs of this file's tests check it), and the Triton kernel for mixed formats."""
-    from sparse_mla.ops import attention_kernel, dispatch, gluon_attention
+    from sparse_mla.ops import attention_kernel, dispatch, gluon as gluon_attention
 
     if not gluon_attention.enabled() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("not a Hopper GPU with the validated Triton")
@@ -313,7 +275,7 @@ def test_the_default_kernel_on_hopper_is_gluon_for_every_one_format_call(fmt, di
 def test_fp8_keys_are_read_exactly_at_any_tile_scale(fmt, dim, gluon):
     """One key per token and no sink: every head's output is the key's dequantised row (its first 512 dims), bit
     for bit, for tile magnitudes 2^-20 … 2^60 (e4m3 subnormals and signed zeros included)."""
-    from sparse_mla.ops import triton_attention
+    from sparse_mla.ops import attention_plan
     from sparse_mla.ops.validate import decode_args
 
     gen = torch.Generator().manual_seed(2026)
@@ -328,7 +290,7 @@ def test_fp8_keys_are_read_exactly_at_any_tile_scale(fmt, dim, gluon):
     cache.write(kv.to(torch.bfloat16).to(DEVICE), slots)
     q = torch.randn(num_tokens, 64, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     lens = torch.ones(num_tokens, dtype=torch.int32, device=DEVICE)
-    out, _ = triton_attention.run(decode_args(q, cache.data, slots[:, None], lens), gluon=gluon)
+    out, _ = attention_plan.run(decode_args(q, cache.data, slots[:, None], lens), gluon=gluon)
     assert torch.equal(out, cache.read(slots)[:, None, :512].expand_as(out))
 
 
@@ -353,7 +315,7 @@ def test_repeated_calls_give_identical_outputs(fmt, dim, splits):
 def test_forcing_the_gluon_kernel_where_it_does_not_fit_is_an_error():
     """``gluon=1`` on inputs the Hopper kernel cannot compute (here: scopes of two formats, or no Hopper
     GPU) raises instead of running it on them."""
-    from sparse_mla.ops import triton_attention
+    from sparse_mla.ops import attention_plan
     from sparse_mla.ops.validate import decode_args
 
     gen = torch.Generator().manual_seed(5)
@@ -361,7 +323,7 @@ def test_forcing_the_gluon_kernel_where_it_does_not_fit_is_an_error():
     extra, extra_idx, extra_lens = random_scope(gen, "bf16", 576, 2, 8, 2, 8)
     q = torch.randn(2, 2, 576, generator=gen).to(torch.bfloat16).to(DEVICE)
     with pytest.raises(ValueError, match="gluon=1 needs a Hopper GPU"):
-        triton_attention.run(decode_args(q, cache.data, idx, lens, extra.data, extra_idx, extra_lens), gluon=1)
+        attention_plan.run(decode_args(q, cache.data, idx, lens, extra.data, extra_idx, extra_lens), gluon=1)
 
 
 def shifted_copy(cache: torch.Tensor, shift: int) -> torch.Tensor:
@@ -405,7 +367,7 @@ def test_cache_off_a_16_byte_boundary_gives_the_same_attention(fmt, shift):
 @pytest.mark.parametrize("splits", [1, 2])
 def test_token_order_changes_no_bit(fmt, dim, splits, gluon):
     """Programs taking tokens longest-first, or in any permuted order, compute the same bits."""
-    from sparse_mla.ops import longest_first, triton_attention
+    from sparse_mla.ops import longest_first, attention_plan
     from sparse_mla.ops.validate import decode_args
 
     gen = torch.Generator().manual_seed(100 * splits + dim + len(fmt))
@@ -416,11 +378,11 @@ def test_token_order_changes_no_bit(fmt, dim, splits, gluon):
     sink = random_sink(gen, num_heads)
     kw = dict(extra_cache=c1.data, extra_indices=i1, extra_lens=l1, sink=sink)
     ref = sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw)
-    plain = triton_attention.run(decode_args(q, c0.data, i0, l0, **kw), splits=splits, gluon=gluon)
+    plain = attention_plan.run(decode_args(q, c0.data, i0, l0, **kw), splits=splits, gluon=gluon)
     check_close(plain, ref)
     shuffled = torch.randperm(num_tokens, generator=gen).int().to(DEVICE)
     for order in (longest_first(l0, l1), shuffled):
-        out, lse = triton_attention.run(decode_args(q, c0.data, i0, l0, order=order, **kw), splits=splits,
+        out, lse = attention_plan.run(decode_args(q, c0.data, i0, l0, order=order, **kw), splits=splits,
                                         gluon=gluon)
         assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
 
@@ -444,7 +406,7 @@ def test_bad_token_orders_are_named(monkeypatch, backend):
 def test_programs_take_the_tokens_order_names(gluon):
     """Without debug checks a bad order is not caught. The kernels clamp each entry into range: the tokens it
     names are computed (and right), the others left unwritten, and nothing outside the op's tensors is touched."""
-    from sparse_mla.ops import triton_attention
+    from sparse_mla.ops import attention_plan
     from sparse_mla.ops.validate import decode_args
 
     gen = torch.Generator().manual_seed(6)
@@ -452,7 +414,7 @@ def test_programs_take_the_tokens_order_names(gluon):
     q = torch.randn(5, 2, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
     out = torch.full((5, 2, 512), 7.0, dtype=torch.bfloat16, device=DEVICE)
     order = torch.tensor([0, 0, 1 << 30, -(1 << 30), 2], dtype=torch.int32, device=DEVICE)  # 0, 0, 4, 0, 2
-    got, _ = triton_attention.run(decode_args(q, cache.data, idx, lens, out=out, order=order, check_ranges=False),
+    got, _ = attention_plan.run(decode_args(q, cache.data, idx, lens, out=out, order=order, check_ranges=False),
                                   gluon=gluon)
     ref, _ = sparse_attention_decode(q, cache.data, idx, lens, backend="reference")
     named = [0, 2, 4]
@@ -489,24 +451,24 @@ def test_attention_kernel_names_what_runs():
     (0, 64, 32, (1, 0), (1, 0)),  # no token
 ])
 def test_choose_splits_on_an_h100_sized_gpu(monkeypatch, tokens, heads, blocks, want, want_tails):
-    from sparse_mla.ops import triton_attention
+    from sparse_mla.ops import attention_plan
 
-    monkeypatch.setattr(triton_attention, "num_sms", lambda device: 132)
+    monkeypatch.setattr(attention_plan, "num_sms", lambda device: 132)
     head_blocks = -(-heads // 64)
     device = torch.device("cuda")
-    assert triton_attention.choose_splits(tokens, heads, head_blocks, blocks, device) == want
-    assert triton_attention.choose_splits(tokens, heads, head_blocks, blocks, device, tails=True) == want_tails
+    assert attention_plan.choose_splits(tokens, heads, head_blocks, blocks, device) == want
+    assert attention_plan.choose_splits(tokens, heads, head_blocks, blocks, device, tails=True) == want_tails
 
 
 def test_a_tail_split_needs_the_gluon_kernel():
-    from sparse_mla.ops import triton_attention
+    from sparse_mla.ops import attention_plan
     from sparse_mla.ops.validate import decode_args
 
     gen = torch.Generator().manual_seed(3)
     cache, idx, lens = random_scope(gen, "bf16", 512, 4, 40, 8, 64)
     args = decode_args(torch.randn(4, 16, 512, generator=gen).to(torch.bfloat16).to(DEVICE), cache.data, idx, lens)
     with pytest.raises(ValueError, match="tail=2 needs the Gluon kernel"):
-        triton_attention.run(args, splits=2, tail=2, gluon=0)
+        attention_plan.run(args, splits=2, tail=2, gluon=0)
 
 
 @pytest.mark.parametrize("ordered", [False, True])
@@ -561,26 +523,26 @@ def test_tail_splits_cut_only_the_last_tokens_lists(fmt, dim, num_tokens, tail, 
     """The Gluon kernel with only the last ``tail`` tokens' lists cut (whole lists first, then those tokens'
     pieces, merged by the combine over those tokens alone, through the order when given) matches the reference;
     the whole tokens' rows are bitwise those of an unsplit launch, and persistent programs give the same bits."""
-    from sparse_mla.ops import longest_first, triton_attention
+    from sparse_mla.ops import longest_first, attention_plan
     from sparse_mla.ops.validate import decode_args
 
     q, (c0, i0, l0), (c1, i1, l1), kw = gluon_decode_case(fmt, dim, num_tokens, 128, num_tokens + tail + dim + len(fmt))
     order = longest_first(l0, l1) if ordered else torch.arange(num_tokens, dtype=torch.int32, device=DEVICE)
     args = decode_args(q, c0.data, i0, l0, **kw, order=order if ordered else None)
-    plan = triton_attention.plan_for(args, splits=4, tail=tail, gluon=1, persistent=False)
+    plan = attention_plan.plan_for(args, splits=4, tail=tail, gluon=1, persistent=False)
     assert plan.tail == tail and plan.grid == (2 * (num_tokens + 3 * tail),)  # 2 head blocks, 4 pieces
-    out, lse = triton_attention.run(args, splits=4, tail=tail, gluon=1, persistent=False)
+    out, lse = attention_plan.run(args, splits=4, tail=tail, gluon=1, persistent=False)
     check_close((out, lse), sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw))
     lists = ((c0.data, c1.data), (i0, i1), (l0, l1), args.order)
     bound = plan.bind(q, out, lse, args.sink, args.scale, *lists)  # a step plan's launch path: the same bits
     bound_out, bound_lse = torch.empty_like(out), torch.empty_like(lse)
     assert bound(q, bound_out, bound_lse, args.sink, *lists)
     assert torch.equal(bound_out, out) and torch.equal(bound_lse, lse)
-    whole_out, whole_lse = triton_attention.run(args, splits=1, gluon=1, persistent=False)
+    whole_out, whole_lse = attention_plan.run(args, splits=1, gluon=1, persistent=False)
     whole = order[: num_tokens - tail].long()
     assert torch.equal(out[whole], whole_out[whole]) and torch.equal(lse[whole], whole_lse[whole])
     if ordered:
-        persistent = triton_attention.run(args, splits=4, tail=tail, gluon=1, persistent=True)
+        persistent = attention_plan.run(args, splits=4, tail=tail, gluon=1, persistent=True)
         assert torch.equal(persistent[0], out) and torch.equal(persistent[1], lse)
 
 
@@ -590,15 +552,15 @@ def test_tail_splits_cut_only_the_last_tokens_lists(fmt, dim, num_tokens, tail, 
 def test_persistent_programs_compute_the_same_bits(fmt, dim, num_tokens, splits):
     """The Gluon kernel's persistent programs (one per SM, taking work items in turn, here fewer items than
     programs, several rounds, and split rows) give the bits of a program per item, which match the reference."""
-    from sparse_mla.ops import longest_first, triton_attention
+    from sparse_mla.ops import longest_first, attention_plan
     from sparse_mla.ops.validate import decode_args
 
     q, (c0, i0, l0), _, kw = gluon_decode_case(fmt, dim, num_tokens, 64, num_tokens + splits + dim + len(fmt))
     args = decode_args(q, c0.data, i0, l0, **kw, order=longest_first(l0, kw["extra_lens"]))
-    per_item = triton_attention.run(args, splits=splits, gluon=1, persistent=False)
-    persistent = triton_attention.run(args, splits=splits, gluon=1, persistent=True)
-    assert triton_attention.plan_for(args, splits=splits, gluon=1, persistent=True).grid == (
-        triton_attention.num_sms(q.device),)
+    per_item = attention_plan.run(args, splits=splits, gluon=1, persistent=False)
+    persistent = attention_plan.run(args, splits=splits, gluon=1, persistent=True)
+    assert attention_plan.plan_for(args, splits=splits, gluon=1, persistent=True).grid == (
+        attention_plan.num_sms(q.device),)
     assert torch.equal(persistent[0], per_item[0]) and torch.equal(persistent[1], per_item[1])
     check_close(persistent, sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw))
 
@@ -610,17 +572,17 @@ def test_narrow_items_match_the_reference(fmt, dim, num_heads, heads_n):
     """fp8 launches of at most 16 heads take narrow items (heads as the wgmmas' N, two copy warpgroups): they match
     the reference and the 64-head items, unsplit, split, tail-split and persistent, through a token order, with
     15, 5 and 0 padding heads (past num_heads, up to the narrow width)."""
-    from sparse_mla.ops import longest_first, triton_attention
+    from sparse_mla.ops import longest_first, attention_plan
     from sparse_mla.ops.validate import decode_args
 
     q, (c0, i0, l0), _, kw = gluon_decode_case(fmt, dim, 150, num_heads, 7 * num_heads + dim)
     args = decode_args(q, c0.data, i0, l0, **kw, order=longest_first(l0, kw["extra_lens"]))
     ref = sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw)
-    assert dict(triton_attention.plan_for(args, gluon=1)._constants)["HEADS_N"] == heads_n
-    wide = triton_attention.run(args, gluon=1, narrow=False, splits=1)
+    assert dict(attention_plan.plan_for(args, gluon=1)._constants)["HEADS_N"] == heads_n
+    wide = attention_plan.run(args, gluon=1, narrow=False, splits=1)
     check_close(wide, ref)
     for launch in (dict(splits=1), dict(splits=3), dict(splits=4, tail=18), dict(splits=3, persistent=True),
                    dict(splits=1, persistent=True)):
-        got = triton_attention.run(args, gluon=1, **launch)
+        got = attention_plan.run(args, gluon=1, **launch)
         check_close(got, ref)
         assert rel_err(got[0], wide[0]) < 5e-3, launch

@@ -104,3 +104,28 @@ def test_insert_into_memory_it_reads_is_rejected():
     cache = allocate_cache("bf16", 2, 4, DEVICE)
     with pytest.raises(ValueError, match="cache overlaps kv_new"):
         quantize_and_insert(cache.view(-1, 512)[:2], cache, torch.tensor([4, 5], dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("fmt,dim,kv_scale", [("fp8_v4", 512, None), ("fp8_v32", 576, None),
+                                            ("fp8_e4m3", 512, 2.0 ** -6), ("fp8_e4m3", 512, 0.0173)])
+def test_gather_decodes_fp8_alike_with_or_without_fp8_instructions(fmt, dim, kv_scale):
+    """The gather kernel's fp8 reads by integer operations (CUDA < 8.9, AMD) give the bits of its reads by conversion
+    instructions, and the reference's (slot -1: zeros) where that is exact (an fp8_e4m3 ``kv_scale`` that is not a
+    power of two rounds its product once in float32 there, the reference otherwise)."""
+    from sparse_mla.formats import get_format
+    from sparse_mla.ops import triton_cache
+
+    gen = torch.Generator().manual_seed(dim + (kv_scale is not None))
+    scale = None if kv_scale is None else torch.tensor([kv_scale], device=DEVICE)
+    cache = allocate_cache(fmt, 3, 4, DEVICE, dim)
+    quantize_and_insert(hard_values(gen, 12, dim).to(DEVICE), cache, torch.arange(12, device=DEVICE), kv_scale=scale)
+    slots = torch.tensor([7, -1, 0, 11, 3, 5], dtype=torch.int32, device=DEVICE)
+    raw = cache.view(torch.uint8)  # as the ops pass it (validate.as_paged)
+    integer, native = (triton_cache.dequantize_and_gather(raw, get_format(fmt, dim), scale, slots, native_fp8=n)
+                       for n in (False, True))
+    assert torch.equal(integer.view(torch.int16), native.view(torch.int16))
+    want = dequantize_and_gather(cache, slots, backend="reference", kv_scale=scale)
+    if kv_scale in (None, 2.0 ** -6):
+        assert torch.equal(integer.view(torch.int16), want.view(torch.int16))
+    else:
+        assert torch.allclose(integer.float(), want.float(), rtol=2.0 ** -7, atol=0)  # within a bf16 rounding

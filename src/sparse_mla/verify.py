@@ -6,6 +6,9 @@
 * ``oracle``: a V4 layer of each kind over caches of each V4 format against the float64 dense oracle.
 * ``flashmla``: FlashMLA reads our fp8_v4 caches and agrees with our kernels (CUDA and ``flash_mla`` only).
 
+It also says what this GPU supports: :func:`support_row`, the row of the support table (README's, made by
+:func:`support_markdown`) for the GPU's :class:`~sparse_mla.ops.targets.Target`.
+
 ``python -m sparse_mla.verify`` prints the kernel checks as JSON lines (what the subprocess runs).
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .formats import quantize_blocks
 from .layer import SparseMLAAttention
 from .ops import (dequantize_and_gather, longest_first, quantize_and_insert, sparse_attention_decode,
                   sparse_attention_prefill)
+from .ops import targets
 from .ops.order import longest_first_torch
 from .ops.validate import D_V
 from .scenario import Scenario, make_scenario
@@ -34,6 +38,42 @@ from .scenario import Scenario, make_scenario
 TOLERANCE = 1e-2  # relative Frobenius error of a bf16 output (DESIGN §7.1)
 FORMATS = (("fp8_v4", 512), ("bf16", 512), ("fp8_v32", 576), ("bf16", 576))
 Progress = Callable[[str], None]
+
+
+# the support table's columns: per cache format (its q·k width), then an fp8 query (over fp8_e4m3 caches)
+SUPPORT_FORMATS = (("bf16", 512), ("fp8_v4", 512), ("fp8_v32", 576), ("fp8_e4m3", 512))
+
+
+def support_row(target: targets.Target) -> dict[str, str]:
+    """The support table's row of ``target``: the GPUs, then per cache format (and an fp8 q) what runs —
+    ``"decode, prefill, cache ops"`` or why not (:func:`.ops.launch_configs.unsupported`, the sentence a user's
+    ``ValueError`` carries) — and how that is verified (``Target.verified``)."""
+    from .ops import launch_configs
+
+    row = {"GPU": f"{target.gpus} ({target.name})"}
+    for fmt, dim in SUPPORT_FORMATS:
+        why = launch_configs.unsupported(target, dim, frozenset({fmt}), False)
+        row[fmt] = "decode, prefill, cache ops" if why is None else f"no: {why}"
+    why = launch_configs.unsupported(target, 512, frozenset({"fp8_e4m3"}), True)
+    row["fp8 q"] = "yes" if why is None else f"no: {why}"
+    row["verified"] = target.verified
+    return row
+
+
+def support_markdown() -> str:
+    """README's support table: :func:`support_row` of every target of :data:`.ops.targets.MATRIX`, as Markdown."""
+    rows = [support_row(t) for t in targets.MATRIX]
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(r.values()) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def support_line(device: torch.device) -> str:
+    """What ``sparse-mla verify`` prints about the GPU it runs on: its support row, one line."""
+    if device.type != "cuda":
+        return "no GPU: the reference ops run here (and the Triton kernels in Triton's CPU interpreter)"
+    row = support_row(targets.target_of(device))
+    return "; ".join(f"{k}: {v}" for k, v in row.items())
 
 
 @dataclass(frozen=True)

@@ -4,16 +4,18 @@
   device, or on the CPU under ``TRITON_INTERPRET=1``) — :func:`resolve_backend`, used by every public op,
   the layer, the step-metadata builders and the token order.
 * The attention kernel inside the Triton family: ``"gluon"`` (the Hopper kernel of
-  :mod:`.gluon_attention`) or ``"triton"`` (:mod:`.triton_attention`) — :func:`attention_kernel`.
+  :mod:`.gluon`) or ``"triton"`` (:mod:`.triton_attention`) — :func:`attention_kernel`. Which GPU a
+  device is comes from :mod:`.targets` (the vendor first: ROCm reports AMD GPUs as capability 9.x); the portable
+  kernel's per-target launch configuration from :mod:`.launch_configs`.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from .._checks import check_tensor
+from . import targets
 
 try:
     import triton  # noqa: F401
@@ -58,14 +60,22 @@ def builders_use_triton(device: torch.device) -> bool:
     return device.type == "cuda" and HAVE_TRITON
 
 
-@functools.lru_cache(maxsize=None)
-def _is_hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] == 9
-
-
 def pages_16_byte_aligned(cache: torch.Tensor) -> bool:
     """Whether a paged cache's base and page stride are multiples of 16 bytes (the Gluon kernel's condition)."""
     return cache.data_ptr() % 16 == 0 and cache.stride(0) * cache.element_size() % 16 == 0
+
+
+# the cache formats the Triton kernels read (the Gluon kernel reads a subset: GLUON_FORMATS); V4.1's formats are in
+# the layout table and the reference ops, their kernels are planned (docs/design.md §2)
+TRITON_FORMATS = frozenset({"bf16", "fp8_v4", "fp8_v32", "fp8_e4m3"})
+
+
+def check_triton_formats(formats: frozenset[str] | set[str]) -> None:
+    """A ``ValueError`` where a cache of a format the Triton kernels do not read would reach them."""
+    unread = sorted(set(formats) - TRITON_FORMATS)
+    if unread:
+        raise ValueError(f"the Triton kernels do not read {', '.join(unread)} caches yet (planned; "
+                         f"they read {', '.join(sorted(TRITON_FORMATS))}): use backend='reference' for them")
 
 
 # the scope formats the Gluon kernel reads, by q·k width: V4 (512) and V3.2 (576), each fp8 or bf16
@@ -74,14 +84,15 @@ GLUON_FORMATS = {512: (frozenset({"fp8_v4"}), frozenset({"bf16"})), 576: (frozen
 
 def gluon_fits(device: torch.device, dim: int, formats: frozenset[str], pages_16_byte_aligned: bool,
                padded: bool = True, q_fp8: bool = False) -> bool:
-    """Whether the Gluon kernel can compute an attention call: a Hopper GPU, bf16 queries, every scope of one
-    format its width has (:data:`GLUON_FORMATS`) with padded index lists (not ragged, not combined), and caches whose
-    base and page stride are multiples of 16 bytes (it copies bf16 rows and the fp8 rope with 16-byte
-    ``cp.async``)."""
-    from . import gluon_attention
+    """Whether the Gluon kernel can compute an attention call: an NVIDIA Hopper GPU (:attr:`.targets.Target.hopper`:
+    never an AMD GPU, whatever capability ROCm reports, nor a Hopper lowered as another target), bf16 queries,
+    every scope of one format its width has (:data:`GLUON_FORMATS`) with padded index lists (not ragged, not
+    combined), and caches whose base and page stride are multiples of 16 bytes (it copies bf16 rows and the fp8
+    rope with 16-byte ``cp.async``)."""
+    from . import gluon as gluon_kernel
 
-    return (gluon_attention.gluon is not None and device.type == "cuda" and padded and not q_fp8
-            and formats in GLUON_FORMATS.get(dim, ()) and pages_16_byte_aligned and _is_hopper(device))
+    return (gluon_kernel.gluon is not None and device.type == "cuda" and padded and not q_fp8
+            and formats in GLUON_FORMATS.get(dim, ()) and pages_16_byte_aligned and targets.target_of(device).hopper)
 
 
 def attention_kernel(device: torch.device, dim: int, formats: frozenset[str], pages_16_byte_aligned: bool,
@@ -90,13 +101,13 @@ def attention_kernel(device: torch.device, dim: int, formats: frozenset[str], pa
 
     padded: every scope's index list is padded (``False``: a ragged scope or a combined index); q_fp8: q is
     float8_e4m3fn. gluon: ``None`` (the default choice: Gluon where it fits and is enabled, see
-    :func:`.gluon_attention.enabled`), ``1`` (force it: a ``ValueError`` where it cannot compute the call) or
+    :func:`.gluon.enabled`), ``1`` (force it: a ``ValueError`` where it cannot compute the call) or
     ``0`` (the Triton kernel)."""
-    from . import gluon_attention
+    from . import gluon as gluon_kernel
 
     fits = gluon_fits(device, dim, formats, pages_16_byte_aligned, padded, q_fp8)
     if gluon is None:
-        return "gluon" if fits and gluon_attention.enabled() else "triton"
+        return "gluon" if fits and gluon_kernel.enabled() else "triton"
     if gluon and not fits:
         readable = "; ".join(f"{d}-d: every scope {' or every scope '.join(sorted(f)[0] for f in fs)}"
                              for d, fs in GLUON_FORMATS.items())

@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 
 from .. import formats
+from . import dispatch, targets
+from .fp8 import e4m3_gain
 from .triton_attention import (FMT_BF16, FMT_FP8_E4M3, FMT_FP8_V4, ROPE_DIM, UE8M0_BIAS, V4_BODY_BYTES,
                                V4_SCALE_BYTES, V4_TILE, V32_ROPE_OFFSET, V32_SCALE_OFFSET, V32_TILE, V32_TOKEN_BYTES,
                                _load_piece, _load_rope, _token_ptrs, kernel_const, latent_pieces)
@@ -121,8 +123,10 @@ def _store_gathered(dst, vals, kv_scale, START: tl.constexpr, WIDTH: tl.constexp
 
 @triton.jit
 def _gather_kernel(cache_ptr, stride0, num_slots, slot_ptr, out_ptr, kv_scale_ptr,
-                   FMT: tl.constexpr, BS: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr):
-    """One output row per program: the dequantised token at ``slots[row]`` (zeros when invalid)."""
+                   FMT: tl.constexpr, BS: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr,
+                   NATIVE_FP8: tl.constexpr):
+    """One output row per program: the dequantised token at ``slots[row]`` (zeros when invalid). NATIVE_FP8: fp8
+    bytes decoded by conversion instructions, else by integer operations (:mod:`.fp8`)."""
     row_id = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + row_id + tl.arange(0, 1)).to(tl.int64)  # a (1,) tensor: a block of one token
     valid = (slot >= 0) & (slot < num_slots)
@@ -130,19 +134,23 @@ def _gather_kernel(cache_ptr, stride0, num_slots, slot_ptr, out_ptr, kv_scale_pt
     ROPE_OFF: tl.constexpr = PA + PB + PC
     row_ptr, scale_ptr = _token_ptrs(cache_ptr, stride0, safe, FMT, BS, ROPE_OFF)
     kv_scale = 1.0
-    if FMT == FMT_FP8_E4M3:
-        kv_scale = tl.load(kv_scale_ptr)
+    if FMT == FMT_FP8_E4M3:  # the decode's gain folded in (the tiled formats fold it into their tile scales)
+        kv_scale = tl.load(kv_scale_ptr) * e4m3_gain(NATIVE_FP8)
     dst = out_ptr + row_id * (ROPE_OFF + ROPE_DIM)
-    _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, 0, PA, FMT, tl.float32, 1), kv_scale, 0, PA, FMT)
-    _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, PA, PB, FMT, tl.float32, 1), kv_scale, PA, PB, FMT)
-    _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, tl.float32, 1), kv_scale,
-                    PA + PB, PC, FMT)
-    _store_gathered(dst, _load_rope(row_ptr, valid, FMT, ROPE_OFF, tl.float32, 1), kv_scale, ROPE_OFF, ROPE_DIM, FMT)
+    _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, 0, PA, FMT, tl.float32, 1, NATIVE_FP8), kv_scale,
+                    0, PA, FMT)
+    _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, PA, PB, FMT, tl.float32, 1, NATIVE_FP8), kv_scale,
+                    PA, PB, FMT)
+    _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, tl.float32, 1, NATIVE_FP8),
+                    kv_scale, PA + PB, PC, FMT)
+    _store_gathered(dst, _load_rope(row_ptr, valid, FMT, ROPE_OFF, tl.float32, 1, NATIVE_FP8), kv_scale,
+                    ROPE_OFF, ROPE_DIM, FMT)
 
 
 def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, fmt: formats.KVFormat, slot_mapping: torch.Tensor,
                         kv_scale: torch.Tensor | None = None) -> None:
     """Launch the insert kernel on validated arguments (see :func:`sparse_mla.ops.quantize_and_insert`)."""
+    dispatch.check_triton_formats({fmt.name})
     n = kv_new.shape[0]
     if n == 0:
         return
@@ -153,9 +161,12 @@ def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, fmt: formats.
 
 
 def dequantize_and_gather(cache: torch.Tensor, fmt: formats.KVFormat, kv_scale: torch.Tensor | None,
-                          slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                          slots: torch.Tensor, out: torch.Tensor | None = None,
+                          native_fp8: bool | None = None) -> torch.Tensor:
     """Launch the gather kernel: ``slots`` (any shape) -> ``slots.shape + (d,)`` bf16 (into ``out``, checked by
-    ``gather_args``, when given)."""
+    ``gather_args``, when given). native_fp8: decode fp8 bytes with conversion instructions (default: where the
+    device's target has them, :attr:`.targets.Target.native_fp8`) or with integer operations."""
+    dispatch.check_triton_formats({fmt.name})
     flat = slots.reshape(-1).contiguous()
     if out is None:
         out = torch.empty(flat.numel(), fmt.dim, dtype=torch.bfloat16, device=cache.device)
@@ -163,5 +174,7 @@ def dequantize_and_gather(cache: torch.Tensor, fmt: formats.KVFormat, kv_scale: 
         pa, pb, pc, _ = latent_pieces(fmt.dim)
         _gather_kernel[(flat.numel(),)](cache, cache.stride(0), cache.shape[0] * cache.shape[1], flat, out,
                                         flat if kv_scale is None else kv_scale,
-                                        FMT=fmt.code, BS=cache.shape[1], PA=pa, PB=pb, PC=pc)
+                                        FMT=fmt.code, BS=cache.shape[1], PA=pa, PB=pb, PC=pc,
+                                        NATIVE_FP8=targets.target_of(cache.device).native_fp8 if native_fp8 is None
+                                        else native_fp8)
     return out.view(*slots.shape, fmt.dim)

@@ -1,0 +1,392 @@
+"""The portability matrix: compile every kernel variant the library launches for each GPU target, on this CPU.
+
+    python scripts/portability_report.py [--target sm_80 ...] [--variants formats ...] [--json] [--support]
+
+No GPU is needed: Triton cross-compiles for a ``GPUTarget`` (``targets.Target.gpu_target()``). The variants are
+not hand-written: the library's own host code (the attention plan made for the target, the cache ops, the step
+index builders, the token order) runs on CPU tensors with Triton's launch replaced by a recorder, so each compile is
+exactly a launch the library would make on that GPU — its kernel, constexprs, launch options and argument types.
+
+Per variant it prints registers (CUDA: ptxas ``-v``; AMD: the amdgcn ``.vgpr_count``), spills (CUDA: spill
+store / load bytes; AMD: spilled VGPRs / SGPRs), shared memory (LDS) against the target's limit, and on sm_100 the
+tensor-memory columns used (Triton's ``metadata.tmem_size``, the PTX's ``tcgen05.alloc``) and whether the body is a
+``trap``. A case the target cannot run is listed with the ``ValueError`` a user gets
+(:func:`sparse_mla.ops.launch_configs.unsupported`).
+``--json`` prints one JSON object per row instead (``tests/test_portability.py`` reads them); ``--support`` prints
+the README support table (:func:`sparse_mla.verify.support_markdown`).
+
+Variants (every path of the kernels, with a compile budget that keeps CI short; ``--variants`` picks groups):
+
+* ``formats``: a V4 decode (64 heads, SWA + compressed scope, sink, token order) over each cache format (bf16,
+  fp8_v4, fp8_e4m3 at 512 dims; bf16, fp8_v32 at 576 dims: V3.2's), and fp8 q over fp8_e4m3 caches.
+* ``shared``: the variants that need the most shared memory (the pipelined bf16 ones): the bf16 decodes at 512
+  and 576 dims and the prefill over a bf16 workspace (128 heads, one scope, no order).
+* ``forms``: ragged and combined index lists, split key lists and the combine kernel (bf16 caches: these paths
+  read the index lists, whatever the format).
+* ``cache``: insert and gather, each format.
+* ``index``: the step's index lists, the compressed picks, the token order.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import pathlib
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels (before any kernel module is imported)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.6's default, the GPU's
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.backends.compiler import BaseBackend  # noqa: E402
+from triton.runtime.jit import JITFunction, native_specialize_impl  # noqa: E402
+
+from sparse_mla.ops import targets  # noqa: E402
+
+GROUPS = ("formats", "shared", "forms", "cache", "index")
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "waves_per_eu", "matrix_instr_nonkdim", "kpack")
+
+
+@dataclass
+class Launched:
+    """One recorded launch: the JIT kernel, its runtime arguments and its keyword arguments (constexprs, options)."""
+
+    kernel: JITFunction
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class Row:
+    """One cell of the matrix. status: ``"ok"``, ``"unsupported"`` (``error``: the user's ValueError) or
+    ``"failed"`` (``error``: why: a compile error, or a limit it does not fit). spill_stores / spill_loads: CUDA,
+    ptxas' spill store / load bytes; AMD, the spilled VGPRs / SGPRs. cpu_seconds: the compile's CPU time (this
+    process and its children: ptxas, ld.lld)."""
+
+    target: str
+    variant: str
+    kernel: str
+    status: str
+    error: str = ""
+    shared: int | None = None
+    shared_limit: int | None = None
+    registers: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    tmem_columns: int | None = None
+    cpu_seconds: float = 0.0
+
+
+@contextlib.contextmanager
+def recorded_launches(target: targets.Target):
+    """Inside, a JIT kernel launch (``kernel[grid](...)``, and the library's :class:`Launch` on CPU tensors) records
+    a :class:`Launched` in the yielded list instead of compiling and running, and the library's host code sees
+    ``target`` as every device's (``targets.target_of``: its per-target choices, e.g. the fp8 decode)."""
+    calls: list[Launched] = []
+    original, target_of = JITFunction.run, targets.target_of
+
+    def record(self, *args, grid, warmup, **kwargs):
+        calls.append(Launched(self, args, kwargs))
+
+    JITFunction.run, targets.target_of = record, lambda device: target
+    try:
+        yield calls
+    finally:
+        JITFunction.run, targets.target_of = original, target_of
+
+
+def _source(launched: Launched) -> tuple[ASTSource, dict]:
+    """The ``ASTSource`` and options of a recorded launch, each runtime argument specialised as Triton's JIT does
+    (its own ``native_specialize_impl``: typed pointers, ints equal to 1 as constants, 16-divisibility), the
+    constexprs as given (their declared defaults where not)."""
+    kernel = launched.kernel
+    options = {k: v for k, v in launched.kwargs.items() if k in _OPTIONS}
+    values = dict(zip(kernel.arg_names, launched.args))
+    values.update({k: v for k, v in launched.kwargs.items() if k not in _OPTIONS})
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        value = values.get(p.name, p.default)
+        if p.is_constexpr:
+            signature[p.name], constexprs[(i,)] = "constexpr", value
+            continue
+        kind, key = native_specialize_impl(BaseBackend, value, p.is_const, not p.do_not_specialize, True)
+        signature[p.name] = kind
+        if kind == "constexpr":
+            constexprs[(i,)] = key
+        elif key == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(kernel, signature, constexprs, attrs), options
+
+
+def _ptxas_numbers(log: str) -> tuple[int | None, int | None, int | None]:
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return (int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None,
+            int(spill.group(2)) if spill else None)
+
+
+def _ptxas_log(ptx: str, target: targets.Target) -> str:
+    """ptxas ``-v`` on ``ptx`` for ``target`` (where Triton's compile came from its cache and printed nothing)."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "k.ptx"
+        path.write_text(ptx)
+        arch = int(target.arch)
+        return subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", str(path),
+                               "-o", str(path.with_suffix(".cubin"))], capture_output=True, text=True).stderr
+
+
+def _amd_number(asm: str, key: str) -> int | None:
+    found = re.search(rf"\.{key}:\s+(\d+)", asm)
+    return int(found.group(1)) if found else None
+
+
+def _cpu_time() -> float:
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def _message(error: BaseException) -> str:
+    """The telling line of a compile error: Triton's message, or for a CompilationError (the source with a caret
+    under the failing spot, caused by another error) the innermost failing source line and the root cause."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    caret = next((i for i, line in enumerate(lines) if line.strip() == "^"), None)
+    cause = error.__cause__
+    if cause is not None and (caret is not None or not lines):
+        inner = _message(cause)
+        spot = lines[caret - 1].strip() if caret else ""
+        return inner if " -- " in inner or not spot else f"{spot} -- {type(cause).__name__}: {inner}"
+    return lines[caret - 1].strip() if caret else (lines[-1] if lines else type(error).__name__)
+
+
+def compile_launch(target: targets.Target, variant: str, launched: Launched) -> Row:
+    """Compile one recorded launch for ``target`` and check it fits: its :class:`Row`."""
+    row = Row(target.name, variant, launched.kernel.__name__, "ok", shared_limit=target.shared_bytes)
+    start = _cpu_time()
+    source, options = _source(launched)
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):
+            triton.knobs.nvidia.dump_ptxas_log = True
+            compiled = triton.compile(source, target=target.gpu_target(), options=options)
+    except Exception as error:  # a compile error is the cell's result
+        row.status, row.error = "failed", f"{type(error).__name__}: {_message(error)}"
+        row.cpu_seconds = round(_cpu_time() - start, 1)
+        return row
+    finally:
+        triton.knobs.nvidia.dump_ptxas_log = False
+    row.shared = compiled.metadata.shared
+    problems = []
+    if row.shared > target.shared_bytes:
+        problems.append(f"shared memory {row.shared} B > {target.shared_bytes} B")
+    if target.backend == "cuda":
+        ptx = compiled.asm["ptx"]
+        text = log.getvalue()
+        if "registers" not in text:
+            text = _ptxas_log(ptx, target)
+        row.registers, row.spill_stores, row.spill_loads = _ptxas_numbers(text)
+        # tensor-memory columns: Triton's count (metadata.tmem_size, Triton 3.9) and the PTX's allocations
+        tmem = [int(n) for n in re.findall(r"tcgen05\.alloc[^;]*?,\s*(\d+);", ptx)]
+        tmem.append(getattr(compiled.metadata, "tmem_size", 0) or 0)
+        row.tmem_columns = max(tmem) if target.tmem_columns else None
+        if row.tmem_columns and row.tmem_columns > target.tmem_columns:
+            problems.append(f"{row.tmem_columns} tensor-memory columns > {target.tmem_columns}")
+        if re.search(r"^\s*trap;", ptx, re.M) and target.tmem_columns:
+            problems.append("the kernel body compiles to a trap (tensor memory does not fit)")
+    else:
+        asm = compiled.asm["amdgcn"]
+        row.registers = _amd_number(asm, "vgpr_count")
+        row.spill_stores = _amd_number(asm, "vgpr_spill_count")
+        row.spill_loads = _amd_number(asm, "sgpr_spill_count")
+    if problems:
+        row.status, row.error = "failed", "; ".join(problems)
+    row.cpu_seconds = round(_cpu_time() - start, 1)
+    return row
+
+
+# ---- the library's launches, recorded ----------------------------------------------------------------------------
+
+def _attention_cases() -> dict[str, list[tuple[str, dict]]]:
+    """Per group, ``(variant, decode / prefill arguments)``: see the module docstring."""
+    decode = {f"decode {fmt} d{dim}": dict(fmt=fmt, dim=dim) for fmt, dim in
+              (("bf16", 512), ("fp8_v4", 512), ("fp8_e4m3", 512), ("bf16", 576), ("fp8_v32", 576))}
+    decode["decode fp8 q, fp8_e4m3 d512"] = dict(fmt="fp8_e4m3", dim=512, q_fp8=True)
+    shared = {name: decode[name] for name in ("decode bf16 d512", "decode bf16 d576")}
+    shared["prefill bf16 workspace d512"] = dict(fmt="bf16", dim=512, prefill=True)
+    forms = {"ragged bf16 d512": dict(fmt="bf16", dim=512, form="ragged"),
+             "combined bf16 d512": dict(fmt="bf16", dim=512, form="combined"),
+             "splits bf16 d512": dict(fmt="bf16", dim=512, splits=2)}
+    return {"formats": decode, "shared": shared, "forms": forms}
+
+
+def _attention_args(fmt: str, dim: int, q_fp8: bool = False, form: str = "padded", prefill: bool = False, **_):
+    """Checked arguments of one call on CPU tensors, shaped like a V4-Flash decode step (64 heads, a 128-key SWA
+    scope and a 512-key compressed one) or a prefill chunk over a bf16 workspace (128 heads)."""
+    from sparse_mla.cache import PagedCache
+    from sparse_mla.ops.validate import decode_args, prefill_args
+
+    tokens, heads = (16, 128) if prefill else (8, 64)
+    i32 = dict(dtype=torch.int32)
+    q = torch.zeros(tokens, heads, dim, dtype=torch.bfloat16)
+    if prefill:
+        kv = torch.zeros(1024, dim, dtype=torch.bfloat16)
+        return prefill_args(q, kv, torch.zeros(tokens, 1152, **i32), torch.full((tokens,), 1152, **i32),
+                            sink=torch.zeros(heads), check_ranges=False)
+    swa, extra = PagedCache(4, 64, fmt, dim), PagedCache(64, 64, fmt, dim)
+    kw = dict(sink=torch.zeros(heads), order=torch.arange(tokens, **i32), check_ranges=False)
+    if fmt == "fp8_e4m3":
+        kw["kv_scale"] = torch.ones(1)
+    if q_fp8:
+        q, kw["q_scale"] = q.to(torch.float8_e4m3fn), torch.ones(1)
+    if form == "ragged":
+        indptr = torch.arange(tokens + 1, **i32) * 128
+        return decode_args(q, swa.data, torch.zeros(tokens, 128, **i32), None, extra.data,
+                           torch.zeros(tokens * 512, **i32), None, extra_indptr=indptr * 4, **kw)
+    if form == "combined":
+        return decode_args(q, swa.data, torch.zeros(tokens, 640, **i32), torch.full((tokens,), 640, **i32),
+                           extra.data, combined_window=128, **kw)
+    return decode_args(q, swa.data, torch.zeros(tokens, 128, **i32), torch.full((tokens,), 128, **i32), extra.data,
+                       torch.zeros(tokens, 512, **i32), torch.full((tokens,), 512, **i32), **kw)
+
+
+def attention_launches(target: targets.Target, groups: tuple[str, ...]) -> list[tuple[str, list[Launched] | str]]:
+    """Per attention variant of ``groups``, the attention plan's launches for ``target`` (the plan made as
+    :func:`~sparse_mla.ops.attention_plan.plan_for` makes it, for that target), or the ``ValueError`` it raises."""
+    from sparse_mla.ops import attention_plan
+
+    cases = {name: case for group, named in _attention_cases().items() if group in groups
+             for name, case in named.items()}
+    out = []
+    for name, case in cases.items():
+        args = _attention_args(**case)
+        positional, keywords = attention_plan.plan_geometry(args)
+        try:
+            plan = attention_plan.AttentionPlan(*positional, **keywords, target=target,
+                                                **({"splits": case["splits"]} if "splits" in case else {}))
+        except ValueError as error:
+            out.append((name, str(error)))
+            continue
+        with recorded_launches(target) as calls:
+            plan(*attention_plan.call_arguments(args))
+        out.append((name, calls))
+    return out
+
+
+def cache_launches(target: targets.Target) -> list[tuple[str, list[Launched]]]:
+    """Insert and gather over each cache format (through the public ops, on CPU tensors)."""
+    from sparse_mla.cache import PagedCache
+    from sparse_mla.ops import triton_cache
+    from sparse_mla.ops.validate import gather_args, insert_args
+
+    out = []
+    for fmt, dim in (("bf16", 512), ("fp8_v4", 512), ("fp8_v32", 576), ("fp8_e4m3", 512)):
+        cache = PagedCache(4, 64, fmt, dim)
+        scale = torch.ones(1) if fmt == "fp8_e4m3" else None
+        slots = torch.arange(32, dtype=torch.int32)
+        with recorded_launches(target) as calls:
+            kv, paged, f, slot_mapping, kv_scale = insert_args(torch.zeros(32, dim, dtype=torch.bfloat16), cache.data,
+                                                               slots, check_values=False, kv_scale=scale)
+            triton_cache.quantize_and_insert(kv, paged, f, slot_mapping, kv_scale)
+            paged, f, kv_scale = gather_args(cache.data, slots, None, False, scale)
+            triton_cache.dequantize_and_gather(paged, f, kv_scale, slots)
+        out += [(f"insert {fmt}", calls[:1]), (f"gather {fmt}", calls[1:])]
+    return out
+
+
+def index_launches(target: targets.Target) -> list[tuple[str, list[Launched]]]:
+    """The step's index lists (every V4 kind), the compressed picks and the token order."""
+    from sparse_mla import metadata
+    from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+    from sparse_mla.config import V4_KINDS
+    from sparse_mla.ops import triton_index
+
+    sizes = {"swa": 64, "c4a": 64, "c128a": 2}
+    builder = StepBatchBuilder(64, 4, 4096, V4_KINDS, block_sizes=sizes, decode_threshold=2)
+    batch = builder.build([Request(seq, new, {k: list(range(first, first + blocks_needed(seq, k, sizes[k])))
+                                              for k in V4_KINDS})
+                           for seq, new, first in ((1000, 1, 0), (300, 24, 1000))])
+    meta = metadata.allocate_metadata(batch, metadata.MetadataSpec(128, 512))
+    i32 = dict(dtype=torch.int32)
+    cap = batch.token_capacity
+    with recorded_launches(target) as lists:
+        metadata._step_lists_triton(batch, meta)
+    with recorded_launches(target) as picks:
+        triton_index.compressed_picks(batch.positions, batch.token_to_req, batch.block_tables["c4a"], 64, 4,
+                                      torch.zeros(cap, 512, **i32), torch.zeros(cap, 512, **i32),
+                                      torch.zeros(cap, **i32), torch.zeros(cap, 512, **i32))
+    with recorded_launches(target) as order:
+        triton_index.longest_first(torch.zeros(cap, **i32), torch.zeros(cap, **i32), 64, torch.zeros(cap, **i32))
+    return [("step lists", lists), ("compressed picks", picks), ("token order", order)]
+
+
+def matrix(target: targets.Target, groups: tuple[str, ...] = GROUPS) -> list[Row]:
+    """Every variant of ``groups`` compiled for ``target``."""
+    launches = attention_launches(target, groups)
+    if "cache" in groups:
+        launches += cache_launches(target)
+    if "index" in groups:
+        launches += index_launches(target)
+    rows = []
+    for variant, calls in launches:
+        if isinstance(calls, str):
+            rows.append(Row(target.name, variant, "attention", "unsupported", calls, shared_limit=target.shared_bytes))
+            continue
+        if not calls:
+            rows.append(Row(target.name, variant, "?", "failed", "the library launched nothing"))
+        rows += [compile_launch(target, variant, launched) for launched in calls]
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    """A compact text table of ``rows`` (spills: CUDA bytes stored / loaded; AMD spilled VGPRs ``v`` / SGPRs ``s``)."""
+    head = (f"{'target':8} {'variant':28} {'kernel':18} {'regs':>5} {'spills':>11} {'shared KB':>9} {'tmem':>4} "
+            f"{'cpu s':>5}  status")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        spills = ("" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}" if r.target.startswith("sm")
+                  else f"{r.spill_stores}v/{r.spill_loads}s")
+        shared = "" if r.shared is None else f"{r.shared / 1024:.0f}/{r.shared_limit // 1024}"
+        status = r.status + (f": {r.error}" if r.error else "")
+        lines.append(f"{r.target:8} {r.variant[:28]:28} {r.kernel[:18]:18} {r.registers or '':>5} {spills:>11} "
+                     f"{shared:>9} {r.tmem_columns or '':>4} {r.cpu_seconds:5.1f}  {status}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", action="append", choices=[t.name for t in targets.MATRIX],
+                        help="a target (repeatable); default: all of targets.MATRIX")
+    parser.add_argument("--variants", action="append", choices=GROUPS, help="variant groups (default: all)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per row")
+    parser.add_argument("--support", action="store_true", help="print the README support table and exit")
+    args = parser.parse_args(argv)
+    if args.support:
+        from sparse_mla.verify import support_markdown
+
+        print(support_markdown())
+        return 0
+    chosen = [t for t in targets.MATRIX if not args.target or t.name in args.target]
+    all_rows = []
+    for target in chosen:
+        rows = matrix(target, tuple(args.variants or GROUPS))
+        all_rows += rows
+        for row in rows:
+            if args.json:
+                print(json.dumps(asdict(row)), flush=True)
+    if not args.json:
+        print(table(all_rows))
+    return 0 if all(r.status != "failed" for r in all_rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Per-target launch configurations of the portable attention kernel (:mod:`.triton_attention`): the one table.
+
+Each row says which key-block size, heads per program, warps and pipeline depth the kernel is compiled with on a
+:class:`~.targets.Target`, and why (the reason is kept in :class:`AttentionConfig` so reports and tests can print it).
+:func:`unsupported` names the cases a target cannot run, with what to use instead; :mod:`.attention_plan` reads both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+from .targets import Target
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One launch configuration. constexprs: the kernel's tuned constexprs (``H_BLOCK``, ``BLOCK_N``, ...);
+    num_warps / num_stages: Triton's launch options; reason: why this row."""
+
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    reason: str
+
+
+def default_stages(formats: frozenset[str]) -> int:
+    """Pipeline depth of the key loop: 2 when every scope is bf16, else 1.
+
+    bf16 key tiles go from the gather straight into the dots, so Triton turns their loads into
+    asynchronous copies one block ahead (28 % faster prefill on an H100). fp8 tiles pass through
+    the dequantisation first; pipelining them only added spills (BENCHMARKS.md, prefetch/stages).
+    """
+    return 2 if formats == frozenset({"bf16"}) else 1
+
+
+def attention_config(target: Target, dim: int, formats: frozenset[str], num_heads: int, q_fp8: bool,
+                     interpret: bool) -> AttentionConfig:
+    """The launch configuration of the portable attention kernel for q of ``num_heads`` heads of ``dim`` (512 or
+    576) dims and caches of ``formats`` on ``target`` (``interpret``: Triton's CPU interpreter, where small key
+    blocks keep the tests fast).
+
+    The constexprs: ``H_BLOCK`` heads and ``BLOCK_N`` keys per step, ``NATIVE_FP8`` (:mod:`.fp8`), ``Q_IN_LOOP``,
+    ``Q_ROPE_SCALAR`` and ``V_RELOAD`` (:func:`.triton_attention._scope_pass`). Each row was chosen by
+    cross-compiling the candidates for its targets (registers, spills in the key loop, shared memory;
+    ``tests/test_portability.py`` prints the chosen rows') and, for the NVIDIA rows, timing them on an H100 under
+    each target's lowering.
+    """
+    fp8 = formats != frozenset({"bf16"}) or q_fp8
+    heads = max(16, triton.next_power_of_2(num_heads))
+    flags = dict(NATIVE_FP8=target.native_fp8, Q_IN_LOOP=False, Q_ROPE_SCALAR=False, V_RELOAD=False)
+    if interpret:
+        return AttentionConfig(dict(flags, H_BLOCK=min(64, heads), BLOCK_N=16), 8, 1, "the interpreter: small blocks")
+    if target.backend == "cuda" and target.arch == 90:
+        return AttentionConfig(dict(flags, H_BLOCK=min(64, heads), BLOCK_N=64), 8, default_stages(formats),
+                               "wgmma reads q and the key tiles from shared memory: 64 heads share each gathered "
+                               "key block (fastest of the H100 sweeps; H 32 is 1.3-1.7x slower)")
+    if target.backend == "cuda":
+        # mma.sync: sm_80/86/89/120, and sm_100, where a dot of fewer than 64 rows stays out of tensor memory
+        # (at H_BLOCK 64 its five accumulators need 576 of the 512 columns)
+        h_block = min(32, heads)
+        if target.arch == 120 and "fp8_v4" in formats:
+            return AttentionConfig(dict(flags, H_BLOCK=h_block, BLOCK_N=32, V_RELOAD=True), 8, 2,
+                                   "sm_120's ptxas spills the 64-key fp8_v4 row inside the key loop (64 bytes); "
+                                   "32-key blocks, two stages: 16 bytes, outside it")
+        if fp8:
+            return AttentionConfig(dict(flags, H_BLOCK=h_block, BLOCK_N=64, V_RELOAD=True), 8, 1,
+                                   "mma.sync takes fp8 tiles dequantised in registers, once per dot layout: "
+                                   "V_RELOAD keeps one copy live across the softmax (no spills at sm_86/89; at sm_80 "
+                                   "24 bytes, outside the key loop); stages 1: pipelined raw bytes only spill")
+        if target.shared_bytes >= 101 * 1024:  # sm_80, sm_100: two 64-key stages (100.25 KB) fit
+            return AttentionConfig(dict(flags, H_BLOCK=h_block, BLOCK_N=64, Q_IN_LOOP=True), 8, 2,
+                                   "mma.sync: at H_BLOCK 32 Triton puts the warps along the key / value columns (at "
+                                   "64 it stacks all 8 along the heads and the 64x512 accumulator spills); q from "
+                                   "L1 so two pipelined 64-key stages fit 100 KB; 1.37x sm_90's time")
+        if dim == 512:  # sm_86, sm_89, sm_120 (99 KB)
+            return AttentionConfig(dict(flags, H_BLOCK=h_block, BLOCK_N=64, Q_IN_LOOP=True, Q_ROPE_SCALAR=True), 8, 2,
+                                   "mma.sync with 99 KB of shared memory: sm_80's row (100.25 KB: a 64 KB key stage, "
+                                   "32 KB of q, the 4 KB P tile), with q's rope piece read outside the pipeliner's "
+                                   "buffers, where it shares space with the P tile: 96.25 KB")
+        return AttentionConfig(dict(flags, H_BLOCK=h_block, BLOCK_N=32, Q_IN_LOOP=True), 8, 2,
+                               "mma.sync with 99 KB of shared memory, V3.2's 576 dims: as sm_80's row, with 32-key "
+                               "stages (74 KB; 64-key ones need 112 KB, 108 KB with Q_ROPE_SCALAR)")
+    if target.warp_size == 64:  # CDNA: gfx90a, gfx942, gfx950
+        return AttentionConfig(dict(flags, H_BLOCK=16, BLOCK_N=16 if fp8 else 32), 4, 1,
+                               "CDNA (MFMA, wave64, 512 VGPRs with AGPRs at one wave per SIMD): 4 waves (at 8 each "
+                               "has 256 and spills); H 32 or 64-key blocks spill; 16 heads x 32 keys (fp8, whose "
+                               "dequantisation needs registers too: 16 keys) spill none")
+    return AttentionConfig(dict(flags, H_BLOCK=16, BLOCK_N=32, Q_IN_LOOP=True), 8, 1,
+                           "RDNA (WMMA, wave32, 256 VGPRs): Triton stacks the value dots' warps along the heads, so "
+                           "each wave holds a 16x512 float32 accumulator and spills at every tile size (this row "
+                           "spills least); needs a value-dim split")
+
+
+def unsupported(target: Target, dim: int, formats: frozenset[str], q_fp8: bool) -> str | None:
+    """Why the portable attention kernel cannot run this case on ``target`` (a sentence naming the GPU, the format
+    and what to use instead), or None where it can. Every row of :data:`.targets.MATRIX` runs every format, fp8 q
+    included: fp8 is decoded with integer operations where Triton has no e4m3 type (:mod:`.fp8`), and sm_100's
+    configuration keeps the accumulators out of tensor memory (:func:`attention_config`)."""
+    return None

@@ -1,0 +1,164 @@
+"""GPU targets as Triton compiles for them: which architecture a device is, and the limits a launch must fit.
+
+The one place that says what a GPU is. Every other decision (which kernel runs, its launch configuration, whether
+fp8 bytes are decoded by conversion instructions or by integer arithmetic) reads a :class:`Target`, never a
+capability number: ROCm's PyTorch reports AMD CDNA GPUs as capability 9.x, so the vendor comes first
+(``torch.version.hip``), and a device is what Triton would compile for on it, ``TRITON_OVERRIDE_ARCH`` included
+(that is how the GPU tests run the kernels as lowered for another target on the H100).
+
+Limits per target (per program: shared memory / LDS a block may use; tensor-memory columns; registers per thread)
+come from the vendors' tables (CUDA C Programming Guide, "Compute capabilities"; AMD's CDNA / RDNA ISA guides) and
+were checked by compiling the kernels for each target (``tests/test_portability.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Target:
+    """One GPU architecture. backend: ``"cuda"`` or ``"hip"``; arch: the CUDA capability as an int (80, 86, 89, 90,
+    100, 120) or the AMD ``gfx`` name; warp_size: threads per warp / wavefront; shared_bytes: the most shared memory
+    (LDS) one program may use; tmem_columns: 32-bit tensor-memory columns per SM (0: none); registers: the most
+    32-bit registers per thread (AMD: VGPRs, AGPRs included where the hardware has them); gpus: the products it
+    is; verified: how the library is checked on it (README's support table, ``sparse-mla verify``)."""
+
+    backend: str
+    arch: int | str
+    warp_size: int
+    shared_bytes: int
+    tmem_columns: int = 0
+    registers: int = 255
+    gpus: str = ""
+    verified: str = "compiles, fits"
+
+    @property
+    def name(self) -> str:
+        """``"sm_80"`` … ``"sm_120"`` or the ``gfx`` name."""
+        return f"sm_{self.arch}" if self.backend == "cuda" else str(self.arch)
+
+    @property
+    def native_fp8(self) -> bool:
+        """Whether Triton converts ``float8_e4m3fn`` bytes with instructions on this target (CUDA capability 8.9 and
+        later); elsewhere the kernels decode the bytes with integer operations (exact for every finite code)."""
+        return self.backend == "cuda" and int(self.arch) >= 89
+
+    @property
+    def hopper(self) -> bool:
+        """An NVIDIA sm_90 GPU (H100, H200, H20, H800): the Gluon kernel's target."""
+        return self.backend == "cuda" and self.arch == 90
+
+    def gpu_target(self):
+        """Triton's ``GPUTarget`` for compiling to this target without a device."""
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget(self.backend, self.arch, self.warp_size)
+
+
+_KB = 1024
+# The portability matrix: every target the library is compiled and checked for (tests/test_portability.py).
+# how a target is verified (Target.verified): "runs natively on the H100" (the GPU suite); "runs lowered on the H100"
+# (the GPU suite's essentials with Triton lowering as for that target: tests/test_lowerings.py); "compiles, fits"
+# (every launched kernel variant cross-compiled on a CPU, within the target's shared memory / TMEM / LDS:
+# tests/test_portability.py, which every target passes)
+_LOWERED = "runs lowered on the H100; compiles, fits"
+MATRIX: tuple[Target, ...] = (
+    Target("cuda", 80, 32, 163 * _KB, gpus="A100, A800, A30", verified=_LOWERED),
+    Target("cuda", 86, 32, 99 * _KB, gpus="A10, A40, RTX 3090, RTX A6000", verified=_LOWERED),
+    Target("cuda", 89, 32, 99 * _KB, gpus="L4, L40S, RTX 4090, L20", verified=_LOWERED),
+    Target("cuda", 90, 32, 227 * _KB, gpus="H100, H200, H20, H800",
+           verified="runs natively on the H100; compiles, fits"),
+    Target("cuda", 100, 32, 227 * _KB, tmem_columns=512, gpus="B200, B300, GB200"),
+    Target("cuda", 120, 32, 99 * _KB, gpus="RTX 5090, RTX PRO 6000"),
+    Target("hip", "gfx90a", 64, 64 * _KB, registers=512, gpus="MI210, MI250"),
+    Target("hip", "gfx942", 64, 64 * _KB, registers=512, gpus="MI300X, MI325X"),
+    Target("hip", "gfx950", 64, 160 * _KB, registers=512, gpus="MI350X, MI355X"),
+    Target("hip", "gfx1100", 32, 64 * _KB, gpus="RX 7900"),
+    Target("hip", "gfx1201", 32, 64 * _KB, gpus="RX 9070"),
+)
+_BY_KEY = {(t.backend, t.arch): t for t in MATRIX}
+
+
+# The target the CPU interpreter and device-less plans stand for: the H100's row (the tuned one).
+DEFAULT = _BY_KEY[("cuda", 90)]
+
+
+def _override_arch() -> str | None:
+    """Triton's ``TRITON_OVERRIDE_ARCH`` (``"sm80"``, ``"gfx942"``), read as Triton reads it."""
+    import triton
+
+    return triton.knobs.runtime.override_arch
+
+
+def target_for(backend: str, arch: int | str) -> Target:
+    """The :class:`Target` of ``(backend, arch)``: a row of :data:`MATRIX`, or for an architecture not in it the row of
+    the nearest one below (CUDA; AMD: of the same family, its first where none is below; a ``ValueError`` where
+    the family is unknown)."""
+    known = _BY_KEY.get((backend, arch))
+    if known is not None:
+        return known
+    if backend == "cuda":
+        lower = [t for t in MATRIX if t.backend == "cuda" and t.arch <= int(arch)]
+        if lower:
+            return max(lower, key=lambda t: t.arch)
+    elif backend == "hip":  # a family: CDNA gfx9xx, RDNA3 gfx11xx, RDNA4 gfx12xx (the name less its last 2 chars)
+        family = [t for t in MATRIX if t.backend == "hip" and str(t.arch)[:-2] == str(arch)[:-2]]
+        lower = [t for t in family if str(t.arch) <= str(arch)]
+        if family:
+            return (lower or family)[-1 if lower else 0]
+    raise ValueError(f"no known GPU target for {backend} {arch!r}; supported: {', '.join(t.name for t in MATRIX)}")
+
+
+def target_of(device: torch.device) -> Target:
+    """The target Triton compiles for on ``device``: the vendor from ``torch.version.hip`` first, then the
+    architecture (``TRITON_OVERRIDE_ARCH`` / :func:`lower_as` where set). A CPU device (Triton's interpreter) stands
+    for :data:`DEFAULT`. Cached per device, vendor and override (a launch plan asks once per geometry)."""
+    if device.type != "cuda":
+        return DEFAULT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_target(index, bool(torch.version.hip), _override_arch())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_target(index: int, hip: bool, override: str | None) -> Target:
+    if hip:  # ROCm reports CDNA GPUs as capability 9.x: the capability number must never decide here
+        arch = override or torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
+        return target_for("hip", arch)
+    if override:
+        return target_for("cuda", int(override.removeprefix("sm")))
+    major, minor = torch.cuda.get_device_capability(index)
+    return target_for("cuda", 10 * major + minor)
+
+
+@contextlib.contextmanager
+def lower_as(arch: str) -> Iterator[Target]:
+    """Compile every Triton kernel launched inside as for NVIDIA target ``arch`` (``"sm80"``, ``"sm86"``, ``"sm89"``)
+    and run it on this (newer) NVIDIA GPU: Triton lowers as for ``arch`` (``mma.sync``, ``cp.async``, that
+    target's fp8 rules, no ``wgmma`` / TMA), and ptxas assembles the result for the real GPU (``sm_90a`` on an
+    H100), which runs the older instructions. The library's own choices (:func:`target_of`: dispatch, launch
+    configurations) see the emulated target. Yields it.
+
+    It checks the other target's code paths on real silicon; it does not reproduce that target's speed, memory
+    bandwidth or shared-memory size (compile for the target to check those: ``tests/test_portability.py``). Enter
+    it before the process launches any kernel: binaries already compiled and held by a launch are not compiled
+    again (the GPU tests and benchmarks set it for their whole process)."""
+    import triton
+    from triton.backends.nvidia import compiler
+
+    if not arch.startswith("sm") or not arch[2:].isdigit():
+        raise ValueError(f"arch must be an NVIDIA target such as 'sm80', got {arch!r}")
+    major, minor = torch.cuda.get_device_capability()
+    real = compiler.sm_arch_from_capability(10 * major + minor)
+    before_arch, before_fn = triton.knobs.runtime.override_arch, compiler.sm_arch_from_capability
+    triton.knobs.runtime.override_arch = arch
+    compiler.sm_arch_from_capability = lambda capability: real
+    try:
+        yield target_for("cuda", int(arch[2:]))
+    finally:
+        triton.knobs.runtime.override_arch = before_arch
+        compiler.sm_arch_from_capability = before_fn

@@ -1,0 +1,53 @@
+"""The portable attention kernel's per-target launch configurations (``ops.launch_configs``): every target's row is
+well formed and keeps the rules its reason gives, and every strategy a row can choose computes the reference's
+attention in the interpreter (NaN-poisoned caches, unused slots, -1 indices, empty rows)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import DEVICE, check_close, random_scope, random_sink
+from launch_strategies import STRATEGIES, STRATEGY_IDS, force_strategy
+from sparse_mla.ops import launch_configs, sparse_attention_decode
+from sparse_mla.ops.targets import MATRIX
+
+CASES = [(frozenset({"bf16"}), 512), (frozenset({"fp8_v4"}), 512), (frozenset({"fp8_v32"}), 576),
+         (frozenset({"bf16"}), 576), (frozenset({"fp8_e4m3"}), 512)]
+
+
+@pytest.mark.parametrize("target", MATRIX, ids=[t.name for t in MATRIX])
+@pytest.mark.parametrize("formats,dim", CASES)
+@pytest.mark.parametrize("num_heads", [1, 16, 64, 128])
+def test_every_target_has_a_row(target, formats, dim, num_heads):
+    assert launch_configs.unsupported(target, dim, formats, False) is None
+    row = launch_configs.attention_config(target, dim, formats, num_heads, False, interpret=False)
+    c = row.constexprs
+    assert {"H_BLOCK", "BLOCK_N", "NATIVE_FP8", "Q_IN_LOOP", "Q_ROPE_SCALAR", "V_RELOAD"} <= set(c)
+    assert c["Q_IN_LOOP"] or not c["Q_ROPE_SCALAR"]  # it changes how the in-loop q is read, nothing else
+    for n in (c["H_BLOCK"], c["BLOCK_N"]):
+        assert n >= 16 and n & (n - 1) == 0  # tl.dot's smallest tile, tl.arange's powers of two
+    assert c["NATIVE_FP8"] == target.native_fp8  # fp8 instructions only where Triton has the e4m3 type
+    assert row.num_warps in (4, 8) and row.num_stages in (1, 2) and row.reason
+    if target.backend == "cuda" and target.arch != 90:
+        # mma.sync (sm_100 too: a dot of M < 64 stays out of tensor memory): at most 32 heads, where Triton puts
+        # the warps along the key / value columns, not the heads (at 64 the accumulators spill)
+        assert c["H_BLOCK"] <= 32
+
+
+def test_the_interpreter_row_keeps_blocks_small():
+    row = launch_configs.attention_config(MATRIX[0], 512, frozenset({"bf16"}), 20, False, interpret=True)
+    assert row.constexprs["BLOCK_N"] == 16 and row.constexprs["H_BLOCK"] == 32
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=STRATEGY_IDS)
+@pytest.mark.parametrize("fmt,dim", [("fp8_v4", 512), ("fp8_v32", 576), ("bf16", 576)])
+def test_every_strategy_matches_the_reference(monkeypatch, strategy, fmt, dim):
+    force_strategy(monkeypatch, **strategy)
+    gen = torch.Generator().manual_seed(11 + dim)
+    num_tokens, num_heads = 4, 20  # a partial head block
+    scopes = [random_scope(gen, fmt, dim, num_tokens, 12, 3, 8), random_scope(gen, fmt, dim, num_tokens, 37, 4, 4)]
+    (c0, i0, l0), (c1, i1, l1) = scopes
+    q = torch.randn(num_tokens, num_heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    kw = dict(extra_cache=c1.data, extra_indices=i1, extra_lens=l1, sink=random_sink(gen, num_heads))
+    check_close(sparse_attention_decode(q, c0.data, i0, l0, backend="triton", **kw),
+                sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw))

@@ -1,0 +1,98 @@
+"""The portability matrix (issue 35): the kernel variants the library launches, cross-compiled on this CPU for every
+target of ``targets.MATRIX`` (no GPU), compile and fit: shared memory (LDS) within the target's, on sm_100 the
+tensor-memory columns within 512 and no ``trap`` body; registers and spills are printed (``pytest -s``, and a table
+under the test's tmp dir). A case a target cannot run must instead be a ``ValueError`` when the call is planned.
+
+The variants are the library's own launches for that target (``scripts/portability_report.py`` records them from
+the attention plan made for the target, the cache ops, the index builders and the token order), so the matrix
+checks what would really launch. Which run here, to keep CI (``make test`` on two cores) short — an attention
+variant takes 3-8 CPU seconds to compile for CUDA and 10-40 for AMD, the other kernels about one:
+
+* one target per code-generation family — sm_80 (mma.sync, no fp8 instructions), sm_89 (mma.sync with fp8),
+  sm_90 (wgmma), sm_100 (tensor memory) and gfx942 (AMD; its fp8 bytes are decoded with integer operations on every
+  AMD target) — every group: the decode over each cache format (bf16, fp8_v4, fp8_e4m3 at 512 dims; bf16, fp8_v32
+  at 576) and fp8 q, the bf16-workspace prefill, ragged and combined lists, split lists and the combine kernel,
+  insert / gather per format, the step lists, the compressed picks and the token order: every code path of every
+  kernel;
+* the other targets (sm_86, sm_120, gfx90a, gfx950, gfx1100, gfx1201: a family's code with other limits, or
+  RDNA's wave32 dots over the same bf16 tiles) the variants that need the most shared memory (LDS) — the bf16
+  decodes at 512 and 576 dims and the prefill, pipelined — and the cache kernels (gfx1100, the first wave32 AMD
+  target, the index kernels too); so every target's own launch configuration is compiled and checked against its
+  limits.
+
+The whole matrix (every group on every target): ``python scripts/portability_report.py``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparse_mla.formats import get_format
+from sparse_mla.ops import attention_plan, launch_configs, targets
+from sparse_mla.verify import SUPPORT_FORMATS, support_markdown
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FAMILIES = ("sm_80", "sm_89", "sm_90", "sm_100", "gfx942")  # every group compiled here
+
+
+def _compile_matrix(target: str, groups: tuple[str, ...]) -> list[dict]:
+    """The report's rows for ``target`` and ``groups``, from a child process (compiling needs the interpreter off)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(ROOT / "scripts" / "portability_report.py"), "--json", "--target", target]
+    for group in groups:
+        cmd += ["--variants", group]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert rows, f"the report printed no rows (exit {done.returncode}): {done.stderr[-2000:]}"
+    return rows
+
+
+@pytest.mark.parametrize("target", [t.name for t in targets.MATRIX])
+def test_every_launched_variant_compiles_and_fits(target, tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from portability_report import Row, table
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    groups = (("formats", "shared", "forms", "cache", "index") if target in FAMILIES
+              else ("shared", "cache", "index") if target == "gfx1100" else ("shared", "cache"))
+    rows = _compile_matrix(target, groups)
+    text = table([Row(**r) for r in rows])
+    (tmp_path / f"portability_{target}.txt").write_text(text + "\n")
+    print(f"\n{text}")
+    failed = [f"{r['variant']} ({r['kernel']}): {r['error']}" for r in rows if r["status"] == "failed"]
+    assert not failed, f"{target}: " + "; ".join(failed)
+    assert {r["variant"].split()[0] for r in rows} >= {"decode", "prefill", "insert", "gather"}
+
+
+@pytest.mark.parametrize("target", [t.name for t in targets.MATRIX])
+def test_a_case_a_target_cannot_run_is_a_value_error_naming_it(target):
+    """Each cell the support table lists as unsupported is, for a user, the ValueError of that sentence (raised
+    when the call is planned, before any kernel is compiled); a supported cell plans."""
+    t = targets.target_for(*next((x.backend, x.arch) for x in targets.MATRIX if x.name == target))
+    for fmt, dim in SUPPORT_FORMATS:
+        for q_fp8 in (False, True):
+            why = launch_configs.unsupported(t, dim, frozenset({fmt}), q_fp8)
+            plan = lambda: attention_plan.AttentionPlan(  # noqa: E731
+                (4, 64, dim), torch.device("cpu"), [(get_format(fmt, dim), 64, 128)], True, False, q_fp8=q_fp8,
+                target=t)
+            if why is None:
+                assert plan().target is t
+            else:
+                assert t.name in why and (fmt in why or "no format" in why or q_fp8)
+                with pytest.raises(ValueError, match=re.escape(why)):
+                    plan()
+
+
+def test_readme_support_table_is_the_code_s():
+    """README's support table is :func:`sparse_mla.verify.support_markdown`'s (regenerate it with
+    ``python scripts/portability_report.py --support``)."""
+    assert support_markdown() in (ROOT / "README.md").read_text()
