@@ -11,13 +11,14 @@ from . import reference
 from ..formats import resolve_cache
 from . import dispatch
 from .dispatch import BACKENDS, backend_for, check_backend_name
+from .merge import merge_partials
 from .order import longest_first
 from .validate import AttentionArgs, debug_checks_enabled, decode_args, gather_args, insert_args, prefill_args
 
 try:
-    from . import triton_attention, triton_cache, triton_index
+    from . import attention_plan, triton_cache, triton_index
 except ImportError:  # no Triton on this platform: the reference backend still works
-    triton_attention = triton_cache = triton_index = None
+    attention_plan = triton_cache = triton_index = None
 
 
 def attention_kernel(backend: str, q: torch.Tensor, cache: torch.Tensor) -> str:
@@ -74,7 +75,7 @@ def sparse_attention_decode(
     changes their speed, never their results. ``longest_first(lens, extra_lens)``, computed once per step,
     keeps ragged lists from leaving SMs idle at the end (up to 22 % faster on C128A decode).
     batch_invariant: a token's output is bitwise the same whatever else is in the batch (its key list is
-    split by its own length alone, see ``triton_attention.INVARIANT_SPLIT_BLOCKS``); the reference is
+    split by its own length alone, see ``attention_plan.INVARIANT_SPLIT_BLOCKS``); the reference is
     batch-invariant anyway.
 
     Other index forms (:mod:`sparse_mla.index_forms` builds them):
@@ -99,7 +100,7 @@ def sparse_attention_decode(
                                   tokens_per_len=tokens_per_len)
     if family == "reference":
         return reference.run(args)
-    return triton_attention.run(args, batch_invariant=batch_invariant)
+    return attention_plan.run(args, batch_invariant=batch_invariant)
 
 
 def checked_decode(backend: str, q: torch.Tensor, *args, **kwargs) -> tuple[str, AttentionArgs]:
@@ -132,7 +133,7 @@ def sparse_attention_prefill(
     """
     if backend_for(backend, q, "q") == "reference":
         return reference.run(prefill_args(q, kv, indices, lens, sink, scale, out=out, indptr=indptr))
-    return triton_attention.run(prefill_args(q, kv, indices, lens, sink, scale, check_ranges=debug_checks_enabled(),
+    return attention_plan.run(prefill_args(q, kv, indices, lens, sink, scale, check_ranges=debug_checks_enabled(),
                                              out=out, indptr=indptr), batch_invariant=batch_invariant)
 
 
@@ -166,4 +167,4 @@ def dequantize_and_gather(cache: torch.Tensor, slots: torch.Tensor, fmt: str | N
 
 
 __all__ = ["sparse_attention_decode", "sparse_attention_prefill", "quantize_and_insert", "dequantize_and_gather",
-           "longest_first", "attention_kernel", "check_backend_name", "BACKENDS"]
+           "longest_first", "merge_partials", "attention_kernel", "check_backend_name", "BACKENDS"]

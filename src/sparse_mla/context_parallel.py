@@ -1,0 +1,276 @@
+"""Decode context parallelism (DESIGN §4; docs/context_parallel.md): each of ``world`` ranks holds a share of every
+request's cache, attends to its own keys without the sink, and the ranks merge their ``(out, lse)`` partials by
+log-sum-exp, applying the sink once (:func:`sparse_mla.ops.merge.merge_partials`).
+
+* Ownership (:class:`RankLayout`): raw token ``p`` lives on rank ``p % world``, compressed entry ``w`` (any ratio)
+  on rank ``w % world``, at rank-local position ``p // world`` (entry ``w // world``) of that rank's cache,
+  through the rank's own block tables.
+* Rank-local step metadata (:func:`build_rank_metadata`, :class:`RankStepMetadata`): the step's index lists
+  holding only this rank's cache slots, as valid prefixes in fixed buffers, with the attribute names of
+  :class:`~sparse_mla.metadata.StepMetadata` (``swa_indices``, ``c4a_indices(picks)``, ...). The rank's batch is
+  built by a :class:`~sparse_mla.batch.StepBatchBuilder` with block sizes ``× world``
+  (:meth:`RankLayout.batch_builder`): read that way, a rank's block table maps a request position to a *virtual*
+  slot whose remainder mod ``world`` is its owner and whose quotient is the owner's real slot. The ordinary
+  metadata builder makes the lists in virtual slots; this module keeps the owned ones, divides, compacts.
+* The exchange (:class:`PartialsGather`): one all-gather of every rank's partials over ``torch.distributed``
+  into buffers allocated once (NCCL on GPUs — capturable in a CUDA graph — or gloo on the CPU), then the merge.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._checks import check_positive_int, check_tensor, is_int
+from .batch import StepBatch, StepBatchBuilder, blocks_needed
+from .config import DEFAULT_BLOCK_SIZE, V4_KINDS
+from .metadata import (ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata,
+                       compact_rows, convert_picks)
+from .ops.merge import PARTIAL_DTYPES, merge_partials
+from .ops.validate import D_V
+
+# torch 2.13 renames all_gather_into_tensor (same arguments); older torch (the GPU box's) has only the old name
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Which rank holds what: raw token ``p`` and compressed entry ``w`` (of any ratio) belong to rank
+    ``p % world`` / ``w % world``, at rank-local position ``p // world`` / entry ``w // world``."""
+
+    world: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        check_positive_int("world", self.world)
+        if not (is_int(self.rank) and 0 <= self.rank < self.world):
+            raise ValueError(f"rank must be an int in [0, world={self.world}), got {self.rank!r}")
+
+    @classmethod
+    def of_group(cls, group: dist.ProcessGroup | None = None) -> RankLayout:
+        """The layout of this process in ``group`` (default: the default process group)."""
+        return cls(dist.get_world_size(group), dist.get_rank(group))
+
+    def blocks_needed(self, seq_len: int, kind: str, block_size: int | None = None) -> int:
+        """Blocks of its ``kind`` cache (``block_size`` entries each, default the kind's) the rank's table of a
+        request of ``seq_len`` tokens must list: the same count on every rank (the most any rank needs; a rank
+        that owns fewer entries leaves at most the last block unused)."""
+        bs = DEFAULT_BLOCK_SIZE[kind] if block_size is None else block_size
+        return blocks_needed(seq_len, kind, bs * self.world)
+
+    def batch_builder(self, max_tokens: int, max_reqs: int, max_model_len: int, kinds: Sequence[str] = V4_KINDS,
+                      block_sizes: dict[str, int] | None = None, decode_threshold: int = 1,
+                      device: torch.device | str = "cpu", num_blocks: Mapping[str, int] | None = None
+                      ) -> RankBatchBuilder:
+        """The builder of this rank's steps (:class:`RankBatchBuilder`): :class:`StepBatchBuilder`'s arguments,
+        ``block_sizes`` / ``num_blocks`` the rank's caches'."""
+        return RankBatchBuilder(self, max_tokens, max_reqs, max_model_len, kinds, block_sizes, decode_threshold,
+                                device, num_blocks)
+
+    def local_slots(self, virtual: torch.Tensor) -> torch.Tensor:
+        """Virtual slots (a rank batch's, any shape, int32) -> this rank's real cache slots; ``-1`` where another
+        rank owns the entry, or the slot is ``-1``."""
+        owned = (virtual >= 0) & (virtual % self.world == self.rank)
+        return torch.where(owned, virtual // self.world, -1)
+
+
+class RankBatchBuilder(StepBatchBuilder):
+    """A :class:`StepBatchBuilder` of one rank's steps, whose batches :func:`build_rank_metadata` takes: requests
+    give their full ``seq_len`` / ``query_len`` and this rank's block tables (:meth:`RankLayout.blocks_needed`
+    blocks per request and kind); the batch's block sizes are the caches' × ``world`` (its tables' virtual view,
+    module docstring), the rest as :class:`StepBatchBuilder`."""
+
+    def __init__(self, layout: RankLayout, max_tokens: int, max_reqs: int, max_model_len: int,
+                 kinds: Sequence[str] = V4_KINDS, block_sizes: Mapping[str, int] | None = None,
+                 decode_threshold: int = 1, device: torch.device | str = "cpu",
+                 num_blocks: Mapping[str, int] | None = None) -> None:
+        if not isinstance(layout, RankLayout):
+            raise TypeError(f"layout must be a RankLayout, got {type(layout).__name__}")
+        self.layout = layout
+        sizes = {k: DEFAULT_BLOCK_SIZE[k] for k in kinds if k in DEFAULT_BLOCK_SIZE}  # bad kinds: the base's error
+        if isinstance(block_sizes, Mapping):
+            sizes.update(block_sizes)
+        elif block_sizes is not None:
+            sizes = block_sizes  # not a mapping: the base's error
+        if isinstance(sizes, Mapping):
+            sizes = {k: v * layout.world if is_int(v) and v >= 1 else v for k, v in sizes.items()}
+        super().__init__(max_tokens, max_reqs, max_model_len, kinds, sizes, decode_threshold, device, num_blocks)
+
+
+@dataclass
+class RankStepMetadata:
+    """One rank's share of a step's metadata: index lists naming only this rank's cache slots, each row a valid
+    prefix, in buffers that :func:`build_rank_metadata` ``(…, out=this)`` refills (CUDA graphs).
+
+    step: the ordinary metadata of the rank's batch (lists in virtual slots; its ``batch`` is the rank's).
+    slot_mapping ``(T,)``: where this rank writes each new raw token (``-1``: another rank's token, or padding).
+    swa_indices ``(T, ceil(W / world))`` + swa_lens ``(T,)`` (None for V3.2); c128a_indices
+    ``(T, ceil(ceil(max_model_len / 128) / world))`` + c128a_lens (None without c128a); picks_indices ``(T, topk)``
+    + picks_lens ``(T,)``: the last :meth:`c4a_indices` / :meth:`dsa_indices` call's (None without a picks kind).
+    """
+
+    layout: RankLayout
+    step: StepMetadata
+    slot_mapping: torch.Tensor
+    swa_indices: torch.Tensor | None
+    swa_lens: torch.Tensor | None
+    c128a_indices: torch.Tensor | None
+    c128a_lens: torch.Tensor | None
+    picks_indices: torch.Tensor | None
+    picks_lens: torch.Tensor | None
+    decode_orders: dict[str, torch.Tensor] = field(default_factory=dict)
+    _scratch: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # full-width compaction rows
+
+    @property
+    def batch(self) -> StepBatch:
+        return self.step.batch
+
+    @property
+    def picks_bound(self) -> torch.Tensor | None:
+        """``(T,)``: at most this many picks of a token can be kept (the step's bound over all ranks), the decode
+        order's estimate of the picks lists."""
+        return self.step.picks_bound
+
+    def check_current(self) -> None:
+        """``ValueError`` if the rank's batch is stale (its builder has built another step since)."""
+        self.step.check_current()
+
+    def c4a_indices(self, topk_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's C4A slots of the indexer's picks ``(T, topk)`` int32 (local entry numbers of the whole
+        request, ``-1`` none): a visible pick this rank owns becomes its slot, every other is dropped; valid
+        prefix. Returns (indices ``(T, topk)``, lens ``(T,)``) int32, views of buffers the next call refills."""
+        return self._convert(topk_local, "c4a")
+
+    def dsa_indices(self, topk_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """V3.2: as :meth:`c4a_indices` for picks that are request-local raw positions."""
+        return self._convert(topk_positions, "dsa")
+
+    def _convert(self, picks: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_current()
+        virtual = convert_picks(self.step, picks, kind)[0]  # checks the picks; drops the invisible ones
+        _owned_rows(self.layout, virtual, self._scratch["picks"], self.picks_indices, self.picks_lens)
+        return self.picks_indices, self.picks_lens
+
+    def decode_order(self, kind: str) -> torch.Tensor | None:
+        """The ops' ``order`` for this rank's decode tokens in layers of ``kind``, longest rank-local lists first
+        (as :meth:`StepMetadata.decode_order`); None for SWA layers."""
+        buf = self.decode_orders.get(kind)
+        return None if buf is None else buf[: self.batch.num_decode_tokens]
+
+    def new_entries(self, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The entries of ``kind`` this step completes (:meth:`StepBatch.new_entries`): ``(req, entry, slot)``,
+        ``slot`` this rank's (``-1`` for an entry another rank owns: the ops' inserts skip it)."""
+        req, entry, virtual = self.batch.new_entries(kind)
+        return req, entry, self.layout.local_slots(virtual)
+
+
+def _owned_rows(layout: RankLayout, virtual: torch.Tensor, scratch: torch.Tensor, indices: torch.Tensor,
+                lens: torch.Tensor) -> None:
+    """Rows of virtual slots ``(T, width)`` -> the rank's own slots as valid prefixes in ``indices (T, w)``
+    (``w`` <= width holds every row's count) and their counts in ``lens``; ``scratch`` ``(T, width)``."""
+    counts = compact_rows(layout.local_slots(virtual), out=scratch)[1]
+    indices.copy_(scratch[:, : indices.shape[1]])
+    lens.copy_(counts)
+
+
+def _allocate(step: StepMetadata, layout: RankLayout) -> RankStepMetadata:
+    cap, dev, world = step.batch.token_capacity, step.batch.device, layout.world
+    i32 = dict(dtype=torch.int32, device=dev)
+    lists, scratch = {}, {}
+    for name in ("swa", "c128a", "picks"):
+        full = getattr(step, f"{name}_indices")
+        if full is None:
+            lists[name] = (None, None)
+            continue
+        width = full.shape[1] if name == "picks" else math.ceil(full.shape[1] / world)
+        lists[name] = (torch.full((cap, width), -1, **i32), torch.zeros(cap, **i32))
+        scratch[name] = torch.empty_like(full)
+    orders = {k: torch.empty(cap, **i32) for k in ORDERED_KINDS if k in step.batch.block_tables}
+    return RankStepMetadata(layout, step, torch.empty(cap, **i32), *lists["swa"], *lists["c128a"], *lists["picks"],
+                            orders, scratch)
+
+
+def build_rank_metadata(batch: StepBatch, layout: RankLayout, spec: MetadataSpec = MetadataSpec(),
+                        out: RankStepMetadata | None = None) -> RankStepMetadata:
+    """This rank's metadata of a step. batch: the rank's (built by ``layout``'s :meth:`RankLayout.batch_builder`);
+    spec: as :func:`build_step_metadata`; out: an earlier step's result of the same builder, layout and capacities,
+    whose buffers are refilled in place (CUDA-graph capturable)."""
+    if not isinstance(layout, RankLayout):
+        raise TypeError(f"layout must be a RankLayout, got {type(layout).__name__}")
+    if out is not None and not isinstance(out, RankStepMetadata):
+        raise TypeError(f"out must be a RankStepMetadata (an earlier step's) or None, got {type(out).__name__}")
+    if out is not None and out.layout != layout:
+        raise ValueError(f"out was built for {out.layout}, this step is for {layout}")
+    if not isinstance(batch, StepBatch):
+        raise TypeError(f"batch must be the rank's StepBatch, got {type(batch).__name__}")
+    builder = batch.builder
+    if not (isinstance(builder, RankBatchBuilder) and builder.layout == layout):
+        made = f"for {builder.layout}" if isinstance(builder, RankBatchBuilder) else "by a plain StepBatchBuilder"
+        raise ValueError(f"batch was built {made}: build {layout}'s batches with its batch_builder (block tables "
+                         f"read with block sizes × world)")
+    step = build_step_metadata(batch, spec, None if out is None else out.step)  # checks spec and staleness
+    meta = _allocate(step, layout) if out is None else out
+    meta.slot_mapping.copy_(layout.local_slots(batch.slot_mapping))
+    for name in ("swa", "c128a"):
+        if meta._scratch.get(name) is not None:
+            _owned_rows(layout, getattr(step, f"{name}_indices"), meta._scratch[name], getattr(meta, f"{name}_indices"),
+                        getattr(meta, f"{name}_lens"))
+    if meta.picks_indices is not None:  # until a layer converts its picks: nothing
+        meta.picks_indices.fill_(-1)
+        meta.picks_lens.zero_()
+    _fill_decode_orders(meta)
+    return meta
+
+
+class PartialsGather:
+    """All-gather of every rank's attention partials ``(out (T, H, D), lse (T, H))`` + their merge, over
+    ``torch.distributed`` (the communication is torch's: NCCL on GPUs, gloo on the CPU).
+
+    The buffers are allocated once: each rank's partials are packed into one byte buffer
+    (``[out | lse]``, 16-byte aligned), so a layer's exchange is one ``all_gather_into_tensor`` of fixed shape
+    (capturable in a CUDA graph on NCCL), and the merge reads the gathered buffer in place. Give
+    :attr:`out_partial` to the attention op as its ``out=`` and no copy is made.
+
+    max_tokens: T, the token capacity of the step (the partials' first axis); num_heads: H; dim: D (the ops' 512);
+    dtype: the partial outputs' (the ops' bf16); device: this rank's; group: the context-parallel process group
+    (default the default group).
+    """
+
+    def __init__(self, max_tokens: int, num_heads: int, *, dim: int = D_V, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None) -> None:
+        for name, value in (("max_tokens", max_tokens), ("num_heads", num_heads), ("dim", dim)):
+            check_positive_int(name, value)
+        if dtype not in PARTIAL_DTYPES:
+            raise ValueError(f"dtype must be one of {PARTIAL_DTYPES}, got {dtype}")
+        self.layout = RankLayout.of_group(group)
+        self.group = group
+        rows = max_tokens * num_heads
+        out_bytes = -(-rows * dim * dtype.itemsize // 16) * 16  # the lse part starts 16-byte aligned
+        row_bytes = -(-(out_bytes + rows * 4) // 16) * 16
+        self._send = torch.empty(row_bytes, dtype=torch.uint8, device=device)
+        self._recv = torch.empty(self.layout.world * row_bytes, dtype=torch.uint8, device=device)  # flat: gloo's
+        per_rank = self._recv.view(self.layout.world, row_bytes)
+        out_part, lse_part = slice(0, rows * dim * dtype.itemsize), slice(out_bytes, out_bytes + rows * 4)
+        self.out_partial = self._send[out_part].view(dtype).view(max_tokens, num_heads, dim)
+        self.lse_partial = self._send[lse_part].view(torch.float32).view(max_tokens, num_heads)
+        self.outs = per_rank[:, out_part].view(dtype).view(self.layout.world, max_tokens, num_heads, dim)
+        self.lses = per_rank[:, lse_part].view(torch.float32).view(self.layout.world, max_tokens, num_heads)
+
+    def __call__(self, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None = None, *,
+                 merged: torch.Tensor | None = None, merged_lse: torch.Tensor | None = None,
+                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather this rank's partials ``out (T, H, D)`` (the attention op's, :attr:`out_partial` itself for no
+        copy) and ``lse (T, H)`` float32 from every rank, and merge them with ``sink (H,)`` float32 (or None):
+        :func:`~sparse_mla.ops.merge.merge_partials`' result, the same bits on every rank. merged / merged_lse:
+        where to write it (default new tensors); backend: the merge's."""
+        check_tensor("out", out, dtype=self.out_partial.dtype, shape=self.out_partial.shape,
+                     device=self.out_partial.device)
+        check_tensor("lse", lse, dtype=torch.float32, shape=self.lse_partial.shape, device=self.out_partial.device)
+        if out.data_ptr() != self.out_partial.data_ptr() or out.stride() != self.out_partial.stride():
+            self.out_partial.copy_(out)
+        self.lse_partial.copy_(lse)
+        _all_gather(self._recv, self._send, group=self.group)
+        return merge_partials(self.outs, self.lses, sink, out=merged, lse_out=merged_lse, backend=backend)
