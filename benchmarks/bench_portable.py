@@ -1,0 +1,135 @@
+"""The portable Triton kernel on one GPU under several targets' lowerings, against FlashMLA and the lowering's ceilings.
+
+    python benchmarks/bench_portable.py --out results/                      # on an H100, FlashMLA wheel installed
+    python benchmarks/bench_portable.py --lowerings native sm80 --parts ceilings
+
+For each lowering (``native``: Triton's own lowering for the GPU; ``sm80``, ``sm86``, ``sm89``: the kernels lowered as
+for that target and assembled for the real GPU, ``sparse_mla.ops.targets.lower_as``), one process each, in turn:
+
+* ``step``: the V4-Flash decode step (B 32 and 128) of ``bench_step.py`` with the Gluon kernel off
+  (``SPARSE_MLA_GLUON=0``: every layer through the portable kernel), FlashMLA natively in the same process;
+* ``v32``: V3.2 decode, 128 heads, batch 64, s_q 1 (``bench_v32.py --parts decode``), likewise;
+* ``ceilings``: what the same lowering reaches on the same GPU — a Triton bf16 matmul (TFLOP/s) and a Triton copy
+  kernel (GB/s, bytes read + written) — so the table can say which fraction of its own lowering's ceiling the
+  attention reaches (the lowering checks code paths on real silicon; it reproduces neither the other GPU's speed
+  nor its shared-memory size).
+
+The table prints last; each process's JSON lands in ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+PARTS = ("step", "v32", "ceilings")
+
+
+def ceilings(lowering: str, out: pathlib.Path) -> dict:
+    """Median TFLOP/s of an 8192³ bf16 Triton matmul and GB/s of a 1 GiB Triton copy under ``lowering``."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    from sparse_mla.ops import targets
+
+    if lowering != "native":
+        targets.lower_as(lowering)
+
+    @triton.jit
+    def matmul(a, b, c, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+        pid = tl.program_id(0)
+        grid_n = tl.cdiv(N, BN)
+        per_group = GROUP * grid_n
+        first_m = (pid // per_group) * GROUP
+        pid_m = first_m + (pid % per_group) % GROUP
+        pid_n = (pid % per_group) // GROUP
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k in range(0, K, BK):
+            x = tl.load(a + rm[:, None] * K + (k + rk)[None, :])
+            y = tl.load(b + (k + rk)[:, None] * N + rn[None, :])
+            acc = tl.dot(x, y, acc)
+        tl.store(c + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16))
+
+    @triton.jit
+    def copy(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+    dev = torch.device("cuda")
+    size = 8192
+    a = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    best = 0.0
+    for bm, bn, bk, warps, stages in ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 32, 4, 4)):
+        run = lambda: matmul[(triton.cdiv(size, bm) * triton.cdiv(size, bn),)](  # noqa: E731
+            a, b, c, size, size, size, bm, bn, bk, 8, num_warps=warps, num_stages=stages)
+        try:
+            run()
+        except Exception as err:  # a tile that does not fit this lowering: try the next
+            print(f"  matmul {bm}x{bn}x{bk}: {type(err).__name__}", flush=True)
+            continue
+        torch.testing.assert_close(c[:256, :256].float(), (a[:256].float() @ b[:, :256].float()), rtol=2e-2, atol=1.0)
+        ms = triton.testing.do_bench(run, warmup=50, rep=300, return_mode="median")
+        best = max(best, 2 * size ** 3 / ms / 1e9)
+    n = 1 << 29  # 1 GiB of bf16
+    src = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    block = 4096
+    run = lambda: copy[(triton.cdiv(n, block),)](src, dst, n, block, num_warps=8)  # noqa: E731
+    run()
+    assert torch.equal(src, dst)
+    ms = triton.testing.do_bench(run, warmup=50, rep=300, return_mode="median")
+    result = dict(lowering=lowering, gpu=torch.cuda.get_device_name(), matmul_tflops=best,
+                  copy_gbs=2 * n * 2 / ms / 1e6)
+    (out / f"ceilings-{lowering}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def run_part(part: str, lowering: str, out: pathlib.Path, rep: int) -> None:
+    """One part under one lowering, in a process of its own (a lowering holds for the whole process)."""
+    env = dict(os.environ, SPARSE_MLA_GLUON="0", PYTHONUNBUFFERED="1")
+    sub = out / f"{part}-{lowering}"
+    sub.mkdir(parents=True, exist_ok=True)
+    low = [] if lowering == "native" else ["--lowering", lowering]
+    if part == "step":
+        cmd = [sys.executable, str(HERE / "bench_step.py"), "--cases", "flash-b32", "flash-b128", "--rep", str(rep),
+               "--out", str(sub), *low]
+    elif part == "v32":
+        cmd = [sys.executable, str(HERE / "bench_v32.py"), "--parts", "decode", "--heads", "128", "--batches", "64",
+               "--s-q", "1", "--rounds", "1", "--rep", str(rep), "--out", str(sub), *low]
+    else:
+        cmd = [sys.executable, __file__, "--worker-ceilings", lowering, "--out", str(sub)]
+    print(f"==> {part} under {lowering}: {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, env=env, check=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lowerings", nargs="+", default=["native", "sm80", "sm89"],
+                        choices=["native", "sm80", "sm86", "sm89"])
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    parser.add_argument("--rep", type=int, default=40, help="do_bench repetition time per timing, ms")
+    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
+    parser.add_argument("--worker-ceilings", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.worker_ceilings:
+        print(json.dumps(ceilings(args.worker_ceilings, out)))
+        return
+    for part in args.parts:
+        for lowering in args.lowerings:
+            run_part(part, lowering, out, args.rep)
+
+
+if __name__ == "__main__":
+    main()
