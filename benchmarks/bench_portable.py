@@ -27,6 +27,7 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 PARTS = ("step", "v32", "ceilings")
+_LOWERINGS: list = []  # the worker's lowering context, kept alive (a dropped generator would undo it)
 
 
 def ceilings(lowering: str, out: pathlib.Path) -> dict:
@@ -37,8 +38,9 @@ def ceilings(lowering: str, out: pathlib.Path) -> dict:
 
     from sparse_mla.ops import targets
 
-    if lowering != "native":
-        targets.lower_as(lowering)
+    if lowering != "native":  # for the rest of this process (a worker of its own): entered, never left
+        _LOWERINGS.append(targets.lower_as(lowering))
+        _LOWERINGS[-1].__enter__()
 
     @triton.jit
     def matmul(a, b, c, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
@@ -129,6 +131,50 @@ def main() -> None:
     for part in args.parts:
         for lowering in args.lowerings:
             run_part(part, lowering, out, args.rep)
+    summary = summarise(out, args.lowerings)
+    (out / "bench_portable.json").write_text(json.dumps(summary, indent=1))
+    print_table(summary)
+
+
+def _load(path: pathlib.Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def summarise(out: pathlib.Path, lowerings: list[str]) -> dict:
+    """One row per (case, lowering) from the parts' JSON files: our time and FlashMLA's (CUDA graphs), their ratio,
+    our time over the native lowering's, and the lowering's ceilings."""
+    rows = []
+    for lowering in lowerings:
+        ceil = _load(out / f"ceilings-{lowering}" / f"ceilings-{lowering}.json") or {}
+        step = _load(out / f"step-{lowering}" / "bench_step.json") or {}
+        for case in step.get("decode", []):
+            rows.append(dict(case=f"V4-Flash step B {case['batch']}", lowering=lowering, ours_us=case["ours_graph_us"],
+                             flashmla_us=case["flashmla_graph_us"], ours_eager_us=case["ours_eager_us"],
+                             flashmla_eager_us=case["flashmla_eager_us"], rel_err=max(case["rel_err"].values())))
+        v32 = _load(out / f"v32-{lowering}" / "bench_v32.json") or {}
+        for case in v32.get("decode", []):
+            rows.append(dict(case=f"V3.2 decode h {case['heads']} B {case['batch']} s_q {case['s_q']}",
+                             lowering=lowering, ours_us=case["ours_us"], flashmla_us=case.get("flashmla_us"),
+                             rel_err=case["rel_err"]))
+        for row in rows:
+            if row["lowering"] == lowering:
+                row.update(matmul_tflops=ceil.get("matmul_tflops"), copy_gbs=ceil.get("copy_gbs"))
+    native = {r["case"]: r["ours_us"] for r in rows if r["lowering"] == "native"}
+    for row in rows:
+        row["over_native"] = row["ours_us"] / native[row["case"]] if row["case"] in native else None
+        row["ratio"] = row["ours_us"] / row["flashmla_us"] if row.get("flashmla_us") else None
+    return dict(rows=rows)
+
+
+def print_table(summary: dict) -> None:
+    print("| case | lowering | ours (us) | FlashMLA native (us) | ours / FlashMLA | ours / native lowering | "
+          "matmul ceiling (TFLOP/s) | copy ceiling (GB/s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in summary["rows"]:
+        print(f"| {r['case']} | {r['lowering']} | {r['ours_us']:.0f} | {fmt(r.get('flashmla_us'), '.0f')} | "
+              f"{fmt(r['ratio'], '.2f')} | {fmt(r['over_native'], '.2f')} | {fmt(r.get('matmul_tflops'), '.0f')} | "
+              f"{fmt(r.get('copy_gbs'), '.0f')} |")
 
 
 if __name__ == "__main__":

@@ -132,7 +132,16 @@ def main(doc: str, add_args: Callable[[argparse.ArgumentParser], None],
     """A benchmark script's entry: its arguments (``add_args``, described by ``doc``'s first line) parsed and run."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     add_args(parser)
-    raise SystemExit(run_args(parser.parse_args()))
+    parser.add_argument("--lowering", choices=("sm80", "sm86", "sm89"),
+                        help="run our kernels lowered as for this target (sparse_mla.ops.targets.lower_as; "
+                             "FlashMLA still runs natively): the portable kernel's code path on this GPU")
+    args = parser.parse_args()
+    if args.lowering:
+        from sparse_mla.ops.targets import lower_as
+
+        with lower_as(args.lowering):  # before any kernel compiles, for the whole run
+            raise SystemExit(run_args(args))
+    raise SystemExit(run_args(args))
 
 
 def positive_int(text: str) -> int:

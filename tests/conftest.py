@@ -24,8 +24,10 @@ if not torch.cuda.is_available():
 elif os.environ.get("SPARSE_MLA_LOWERING"):
     from sparse_mla.ops.targets import lower_as
 
-    # for the whole session, before any kernel is compiled (plans and launches keep what they compiled)
-    LOWERED_AS = lower_as(os.environ["SPARSE_MLA_LOWERING"]).__enter__()
+    # for the whole session, before any kernel is compiled (plans and launches keep what they compiled); the context
+    # manager is kept alive: a dropped generator closes, and its exit would undo the lowering
+    LOWERING = lower_as(os.environ["SPARSE_MLA_LOWERING"])
+    LOWERED_AS = LOWERING.__enter__()
 
 settings.register_profile("ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,22 +12,24 @@ from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import build_step_metadata
 from sparse_mla.scenario import make_scenario
 
+from helpers import DEVICE
+
 SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
 HEADS = 4
 
 
 @pytest.fixture(scope="module")
 def sc():
-    return make_scenario([(30, 1), (20, 3)], window=8, topk=4, block_sizes=SIZES, padding=1)
+    return make_scenario([(30, 1), (20, 3)], window=8, topk=4, block_sizes=SIZES, padding=1, device=DEVICE)
 
 
 def q_of(sc, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(sc.batch.token_capacity, HEADS, 512, generator=gen).to(torch.bfloat16)
+    return torch.randn(sc.batch.token_capacity, HEADS, 512, generator=gen).to(DEVICE, torch.bfloat16)
 
 
 def swa_layer(backend="triton", **kw):
-    return SparseMLAAttention("swa", HEADS, window=8, sink=torch.zeros(HEADS), backend=backend, **kw)
+    return SparseMLAAttention("swa", HEADS, window=8, sink=torch.zeros(HEADS, device=DEVICE), backend=backend, **kw)
 
 
 @pytest.mark.parametrize("value,match", [
@@ -42,7 +44,7 @@ def test_a_sink_assigned_after_construction_is_checked_at_once(value, match, bac
     layer = swa_layer(backend)
     with pytest.raises(ValueError, match=match):
         layer.sink = value
-    assert torch.equal(layer.sink, torch.zeros(HEADS))  # the bad value was not kept
+    assert torch.equal(layer.sink.cpu(), torch.zeros(HEADS))  # the bad value was not kept
 
 
 def test_a_sink_assigned_that_is_not_a_tensor_is_a_type_error():
@@ -57,7 +59,7 @@ def test_a_sink_changed_without_the_setter_is_checked_at_the_next_call(sc):
     with pytest.raises(ValueError, match="sink must have dtype torch.float32, got torch.float16"):
         layer(q, sc.meta, sc.caches)
     layer = swa_layer()
-    layer.register_buffer("sink", torch.zeros(2))
+    layer.register_buffer("sink", torch.zeros(2, device=DEVICE))
     with pytest.raises(ValueError, match=r"sink must have shape \(4,\)"):
         layer(q, sc.meta, sc.caches)
 
@@ -65,7 +67,7 @@ def test_a_sink_changed_without_the_setter_is_checked_at_the_next_call(sc):
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_a_valid_sink_or_scale_assigned_later_is_the_one_used(sc, backend):
     q = q_of(sc)
-    sink = torch.tensor([0.5, -1.0, 2.0, -math.inf])
+    sink = torch.tensor([0.5, -1.0, 2.0, -math.inf], device=DEVICE)
     layer = SparseMLAAttention("swa", HEADS, window=8, backend=backend)  # no sink yet
     before = layer(q, sc.meta, sc.caches).clone()
     layer.sink = sink
@@ -102,15 +104,16 @@ def test_a_state_dict_with_a_nan_sink_is_rejected_before_it_is_copied():
     state["sink"] = torch.tensor([0.0, math.nan, 0.0, 0.0])
     with pytest.raises(ValueError, match="sink must not be NaN"):
         layer.load_state_dict(state)
-    assert torch.equal(layer.sink, torch.zeros(HEADS))
+    assert torch.equal(layer.sink.cpu(), torch.zeros(HEADS))
     state["sink"] = torch.arange(4.0, dtype=torch.bfloat16)  # another dtype: copied into the float32 buffer
     layer.load_state_dict(state)
-    assert torch.equal(layer.sink, torch.arange(4.0)) and layer.sink.dtype == torch.float32
+    assert torch.equal(layer.sink.cpu(), torch.arange(4.0)) and layer.sink.dtype == torch.float32
 
 
 @pytest.fixture(scope="module")
 def e4m3():
-    return make_scenario([(30, 1), (20, 3)], window=8, topk=4, fmt="fp8_e4m3", block_sizes=SIZES, padding=1)
+    return make_scenario([(30, 1), (20, 3)], window=8, topk=4, fmt="fp8_e4m3", block_sizes=SIZES, padding=1,
+                         device=DEVICE)
 
 
 @pytest.mark.parametrize("value,error,match", [
@@ -123,6 +126,7 @@ def e4m3():
 ])
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_a_cache_kv_scale_replaced_later_is_checked_at_the_next_call(e4m3, value, error, match, backend):
+    value = value.to(DEVICE) if isinstance(value, torch.Tensor) else value
     q = q_of(e4m3)
     layer = swa_layer(backend)
     first = layer(q, e4m3.meta, e4m3.caches).clone()

@@ -145,11 +145,11 @@ def test_bad_inputs_name_the_argument():
         (dict(lses=lses.double()), ValueError, "lses must have dtype"),
         (dict(sink=sink[:2]), ValueError, "sink must have shape"),
         (dict(sink=sink.tolist()), TypeError, "sink must be a torch.Tensor"),
-        (dict(out=torch.empty(3, 4, 63)), ValueError, "out must have shape"),
-        (dict(out=torch.empty(3, 4, 64, dtype=torch.int32)), ValueError, "out must have dtype"),
-        (dict(out=torch.empty(3, 64, 4).transpose(1, 2)), ValueError, "out must be contiguous"),
+        (dict(out=torch.empty(3, 4, 63, device=DEVICE)), ValueError, "out must have shape"),
+        (dict(out=torch.empty(3, 4, 64, dtype=torch.int32, device=DEVICE)), ValueError, "out must have dtype"),
+        (dict(out=torch.empty(3, 64, 4, device=DEVICE).transpose(1, 2)), ValueError, "out must be contiguous"),
         (dict(out=outs[0]), ValueError, "out overlaps outs"),
-        (dict(lse_out=torch.empty(3, 5)), ValueError, "lse_out must have shape"),
+        (dict(lse_out=torch.empty(3, 5, device=DEVICE)), ValueError, "lse_out must have shape"),
         (dict(backend="cuda"), ValueError, "backend must be"),
     ]
     for change, error, message in cases:

@@ -57,6 +57,7 @@ def support_row(target: targets.Target) -> dict[str, str]:
     why = launch_configs.unsupported(target, 512, frozenset({"fp8_e4m3"}), True)
     row["fp8 q"] = "yes" if why is None else f"no: {why}"
     row["verified"] = target.verified
+    row["known limits"] = target.limits
     return row
 
 

@@ -26,7 +26,9 @@ class Target:
     100, 120) or the AMD ``gfx`` name; warp_size: threads per warp / wavefront; shared_bytes: the most shared memory
     (LDS) one program may use; tmem_columns: 32-bit tensor-memory columns per SM (0: none); registers: the most
     32-bit registers per thread (AMD: VGPRs, AGPRs included where the hardware has them); gpus: the products it
-    is; verified: how the library is checked on it (README's support table, ``sparse-mla verify``)."""
+    is; verified: how the library is checked on it; limits: what is known to hold it back there (both in README's
+    support table and ``sparse-mla verify``; the numbers come from BENCHMARKS.md's portability table and the
+    matrix's compile report)."""
 
     backend: str
     arch: int | str
@@ -36,6 +38,7 @@ class Target:
     registers: int = 255
     gpus: str = ""
     verified: str = "compiles, fits"
+    limits: str = ""
 
     @property
     def name(self) -> str:
@@ -68,18 +71,35 @@ _KB = 1024
 # tests/test_portability.py, which every target passes)
 _LOWERED = "runs lowered on the H100; compiles, fits"
 MATRIX: tuple[Target, ...] = (
-    Target("cuda", 80, 32, 163 * _KB, gpus="A100, A800, A30", verified=_LOWERED),
-    Target("cuda", 86, 32, 99 * _KB, gpus="A10, A40, RTX 3090, RTX A6000", verified=_LOWERED),
-    Target("cuda", 89, 32, 99 * _KB, gpus="L4, L40S, RTX 4090, L20", verified=_LOWERED),
+    Target("cuda", 80, 32, 163 * _KB, gpus="A100, A800, A30", verified=_LOWERED,
+           limits="fp8 decoded by integer operations; under its lowering on the H100 the V4-Flash B 128 step takes "
+                  "1.90x, V3.2 h 128 decode 2.33x the native lowering's time"),
+    Target("cuda", 86, 32, 99 * _KB, gpus="A10, A40, RTX 3090, RTX A6000", verified=_LOWERED,
+           limits="fp8 decoded by integer operations; one c4a-like decode call 1.44x (bf16) / 2.00x (fp8_v4) the "
+                  "native lowering's time on the H100; 576-d bf16 (V3.2 workspace) in 32-key tiles"),
+    Target("cuda", 89, 32, 99 * _KB, gpus="L4, L40S, RTX 4090, L20", verified=_LOWERED,
+           limits="V4-Flash B 128 step 1.79x, V3.2 h 128 decode 2.25x the native lowering's time on the H100; "
+                  "576-d bf16 in 32-key tiles"),
     Target("cuda", 90, 32, 227 * _KB, gpus="H100, H200, H20, H800",
-           verified="runs natively on the H100; compiles, fits"),
-    Target("cuda", 100, 32, 227 * _KB, tmem_columns=512, gpus="B200, B300, GB200"),
-    Target("cuda", 120, 32, 99 * _KB, gpus="RTX 5090, RTX PRO 6000"),
-    Target("hip", "gfx90a", 64, 64 * _KB, registers=512, gpus="MI210, MI250"),
-    Target("hip", "gfx942", 64, 64 * _KB, registers=512, gpus="MI300X, MI325X"),
-    Target("hip", "gfx950", 64, 160 * _KB, registers=512, gpus="MI350X, MI355X"),
-    Target("hip", "gfx1100", 32, 64 * _KB, gpus="RX 7900"),
-    Target("hip", "gfx1201", 32, 64 * _KB, gpus="RX 9070"),
+           verified="runs natively on the H100; compiles, fits",
+           limits="the Gluon kernel where every scope is fp8_v4, fp8_v32 or bf16 (16-byte aligned pages); the "
+                  "portable kernel elsewhere, 1.96x FlashMLA on the V4-Flash B 128 step"),
+    Target("cuda", 100, 32, 227 * _KB, tmem_columns=512, gpus="B200, B300, GB200",
+           limits="not run on silicon; the portable kernel on mma.sync (no tcgen05 / tensor memory)"),
+    Target("cuda", 120, 32, 99 * _KB, gpus="RTX 5090, RTX PRO 6000",
+           limits="not run on silicon; fp8 variants spill 52-64 B (outside the key loop)"),
+    Target("hip", "gfx90a", 64, 64 * _KB, registers=512, gpus="MI210, MI250",
+           limits="not run on silicon; fp8 decoded by integer operations; 16 heads per program"),
+    Target("hip", "gfx942", 64, 64 * _KB, registers=512, gpus="MI300X, MI325X",
+           limits="not run on silicon; fp8 decoded by integer operations; 16 heads per program"),
+    Target("hip", "gfx950", 64, 160 * _KB, registers=512, gpus="MI350X, MI355X",
+           limits="not run on silicon; fp8 decoded by integer operations; 16 heads per program"),
+    Target("hip", "gfx1100", 32, 64 * _KB, gpus="RX 7900",
+           limits="not run on silicon; the attention kernel spills 1,000-2,700 VGPRs (slow: a value-dim split is "
+                  "planned)"),
+    Target("hip", "gfx1201", 32, 64 * _KB, gpus="RX 9070",
+           limits="not run on silicon; the attention kernel spills 380-1,150 VGPRs (slow: a value-dim split is "
+                  "planned)"),
 )
 _BY_KEY = {(t.backend, t.arch): t for t in MATRIX}
 
