@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 cache formats (DESIGN §2, ../shared/DESIGN.md §2): fp8_v41 (528 B) and fp4_v41 (288 B), each
+"""DeepSeek-V4.1 cache formats (docs/design.md §2, docs/formats.md): fp8_v41 (528 B) and fp4_v41 (288 B), each
 token-interleaved and page-planar.
 
 Expected bytes come from hand-worked values and from an independent model written here from the quoted rules

@@ -34,6 +34,13 @@ def test_every_target_has_a_row(target, formats, dim, num_heads):
         assert c["H_BLOCK"] <= 32
 
 
+@pytest.mark.parametrize("target", MATRIX, ids=[t.name for t in MATRIX])
+def test_formats_no_kernel_reads_are_refused_naming_the_gpu_and_the_format(target):
+    for fmt in ("fp8_v41", "fp4_v41_planar"):
+        why = launch_configs.unsupported(target, 512, frozenset({fmt, "fp8_v4"}), False)
+        assert why and target.name in why and fmt in why and "backend='reference'" in why
+
+
 def test_the_interpreter_row_keeps_blocks_small():
     row = launch_configs.attention_config(MATRIX[0], 512, frozenset({"bf16"}), 20, False, interpret=True)
     assert row.constexprs["BLOCK_N"] == 16 and row.constexprs["H_BLOCK"] == 32

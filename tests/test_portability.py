@@ -78,9 +78,10 @@ def test_a_case_a_target_cannot_run_is_a_value_error_naming_it(target):
     """Each cell the support table lists as unsupported is, for a user, the ValueError of that sentence (raised
     when the call is planned, before any kernel is compiled); a supported cell plans."""
     t = targets.target_for(*next((x.backend, x.arch) for x in targets.MATRIX if x.name == target))
-    for fmt, dim in SUPPORT_FORMATS:
+    for fmt, dim in (*SUPPORT_FORMATS, ("fp8_v41", 512), ("fp4_v41", 512)):  # V4.1's: no kernel reads them yet
         for q_fp8 in (False, True):
             why = launch_configs.unsupported(t, dim, frozenset({fmt}), q_fp8)
+            assert (why is None) == (fmt in launch_configs.TRITON_FORMATS)
             plan = lambda: attention_plan.AttentionPlan(  # noqa: E731
                 (4, 64, dim), torch.device("cpu"), [(get_format(fmt, dim), 64, 128)], True, False, q_fp8=q_fp8,
                 target=t)

@@ -27,13 +27,13 @@ from .config import DEFAULT_BLOCK_SIZE, PRESETS, V4_KINDS, ModelConfig, get_conf
 from .formats import FORMAT_NAMES, block_bytes, get_format
 from .layer import PREFILL_MODES, SparseMLAAttention
 from .ops import BACKENDS, attention_kernel
+from .ops.validate import D_V
 from .scenario import make_scenario
 from .verify import (TOLERANCE, kernel_checks, kernel_checks_in_subprocess, flashmla_checks, oracle_checks,
                      run_layer_against_oracle, support_line)
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
 DEVICES = ("cpu", "cuda")
-D_V = 512  # output width of every V4 layer
 # where `sparse-mla bench` finds the step benchmark: the checkout's benchmarks/ (src/sparse_mla/cli.py -> the root)
 STEP_BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_step.py"
 GB = 1e9

@@ -1,5 +1,8 @@
 """KV cache storage formats (DESIGN §2): byte layouts, quantisation and dequantisation in torch.
 
+(About 600 lines: the one layout table and the torch codecs of all eight format names stay in one module, so every
+byte layout has one home that the kernels import.)
+
 A paged cache is a tensor ``(num_blocks, block_size, token_bytes)``; ``stride(0)`` is the page (block) stride:
 
 * ``bf16``: a ``torch.bfloat16`` tensor ``(num_blocks, block_size, d)``, d = 512 (V4) or 576 (V3.2).

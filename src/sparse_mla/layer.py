@@ -111,7 +111,6 @@ class SparseMLAAttention(torch.nn.Module):
         # the sink last checked against a call's device, and that device: a sink replaced or moved since (the
         # setter, register_buffer, .to()/.half()) is checked again at the next call, without a sync
         self._sink_seen: tuple[torch.Tensor, torch.device] | None = None
-        self._kv_scale_seen: torch.Tensor | None = None  # the last fp8_e4m3 kv_scale tensor checked (_plan)
 
     def __setattr__(self, name: str, value: object) -> None:
         """``sink`` and ``scale`` are checked when assigned; the configuration is fixed (``ValueError``)."""
@@ -240,10 +239,9 @@ class SparseMLAAttention(torch.nn.Module):
             views[kind] = resolve_cache_arg(c, name)
         key = (self._config, has_sink, q_fp8, tuple([v.key for v in views.values()]))
         kv_scale = layer_kv_scale(views)
-        if kv_scale is not None and kv_scale is not self._kv_scale_seen:  # a scale tensor not met yet: checked once
+        if kv_scale is not None:  # values checked once per tensor (and again after a CUDA-graph capture skipped them)
             kind = next(iter(views))
             check_cache_kv_scale(kv_scale, views[kind].tensor.device, f"caches[{kind!r}].kv_scale")
-            self._kv_scale_seen = kv_scale
         if q_fp8 and kv_scale is None:
             raise ValueError(f"q_scale (an fp8 q) needs fp8_e4m3 caches, got "
                              f"{ {k: v.fmt.name for k, v in views.items()} }")

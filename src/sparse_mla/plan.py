@@ -95,6 +95,9 @@ def layer_kv_scale(views: dict[str, CacheView]) -> torch.Tensor | None:
     with different scale tensors are a ``ValueError`` (the kernels take one scale per call, as FlashInfer's
     ``bmm2_scale``: give every cache of a layer the same tensor, or views of it)."""
     scales = [v.kv_scale for v in views.values()]
+    if any(s is None for s in scales) and any(s is not None for s in scales):
+        raise ValueError(f"the layer's caches mix fp8_e4m3 with other formats "
+                         f"{ {k: v.fmt.name for k, v in views.items()} }: every cache of a layer has one format")
     if scales[0] is not None and any(s.data_ptr() != scales[0].data_ptr() for s in scales[1:]):
         raise ValueError(f"the layer's fp8_e4m3 caches {sorted(views)} hold different kv_scale tensors: a layer call "
                          f"reads its caches with one scale, so give them one shared (1,) float32 tensor")

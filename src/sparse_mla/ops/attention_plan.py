@@ -139,7 +139,6 @@ class AttentionPlan:
         if tokens_per_len != 1 and any(ragged):
             raise ValueError("tokens_per_len must be 1 with ragged scopes (an indptr row per token)")
         self.q_fp8, self.tokens_per_len = q_fp8, tokens_per_len
-        dispatch.check_triton_formats(formats)
         self.kernel = dispatch.attention_kernel(device, dim, formats, pages_16_byte_aligned, gluon,
                                                 padded=not (any(ragged) or combined), q_fp8=q_fp8)
         if self.kernel == "gluon":
@@ -339,8 +338,12 @@ class AttentionPlan:
 
 def _from_triton(error: Exception) -> bool:
     """Whether ``error`` is Triton's (a compile error, ``OutOfResources``, a ptxas failure, or the plain
-    ``RuntimeError`` its compiler passes raise) rather than PyTorch's (out of memory, a device error)."""
-    return isinstance(error, TritonError) or type(error) is RuntimeError
+    ``RuntimeError`` its compiler passes raise, which name Triton or its passes) rather than PyTorch's (out of memory,
+    a device fault of an earlier launch surfacing here: those pass through unwrapped)."""
+    if isinstance(error, TritonError):
+        return True
+    text = str(error)
+    return type(error) is RuntimeError and ("Triton" in text or "PassManager" in text or "ptxas" in text)
 
 
 _PLANS: OrderedDict[tuple, AttentionPlan] = OrderedDict()  # the ops' plans, by geometry (least recently used out)

@@ -65,19 +65,6 @@ def pages_16_byte_aligned(cache: torch.Tensor) -> bool:
     return cache.data_ptr() % 16 == 0 and cache.stride(0) * cache.element_size() % 16 == 0
 
 
-# the cache formats the Triton kernels read (the Gluon kernel reads a subset: GLUON_FORMATS); V4.1's formats are in
-# the layout table and the reference ops, their kernels are planned (docs/design.md §2)
-TRITON_FORMATS = frozenset({"bf16", "fp8_v4", "fp8_v32", "fp8_e4m3"})
-
-
-def check_triton_formats(formats: frozenset[str] | set[str]) -> None:
-    """A ``ValueError`` where a cache of a format the Triton kernels do not read would reach them."""
-    unread = sorted(set(formats) - TRITON_FORMATS)
-    if unread:
-        raise ValueError(f"the Triton kernels do not read {', '.join(unread)} caches yet (planned; "
-                         f"they read {', '.join(sorted(TRITON_FORMATS))}): use backend='reference' for them")
-
-
 # the scope formats the Gluon kernel reads, by q·k width: V4 (512) and V3.2 (576), each fp8 or bf16
 GLUON_FORMATS = {512: (frozenset({"fp8_v4"}), frozenset({"bf16"})), 576: (frozenset({"fp8_v32"}), frozenset({"bf16"}))}
 

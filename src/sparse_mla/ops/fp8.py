@@ -1,11 +1,13 @@
-"""Reading ``float8_e4m3fn`` bytes inside the Triton kernels, on every target (``../shared/DESIGN.md`` §1).
+"""Reading ``float8_e4m3fn`` bytes inside the Triton kernels, on every target (docs/design.md §4, "Every GPU").
 
 Triton has the ``fp8e4nv`` type only on CUDA capability 8.9 and later (even a bitcast to it fails to compile on
 sm_80/86, and AMD's CDNA has other fp8 types), so elsewhere the kernels decode the bytes with integer operations:
 byte ``b``'s fp16 bits ``((b & 0x7F) << 7) | ((b & 0x80) << 8)`` are the e4m3 number times 2^-8, exactly, for
 every finite code (e4m3's 4-bit exponent of bias 7 lands in fp16's 5-bit one of bias 15; e4m3 subnormals land on
 fp16 subnormals). The 2^8 is not multiplied back here: each caller folds :func:`e4m3_gain` into a scale it already
-multiplies by. Codes 0x7F / 0xFF (NaN) decode to ±480, which the caches never hold (their quantisers saturate at ±448).
+multiplies by. Codes 0x7F / 0xFF (NaN) decode to ±480 here where the conversion instructions give NaN: the library's
+writers never store them from finite input (the ops reject non-finite ``kv_new``; quantisers saturate at ±448), only a
+cache written elsewhere with NaN in it could hold them.
 Where the target has the conversion (``NATIVE_FP8``, :attr:`.targets.Target.native_fp8`) it is used instead
 (two codes per instruction) and the gain is 1. Encoding stays integer-only on every target (``triton_cache``).
 """

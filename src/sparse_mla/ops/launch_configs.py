@@ -10,7 +10,14 @@ from dataclasses import dataclass
 
 import triton
 
+import torch
+
+from . import targets
 from .targets import Target
+
+# the cache formats the Triton kernels read (the Gluon kernel reads a subset: dispatch.GLUON_FORMATS); V4.1's formats
+# are in the layout table and the reference ops, their kernels are planned (docs/design.md §2)
+TRITON_FORMATS = frozenset({"bf16", "fp8_v4", "fp8_v32", "fp8_e4m3"})
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,20 @@ def attention_config(target: Target, dim: int, formats: frozenset[str], num_head
 
 def unsupported(target: Target, dim: int, formats: frozenset[str], q_fp8: bool) -> str | None:
     """Why the portable attention kernel cannot run this case on ``target`` (a sentence naming the GPU, the format
-    and what to use instead), or None where it can. Every row of :data:`.targets.MATRIX` runs every format, fp8 q
-    included: fp8 is decoded with integer operations where Triton has no e4m3 type (:mod:`.fp8`), and sm_100's
-    configuration keeps the accumulators out of tensor memory (:func:`attention_config`)."""
+    and what to use instead), or None where it can. Every row of :data:`.targets.MATRIX` runs every format the
+    Triton kernels read (:data:`TRITON_FORMATS`), fp8 q included: fp8 is decoded with integer operations
+    where Triton has no e4m3 type (:mod:`.fp8`), and sm_100's configuration keeps the accumulators out of tensor
+    memory (:func:`attention_config`). The formats they do not read yet (V4.1's) are refused on every target."""
+    unread = sorted(formats - TRITON_FORMATS)
+    if unread:
+        return (f"{target.name} ({target.gpus}): the Triton kernels do not read {', '.join(unread)} caches yet "
+                f"(planned; they read {', '.join(sorted(TRITON_FORMATS))}): use backend='reference' for them")
     return None
+
+
+def refuse_unread(formats: frozenset[str], device: torch.device) -> None:
+    """A ``ValueError`` (:func:`unsupported`'s sentence) where a cache of a format the Triton kernels do not read
+    would reach them on ``device``: the cache kernels' side of the attention plan's check."""
+    why = unsupported(targets.target_of(device), 0, formats, False)
+    if why:
+        raise ValueError(why)

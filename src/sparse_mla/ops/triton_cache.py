@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import formats
-from . import dispatch, targets
+from . import launch_configs, targets
 from .fp8 import e4m3_gain
 from .triton_attention import (FMT_BF16, FMT_FP8_E4M3, FMT_FP8_V4, ROPE_DIM, UE8M0_BIAS, V4_BODY_BYTES,
                                V4_SCALE_BYTES, V4_TILE, V32_ROPE_OFFSET, V32_SCALE_OFFSET, V32_TILE, V32_TOKEN_BYTES,
@@ -150,7 +150,7 @@ def _gather_kernel(cache_ptr, stride0, num_slots, slot_ptr, out_ptr, kv_scale_pt
 def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, fmt: formats.KVFormat, slot_mapping: torch.Tensor,
                         kv_scale: torch.Tensor | None = None) -> None:
     """Launch the insert kernel on validated arguments (see :func:`sparse_mla.ops.quantize_and_insert`)."""
-    dispatch.check_triton_formats({fmt.name})
+    launch_configs.refuse_unread(frozenset({fmt.name}), cache.device)
     n = kv_new.shape[0]
     if n == 0:
         return
@@ -166,7 +166,7 @@ def dequantize_and_gather(cache: torch.Tensor, fmt: formats.KVFormat, kv_scale: 
     """Launch the gather kernel: ``slots`` (any shape) -> ``slots.shape + (d,)`` bf16 (into ``out``, checked by
     ``gather_args``, when given). native_fp8: decode fp8 bytes with conversion instructions (default: where the
     device's target has them, :attr:`.targets.Target.native_fp8`) or with integer operations."""
-    dispatch.check_triton_formats({fmt.name})
+    launch_configs.refuse_unread(frozenset({fmt.name}), cache.device)
     flat = slots.reshape(-1).contiguous()
     if out is None:
         out = torch.empty(flat.numel(), fmt.dim, dtype=torch.bfloat16, device=cache.device)
