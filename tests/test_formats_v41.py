@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dense import E4M3_TABLE, dense_attention
+from helpers import DEVICE
 from test_formats import block_raw
 from sparse_mla.cache import PagedCache
 from sparse_mla.formats import (FORMAT_NAMES, allocate_cache, as_paged, block_bytes, bytes_per_token,
@@ -471,14 +472,14 @@ def test_reference_attention_reads_v41_caches(layout):
 def test_the_triton_path_refuses_v41_caches_until_its_kernels_land(fmt):
     """The Triton kernels do not read V4.1's records yet: insert, gather and attention through them are a
     ValueError naming the format, never bytes written or read as another format's."""
-    pool = PagedCache(2, 4, fmt)
-    kv = bf16(torch.randn(2, 512))
-    slots = torch.tensor([0, 5], dtype=torch.int32)
+    pool = PagedCache(2, 4, fmt, device=DEVICE)
+    kv = bf16(torch.randn(2, 512)).to(DEVICE)
+    slots = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=f"do not read {fmt} caches"):
         quantize_and_insert(kv, pool.data, slots, fmt=fmt, backend="triton")
     with pytest.raises(ValueError, match=f"do not read {fmt} caches"):
         dequantize_and_gather(pool.data, slots, fmt, backend="triton")
-    q = bf16(torch.randn(2, 4, 512))
+    q = bf16(torch.randn(2, 4, 512)).to(DEVICE)
     with pytest.raises(ValueError, match=f"do not read {fmt} caches"):
-        sparse_attention_decode(q, pool.data, slots.view(2, 1), torch.ones(2, dtype=torch.int32), fmt=fmt,
-                                scale=0.05, backend="triton")
+        sparse_attention_decode(q, pool.data, slots.view(2, 1), torch.ones(2, dtype=torch.int32, device=DEVICE),
+                                fmt=fmt, scale=0.05, backend="triton")

@@ -76,6 +76,7 @@ def test_a_valid_sink_or_scale_assigned_later_is_the_one_used(sc, backend):
     want = SparseMLAAttention("swa", HEADS, window=8, sink=sink, scale=0.03, backend=backend)(q, sc.meta, sc.caches)
     assert torch.equal(got, want) and not torch.equal(got, before)
     ref = sc.expected(q, "swa", sink=sink, scale=0.03)
+    ref = ref.to(got.device)
     assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
     layer.sink = None  # no sink again
     assert torch.equal(layer(q, sc.meta, sc.caches), SparseMLAAttention(
