@@ -4,12 +4,12 @@
 # Installs the carried FlashMLA wheel, runs the GPU tests, then one benchmark: benchmarks/bench_$BENCH.py
 # (the step benchmark by default) with the given args. Logs and JSON go to $OUT (default results/); the
 # benchmark's table prints last.
-# GPU_TESTS defaults to the subset every session runs (~7 min on an H100, mostly kernel compiles): the plan /
+# GPU_TESTS defaults to the subset every session runs (5-6.5 min on an H100, mostly kernel compiles): the plan /
 # CUDA-graph step, batch invariance on both kernels, the dsa layer (Gluon's 576-d path), FlashMLA against our
 # FlashMLA API (and its remembered calls) and caches, the direct launcher and bound launches, per-request lens, the
 # Gluon kernel's persistent programs (V4 fp8: several rounds, and split rows), tail splits (V3.2 fp8) and narrow
 # items (at most 16 heads, both fp8 formats).
-# It then runs the essentials of tests/test_lowerings.py (every kernel over every format, every layer kind with MTP
+# Beside it runs the essentials of tests/test_lowerings.py (every kernel over every format, every layer kind with MTP
 # and padding rows) with the kernels lowered as for sm_80 and sm_89 (one process each: SPARSE_MLA_LOWERING).
 # GPU_TESTS=all adds the kernel, layer, cache, index and order files (more than one 10-minute call: split them over
 # two). GPU_TESTS=lowerings runs all of tests/test_lowerings.py under the sm_80, sm_86 and sm_89 lowerings (and
@@ -48,11 +48,14 @@ TESTS=${GPU_TESTS:-$EVERY_SESSION}
 if [ "$TESTS" = lowerings ]; then
     for arch in sm80 sm86 sm89; do lowered $arch; done
 else
+    if [ -z "${GPU_TESTS:-}" ]; then  # beside the main run (mostly compiles, on the host's other cores): ~2 min saved
+        (for arch in sm80 sm89; do lowered $arch -k "plans_for or kernels_match or layers_match"; done) \
+            > "$OUT/gpu_tests_lowered.log" 2>&1 &
+    fi
     # shellcheck disable=SC2086
     python3 -m pytest -q -p no:cacheprovider --durations=10 $TESTS 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
-    if [ -z "${GPU_TESTS:-}" ]; then
-        for arch in sm80 sm89; do lowered $arch -k "plans_for or kernels_match or layers_match"; done
-    fi
+    wait
+    [ -f "$OUT/gpu_tests_lowered.log" ] && cat "$OUT/gpu_tests_lowered.log"
 fi
 python3 -m sparse_mla.cli demo 2>&1 | tee "$OUT/demo.log"
 BENCH=${BENCH:-step}
