@@ -9,6 +9,10 @@ for that target and assembled for the real GPU, ``sparse_mla.ops.targets.lower_a
 * ``step``: the V4-Flash decode step (B 32 and 128) of ``bench_step.py`` with the Gluon kernel off
   (``SPARSE_MLA_GLUON=0``: every layer through the portable kernel), FlashMLA natively in the same process;
 * ``v32``: V3.2 decode, 128 heads, batch 64, s_q 1 (``bench_v32.py --parts decode``), likewise;
+* ``call``: one attention call, the portable kernel alone (the issue's yardstick: a lowered call against the native
+  lowering's): a c4a-like call (256 tokens x 64 heads, 128 + 512 keys, 512 dims) over bf16, fp8_v4 and fp8_e4m3
+  caches, and a V3.2-like one (64 tokens x 128 heads, 2048 keys, 576 dims) over bf16 and fp8_v32 — each checked
+  against the reference op (NaN-poisoned unused slots), then timed as CUDA-graph replays;
 * ``ceilings``: what the same lowering reaches on the same GPU — a Triton bf16 matmul (TFLOP/s) and a Triton copy
   kernel (GB/s, bytes read + written) — so the table can say which fraction of its own lowering's ceiling the
   attention reaches (the lowering checks code paths on real silicon; it reproduces neither the other GPU's speed
@@ -26,7 +30,10 @@ import subprocess
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
-PARTS = ("step", "v32", "ceilings")
+PARTS = ("step", "v32", "call", "ceilings")
+# the call part's cases: name -> (tokens, heads, dims, [(keys per token, cache blocks of 64)] per scope, formats)
+CALLS = {"c4a-like": (256, 64, 512, [(128, 256), (512, 2048)], ("bf16", "fp8_v4", "fp8_e4m3")),
+         "v32-like": (64, 128, 576, [(2048, 256)], ("bf16", "fp8_v32"))}
 _LOWERINGS: list = []  # the worker's lowering context, kept alive (a dropped generator would undo it)
 
 
@@ -96,6 +103,47 @@ def ceilings(lowering: str, out: pathlib.Path) -> dict:
     return result
 
 
+def calls(lowering: str, out: pathlib.Path, rep: int) -> dict:
+    """Each case of :data:`CALLS` through the portable kernel under ``lowering``: rel err against the reference op,
+    then the median of CUDA-graph replays (µs)."""
+    import torch
+
+    from timing import graphed, rel, timed  # benchmarks/ is the script's directory, first on sys.path
+    from sparse_mla import verify
+    from sparse_mla.ops import attention_plan, sparse_attention_decode, targets
+    from sparse_mla.ops.validate import decode_args
+
+    if lowering != "native":
+        _LOWERINGS.append(targets.lower_as(lowering))
+        _LOWERINGS[-1].__enter__()
+    rows = []
+    for case, (tokens, heads, dim, scopes, formats) in CALLS.items():
+        for fmt in formats:
+            gen = torch.Generator().manual_seed(5)
+            made = [verify.random_scope(gen, fmt, dim, tokens, keys, blocks, 64, "cuda", "full")
+                    for keys, blocks in scopes]
+            (cache, idx, lens), extra = made[0], made[1:]
+            q = torch.randn(tokens, heads, dim, generator=gen).to(torch.bfloat16).cuda()
+            kw = dict(sink=verify.random_sink(gen, heads, "cuda"), scale=dim ** -0.5,
+                      kv_scale=cache.kv_scale if fmt == "fp8_e4m3" else None)
+            if extra:
+                kw.update(extra_cache=extra[0][0].data, extra_indices=extra[0][1], extra_lens=extra[0][2])
+            want = sparse_attention_decode(q, cache.data, idx, lens, backend="reference", **kw)
+            args = decode_args(q, cache.data, idx, lens, **kw)
+            plan = attention_plan.plan_for(args, gluon=0)
+            got = attention_plan.run(args, plan=plan)
+            err = max(rel(got[0], want[0]), rel(got[1], want[1]))
+            if not err < 1e-2:
+                raise AssertionError(f"{case} {fmt} under {lowering}: rel err {err}")
+            us = timed(graphed(lambda: attention_plan.run(args, plan=plan)), rep)
+            rows.append(dict(case=case, fmt=fmt, lowering=lowering, us=us, rel_err=err,
+                             config=dict(plan._constants), options=dict(plan._options)))
+            print(f"  {case} {fmt}: {us:.1f} us, rel err {err:.1e}", flush=True)
+    result = dict(lowering=lowering, gpu=torch.cuda.get_device_name(), calls=rows)
+    (out / f"call-{lowering}.json").write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
 def run_part(part: str, lowering: str, out: pathlib.Path, rep: int) -> None:
     """One part under one lowering, in a process of its own (a lowering holds for the whole process)."""
     env = dict(os.environ, SPARSE_MLA_GLUON="0", PYTHONUNBUFFERED="1")
@@ -109,7 +157,7 @@ def run_part(part: str, lowering: str, out: pathlib.Path, rep: int) -> None:
         cmd = [sys.executable, str(HERE / "bench_v32.py"), "--parts", "decode", "--heads", "128", "--batches", "64",
                "--s-q", "1", "--rounds", "1", "--rep", str(rep), "--out", str(sub), *low]
     else:
-        cmd = [sys.executable, __file__, "--worker-ceilings", lowering, "--out", str(sub)]
+        cmd = [sys.executable, __file__, f"--worker-{part}", lowering, "--rep", str(rep), "--out", str(sub)]
     print(f"==> {part} under {lowering}: {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, env=env, check=False)
 
@@ -122,11 +170,15 @@ def main() -> None:
     parser.add_argument("--rep", type=int, default=40, help="do_bench repetition time per timing, ms")
     parser.add_argument("--out", default=os.environ.get("OUT", "results"))
     parser.add_argument("--worker-ceilings", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-call", help=argparse.SUPPRESS)
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.worker_ceilings:
         print(json.dumps(ceilings(args.worker_ceilings, out)))
+        return
+    if args.worker_call:
+        calls(args.worker_call, out, args.rep)
         return
     for part in args.parts:
         for lowering in args.lowerings:
@@ -151,6 +203,9 @@ def summarise(out: pathlib.Path, lowerings: list[str]) -> dict:
             rows.append(dict(case=f"V4-Flash step B {case['batch']}", lowering=lowering, ours_us=case["ours_graph_us"],
                              flashmla_us=case["flashmla_graph_us"], ours_eager_us=case["ours_eager_us"],
                              flashmla_eager_us=case["flashmla_eager_us"], rel_err=max(case["rel_err"].values())))
+        for call in (_load(out / f"call-{lowering}" / f"call-{lowering}.json") or {}).get("calls", []):
+            rows.append(dict(case=f"one {call['case']} call, {call['fmt']}", lowering=lowering, ours_us=call["us"],
+                             rel_err=call["rel_err"]))
         v32 = _load(out / f"v32-{lowering}" / "bench_v32.json") or {}
         for case in v32.get("decode", []):
             rows.append(dict(case=f"V3.2 decode h {case['heads']} B {case['batch']} s_q {case['s_q']}",

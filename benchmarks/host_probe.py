@@ -1,6 +1,8 @@
 """Host µs of one call, GPU queue kept busy (V4-Flash decode, B requests of 2 tokens, 64 heads): each layer kind
 (default and batch-invariant), build_step_metadata, our FlashMLA-compatible API and, when the sgl-flash-mla wheel
-is installed, FlashMLA's own call on the same inputs (one SWA scope; and two scopes with per-request lengths).
+is installed, FlashMLA's own call on the same inputs (one SWA scope; and two scopes, SWA + C128A, with per-request
+lengths), and the public op ``sparse_attention_decode`` on the same two calls: remembered (a repeated call of one
+signature, ``sparse_mla.ops.memo``) and, for the two scopes, checked and planned anew each call (the memo emptied).
 Every probe is timed in each of several rounds, the probes alternating, and the median round is reported: host
 speed drifts over a run, so probes timed far apart are not comparable.
 
@@ -9,13 +11,14 @@ speed drifts over a run, so probes timed far apart are not comparable.
 import argparse
 import json
 import statistics
+from collections import OrderedDict
 
 import torch
 
 from sparse_mla import flash_mla as ours_fm
 from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import build_step_metadata
-from sparse_mla.ops import sparse_attention_decode
+from sparse_mla.ops import memo, sparse_attention_decode
 from sparse_mla.scenario import make_scenario
 
 from timing import host_samples  # benchmarks/timing.py (this script's folder is first on sys.path)
@@ -79,8 +82,31 @@ except ImportError:
 except Exception as err:  # noqa: BLE001 - FlashMLA refusing a shape leaves our probes to run
     print(f"FlashMLA probes skipped: {err}")
     probes = {k: v for k, v in probes.items() if not k.startswith("FlashMLA")}
-probes["sparse_attention_decode (swa)"] = lambda: sparse_attention_decode(
-    q, sc.caches["swa"].data, sc.meta.swa_indices, None, sink=sink, scale=512 ** -0.5)
+# the public op on FlashMLA's two calls: (T, H, d) q, 3-D caches, (T, width) indices, per-request lengths
+op_calls = {
+    "swa": lambda: sparse_attention_decode(q, sc.caches["swa"].data, sc.meta.swa_indices, None, sink=sink,
+                                           scale=512 ** -0.5),
+    "two scopes": lambda: sparse_attention_decode(
+        q, sc.caches["swa"].data, sc.meta.swa_indices, swa_len, sc.caches["c128a"].data, sc.meta.c128a_indices,
+        c128_len, sink=sink, scale=512 ** -0.5, tokens_per_len=2),
+}
+for case, call in op_calls.items():
+    probes[f"sparse_attention_decode ({case})"] = call
+
+
+def checked_call():
+    """The two-scope call as on its signature's first sight (checked, planned, remembered): against an empty memo."""
+    kept, memo.CALLS = memo.CALLS, OrderedDict()
+    try:
+        return op_calls["two scopes"]()
+    finally:
+        memo.CALLS = kept
+
+
+probes["sparse_attention_decode (two scopes, checked)"] = checked_call
+api = api_calls["two scopes"](ours_fm, ours_fm.get_mla_metadata()[0])[0].reshape(2 * b, h, 512).float()
+errors["sparse_attention_decode vs API (two scopes)"] = ((op_calls["two scopes"]()[0].float() - api).norm()
+                                                         / api.norm()).item()
 
 rounds = dict(zip(probes, host_samples(list(probes.values()), calls=200, rounds=cli.rounds)))
 result = {name: statistics.median(t) for name, t in rounds.items()}
@@ -97,7 +123,8 @@ if cli.profile:
     import cProfile
     import pstats
 
-    for name in ("c4a", "sparse_mla.flash_mla (two scopes)", "build_step_metadata"):
+    for name in ("c4a", "sparse_mla.flash_mla (two scopes)", "sparse_attention_decode (two scopes)",
+                 "build_step_metadata"):
         fn = probes[name]
         fn()
         torch.cuda.synchronize()

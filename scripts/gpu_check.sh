@@ -13,7 +13,9 @@
 # and padding rows) with the kernels lowered as for sm_80 and sm_89 (one process each: SPARSE_MLA_LOWERING).
 # GPU_TESTS=all adds the kernel, layer, cache, index and order files (more than one 10-minute call: split them over
 # two). GPU_TESTS=lowerings runs all of tests/test_lowerings.py under the sm_80, sm_86 and sm_89 lowerings (and
-# nothing else; with BENCH=none, one 10-minute call). BENCH=none skips the benchmark.
+# nothing else; with BENCH=none, one 10-minute call). GPU_TESTS=cp (a host with 2 GPUs: the device tool's
+# nvidia-h100-x2) runs the 2-GPU context-parallel test (NCCL, eager and a CUDA graph) and, unless BENCH=none, the
+# context-parallel benchmark instead (~3 min). BENCH=none skips the benchmark.
 set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -27,6 +29,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=cs
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 EVERY_SESSION="tests/test_step_plan.py tests/test_batch_invariance.py tests/test_dsa.py tests/test_flash_mla_api_gpu.py
     tests/test_flashmla_interop.py tests/test_layer_forms.py tests/test_flash_mla_memo.py tests/test_launch.py
+    tests/test_ops_memo.py
     tests/test_triton_attention.py::test_lens_shared_by_consecutive_tokens_read_like_expanded_ones
     tests/test_triton_attention.py::test_persistent_programs_compute_the_same_bits[300-1-fp8_v4-512]
     tests/test_triton_attention.py::test_persistent_programs_compute_the_same_bits[170-3-fp8_v4-512]
@@ -45,7 +48,14 @@ lowered() {  # lowered ARCH [pytest args...]: tests/test_lowerings.py with the k
 }
 TESTS=${GPU_TESTS:-$EVERY_SESSION}
 [ "$TESTS" = all ] && TESTS="$EVERY_SESSION $MORE"
-if [ "$TESTS" = lowerings ]; then
+if [ "$TESTS" = cp ]; then
+    python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel_gpu.py 2>&1 | tee "$OUT/gpu_tests_cp.log" \
+        | tail -n 5
+    [ "${BENCH:-}" = none ] && exit 0
+    python3 benchmarks/bench_context_parallel.py --out "$OUT" 2>&1 | tee "$OUT/bench_context_parallel.log" \
+        | grep -v '^{'
+    exit 0
+elif [ "$TESTS" = lowerings ]; then
     for arch in sm80 sm86 sm89; do lowered $arch; done
 else
     if [ -z "${GPU_TESTS:-}" ]; then  # beside the main run (mostly compiles, on the host's other cores): ~2 min saved

@@ -18,12 +18,13 @@ the README support table (:func:`sparse_mla.verify.support_markdown`).
 Variants (every path of the kernels, with a compile budget that keeps CI short; ``--variants`` picks groups):
 
 * ``formats``: a V4 decode (64 heads, SWA + compressed scope, sink, token order) over each cache format (bf16,
-  fp8_v4, fp8_e4m3 at 512 dims; bf16, fp8_v32 at 576 dims: V3.2's), and fp8 q over fp8_e4m3 caches.
+  fp8_v4, fp8_e4m3 at 512 dims; bf16, fp8_v32 at 576 dims: V3.2's), fp8 q over fp8_e4m3 caches, and V4.1's formats:
+  an fp8_v41 window with an fp4_v41 compressed scope (FlashMLA's pairing), and each page-planar layout.
 * ``shared``: the variants that need the most shared memory (the pipelined bf16 ones): the bf16 decodes at 512
   and 576 dims and the prefill over a bf16 workspace (128 heads, one scope, no order).
 * ``forms``: ragged and combined index lists, split key lists and the combine kernel (bf16 caches: these paths
   read the index lists, whatever the format).
-* ``cache``: insert and gather, each format.
+* ``cache``: insert and gather, each format (V4.1's four names: each page layout).
 * ``index``: the step's index lists, the compressed picks, the token order.
 """
 from __future__ import annotations
@@ -221,6 +222,8 @@ def _attention_cases() -> dict[str, list[tuple[str, dict]]]:
     decode = {f"decode {fmt} d{dim}": dict(fmt=fmt, dim=dim) for fmt, dim in
               (("bf16", 512), ("fp8_v4", 512), ("fp8_e4m3", 512), ("bf16", 576), ("fp8_v32", 576))}
     decode["decode fp8 q, fp8_e4m3 d512"] = dict(fmt="fp8_e4m3", dim=512, q_fp8=True)
+    decode["decode fp8_v41+fp4_v41 d512"] = dict(fmt="fp8_v41", extra_fmt="fp4_v41", dim=512)
+    decode.update({f"decode {fmt} d512": dict(fmt=fmt, dim=512) for fmt in ("fp8_v41_planar", "fp4_v41_planar")})
     shared = {name: decode[name] for name in ("decode bf16 d512", "decode bf16 d576")}
     shared["prefill bf16 workspace d512"] = dict(fmt="bf16", dim=512, prefill=True)
     forms = {"ragged bf16 d512": dict(fmt="bf16", dim=512, form="ragged"),
@@ -229,9 +232,11 @@ def _attention_cases() -> dict[str, list[tuple[str, dict]]]:
     return {"formats": decode, "shared": shared, "forms": forms}
 
 
-def _attention_args(fmt: str, dim: int, q_fp8: bool = False, form: str = "padded", prefill: bool = False, **_):
+def _attention_args(fmt: str, dim: int, q_fp8: bool = False, form: str = "padded", prefill: bool = False,
+                    extra_fmt: str | None = None, **_):
     """Checked arguments of one call on CPU tensors, shaped like a V4-Flash decode step (64 heads, a 128-key SWA
-    scope and a 512-key compressed one) or a prefill chunk over a bf16 workspace (128 heads)."""
+    scope of ``fmt`` and a 512-key compressed one of ``extra_fmt``, default ``fmt``) or a prefill chunk over a bf16
+    workspace (128 heads)."""
     from sparse_mla.cache import PagedCache
     from sparse_mla.ops.validate import decode_args, prefill_args
 
@@ -242,8 +247,10 @@ def _attention_args(fmt: str, dim: int, q_fp8: bool = False, form: str = "padded
         kv = torch.zeros(1024, dim, dtype=torch.bfloat16)
         return prefill_args(q, kv, torch.zeros(tokens, 1152, **i32), torch.full((tokens,), 1152, **i32),
                             sink=torch.zeros(heads), check_ranges=False)
-    swa, extra = PagedCache(4, 64, fmt, dim), PagedCache(64, 64, fmt, dim)
-    kw = dict(sink=torch.zeros(heads), order=torch.arange(tokens, **i32), check_ranges=False)
+    swa, extra = PagedCache(4, 64, fmt, dim), PagedCache(64, 64, extra_fmt or fmt, dim)
+    # the caches' format named where one name covers both (a page-planar V4.1 pool's tensor reads as its other layout)
+    kw = dict(sink=torch.zeros(heads), order=torch.arange(tokens, **i32), check_ranges=False,
+              fmt=None if extra_fmt else fmt)
     if fmt == "fp8_e4m3":
         kw["kv_scale"] = torch.ones(1)
     if q_fp8:
@@ -289,15 +296,16 @@ def cache_launches(target: targets.Target) -> list[tuple[str, list[Launched]]]:
     from sparse_mla.ops.validate import gather_args, insert_args
 
     out = []
-    for fmt, dim in (("bf16", 512), ("fp8_v4", 512), ("fp8_v32", 576), ("fp8_e4m3", 512)):
+    for fmt, dim in (("bf16", 512), ("fp8_v4", 512), ("fp8_v32", 576), ("fp8_e4m3", 512), ("fp8_v41", 512),
+                     ("fp8_v41_planar", 512), ("fp4_v41", 512), ("fp4_v41_planar", 512)):
         cache = PagedCache(4, 64, fmt, dim)
         scale = torch.ones(1) if fmt == "fp8_e4m3" else None
         slots = torch.arange(32, dtype=torch.int32)
         with recorded_launches(target) as calls:
             kv, paged, f, slot_mapping, kv_scale = insert_args(torch.zeros(32, dim, dtype=torch.bfloat16), cache.data,
-                                                               slots, check_values=False, kv_scale=scale)
+                                                               slots, fmt, check_values=False, kv_scale=scale)
             triton_cache.quantize_and_insert(kv, paged, f, slot_mapping, kv_scale)
-            paged, f, kv_scale = gather_args(cache.data, slots, None, False, scale)
+            paged, f, kv_scale = gather_args(cache.data, slots, fmt, False, scale)
             triton_cache.dequantize_and_gather(paged, f, kv_scale, slots)
         out += [(f"insert {fmt}", calls[:1]), (f"gather {fmt}", calls[1:])]
     return out

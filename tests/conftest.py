@@ -14,6 +14,7 @@ target and assembled for the real GPU (``targets.lower_as``), and the library pl
 import os
 import sys
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -32,3 +33,13 @@ elif os.environ.get("SPARSE_MLA_LOWERING"):
 settings.register_profile("ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_setting_kept(request):
+    """A test that leaves ``TRITON_INTERPRET`` changed would send every later test of its worker down another path
+    (the ops read it per call): fail the test that did it, by name."""
+    before = os.environ.get("TRITON_INTERPRET")
+    yield
+    after = os.environ.get("TRITON_INTERPRET")
+    assert after == before, f"{request.node.nodeid} changed TRITON_INTERPRET {before!r} -> {after!r}"

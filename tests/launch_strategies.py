@@ -5,14 +5,17 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 
+from helpers import DEVICE
 from sparse_mla.ops import attention_plan, launch_configs
 
-# NATIVE_FP8, Q_IN_LOOP, V_RELOAD: every combination, and with Q_IN_LOOP both Q_ROPE_SCALAR (which only changes how
-# the in-loop q is read) (the table uses some; each must compute the same)
-STRATEGIES = [dict(NATIVE_FP8=n, Q_IN_LOOP=q, Q_ROPE_SCALAR=r, V_RELOAD=v)
-              for n, q, v, r in itertools.product([False, True], repeat=4) if q or not r]
+# NATIVE_FP8, Q_IN_LOOP, DECODE_FENCE: every combination, and with Q_IN_LOOP both Q_ROPE_SCALAR (which only changes
+# how the in-loop q is read) (the table uses some; each must compute the same). DECODE_FENCE is inline PTX, which
+# Triton's CPU interpreter cannot run: on a CUDA device only.
+_FENCES = [False, True] if DEVICE.type == "cuda" else [False]
+STRATEGIES = [dict(NATIVE_FP8=n, Q_IN_LOOP=q, Q_ROPE_SCALAR=r, DECODE_FENCE=f)
+              for n, q, r, f in itertools.product([False, True], [False, True], [False, True], _FENCES) if q or not r]
 STRATEGY_IDS = ["native" * s["NATIVE_FP8"] + "int" * (not s["NATIVE_FP8"]) + "-q" * s["Q_IN_LOOP"]
-                + "-r" * s["Q_ROPE_SCALAR"] + "-v" * s["V_RELOAD"] for s in STRATEGIES]
+                + "-r" * s["Q_ROPE_SCALAR"] + "-f" * s["DECODE_FENCE"] for s in STRATEGIES]
 
 
 def force_strategy(monkeypatch, **constexprs) -> None:

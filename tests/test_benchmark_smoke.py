@@ -74,3 +74,22 @@ def test_v32_benchmark_smoke_writes_the_expected_json(tmp_path, monkeypatch):
     assert all(r["ours_us"] > 0 for r in result["decode"]) and result["step"][0]["ours_eager_us"] > 0
     for r in result["prefill"]:
         assert r["paged_us"] > 0 and r["workspace_us"] > 0 and r["rel_err_paged_vs_workspace"] < 1e-2
+
+
+def test_v41_benchmark_smoke_writes_the_expected_json(tmp_path, monkeypatch):
+    bench_v41 = load_script("bench_v41", monkeypatch)
+    assert bench_v41.run(_args(bench_v41, ["--smoke", "--rep", "1", "--out", str(tmp_path)])) == 0
+    result = json.loads((tmp_path / "bench_v41.json").read_text())
+    memory = {m["format"]: m for m in result["memory"]}
+    v4, fp8, fp4 = (memory[name] for name in bench_v41.FORMATS)
+    # V4.1's records are smaller than V4's 584 bytes, the fp4 compressed cache smallest: longer contexts fit
+    assert fp4["bytes_per_raw_token"] < fp8["bytes_per_raw_token"] < v4["bytes_per_raw_token"]
+    assert fp4["longest_context_80gb"] > fp8["longest_context_80gb"] > v4["longest_context_80gb"]
+    (row,) = result["decode"]
+    for name, f in row["formats"].items():
+        assert f["finite"] and f["eager_us"] > 0, name
+        # the same latents quantised three ways: outputs apart by quantisation only (e2m1 is the coarsest)
+        assert max(f["rel_diff_vs_v4"].values()) < 0.1, name
+    assert {(p["kind"], p["format"]) for p in result["prefill"]} == {
+        (k, n) for k in ("c2a", "c1a") for n in bench_v41.FORMATS}
+    assert all(p["finite"] and p["us"] > 0 for p in result["prefill"])

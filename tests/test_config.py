@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from sparse_mla.config import get_config
+from sparse_mla.config import check_scope_formats, complete_entries, get_config
 
 
 def test_v4_flash_preset():
@@ -34,3 +34,32 @@ def test_bad_preset_names_and_layer_numbers_raise_value_error():
     for layer in (-1, cfg.num_layers, 2.0, True):
         with pytest.raises(ValueError, match=rf"layer must be an int in \[0, {cfg.num_layers}\)"):
             cfg.layer_kind(layer)
+
+
+def test_the_v41_flash_preset_names_every_layer_s_sources():
+    cfg = get_config("deepseek-v4.1-flash")
+    assert (cfg.num_layers, cfg.num_heads, cfg.window, cfg.index_topk, cfg.kv_format) == (40, 64, 128, 512, "fp8_v41")
+    kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
+    assert kinds == ["swa"] * 2 + ["c2a"] * 18 + ["c1a"] * 20
+    assert [cfg.kv_source_layer(i) for i in (0, 1, 2, 7, 8, 13, 14, 19, 20, 39)] == \
+        [None, None, 2, 2, 8, 8, 14, 14, 20, 20]
+    assert [cfg.index_source_layer(i) for i in (1, 2, 9, 20, 23, 24, 31, 36, 39)] == \
+        [None, 2, 8, 20, 20, 24, 28, 36, 36]
+    # a source layer's kind is its readers' kind: one cache per source, one block table per kind
+    for layer in range(2, cfg.num_layers):
+        assert kinds[cfg.kv_source_layer(layer)] == kinds[layer] == kinds[cfg.index_source_layer(layer)]
+    v4 = get_config("deepseek-v4-flash")
+    assert v4.kv_source_layer(2) == 2 and v4.index_source_layer(2) == 2 and v4.kv_source_layer(0) is None
+
+
+def test_the_visibility_rule_and_the_scope_format_pairs():
+    # entry w of ratio r is visible to position p iff (w+1)·r <= p+1: the first complete_entries(p+1, r) entries
+    for r in (1, 2, 4, 128):
+        for p in range(300):
+            assert complete_entries(p + 1, r) == sum(1 for w in range(300) if (w + 1) * r <= p + 1)
+    for pair in (("fp8_v41", "fp8_v41"), ("fp8_v41", "fp4_v41"), ("fp8_v41_planar", "fp4_v41"),
+                 ("fp4_v41", "fp4_v41_planar"), ("fp8_v4", "fp8_v4")):
+        check_scope_formats(*pair)
+    for pair in (("fp4_v41", "fp8_v41"), ("fp8_v4", "fp4_v41"), ("bf16", "fp8_v41"), ("fp8_v41", "fp8_v4")):
+        with pytest.raises(ValueError, match=f"cache format mismatch: kv holds {pair[0]}, extra_kv {pair[1]}"):
+            check_scope_formats(*pair)

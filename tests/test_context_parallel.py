@@ -3,8 +3,12 @@ attention + all-gather + merge against single-process attention, in one process 
 processes."""
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import os
+import pathlib
+import re
 from datetime import timedelta
 
 import pytest
@@ -12,11 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import KERNEL_RUNS, rel_err
+from helpers import KERNEL_RUNS, ON_GPU, rel_err
 from sparse_mla.batch import Request, entries_needed, slots_of
 from sparse_mla.cache import PagedCache
 from sparse_mla.context_parallel import PartialsGather, RankLayout, build_rank_metadata
 from sparse_mla.formats import field_views
+from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.ops import sparse_attention_decode
 from sparse_mla.ops.merge import merge_partials
 from sparse_mla.scenario import make_scenario
@@ -24,13 +29,17 @@ from sparse_mla.scenario import make_scenario
 HEADS = 4
 V4 = dict(lengths=[(520, 1), (1, 1), (70, 1), (45, 3)], window=32, topk=24, fmt="fp8_v4")
 V32 = dict(lengths=[(200, 1), (1, 1), (90, 2)], window=1, topk=40, fmt="fp8_v32", dim=576)  # no window: dsa
+V41 = dict(lengths=[(300, 1), (1, 1), (64, 2)], window=16, topk=20, fmt="fp8_v41", kinds=("swa", "c2a", "c1a"))
 DSA_SCALE = 0.1352
 V4_KINDS = ("swa", "c4a", "c128a")
+# this file's tensors live on the CPU: its Triton runs need the interpreter (GPUs: tests/test_context_parallel_gpu.py)
+CPU_KERNELS = KERNEL_RUNS and not ON_GPU
+cpu_kernels = pytest.mark.skipif(not CPU_KERNELS, reason="Triton on CPU tensors: needs TRITON_INTERPRET=1, no GPU")
 
 
 def scenario(case: dict, seed: int = 0):
     return make_scenario(case["lengths"], window=case["window"], topk=case["topk"], fmt=case["fmt"],
-                         dim=case.get("dim", 512), seed=seed)
+                         dim=case.get("dim", 512), seed=seed, kinds=case.get("kinds"))
 
 
 def inputs(capacity: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +92,7 @@ def attend(meta, caches: dict, kind: str, q: torch.Tensor, picks: torch.Tensor, 
                                        out=out)
     extra = {}
     if kind != "swa":
-        idx, lens = meta.c4a_indices(picks) if kind == "c4a" else (meta.c128a_indices, meta.c128a_lens)
+        idx, lens = (meta.c128a_indices, meta.c128a_lens) if kind == "c128a" else meta.picks_for(kind, picks)
         extra = dict(extra_cache=caches[kind], extra_indices=idx, extra_lens=lens)
     return sparse_attention_decode(q, caches["swa"], meta.swa_indices, meta.swa_lens, sink=sink, backend=backend,
                                    out=out, **extra)
@@ -91,11 +100,16 @@ def attend(meta, caches: dict, kind: str, q: torch.Tensor, picks: torch.Tensor, 
 
 def single_process(sc, kind: str, q: torch.Tensor, sink: torch.Tensor):
     """The layer on one process holding the whole cache, sink included."""
-    return attend(sc.meta, {k: c.data for k, c in sc.caches.items()}, kind, q, sc.topk_local, sink)
+    return attend(sc.meta, {k: c.data for k, c in sc.caches.items()}, kind, q, picks_of(sc, kind), sink)
 
 
 def kinds_of(sc) -> tuple[str, ...]:
-    return ("dsa",) if "dsa" in sc.batch.kinds else V4_KINDS
+    return sc.batch.kinds
+
+
+def picks_of(sc, kind: str) -> torch.Tensor:
+    """The scenario's picks for a layer of ``kind`` (V4.1 has two picks kinds)."""
+    return sc.picks.get(kind, sc.topk_local)
 
 
 def rank_partials(sc, world: int, q: torch.Tensor, kinds: tuple[str, ...], backend: str = "reference"
@@ -105,7 +119,7 @@ def rank_partials(sc, world: int, q: torch.Tensor, kinds: tuple[str, ...], backe
     for rank in range(world):
         meta, caches, _ = split(sc, RankLayout(world, rank))
         for kind in kinds:
-            parts[kind].append(attend(meta, caches, kind, q, sc.topk_local, None, backend))
+            parts[kind].append(attend(meta, caches, kind, q, picks_of(sc, kind), None, backend))
     return {kind: (torch.stack([o for o, _ in p]), torch.stack([lse for _, lse in p])) for kind, p in parts.items()}
 
 
@@ -233,7 +247,7 @@ def test_rank_metadata_refills_in_place():
 # ------------------------------------------------------------------------------------- rank-split attention
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("case", [V4, V32], ids=["v4", "v32"])
+@pytest.mark.parametrize("case", [V4, V32, V41], ids=["v4", "v32", "v41"])
 def test_rank_split_attention_equals_single_process(case, world):
     """Each rank attends to its own share without the sink; merging the partials with the sink equals attention
     on one process holding the whole cache (rel err <= 1e-2; bf16 partials), for every kind, with ranks that own
@@ -246,7 +260,7 @@ def test_rank_split_attention_equals_single_process(case, world):
         check_matches(merge_partials(outs, lses, sink), single_process(sc, kind, q, sink))
 
 
-@pytest.mark.skipif(not KERNEL_RUNS, reason="needs a GPU or TRITON_INTERPRET=1")
+@cpu_kernels
 def test_rank_split_triton_kernels():
     """The Triton attention kernel (partials) and the merge kernel, one small case."""
     case = dict(V4, lengths=[(150, 1), (1, 1)])
@@ -320,9 +334,183 @@ def test_gloo_two_ranks_every_kind(tmp_path):
     check_distributed(results, 2, cases, "reference")
 
 
-@pytest.mark.skipif(not KERNEL_RUNS, reason="needs a GPU or TRITON_INTERPRET=1")
+@cpu_kernels
 def test_gloo_three_ranks_triton(tmp_path):
     """3 processes over gloo, the Triton kernels (CPU interpreter) for the partials and the merge, one kind."""
     cases = [dict(V4, lengths=[(150, 1), (1, 1), (2, 1)])]
     results = run_ranks(tmp_path, 3, "triton", ("c128a",), cases)
     check_distributed(results, 3, cases, "triton")
+
+
+# ------------------------------------------------------------------------ the layer in context-parallel mode
+
+def layer_of(kind: str, sink: torch.Tensor, case: dict, backend: str = "reference", **options) -> SparseMLAAttention:
+    """A layer of ``kind`` for a test case (dsa: V3.2's 576-d queries and a model scale)."""
+    if kind == "dsa":
+        return SparseMLAAttention("dsa", HEADS, 576, topk=case["topk"], scale=DSA_SCALE, sink=sink, backend=backend,
+                                  **options)
+    return SparseMLAAttention(kind, HEADS, 512, case["window"], topk=case["topk"] if kind == "c4a" else None,
+                              sink=sink, backend=backend, **options)
+
+
+def picks_for(sc, kind: str) -> torch.Tensor | None:
+    return sc.topk_local if kind in ("c4a", "dsa") else None
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A process group of this process alone (gloo), for the layer's context-parallel checks."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()
+
+
+def test_layer_context_parallel_one_rank_and_bad_input(one_rank_group):
+    """A group of one: the layer without its sink, then the merge applying it, is the layer with it (the reference
+    and, where kernels run, the Triton kernels: the plan's no-sink launches and their LSE); bad context-parallel input
+    is a ValueError / TypeError naming what is wrong."""
+    sc = scenario(V4)
+    q, sink = inputs(sc.batch.token_capacity, 512, seed=1)
+    meta, caches, _ = split(sc, RankLayout(1, 0))
+    gather = PartialsGather(sc.batch.token_capacity, HEADS)
+    for backend in ("reference", "triton") if CPU_KERNELS else ("reference",):
+        for kind in V4_KINDS:
+            layer = layer_of(kind, sink, V4, backend)
+            out = torch.full((sc.batch.token_capacity, HEADS, 512), math.nan, dtype=torch.bfloat16)
+            assert layer(q, meta, caches, picks_for(sc, kind), out=out, context_parallel=gather) is out
+            check_matches((out, gather.merged_lse), single_process(sc, kind, q, sink))
+            assert (out[sc.batch.num_tokens:] == 0).all()
+            assert torch.isinf(gather.merged_lse[sc.batch.num_tokens:]).all()
+    layer = layer_of("c4a", sink, V4)
+    with pytest.raises(ValueError, match="pass context_parallel="):
+        layer(q, meta, caches, sc.topk_local)
+    with pytest.raises(ValueError, match="context_parallel needs meta to be this rank's RankStepMetadata"):
+        layer(q, sc.meta, sc.caches, sc.topk_local, context_parallel=gather)
+    with pytest.raises(TypeError, match="context_parallel must be a PartialsGather"):
+        layer(q, meta, caches, sc.topk_local, context_parallel=(gather.out_partial, gather.lse_partial))
+    with pytest.raises(ValueError, match=r"context_parallel holds .* shape \(9, 5, 512\)"):
+        layer(q, meta, caches, sc.topk_local, context_parallel=PartialsGather(9, HEADS + 1))
+    with pytest.raises(ValueError, match=r"context_parallel gathers over RankLayout\(world=1, rank=0\), but meta was"):
+        layer(q, split(sc, RankLayout(2, 1))[0], caches, sc.topk_local, context_parallel=gather)
+    with pytest.raises(ValueError, match="combined"):
+        layer_of("c4a", sink, V4, index_form="combined")(q, meta, caches, sc.topk_local, context_parallel=gather)
+    with pytest.raises(ValueError, match="prefill_mode 'workspace'"):  # the step has a 3-token prefill
+        layer_of("c4a", sink, V4, prefill_mode="workspace")(q, meta, caches, sc.topk_local, context_parallel=gather)
+    bad = dict(caches, c4a=PagedCache(caches["c4a"].shape[0] * 2, 32, "fp8_v4").data)
+    with pytest.raises(ValueError, match="blocks of 32 entries, the step's block tables use 64"):
+        layer(q, meta, bad, sc.topk_local, context_parallel=gather)
+
+
+def _layer_worker(rank: int, world: int, store: str, results: str, backend: str, kinds: tuple[str, ...],
+                  cases: list[dict], index_form: str) -> None:
+    """One rank: its cache share and metadata, each kind's layer in context-parallel mode over the group. Saves the
+    layers' outputs per case and kind."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        saved = {}
+        for c, case in enumerate(cases):
+            sc = scenario(case, seed=c)
+            q, sink = inputs(sc.batch.token_capacity, sc.caches[sc.batch.raw_kind].fmt.dim, seed=c)
+            meta, caches, _ = split(sc, RankLayout.of_group())
+            gather = PartialsGather(sc.batch.token_capacity, HEADS)
+            for kind in (k for k in kinds if k in kinds_of(sc)):
+                # the step has prefill tokens: the workspace prefill (V3.2's default) is not run on a rank's step
+                layer = layer_of(kind, sink, case, backend, prefill_mode="paged", index_form=index_form)
+                saved[c, kind] = layer(q, meta, caches, picks_for(sc, kind), context_parallel=gather)
+        torch.save(saved, os.path.join(results, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def check_layer_ranks(tmp_path, world: int, backend: str, kinds: tuple[str, ...], cases: list[dict],
+                      index_form: str = "padded") -> None:
+    """The layer in context-parallel mode on ``world`` processes: every rank's output the same bits, equal to the
+    layer on one process holding the whole cache (its default prefill mode; rel err <= 1e-2), padding rows 0."""
+    mp.spawn(_layer_worker, args=(world, str(tmp_path / "store"), str(tmp_path), backend, kinds, cases, index_form),
+             nprocs=world)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    assert len(results[0]) == sum(len([k for k in kinds if k in kinds_of(scenario(case))]) for case in cases)
+    for (c, kind), out in results[0].items():
+        for other in results[1:]:
+            assert torch.equal(other[c, kind], out), (c, kind)
+        sc = scenario(cases[c], seed=c)
+        q, sink = inputs(sc.batch.token_capacity, sc.caches[sc.batch.raw_kind].fmt.dim, seed=c)
+        whole = layer_of(kind, sink, cases[c])(q, sc.meta, sc.caches, picks_for(sc, kind))
+        assert not out.isnan().any() and rel_err(out, whole) <= 1e-2, (c, kind)
+        assert (out[sc.batch.num_tokens:] == 0).all()
+
+
+def test_layer_context_parallel_two_ranks_every_kind(tmp_path):
+    """2 processes over gloo, the layer of every V4 kind and V3.2's dsa against the single-process layer."""
+    check_layer_ranks(tmp_path, 2, "reference", V4_KINDS + ("dsa",), [V4, V32])
+
+
+@cpu_kernels
+def test_layer_context_parallel_triton_ragged(tmp_path):
+    """3 processes over gloo, the layer's Triton kernels (CPU interpreter; the merge's too) with ragged lists; rows
+    that most ranks hold no key of (a 1-token and a 2-token request)."""
+    check_layer_ranks(tmp_path, 3, "triton", ("c4a",), [dict(V4, lengths=[(150, 1), (1, 1), (2, 1)])],
+                      index_form="ragged")
+
+
+def test_benchmark_smoke(tmp_path, monkeypatch):
+    """``benchmarks/bench_context_parallel.py --smoke``: 2 CPU processes over gloo write the JSON the GPU run is read
+    from; the longest contexts follow the stated rule."""
+    from test_benchmark_smoke import load_script
+
+    bench = load_script("bench_context_parallel", monkeypatch)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(["--smoke", "--cache-gib", "1", "--out", str(tmp_path)])) == 0
+    result = json.loads((tmp_path / "bench_context_parallel.json").read_text())
+    assert len(result["context_parallel"]) == 2 and result["one_gpu"]["fits"]
+    for row in result["context_parallel"] + [result["one_gpu"]]:
+        assert row["eager_ms"] > 0 and row["finite"] and row["cache_bytes_per_gpu"] > 0
+    split = result["context_parallel"][0]
+    assert split["gathers_ms"] > 0 and split["merges_ms"] > 0 and 0 < split["communication_share"]
+    assert split["cache_bytes_per_gpu"] < result["one_gpu"]["cache_bytes_per_gpu"]
+    memory = result["memory"]
+    per_token = memory["bytes_per_token"]["all_raw"]
+    assert memory["longest_context"]["all_raw_b2_1gpu"] == (1 << 30) // (2 * per_token)
+    assert memory["longest_context"]["all_raw_b2_2gpu"] == (2 << 30) // (2 * per_token)
+
+
+STEP_API = pathlib.Path(__file__).resolve().parent.parent / "docs" / "step_api.md"
+# the doc's two steps, shorter: a prefill past the first c128a entries (so each rank holds one), then decodes (MTP)
+SERVE_STEPS = [[(0, 260, 260), (1, 8, 8)], [(0, 262, 2), (1, 9, 1)]]
+
+
+def step_api_serve() -> dict:
+    """The context-parallel engine loop of docs/step_api.md (its ``py`` block defining ``serve``), executed; with 4
+    heads and top-k 64 instead of V4-Flash's (the CPU reference's time)."""
+    block = next(b for b in re.findall(r"```py\n(.*?)```", STEP_API.read_text(), re.S) if "def serve(" in b)
+    namespace: dict = {}
+    exec(compile(block, "docs/step_api.md serve", "exec"), namespace)
+    namespace.update(HEADS=4, TOPK=64)  # serve reads them as globals
+    return namespace
+
+
+def _serve_worker(rank: int, world: int, store: str, results: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        doc = step_api_serve()
+        torch.save(doc["serve"](SERVE_STEPS, device="cpu", backend="reference"),
+                   os.path.join(results, f"serve{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_step_api_context_parallel_loop_runs(tmp_path, one_rank_group):
+    """docs/step_api.md's engine loop on 2 processes: both ranks end with the same outputs, which are the loop's on
+    one process (a group of one: the whole cache)."""
+    mp.spawn(_serve_worker, args=(2, str(tmp_path / "store2"), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"serve{r}.pt") for r in range(2)]
+    doc = step_api_serve()
+    whole = doc["serve"](SERVE_STEPS, device="cpu", backend="reference")
+    for i, out in enumerate(ranks[0]):
+        assert torch.equal(out, ranks[1][i]) and not out.isnan().any()
+        assert rel_err(out, whole[i]) <= 1e-2, i
+        assert (out[3:] == 0).all()  # the last step's 3 tokens, then padding

@@ -210,8 +210,8 @@ BAD_DECODE = [
     ("k_cache", ValueError, dict(k_cache=torch.zeros(3, 64, 584, dtype=torch.uint8))),
     ("k_cache", ValueError, dict(k_cache=torch.zeros(3, 64, 2, 584, dtype=torch.uint8))),
     ("k_cache", ValueError, dict(k_cache=torch.zeros(3, 64, 1, 600, dtype=torch.uint8))),
-    ("k_cache", NotImplementedError, dict(k_cache=torch.zeros(3, 64, 1, 528, dtype=torch.uint8))),
-    ("extra_k_cache", NotImplementedError, dict(extra_k_cache=torch.zeros(3, 64, 1, 288, dtype=torch.uint8))),
+    ("k_cache", ValueError, dict(k_cache=torch.zeros(3, 64, 1, 528, dtype=torch.uint8))),  # fp8_v41 + fp8_v4
+    ("extra_k_cache", ValueError, dict(extra_k_cache=torch.zeros(3, 64, 1, 288, dtype=torch.uint8))),  # fp4 + fp8_v4
     ("indices", ValueError, dict(indices=torch.zeros(3, 1, 32, dtype=torch.int32))),
     ("indices", ValueError, dict(indices=torch.zeros(3, 2, 32, dtype=torch.int64))),
     ("indices", ValueError, dict(indices=torch.full((3, 2, 32), 192, dtype=torch.int32))),
@@ -229,7 +229,8 @@ BAD_DECODE = [
     ("num_splits", ValueError, dict(num_splits=torch.zeros(4, dtype=torch.int32))),
     ("is_fp8_kvcache", ValueError, dict(is_fp8_kvcache=False)),
     ("kv_format", ValueError, dict(kv_format="V32")),
-    ("kv_format", NotImplementedError, dict(kv_format="V41")),
+    ("kv_format", ValueError, dict(kv_format="V41")),  # a 584-byte k_cache declared 528
+    ("kv_format", NotImplementedError, dict(kv_format="V32_NO_ROPE")),
     ("descale_q", NotImplementedError, dict(descale_q=torch.ones(1))),
 ]
 

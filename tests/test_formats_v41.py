@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from dense import E4M3_TABLE, dense_attention
-from helpers import DEVICE
 from test_formats import block_raw
 from sparse_mla.cache import PagedCache
 from sparse_mla.formats import (FORMAT_NAMES, allocate_cache, as_paged, block_bytes, bytes_per_token,
@@ -178,7 +177,9 @@ def test_sizes_names_and_page_fields():
         assert f.planar == name.endswith("_planar") and f.is_fp8 == name.startswith("fp8")
     assert bytes_per_token("fp8_v41") == bytes_per_token("fp8_v41_planar") == 512 + 16 == 528
     assert bytes_per_token("fp4_v41") == bytes_per_token("fp4_v41_planar") == 256 + 32 == 288
-    assert get_format("fp8_v41").code == get_format("fp8_v41_planar").code != get_format("fp4_v41").code
+    assert get_format("fp8_v41").record_code == get_format("fp8_v41_planar").record_code == get_format("fp8_v41").code
+    assert get_format("fp4_v41_planar").record_code == get_format("fp4_v41").code != get_format("fp8_v41").code
+    assert get_format("fp8_v41_planar").code != get_format("fp8_v41").code  # the kernels' code names the layout
     for bs, fp8_planar, fp4_planar in [(1, 1024, 512), (3, 2048, 1024), (16, 8704, 4608), (64, 33792, 18432)]:
         assert fp8_planar == -(-bs * 528 // 512) * 512 and fp4_planar == -(-bs * 288 // 512) * 512  # the rule
         assert block_bytes("fp8_v41_planar", bs) == fp8_planar and block_bytes("fp4_v41_planar", bs) == fp4_planar
@@ -466,20 +467,3 @@ def test_reference_attention_reads_v41_caches(layout):
     assert torch.isposinf(lse[2]).all() and (out[2] == 0).all()
     assert ((out[:2].double() - ref_out[:2]).norm() / ref_out[:2].norm()) < 1e-2
     assert ((lse[:2].double() - ref_lse[:2]).abs() < 1e-3).all()
-
-
-@pytest.mark.parametrize("fmt", V41)
-def test_the_triton_path_refuses_v41_caches_until_its_kernels_land(fmt):
-    """The Triton kernels do not read V4.1's records yet: insert, gather and attention through them are a
-    ValueError naming the format, never bytes written or read as another format's."""
-    pool = PagedCache(2, 4, fmt, device=DEVICE)
-    kv = bf16(torch.randn(2, 512)).to(DEVICE)
-    slots = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match=f"do not read {fmt} caches"):
-        quantize_and_insert(kv, pool.data, slots, fmt=fmt, backend="triton")
-    with pytest.raises(ValueError, match=f"do not read {fmt} caches"):
-        dequantize_and_gather(pool.data, slots, fmt, backend="triton")
-    q = bf16(torch.randn(2, 4, 512)).to(DEVICE)
-    with pytest.raises(ValueError, match=f"do not read {fmt} caches"):
-        sparse_attention_decode(q, pool.data, slots.view(2, 1), torch.ones(2, dtype=torch.int32, device=DEVICE),
-                                fmt=fmt, scale=0.05, backend="triton")

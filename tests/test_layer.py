@@ -23,6 +23,7 @@ from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.oracle import DenseOracle
 from sparse_mla.scenario import make_scenario, random_picks
+from engine import Engine
 from strategies import step_lengths
 
 SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
@@ -110,56 +111,9 @@ def test_sink_semantics():
     assert rel_err(run(sink), sc.expected(q, "swa", sink=sink, scale=512 ** -0.5)) < TOL
 
 
-class Engine:
-    """A toy engine over several steps: grows block tables, writes each step's new latents and completed
-    compressed entries into poisoned caches, and keeps every value in a DenseOracle."""
-
-    def __init__(self, fmt: str, window: int, topk: int, max_tokens: int = 72, max_len: int = 400):
-        self.fmt, self.window, self.topk = get_format(fmt), window, topk
-        self.caches = {k: PagedCache(blocks_needed(max_len, k, SIZES[k]) * 3, SIZES[k], fmt, device=DEVICE)
-                       for k in SIZES}
-        for c in self.caches.values():
-            c.poison()
-        self.builder = StepBatchBuilder(max_tokens, 4, max_len, block_sizes=SIZES, decode_threshold=3, device=DEVICE)
-        self.tables: dict[int, dict[str, list[int]]] = {}
-        self.values: dict[str, dict[int, torch.Tensor]] = {k: {} for k in SIZES}
-        self.meta = None
-        self.gen = torch.Generator().manual_seed(0)
-
-    def _store(self, kind, req, entry, slots):
-        kv = torch.randn(len(slots), 512, generator=self.gen).to(torch.bfloat16)
-        self.caches[kind].write(kv.to(DEVICE), slots)
-        vals = decode_records(encode_records(kv, self.fmt), self.fmt) if self.fmt.is_fp8 else kv.float()
-        for r, e, v in zip(req.tolist(), entry.tolist(), vals):
-            self.values[kind].setdefault(r, {})[e] = v
-
-    def step(self, work: list[tuple[int, int, int]]):
-        """work: (request id, seq_len after the step, new tokens), decodes first."""
-        requests = []
-        for rid, seq_len, q_len in work:
-            t = self.tables.setdefault(rid, {k: [] for k in SIZES})
-            for kind, cache in self.caches.items():
-                t[kind] += cache.allocator.allocate(blocks_needed(seq_len, kind, SIZES[kind]) - len(t[kind]))
-            requests.append(Request(seq_len, q_len, t))
-        batch = self.builder.build(requests)
-        rid_of = torch.tensor([w[0] for w in work])
-        for kind in SIZES:  # the model: new tokens' latents and the compressed entries they complete
-            req, entry, slots = batch.new_entries(kind)
-            self._store(kind, rid_of[req.long().cpu()], entry.cpu(), slots)
-        self.meta = build_step_metadata(batch, MetadataSpec(self.window, self.topk), out=self.meta)
-        oracle = DenseOracle(self.window)
-        for r, (rid, seq_len, _) in enumerate(work):
-            oracle.set_raw(r, torch.stack([self.values["swa"][rid][p] for p in range(seq_len)]))
-            for kind, ratio in (("c4a", 4), ("c128a", 128)):
-                n = seq_len // ratio
-                oracle.set_compressed(kind, r, torch.stack([self.values[kind][rid][w] for w in range(n)])
-                                      if n else torch.zeros(0, 512))
-        return batch, oracle
-
-
 @pytest.mark.parametrize("fmt,mode", [("fp8_v4", "paged"), ("bf16", "workspace")])
 def test_an_engine_loop_reuses_its_buffers_over_steps(fmt, mode):
-    eng = Engine(fmt, window=8, topk=6)
+    eng = Engine(SIZES, fmt, window=8, topk=6)
     layers = {k: SparseMLAAttention(k, HEADS, window=8, topk=6 if k == "c4a" else None, sink=torch.randn(HEADS),
                                     prefill_mode=mode, workspace_bytes=200 * 1024).to(DEVICE)
               for k in SIZES}

@@ -14,28 +14,29 @@ from sparse_mla.metadata import MetadataSpec, build_step_metadata, compact_rows,
 from sparse_mla.workspace import plan_prefill_workspace, workspace_indices, workspace_plan
 
 SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
+V41_SIZES = {"swa": 4, "c2a": 4, "c1a": 8}
 RATIO = {"swa": 1, "c4a": 4, "c128a": 128}
 
 
-def make_batch(lengths, threshold=1, padding=0, seed=0, max_model_len=None, builder=None):
+def make_batch(lengths, threshold=1, padding=0, seed=0, max_model_len=None, builder=None, sizes=SIZES):
     """A batch whose block tables are random physical blocks, distinct over the whole step (from ``builder``, or a
-    new one)."""
+    new one); ``sizes``: block size per kind, its keys the batch's kinds (V4's by default)."""
     rng = random.Random(seed)
-    need = {k: [blocks_needed(s, k, SIZES[k]) for s, _ in lengths] for k in SIZES}
+    need = {k: [blocks_needed(s, k, sizes[k]) for s, _ in lengths] for k in sizes}
     blocks = {k: rng.sample(range(max(1000, 2 * sum(n))), sum(n)) for k, n in need.items()}
     requests = []
     for r, (s, q) in enumerate(lengths):
-        tables = {k: blocks[k][sum(need[k][:r]):sum(need[k][:r + 1])] for k in SIZES}
+        tables = {k: blocks[k][sum(need[k][:r]):sum(need[k][:r + 1])] for k in sizes}
         requests.append(Request(s, q, tables))
     n_tok = sum(q for _, q in lengths)
     if builder is None:
         builder = StepBatchBuilder(n_tok + padding, len(lengths), max_model_len or max(s for s, _ in lengths),
-                                   block_sizes=SIZES, decode_threshold=threshold)
+                                   kinds=tuple(sizes), block_sizes=sizes, decode_threshold=threshold)
     return builder.build(requests), requests
 
 
 def slot(req: Request, kind: str, entry: int) -> int:
-    bs = SIZES[kind]
+    bs = {**SIZES, **V41_SIZES}[kind]
     return req.block_tables[kind][entry // bs] * bs + entry % bs
 
 
@@ -265,3 +266,46 @@ def test_repeated_picks_are_an_error_in_debug_mode(monkeypatch):
     dsa = build_step_metadata(builder.build([Request(30, 2, {"dsa": [0, 1, 2, 3]})]), MetadataSpec(topk=3))
     with pytest.raises(ValueError, match="topk_indices row 1 picks entry 9 more than once"):
         dsa.dsa_indices(torch.tensor([[1, 2, -1], [9, 4, 9]], dtype=torch.int32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=steps(), topk=st.integers(1, 10))
+def test_v41_picks_of_ratios_2_and_1_become_valid_prefixes_of_visible_global_slots(case, topk):
+    """V4.1's c2a and c1a picks through the general per-kind method; the bound of every picks layer's count is at the
+    smallest ratio (1), and both kinds get a decode order."""
+    lengths, threshold, padding, window, seed = case
+    batch, requests = make_batch(lengths, threshold, padding, seed, sizes=V41_SIZES)
+    meta = build_step_metadata(batch, MetadataSpec(window=window, topk=topk))
+    gen = torch.Generator().manual_seed(seed)
+    for kind, ratio in (("c2a", 2), ("c1a", 1)):
+        picks = torch.randint(-1, max(s for s, _ in lengths) // ratio + 3, (batch.token_capacity, topk), generator=gen)
+        picks[:, 0] = 10**6
+        idx, lens = meta.picks_for(kind, picks.to(torch.int32))
+        for t, (r, p) in enumerate(token_list(lengths)):
+            visible = [w for w in picks[t].tolist() if w >= 0 and (w + 1) * ratio <= p + 1]  # order kept
+            assert idx[t].tolist() == [slot(requests[r], kind, w) for w in visible] + [-1] * (topk - len(visible))
+            assert int(lens[t]) == len(visible)
+        assert lens[batch.num_tokens:].eq(0).all() and idx[batch.num_tokens:].eq(-1).all()
+        order = meta.decode_order(kind)
+        assert sorted(order.tolist()) == list(range(batch.num_decode_tokens))
+    assert meta.picks_ratio == 1 and meta.picks_kind == "c2a"
+    bound = [min(topk, p + 1) for _, p in token_list(lengths)]
+    assert meta.picks_bound[:batch.num_tokens].tolist() == bound
+
+
+def test_v41_picks_conversion_kernel_matches_its_torch_twin():
+    """The Triton picks conversion (the CUDA builders; here in the interpreter) at ratios 2 and 1."""
+    from sparse_mla.metadata import _compressed_picks_torch
+    from sparse_mla.ops import triton_index
+
+    batch, _ = make_batch([(37, 1), (20, 3), (9, 9)], threshold=3, padding=2, sizes=V41_SIZES)
+    gen = torch.Generator().manual_seed(0)
+    for kind, ratio in (("c2a", 2), ("c1a", 1)):
+        picks = torch.randint(-3, 45 // ratio, (batch.token_capacity, 6), generator=gen, dtype=torch.int32)
+        outs = [(torch.empty(batch.token_capacity, 6, dtype=torch.int32), torch.empty(batch.token_capacity,
+                 dtype=torch.int32), torch.empty(batch.token_capacity, 6, dtype=torch.int32)) for _ in range(2)]
+        fixed = (batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind], ratio, picks)
+        _compressed_picks_torch(*fixed, *outs[0])
+        triton_index.compressed_picks(*fixed, *outs[1])
+        for want, got in zip(*outs):
+            assert torch.equal(got, want)

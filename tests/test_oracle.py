@@ -16,10 +16,12 @@ def oracle_with(seq_len: int, window: int, seed: int = 0, start: int = 0) -> Den
     o.set_raw(0, torch.randn(seq_len - start, 512, generator=gen, dtype=torch.float64), start)
     o.set_compressed("c4a", 0, torch.randn(seq_len // 4, 512, generator=gen, dtype=torch.float64))
     o.set_compressed("c128a", 0, torch.randn(seq_len // 128, 512, generator=gen, dtype=torch.float64))
+    o.set_compressed("c2a", 0, torch.randn(seq_len // 2, 512, generator=gen, dtype=torch.float64))  # V4.1
+    o.set_compressed("c1a", 0, torch.randn(seq_len, 512, generator=gen, dtype=torch.float64))
     return o
 
 
-@pytest.mark.parametrize("kind", ["swa", "c4a", "c128a"])
+@pytest.mark.parametrize("kind", ["swa", "c4a", "c128a", "c2a", "c1a"])
 def test_matches_a_loop_over_tokens_and_heads(kind):
     """Against tests/dense.py, an independent per-token, per-head loop fed the keys DESIGN §1 names."""
     window, seq = 6, 300
@@ -35,12 +37,13 @@ def test_matches_a_loop_over_tokens_and_heads(kind):
         k = [raw[max(0, p - window + 1): p + 1]]
         if kind == "c128a":
             k.append(o.compressed["c128a"][0][: (p + 1) // 128])
-        if kind == "c4a":
-            k.append(o.compressed["c4a"][0][[w for w in (0, 1, 40, 74) if (w + 1) * 4 <= p + 1]])
+        ratio = {"c4a": 4, "c2a": 2, "c1a": 1}.get(kind)
+        if ratio:  # the picks kinds: the picked entries complete before p
+            k.append(o.compressed[kind][0][[w for w in (0, 1, 40, 74) if (w + 1) * ratio <= p + 1]])
         keys.append(torch.cat(k))
     want, want_lse = dense_attention(q, keys, sink=sink, scale=0.05)
     got, lse = o.attend(q, torch.zeros(len(positions), dtype=torch.long), positions, kind, sink, 0.05,
-                        picks if kind == "c4a" else None)
+                        picks if ratio else None)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
 
@@ -88,3 +91,19 @@ def test_unknown_keys_are_an_error_only_when_visible():
     o.attend(q, torch.tensor([0, 0]), torch.tensor([70, 99]), "c4a", picks=torch.tensor([[1, 2], [5, -1]]))
     with pytest.raises(ValueError, match="sees a c4a key the oracle holds as unknown"):
         o.attend(q, torch.tensor([0, 0]), torch.tensor([70, 99]), "c4a", picks=torch.tensor([[1, 3], [5, -1]]))
+
+
+def test_v41_visibility_boundaries_and_a_shared_compressed_cache():
+    """c2a entry w (tokens 2w, 2w+1) is visible from p = 2w+1, c1a entry w from p = w; an oracle over other raw
+    latents (a layer's own window) keeps the compressed entries it shares."""
+    o = oracle_with(300, 4)
+    p = torch.tensor([0, 1, 2, 3])
+    picks = torch.tensor([[0, 1, 2, 3]] * 4)
+    assert o.visibility(0, p, "c2a", picks)[1][:, 300:].sum(1).tolist() == [0, 1, 1, 2]
+    assert o.visibility(0, p, "c1a", picks)[1][:, 300:].sum(1).tolist() == [1, 2, 3, 4]
+    mine = o.with_raw({0: (0, torch.zeros(300, 512, dtype=torch.float64))})
+    assert mine.compressed is o.compressed
+    keys, _ = mine.visibility(0, p, "c1a", picks)
+    assert (keys[:300] == 0).all() and torch.equal(keys[300:], o.compressed["c1a"][0])
+    with pytest.raises(ValueError, match="kind must be one of"):
+        o.set_compressed("c3a", 0, torch.zeros(1, 512))

@@ -11,8 +11,9 @@ variant takes 3-8 CPU seconds to compile for CUDA and 10-40 for AMD, the other k
 * one target per code-generation family — sm_80 (mma.sync, no fp8 instructions), sm_89 (mma.sync with fp8),
   sm_90 (wgmma), sm_100 (tensor memory) and gfx942 (AMD; its fp8 bytes are decoded with integer operations on every
   AMD target) — every group: the decode over each cache format (bf16, fp8_v4, fp8_e4m3 at 512 dims; bf16, fp8_v32
-  at 576) and fp8 q, the bf16-workspace prefill, ragged and combined lists, split lists and the combine kernel,
-  insert / gather per format, the step lists, the compressed picks and the token order: every code path of every
+  at 576; V4.1's fp8_v41 window with an fp4_v41 compressed scope, and each page-planar V4.1 layout) and fp8 q, the
+  bf16-workspace prefill, ragged and combined lists, split lists and the combine kernel, insert / gather per format
+  name (V4.1's four too), the step lists, the compressed picks and the token order: every code path of every
   kernel;
 * the other targets (sm_86, sm_120, gfx90a, gfx950, gfx1100, gfx1201: a family's code with other limits, or
   RDNA's wave32 dots over the same bf16 tiles) the variants that need the most shared memory (LDS) — the bf16
@@ -40,6 +41,7 @@ from sparse_mla.verify import SUPPORT_FORMATS, support_markdown
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FAMILIES = ("sm_80", "sm_89", "sm_90", "sm_100", "gfx942")  # every group compiled here
+V41_NAMES = ("fp8_v41", "fp8_v41_planar", "fp4_v41", "fp4_v41_planar")
 
 
 def _compile_matrix(target: str, groups: tuple[str, ...]) -> list[dict]:
@@ -56,7 +58,9 @@ def _compile_matrix(target: str, groups: tuple[str, ...]) -> list[dict]:
 
 
 @pytest.mark.parametrize("target", [t.name for t in targets.MATRIX])
-def test_every_launched_variant_compiles_and_fits(target, tmp_path):
+def test_every_launched_variant_compiles_and_fits(target, tmp_path, monkeypatch):
+    # the report module sets TRITON_INTERPRET=0 when imported (it compiles): restored after this test
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         from portability_report import Row, table
@@ -71,6 +75,10 @@ def test_every_launched_variant_compiles_and_fits(target, tmp_path):
     failed = [f"{r['variant']} ({r['kernel']}): {r['error']}" for r in rows if r["status"] == "failed"]
     assert not failed, f"{target}: " + "; ".join(failed)
     assert {r["variant"].split()[0] for r in rows} >= {"decode", "prefill", "insert", "gather"}
+    v41 = {r["variant"] for r in rows if "v41" in r["variant"]}
+    assert {f"{op} {fmt}" for op in ("insert", "gather") for fmt in V41_NAMES} <= v41, "V4.1's cache kernels"
+    if "formats" in groups:  # every V4.1 kernel code in the attention kernel: fp8 and fp4, each page layout
+        assert {"decode fp8_v41+fp4_v41 d512", "decode fp8_v41_planar d512", "decode fp4_v41_planar d512"} <= v41
 
 
 @pytest.mark.parametrize("target", [t.name for t in targets.MATRIX])
@@ -78,7 +86,7 @@ def test_a_case_a_target_cannot_run_is_a_value_error_naming_it(target):
     """Each cell the support table lists as unsupported is, for a user, the ValueError of that sentence (raised
     when the call is planned, before any kernel is compiled); a supported cell plans."""
     t = targets.target_for(*next((x.backend, x.arch) for x in targets.MATRIX if x.name == target))
-    for fmt, dim in (*SUPPORT_FORMATS, ("fp8_v41", 512), ("fp4_v41", 512)):  # V4.1's: no kernel reads them yet
+    for fmt, dim in (*SUPPORT_FORMATS, ("fp8_v41", 512), ("fp4_v41_planar", 512)):
         for q_fp8 in (False, True):
             why = launch_configs.unsupported(t, dim, frozenset({fmt}), q_fp8)
             assert (why is None) == (fmt in launch_configs.TRITON_FORMATS)

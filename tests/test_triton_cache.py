@@ -1,4 +1,4 @@
-"""Triton insert / gather kernels are bit-identical to the reference formats."""
+"""Triton insert / gather kernels are bit-identical to the reference formats (V4.1: also test_v41_kernels.py)."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,8 @@ from helpers import DEVICE
 from sparse_mla.formats import allocate_cache
 from sparse_mla.ops import dequantize_and_gather, quantize_and_insert
 
-FORMATS = [("fp8_v4", 512), ("fp8_v32", 576), ("bf16", 512), ("bf16", 576)]
+FORMATS = [("fp8_v4", 512), ("fp8_v32", 576), ("bf16", 512), ("bf16", 576), ("fp8_v41", 512), ("fp8_v41_planar", 512),
+           ("fp4_v41", 512), ("fp4_v41_planar", 512)]
 
 
 def storage(cache: torch.Tensor) -> torch.Tensor:
@@ -37,12 +38,12 @@ def test_insert_is_bit_identical_to_reference(fmt, dim, block_size):
     slots[-1] = -1
     a = allocate_cache(fmt, num_blocks, block_size, DEVICE, dim)
     b = allocate_cache(fmt, num_blocks, block_size, DEVICE, dim)
-    quantize_and_insert(kv, a, slots, backend="reference")
-    quantize_and_insert(kv, b, slots, backend="triton")
+    quantize_and_insert(kv, a, slots, fmt, backend="reference")
+    quantize_and_insert(kv, b, slots, fmt, backend="triton")
     assert torch.equal(storage(a), storage(b))
     idx = torch.cat([slots, torch.tensor([-1], dtype=torch.int32, device=DEVICE)]).view(2, -1)
-    ref = dequantize_and_gather(a, idx, backend="reference")
-    got = dequantize_and_gather(a, idx, backend="triton")
+    ref = dequantize_and_gather(a, idx, fmt, backend="reference")
+    got = dequantize_and_gather(a, idx, fmt, backend="triton")
     assert torch.equal(ref.view(torch.int16), got.view(torch.int16))
 
 
@@ -107,7 +108,8 @@ def test_insert_into_memory_it_reads_is_rejected():
 
 
 @pytest.mark.parametrize("fmt,dim,kv_scale", [("fp8_v4", 512, None), ("fp8_v32", 576, None),
-                                            ("fp8_e4m3", 512, 2.0 ** -6), ("fp8_e4m3", 512, 0.0173)])
+                                            ("fp8_e4m3", 512, 2.0 ** -6), ("fp8_e4m3", 512, 0.0173),
+                                            ("fp8_v41_planar", 512, None), ("fp4_v41", 512, None)])
 def test_gather_decodes_fp8_alike_with_or_without_fp8_instructions(fmt, dim, kv_scale):
     """The gather kernel's fp8 reads by integer operations (CUDA < 8.9, AMD) give the bits of its reads by conversion
     instructions, and the reference's (slot -1: zeros) where that is exact (an fp8_e4m3 ``kv_scale`` that is not a
@@ -118,13 +120,14 @@ def test_gather_decodes_fp8_alike_with_or_without_fp8_instructions(fmt, dim, kv_
     gen = torch.Generator().manual_seed(dim + (kv_scale is not None))
     scale = None if kv_scale is None else torch.tensor([kv_scale], device=DEVICE)
     cache = allocate_cache(fmt, 3, 4, DEVICE, dim)
-    quantize_and_insert(hard_values(gen, 12, dim).to(DEVICE), cache, torch.arange(12, device=DEVICE), kv_scale=scale)
+    quantize_and_insert(hard_values(gen, 12, dim).to(DEVICE), cache, torch.arange(12, device=DEVICE), fmt,
+                        kv_scale=scale)
     slots = torch.tensor([7, -1, 0, 11, 3, 5], dtype=torch.int32, device=DEVICE)
     raw = cache.view(torch.uint8)  # as the ops pass it (validate.as_paged)
     integer, native = (triton_cache.dequantize_and_gather(raw, get_format(fmt, dim), scale, slots, native_fp8=n)
                        for n in (False, True))
     assert torch.equal(integer.view(torch.int16), native.view(torch.int16))
-    want = dequantize_and_gather(cache, slots, backend="reference", kv_scale=scale)
+    want = dequantize_and_gather(cache, slots, fmt, backend="reference", kv_scale=scale)
     if kv_scale in (None, 2.0 ** -6):
         assert torch.equal(integer.view(torch.int16), want.view(torch.int16))
     else:

@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ._checks import check_positive_int, is_int
-from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, V4_KINDS
+from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, V4_KINDS, WINDOWED_KINDS, complete_entries
 
 
 @dataclass
@@ -21,8 +21,8 @@ class Request:
     """One request of a step.
 
     seq_len: tokens cached after this step (prefix + new); query_len: new tokens this step.
-    block_tables: physical block numbers per cache kind (``"swa"``, ``"c4a"``, ``"c128a"``, or V3.2's
-    ``"dsa"``); each must cover the request's ``seq_len`` tokens (:func:`blocks_needed`). A block holds one range
+    block_tables: physical block numbers per cache kind (``"swa"``, ``"c4a"``, ``"c128a"``, V4.1's ``"c2a"``,
+    ``"c1a"``, or V3.2's ``"dsa"``); each must cover the request's ``seq_len`` tokens (:func:`blocks_needed`). A block holds one range
     of entries: the blocks a request's ``seq_len`` needs are distinct, and no two requests of a step share one,
     except a shared prefix (below).
     shared_prefix_blocks: per kind, how many leading blocks of the table are a read-only prefix that other requests
@@ -122,16 +122,17 @@ class StepBatch:
     def new_entries(self, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Compressed entries that become complete this step, where the engine's compressor writes them.
 
-        Request ``r`` completes entries ``prefix_len // ratio … seq_len // ratio - 1`` (``ratio`` of
-        ``kind``; for ``"swa"`` these are the new tokens themselves). Returns ``(req, entry, slot)``,
-        three ``(n,)`` int32 tensors ordered by request then entry.
+        Request ``r`` completes entries ``complete_entries(prefix_len) … complete_entries(seq_len) - 1`` (of the
+        ratio of ``kind``, :func:`~sparse_mla.config.complete_entries`; for ``"swa"`` and ``"c1a"`` these are the new
+        tokens' positions). Returns ``(req, entry, slot)``, three ``(n,)`` int32 tensors ordered by request then entry.
         """
         if kind not in self.block_tables:
             raise ValueError(f"kind must be one of this batch's kinds {tuple(self.block_tables)}, got {kind!r}")
         ratio = COMPRESS_RATIO[kind]
-        first = (self.seq_lens - self.query_lens) // ratio
-        count = self.seq_lens // ratio - first
-        n = sum(s // ratio - (s - q) // ratio for s, q in zip(self.seq_lens_host, self.query_lens_host))
+        first = complete_entries(self.seq_lens - self.query_lens, ratio)
+        count = complete_entries(self.seq_lens, ratio) - first
+        n = sum(complete_entries(s, ratio) - complete_entries(s - q, ratio)
+                for s, q in zip(self.seq_lens_host, self.query_lens_host))
         req = torch.repeat_interleave(torch.arange(self.num_reqs, dtype=torch.int32, device=self.device),
                                       count.long(), output_size=n)
         start = torch.cumsum(count, 0) - count  # first output row of each request
@@ -143,7 +144,7 @@ def entries_needed(seq_len: int, kind: str) -> int:
     """Cache entries a request of ``seq_len`` tokens occupies in the cache of ``kind``."""
     if kind not in COMPRESS_RATIO:
         raise ValueError(f"kind must be one of {tuple(COMPRESS_RATIO)}, got {kind!r}")
-    return seq_len // COMPRESS_RATIO[kind]
+    return complete_entries(seq_len, COMPRESS_RATIO[kind])
 
 
 def blocks_needed(seq_len: int, kind: str, block_size: int | None = None) -> int:
@@ -175,9 +176,9 @@ class StepBatchBuilder:
             raise ValueError(f"decode_threshold must be >= 1 (1 + speculative tokens), got {decode_threshold}")
         max_tokens, max_reqs, max_model_len = (check_positive_int(name, v) for name, v in (
             ("max_tokens", max_tokens), ("max_reqs", max_reqs), ("max_model_len", max_model_len)))
-        if isinstance(kinds, str) or not (tuple(kinds) == ("dsa",) or ("swa" in kinds and set(kinds) <= set(V4_KINDS))):
-            raise ValueError(f"kinds must be V4 kinds including 'swa' (from {V4_KINDS}) or V3.2's ('dsa',), "
-                             f"got {kinds!r}")
+        if isinstance(kinds, str) or not (tuple(kinds) == ("dsa",) or ("swa" in kinds and set(kinds) <= set(WINDOWED_KINDS))):
+            raise ValueError(f"kinds must be V4 kinds including 'swa' (or V4.1's: from {WINDOWED_KINDS}) or V3.2's "
+                             f"('dsa',), got {kinds!r}")
         _check_per_kind("block_sizes", block_sizes, kinds, 1)
         _check_per_kind("num_blocks", num_blocks, kinds, 0)
         self.num_blocks = dict(num_blocks or {})
@@ -251,7 +252,7 @@ class StepBatchBuilder:
             if kind not in self.kinds:
                 raise ValueError(f"request {r}: shared_prefix_blocks has {kind!r}, not among kinds {self.kinds}")
             ratio, bs = COMPRESS_RATIO[kind], self.block_sizes[kind]
-            first, end = (req.seq_len - req.query_len) // ratio, req.seq_len // ratio  # entries written this step
+            first, end = (complete_entries(n, ratio) for n in (req.seq_len - req.query_len, req.seq_len))  # written
             most = first // bs if end > first else blocks_needed(req.seq_len, kind, bs)
             if not (is_int(count) and 0 <= count <= most):
                 written = f"; this step writes its entry {first}, in block {first // bs}" if end > first else ""

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ._checks import check_positive_int, check_tensor, is_int
 from .batch import StepBatch, StepBatchBuilder, blocks_needed
-from .config import DEFAULT_BLOCK_SIZE, V4_KINDS
+from .config import DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS
 from .metadata import (ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata,
                        compact_rows, convert_picks)
 from .ops.merge import PARTIAL_DTYPES, merge_partials
@@ -110,6 +110,10 @@ class RankStepMetadata:
     swa_indices ``(T, ceil(W / world))`` + swa_lens ``(T,)`` (None for V3.2); c128a_indices
     ``(T, ceil(ceil(max_model_len / 128) / world))`` + c128a_lens (None without c128a); picks_indices ``(T, topk)``
     + picks_lens ``(T,)``: the last :meth:`c4a_indices` / :meth:`dsa_indices` call's (None without a picks kind).
+
+    A :class:`~sparse_mla.layer.SparseMLAAttention` takes it as its ``meta`` in context-parallel mode
+    (``layer(q, rank_meta, caches, picks, out=out, context_parallel=gather)``): the step's layer plans are kept
+    with it (:meth:`plan`, as :meth:`StepMetadata.plan`), and they convert a layer's picks with this rank's rule.
     """
 
     layout: RankLayout
@@ -123,10 +127,21 @@ class RankStepMetadata:
     picks_lens: torch.Tensor | None
     decode_orders: dict[str, torch.Tensor] = field(default_factory=dict)
     _scratch: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # full-width compaction rows
+    _plans: dict = field(default_factory=dict, repr=False)  # this step's plans (new with each build)
 
     @property
     def batch(self) -> StepBatch:
         return self.step.batch
+
+    @property
+    def spec(self) -> MetadataSpec:
+        return self.step.spec
+
+    @property
+    def picks_local(self) -> None:
+        """None: a rank keeps no list of kept picks (the workspace prefill, its one reader, is not run on a rank's
+        step)."""
+        return None
 
     @property
     def picks_bound(self) -> torch.Tensor | None:
@@ -148,11 +163,32 @@ class RankStepMetadata:
         """V3.2: as :meth:`c4a_indices` for picks that are request-local raw positions."""
         return self._convert(topk_positions, "dsa")
 
+    def picks_for(self, kind: str, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slots of a layer's picks (:meth:`StepMetadata.picks_for`: any picks kind of the batch): the
+        visible picks it owns, order kept; the others dropped here (kept on their owners)."""
+        return self._convert(picks, kind)
+
     def _convert(self, picks: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         self.check_current()
         virtual = convert_picks(self.step, picks, kind)[0]  # checks the picks; drops the invisible ones
         _owned_rows(self.layout, virtual, self._scratch["picks"], self.picks_indices, self.picks_lens)
         return self.picks_indices, self.picks_lens
+
+    def plan(self, key: tuple, make):
+        """The step-scoped plan stored under ``key``, made by ``make()`` on first use (as :meth:`StepMetadata.plan`;
+        each build starts anew). The conversion of a kind's picks, stored under ``("picks", kind)`` (where
+        :func:`~sparse_mla.metadata.convert_picks` and :mod:`~sparse_mla.index_forms` look it up), is this rank's
+        (:meth:`c4a_indices`), put there by the build; a conversion into other lists (the combined index form's)
+        is a ``ValueError``."""
+        self.check_current()
+        plan = self._plans.get(key)
+        if plan is None:
+            if key[0] == "picks":
+                raise ValueError(f"a rank's step converts a layer's picks into its own lists only (index_form "
+                                 f"'padded' or 'ragged'), not for {key}: the combined index form is not supported "
+                                 f"in context-parallel mode")
+            plan = self._plans[key] = make()
+        return plan
 
     def decode_order(self, kind: str) -> torch.Tensor | None:
         """The ops' ``order`` for this rank's decode tokens in layers of ``kind``, longest rank-local lists first
@@ -218,9 +254,12 @@ def build_rank_metadata(batch: StepBatch, layout: RankLayout, spec: MetadataSpec
         if meta._scratch.get(name) is not None:
             _owned_rows(layout, getattr(step, f"{name}_indices"), meta._scratch[name], getattr(meta, f"{name}_indices"),
                         getattr(meta, f"{name}_lens"))
+    meta._plans = {}
     if meta.picks_indices is not None:  # until a layer converts its picks: nothing
         meta.picks_indices.fill_(-1)
         meta.picks_lens.zero_()
+        for kind in (k for k in PICKS_KINDS if k in batch.block_tables):  # V4.1: c2a and c1a
+            meta._plans["picks", kind] = lambda picks, kind=kind: meta._convert(picks, kind)  # the plans' conversion
     _fill_decode_orders(meta)
     return meta
 
@@ -232,7 +271,8 @@ class PartialsGather:
     The buffers are allocated once: each rank's partials are packed into one byte buffer
     (``[out | lse]``, 16-byte aligned), so a layer's exchange is one ``all_gather_into_tensor`` of fixed shape
     (capturable in a CUDA graph on NCCL), and the merge reads the gathered buffer in place. Give
-    :attr:`out_partial` to the attention op as its ``out=`` and no copy is made.
+    :attr:`out_partial` to the attention op as its ``out=`` and no copy is made. :attr:`merged_lse` ``(T, H)``
+    float32 is a fixed buffer for the merged LSE (the layer's context-parallel mode writes it there).
 
     max_tokens: T, the token capacity of the step (the partials' first axis); num_heads: H; dim: D (the ops' 512);
     dtype: the partial outputs' (the ops' bf16); device: this rank's; group: the context-parallel process group
@@ -258,6 +298,7 @@ class PartialsGather:
         self.lse_partial = self._send[lse_part].view(torch.float32).view(max_tokens, num_heads)
         self.outs = per_rank[:, out_part].view(dtype).view(self.layout.world, max_tokens, num_heads, dim)
         self.lses = per_rank[:, lse_part].view(torch.float32).view(self.layout.world, max_tokens, num_heads)
+        self.merged_lse = torch.empty(max_tokens, num_heads, dtype=torch.float32, device=device)
 
     def __call__(self, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None = None, *,
                  merged: torch.Tensor | None = None, merged_lse: torch.Tensor | None = None,

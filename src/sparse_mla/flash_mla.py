@@ -2,13 +2,18 @@
 
 ``from flash_mla import get_mla_metadata, flash_mla_with_kvcache, flash_mla_sparse_fwd`` becomes
 ``from sparse_mla.flash_mla import ...``. Names, argument order, defaults, shapes and returns follow
-FlashMLA's Python interface as shipped in the ``sgl-flash-mla==1.0.0`` wheel, for its **sparse**
-modes; the work is done by :func:`sparse_mla.ops.sparse_attention_decode`'s checks and kernels
+FlashMLA's Python interface for its **sparse** modes in both of its surfaces: the legacy one, as shipped in the
+``sgl-flash-mla==1.0.0`` wheel (V4's 584-byte and V3.2's 656-byte caches, ``use_legacy`` / ``kv_format``), and the
+current one, FlashMLA's 2026-09-30 release for DeepSeek-V4.1 (the same functions and argument order, caches
+``(num_blocks, P, 1, 528 | 288)`` whose last axis names the format, fp4 only as ``extra_k_cache``, scheduler metadata
+made on the first call) — one function serves both, by the caches' bytes per token (:data:`V41_FORMAT_OF_BYTES`).
+The work is done by :func:`sparse_mla.ops.sparse_attention_decode`'s checks and kernels
 (``ops.checked_decode``, then the reference or the attention plan) and by
 :func:`sparse_mla.ops.sparse_attention_prefill` (the reference on the CPU, the Triton / Gluon kernels
 on CUDA). Differences from FlashMLA (see docs/flash_mla.md):
 
-* any head count (FlashMLA: 64 or 128), any device, bf16 caches as well as fp8;
+* any head count (FlashMLA: 64 or 128), any device, bf16 caches as well as fp8, V4's and V3.2's formats beside
+  V4.1's (FlashMLA's current release reads V4.1's only, on SM100);
 * the scheduler object holds nothing: reusing it across layers whose ``topk_length`` differ is safe;
 * ``flash_mla_sparse_fwd`` returns ``max_logits = None`` unless ``compute_max_logits=True`` (it costs
   a second pass over the keys, which the attention kernels do not make);
@@ -32,8 +37,9 @@ import torch
 
 from . import ops
 from ._checks import check_tensor
+from .config import check_scope_formats
 from .ops import reference, sparse_attention_prefill
-from .ops.launch import BindOnce
+from .ops.memo import Remembered, keep, recall, signature
 from .ops.validate import AttentionArgs, debug_checks_enabled
 
 if TYPE_CHECKING:
@@ -41,8 +47,15 @@ if TYPE_CHECKING:
 
 HEAD_DIM_V = 512
 _FP8_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)  # the byte dtypes FlashMLA accepts for caches
-_KV_FORMAT_BYTES = {"V4": 584, "V32": 656}  # FlashMLA's kv_format names of the layouts we implement
-_OTHER_LAYOUTS = {528: "V4.1 fp8 / V3.2-no-RoPE (528 B)", 288: "V4.1 fp4 (288 B)"}  # FlashMLA has them, we don't
+# FlashMLA's kv_format names of the layouts we implement, by bytes per token (V4.1's: its current release names them
+# by the cache's last axis alone; the legacy surface's kv_format may name them too)
+_KV_FORMAT_BYTES = {"V4": 584, "V32": 656, "V41": 528, "V41_FP4": 288}
+# FlashMLA's current release (2026-09-30) detects a d_qk = 512 cache's format from its last axis: 528 B is V4.1 fp8,
+# 288 B V4.1 fp4, both token-interleaved (a page's rows back to back, whole-row padding after it allowed). 528 B is
+# also V3.2-without-RoPE's size (512 e4m3 + 4 fp32 scales, a legacy-surface layout): a 528-byte cache is V4.1 fp8
+# unless kv_format says "V32_NO_ROPE", which we do not implement.
+V41_FORMAT_OF_BYTES = {528: "fp8_v41", 288: "fp4_v41"}
+_UNSUPPORTED_KV_FORMATS = {"V32_NO_ROPE": "V3.2 without RoPE (528 B: 512 e4m3 + 4 fp32 scales)"}
 _CHUNK_ELEMS = 1 << 25  # gathered key floats per chunk of compute_max_logits
 # the ops' backend the API runs: "auto" (the Triton / Gluon kernels on CUDA, the reference elsewhere); "triton" runs
 # the Triton path on the CPU too, under TRITON_INTERPRET=1 (the tests of the remembered calls do)
@@ -92,10 +105,26 @@ def _paged(name: str, cache: torch.Tensor) -> torch.Tensor:
     if cache.shape[2] != 1:
         raise ValueError(f"{name} must be (num_blocks, block_size, 1, bytes_per_token): one KV head, "
                          f"got shape {tuple(cache.shape)}")
-    if cache.dtype in _FP8_DTYPES and cache.shape[-1] in _OTHER_LAYOUTS:
-        raise NotImplementedError(f"{name}: the {_OTHER_LAYOUTS[cache.shape[-1]]} FlashMLA layout is not "
-                                  "supported; sparse_mla reads fp8_v4 (584 B), fp8_v32 (656 B) and bf16")
     return _bytes(cache)
+
+
+def _v41_format(cache: torch.Tensor | None) -> str | None:
+    """The V4.1 format a byte cache's last axis names (:data:`V41_FORMAT_OF_BYTES`), else None."""
+    return None if cache is None or cache.dtype != torch.uint8 else V41_FORMAT_OF_BYTES.get(cache.shape[-1])
+
+
+def _check_v41_pair(k_cache: torch.Tensor, extra_k_cache: torch.Tensor | None) -> None:
+    """FlashMLA's rule for V4.1's caches: fp4 only as ``extra_k_cache``, beside an fp8_v41 ``k_cache``; an
+    extra cache in ``k_cache``'s format otherwise (``ValueError`` naming the pair)."""
+    main, extra = _v41_format(k_cache), _v41_format(extra_k_cache)
+    if main == "fp4_v41":
+        raise ValueError("k_cache holds fp4_v41 (288 B per token): FlashMLA reads the fp4 cache only as "
+                         "extra_k_cache, beside an fp8_v41 (528 B) k_cache (sparse_mla.ops.sparse_attention_decode "
+                         "reads an fp4 first scope)")
+    if extra_k_cache is not None and (main or extra):
+        check_scope_formats(main or f"{k_cache.shape[-1]}-byte {k_cache.dtype}",
+                            extra or f"{extra_k_cache.shape[-1]}-byte {extra_k_cache.dtype}",
+                            ("k_cache", "extra_k_cache"))
 
 
 def _bytes(cache: torch.Tensor) -> torch.Tensor:
@@ -122,36 +151,9 @@ def _rows(indices: torch.Tensor, b: int, s_q: int) -> torch.Tensor:
     return indices.reshape(b * s_q, indices.shape[2])
 
 
-class _Decode:
-    """What the checked path of one :func:`flash_mla_with_kvcache` call signature leaves for its later calls: the
-    attention plan, the softmax scale, per scope the full-width lens standing in for an absent ``topk_length``
-    (None where the call passes one), and once a remembered call has run, the plan's launch bound to the
-    signature's strides and sizes (``AttentionPlan.bind``; the signature is its whole guard: key None)."""
-
-    __slots__ = ("plan", "scale", "full_lens", "bound")
-
-    def __init__(self, plan: AttentionPlan, scale: float, full_lens: tuple[torch.Tensor | None, ...]) -> None:
-        self.plan, self.scale, self.full_lens = plan, scale, full_lens
-        self.bound = BindOnce()
-
-
-_DECODES: OrderedDict[tuple, _Decode] = OrderedDict()  # by call signature, least recently used out
+# by call signature (ops.memo: the signature, what a remembered call keeps), least recently used out
+_DECODES: OrderedDict[tuple, Remembered] = OrderedDict()
 _MAX_DECODES = 256
-_PLAIN = frozenset((type(None), bool, int, float, str))
-
-
-def _signature(tensors: tuple, scalars: tuple) -> tuple | None:
-    """A call's signature: each tensor's type, shape, strides, dtype, device and 16-byte alignment (the checks, the
-    kernel choice and the compiled binary depend on nothing else of them), each scalar with its type; None when a
-    scalar is not a plain value or a tensor argument not a tensor (the checked path names it)."""
-    kinds = tuple(map(type, scalars))
-    if not _PLAIN.issuperset(kinds):
-        return None
-    try:
-        return (tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.get_device(),  # -1: CPU
-                                               t.data_ptr() & 15) for t in tensors]), kinds, scalars)
-    except (AttributeError, TypeError):
-        return None
 
 
 def _remember(sig: tuple, args: AttentionArgs, plan: AttentionPlan, q: torch.Tensor,
@@ -175,12 +177,10 @@ def _remember(sig: tuple, args: AttentionArgs, plan: AttentionPlan, q: torch.Ten
                 or scope.cache.stride() != paged.stride() or scope.cache.dtype != paged.dtype):
             return
         full.append(scope.lens if ln is None else None)
-    _DECODES[sig] = _Decode(plan, args.scale, tuple(full))
-    if len(_DECODES) > _MAX_DECODES:
-        _DECODES.popitem(last=False)
+    keep(_DECODES, sig, Remembered(plan, args.scale, tuple(full)), _MAX_DECODES)
 
 
-def _launch(memo: _Decode, q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
+def _launch(memo: Remembered, q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
             attn_sink: torch.Tensor | None, extra_k_cache: torch.Tensor | None,
             extra_indices: torch.Tensor | None, topk_length: torch.Tensor | None,
             extra_topk_length: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,9 +232,13 @@ def flash_mla_with_kvcache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's sparse decoding: each query token attends to the keys its ``indices`` name.
 
-    q: ``(b, s_q, h_q, d)`` bf16, d = 512 (V4) or 576 (V3.2), any ``h_q``.
+    q: ``(b, s_q, h_q, d)`` bf16, d = 512 (V4, V4.1) or 576 (V3.2), any ``h_q``.
     k_cache / extra_k_cache: ``(num_blocks, block_size, 1, bytes_per_token)``: uint8 / int8 /
-    float8_e4m3fn bytes of ``fp8_v4`` (584 B, d 512) or ``fp8_v32`` (656 B, d 576), or bf16 ``(…, 1, d)``.
+    float8_e4m3fn bytes of ``fp8_v4`` (584 B, d 512) or ``fp8_v32`` (656 B, d 576), or bf16 ``(…, 1, d)``; or
+    FlashMLA's current V4.1 caches, told apart by the last axis alone (:data:`V41_FORMAT_OF_BYTES`): 528 B ``fp8_v41``
+    and 288 B ``fp4_v41``, token-interleaved (``stride(1)`` = the bytes per token; ``stride(0)`` may leave whole-row
+    padding after a page). ``extra_k_cache`` has ``k_cache``'s format, or is ``fp4_v41`` beside an ``fp8_v41``
+    ``k_cache``; an fp4 ``k_cache`` is a ``ValueError`` (FlashMLA reads fp4 only as the extra cache).
     indices / extra_indices_in_kvcache: ``(b, s_q, topk)`` int32 slots (``block * block_size + offset``),
     ``-1`` invalid. topk_length / extra_topk_length: ``(b,)`` int32: every token of request ``i``
     attends to the first ``topk_length[i]`` entries of its row (default: all).
@@ -243,7 +247,9 @@ def flash_mla_with_kvcache(
     d = 576 it is required (``ValueError``): ``576 ** -0.5`` is not V3.2's scale. head_dim_v must be 512.
     block_table, cache_seqlens, use_legacy: accepted and unused (FlashMLA ignores the first two in
     sparse mode; ``use_legacy`` picks one of its kernel sets, we have one). num_splits must be None.
-    kv_format: None (inferred from the cache), ``"V4"`` or ``"V32"`` (checked against the cache).
+    kv_format: None (inferred from the cache), ``"V4"``, ``"V32"``, ``"V41"`` or ``"V41_FP4"`` (checked against
+    ``k_cache``); ``"V32_NO_ROPE"`` (the other 528-byte layout) is not supported. ``is_fp8_kvcache`` defaults to what
+    the cache holds (FlashMLA's current release: True, the only value it takes).
 
     Returns out ``(b, s_q, h_q, 512)`` bf16 and lse ``(b, h_q, s_q)`` float32 (a transposed view of a
     ``(b, s_q, h_q)`` buffer, FlashMLA's strides): natural-log sum of ``exp(scores)`` over valid keys, sink
@@ -252,18 +258,20 @@ def flash_mla_with_kvcache(
     ``enable_batch_invariant=True``: each token's output is bitwise independent of the rest of the batch
     (``sparse_attention_decode(batch_invariant=True)``).
 
+    The scheduler object holds nothing (FlashMLA's records its first call's configuration and makes its split-KV
+    schedule then, lazily): ours is made per call from shapes, so any call may reuse any scheduler.
+
     Not supported (``NotImplementedError``): ``indices=None`` (dense decoding), ``descale_q`` / ``descale_k``,
-    the V4.1 / V3.2-no-RoPE layouts.
+    the V3.2-no-RoPE layout (``kv_format="V32_NO_ROPE"``).
     """
     sig = None
     if (indices is not None and descale_q is None and descale_k is None
             and type(tile_scheduler_metadata) is FlashMLASchedMeta and not debug_checks_enabled()):
-        sig = _signature((q, indices, attn_sink, extra_indices_in_kvcache, topk_length, extra_topk_length, k_cache,
-                          extra_k_cache), (head_dim_v, num_splits, softmax_scale, causal, is_fp8_kvcache,
-                                           enable_batch_invariant, kv_format, BACKEND))
-        memo = None if sig is None else _DECODES.get(sig)
+        sig = signature((q, indices, attn_sink, extra_indices_in_kvcache, topk_length, extra_topk_length, k_cache,
+                         extra_k_cache), (head_dim_v, num_splits, softmax_scale, causal, is_fp8_kvcache,
+                                          enable_batch_invariant, kv_format, BACKEND))
+        memo = recall(_DECODES, sig)
         if memo is not None:
-            _DECODES.move_to_end(sig)
             out, lse = _launch(memo, q, k_cache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache,
                                topk_length, extra_topk_length)
             return out, lse.transpose(1, 2)
@@ -294,13 +302,15 @@ def flash_mla_with_kvcache(
                          "uint8 / int8 / float8_e4m3fn bytes, bf16 caches bfloat16")
     if kv_format is not None:
         if kv_format not in _KV_FORMAT_BYTES:
-            raise NotImplementedError(f"kv_format={kv_format!r} is not supported: use None, 'V4' (584 B) or "
-                                      f"'V32' (656 B)")
+            unsupported = _UNSUPPORTED_KV_FORMATS.get(kv_format, "not a FlashMLA format we read")
+            raise NotImplementedError(f"kv_format={kv_format!r} ({unsupported}) is not supported: use None or one of "
+                                      + ", ".join(f"{k!r} ({n} B)" for k, n in _KV_FORMAT_BYTES.items()))
         if not is_fp8 or k_cache.shape[-1] != _KV_FORMAT_BYTES[kv_format]:
             raise ValueError(f"kv_format={kv_format!r} needs {_KV_FORMAT_BYTES[kv_format]}-byte fp8 tokens, but "
                              f"k_cache is {k_cache.dtype} with last axis {k_cache.shape[-1]}")
     if extra_k_cache is not None:
         extra_k_cache = _paged("extra_k_cache", extra_k_cache)
+    _check_v41_pair(k_cache, extra_k_cache)
     extra_idx = None if extra_indices_in_kvcache is None else _tokens(
         "extra_indices_in_kvcache", extra_indices_in_kvcache, b, s_q)
     q_rows = q.reshape(b * s_q, h_q, d)

@@ -92,12 +92,14 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of e2m1 code
 E2M1_MAX = E2M1_VALUES[-1]
 E2M1_SIGN = 0x8
 E2M1_MIN_SCALE = 2.0**-9  # floor of an fp4 tile's scale (the smallest e4m3 subnormal); 448 is its ceiling
-# format codes: the kernels' FMT constexprs (the two page layouts of a V4.1 format share its code: see page_fields)
+# format codes: the kernels' FMT constexprs, one per format name: a code says how a token's record is encoded and
+# where its bytes sit in a page (the page-planar V4.1 layouts have codes of their own: see page_fields)
 FMT_BF16, FMT_FP8_V4, FMT_FP8_V32, FMT_FP8_E4M3, FMT_FP8_V41, FMT_FP4_V41 = 0, 1, 2, 3, 4, 5
+FMT_FP8_V41_PLANAR, FMT_FP4_V41_PLANAR = 6, 7
 PLANAR_SUFFIX = "_planar"  # names the page-planar layout of a format whose tensors read as token-interleaved
 FORMAT_CODES = {"bf16": FMT_BF16, "fp8_v4": FMT_FP8_V4, "fp8_v32": FMT_FP8_V32, "fp8_e4m3": FMT_FP8_E4M3,
-                "fp8_v41": FMT_FP8_V41, "fp8_v41" + PLANAR_SUFFIX: FMT_FP8_V41,
-                "fp4_v41": FMT_FP4_V41, "fp4_v41" + PLANAR_SUFFIX: FMT_FP4_V41}
+                "fp8_v41": FMT_FP8_V41, "fp8_v41" + PLANAR_SUFFIX: FMT_FP8_V41_PLANAR,
+                "fp4_v41": FMT_FP4_V41, "fp4_v41" + PLANAR_SUFFIX: FMT_FP4_V41_PLANAR}
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ class KVFormat:
     @property
     def is_fp8(self) -> bool:
         """Whether the quantised values are e4m3 bytes (every quantised format but fp4_v41)."""
-        return self.quantized and self.code != FMT_FP4_V41
+        return self.quantized and self.record_code != FMT_FP4_V41
 
     @property
     def per_tensor(self) -> bool:
@@ -134,8 +136,14 @@ class KVFormat:
 
     @property
     def code(self) -> int:
-        """The kernels' format code (``FMT_*``): how a token's record is encoded, whatever the page layout."""
+        """The kernels' format code (``FMT_*``): how a token's record is encoded and how a page holds the records
+        (with the block size, a kernel's whole knowledge of a cache's bytes: :func:`page_fields`)."""
         return FORMAT_CODES[self.name]
+
+    @property
+    def record_code(self) -> int:
+        """The code of the record encoding, whatever the page layout (both layouts of a V4.1 format share it)."""
+        return FORMAT_CODES[self.encoding]
 
     @property
     def planar(self) -> bool:
@@ -152,7 +160,7 @@ class KVFormat:
     def whole_row_pages(self) -> bool:
         """Whether the page stride must be a whole number of ``token_bytes`` rows (FlashMLA's token-interleaved
         V4.1 caches: padding after a page is allowed, in whole rows)."""
-        return not self.planar and self.code in (FMT_FP8_V41, FMT_FP4_V41)
+        return self.code in (FMT_FP8_V41, FMT_FP4_V41)
 
 
 FP8_V4 = KVFormat("fp8_v4", dim=V4_DIM, token_bytes=V4_TOKEN_BYTES, nope_dim=V4_NOPE_DIM, rope_dim=ROPE_DIM,
@@ -432,12 +440,12 @@ def encode_records(kv: torch.Tensor, fmt: KVFormat, kv_scale: torch.Tensor | Non
         return quantize_per_tensor(kv, _per_tensor_scale(fmt, kv_scale))
     n = kv.shape[0]
     x = kv.float()
-    if fmt.code == FMT_FP4_V41:  # [packed e2m1 codes][e4m3 scales]
+    if fmt.record_code == FMT_FP4_V41:  # [packed e2m1 codes][e4m3 scales]
         codes, scale_bytes = quantize_e2m1_tiles(x, fmt.tile)
         return torch.cat([pack_e2m1(codes), scale_bytes], dim=1)
     codes, scales = quantize_e4m3_tiles(x[:, : fmt.nope_dim], fmt.tile)
     rope_bytes = kv[:, fmt.nope_dim :].contiguous().view(torch.uint8)
-    if fmt.code == FMT_FP8_V32:  # [e4m3 nope][fp32 scales][bf16 rope]
+    if fmt.record_code == FMT_FP8_V32:  # [e4m3 nope][fp32 scales][bf16 rope]
         return torch.cat([codes, scales.contiguous().view(torch.uint8), rope_bytes], dim=1)
     # fp8_v4: [e4m3 nope][bf16 rope][7 ue8m0][1 zero pad byte]; fp8_v41: [e4m3][16 ue8m0]
     pad = torch.zeros(n, fmt.token_bytes - fmt.scale_offset - fmt.num_tiles, dtype=torch.uint8, device=kv.device)
@@ -447,10 +455,10 @@ def encode_records(kv: torch.Tensor, fmt: KVFormat, kv_scale: torch.Tensor | Non
 def record_scales(records: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     """Per-tile scales of records: ``(n, token_bytes)`` uint8 -> ``(n, tiles)`` float32 (tiled formats)."""
     raw = records[:, fmt.scale_offset :]
-    if fmt.code == FMT_FP8_V32:
+    if fmt.record_code == FMT_FP8_V32:
         return raw[:, : 4 * fmt.num_tiles].contiguous().view(torch.float32)
     raw = raw[:, : fmt.num_tiles]
-    if fmt.code == FMT_FP4_V41:
+    if fmt.record_code == FMT_FP4_V41:
         return raw.contiguous().view(torch.float8_e4m3fn).float()
     return ue8m0_values(raw)
 
@@ -459,7 +467,7 @@ def decode_records(records: torch.Tensor, fmt: KVFormat, kv_scale: torch.Tensor 
     """Dequantise records: ``(n, token_bytes)`` uint8 -> ``(n, d)`` float32, ``value · scale`` (exact in bf16
     for the tiled formats: e4m3 · 2^k, e2m1 · e4m3; fp8_e4m3: e4m3 · kv_scale)."""
     n = records.shape[0]
-    if fmt.code == FMT_FP4_V41:
+    if fmt.record_code == FMT_FP4_V41:
         values = e2m1_values(unpack_e2m1(records[:, : fmt.scale_offset]))
     else:
         values = records[:, : fmt.nope_dim].contiguous().view(torch.float8_e4m3fn).float()

@@ -7,7 +7,8 @@ import torch
 
 from ._checks import check_kv_scale, check_scale, check_sink, check_tensor, is_int
 from .cache import PagedCache
-from .config import COMPRESS_RATIO, LAYER_KINDS, PICKS_KINDS
+from .config import COMPRESS_RATIO, LAYER_KINDS, PICKS_KINDS, check_scope_formats
+from .context_parallel import PartialsGather, RankStepMetadata
 from .formats import FORMAT_NAMES, cache_stamp
 from .index_forms import check_index_form
 from .metadata import StepMetadata
@@ -24,11 +25,13 @@ FIXED_CONFIGURATION = frozenset(("kind", "num_heads", "head_dim", "window", "top
 
 
 class SparseMLAAttention(torch.nn.Module):
-    """Sparse MLA attention of one layer kind: V4's ``swa``, ``c4a`` (indexer top-k) or ``c128a``, or V3.2's
-    ``dsa`` (indexer top-k over raw tokens, 576-d absorbed queries).
+    """Sparse MLA attention of one layer kind: V4's ``swa``, ``c4a`` (indexer top-k) or ``c128a``, V4.1's ``c2a`` or
+    ``c1a`` (indexer top-k among entries of ratio 2 or 1, beside the window), or V3.2's ``dsa`` (indexer top-k over
+    raw tokens, 576-d absorbed queries).
 
-    kind / compress_ratio: the layer kind (V4 ratio 1, 4 or 128; give either). window: the SWA window W
-    (the step metadata must be built with the same; unused by dsa). topk: the indexer width (c4a and dsa).
+    kind / compress_ratio: the layer kind (ratio 1, 4 or 128 for V4, 2 or 1 for V4.1's compressed kinds; give
+    either). window: the SWA window W
+    (the step metadata must be built with the same; unused by dsa). topk: the indexer width (c4a, c2a, c1a, dsa).
     scale: softmax scale; V4 defaults to ``head_dim ** -0.5``; a dsa layer must be given its model's
     (``qk_head_dim ** -0.5 · mscale²``, :func:`sparse_mla.config.get_config` ``("deepseek-v3.2").softmax_scale``),
     never ``576 ** -0.5``. sink: ``(num_heads,)`` float32 per-head sink logits (None: no sink), registered as a
@@ -139,9 +142,10 @@ class SparseMLAAttention(torch.nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, q: torch.Tensor, meta: StepMetadata | None = None, caches: dict | None = None,
+    def forward(self, q: torch.Tensor, meta: StepMetadata | RankStepMetadata | None = None, caches: dict | None = None,
                 topk_indices: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                q_scale: float | torch.Tensor | None = None) -> torch.Tensor:
+                q_scale: float | torch.Tensor | None = None, *,
+                context_parallel: PartialsGather | None = None) -> torch.Tensor:
         """Attention of the step's tokens.
 
         q: ``(T, num_heads, head_dim)`` bf16, T = the batch's token capacity (dsa: absorbed queries
@@ -154,6 +158,15 @@ class SparseMLAAttention(torch.nn.Module):
         bf16 (written in place when given), before V4's inverse rope on the output's rope dims; padding tokens
         get zeros. q_scale: with fp8_e4m3 caches, q may be float8_e4m3fn, its values ``e4m3 · q_scale`` (a positive
         number or a one-element float32 tensor on q's device, read at run time); not with ``prefill_mode="workspace"``.
+
+        Context-parallel mode (docs/context_parallel.md): meta is this rank's
+        :class:`~sparse_mla.context_parallel.RankStepMetadata` (``build_rank_metadata``), caches hold the rank's
+        share, and context_parallel is the :class:`~sparse_mla.context_parallel.PartialsGather` of the rank's group
+        (made for the step's token capacity and this layer's heads). The layer attends to the rank's keys without
+        the sink, writing its partial into the gather's send buffer, then gathers every rank's partials and merges
+        them, applying the sink once: ``out`` is the whole attention (the same bits on every rank). No host sync:
+        a decode step in this mode can be captured in a CUDA graph on NCCL. Not with the combined index form, nor
+        with the workspace prefill (``prefill_mode="workspace"`` and prefill tokens in the step).
         """
         dim = self.head_dim
         q_dtype = torch.bfloat16 if q_scale is None else torch.float8_e4m3fn
@@ -163,8 +176,14 @@ class SparseMLAAttention(torch.nn.Module):
             if self.prefill_mode == "workspace":
                 self._workspace_buffer(q.device)
             return out.zero_()
-        if type(meta) is not StepMetadata:
-            raise TypeError(f"meta must be the step's StepMetadata (or None), got {type(meta).__name__}")
+        if type(meta) is RankStepMetadata:
+            self._check_context_parallel(meta, context_parallel)
+        elif type(meta) is not StepMetadata:
+            raise TypeError(f"meta must be the step's StepMetadata, a rank's RankStepMetadata (context parallel) or "
+                            f"None, got {type(meta).__name__}")
+        elif context_parallel is not None:
+            raise ValueError("context_parallel needs meta to be this rank's RankStepMetadata (build_rank_metadata over "
+                             "the rank's caches), got a StepMetadata (a process holding the whole cache)")
         batch = meta.batch
         batch.check_current()
         capacity, device = batch.token_capacity, batch.device
@@ -184,7 +203,9 @@ class SparseMLAAttention(torch.nn.Module):
         if sink is not None and (seen is None or seen[0] is not sink or seen[1] != device):
             _check_layer_sink(sink, self.num_heads, device, values=False)
             self._sink_seen = (sink, device)
-        plan, caches_t, kv_scale = self._plan(meta, caches, sink is not None, q_scale is not None)
+        # context parallel: the partial has no sink (the merge applies it once) and goes straight into the send buffer
+        has_sink = sink is not None and context_parallel is None
+        plan, caches_t, kv_scale = self._plan(meta, caches, has_sink, q_scale is not None)
         if q_scale is not None:
             if self.prefill_mode == "workspace":
                 raise ValueError("an fp8 q (q_scale) needs prefill_mode 'paged' or 'mixed': the workspace prefill "
@@ -196,10 +217,40 @@ class SparseMLAAttention(torch.nn.Module):
                                  f"(T, topk) int32")
         elif topk_indices is not None:
             raise ValueError(f"topk_indices must be given only to a c4a or dsa layer, not to this {self.kind} layer")
-        plan(q, out, caches_t, topk_indices, sink, self.scale, q_scale, kv_scale)
+        if context_parallel is None:
+            plan(q, out, caches_t, topk_indices, sink, self.scale, q_scale, kv_scale)
+            return out
+        partial = context_parallel.out_partial
+        plan(q, partial, caches_t, topk_indices, None, self.scale, q_scale, kv_scale)
+        context_parallel(partial, plan.lse, sink, merged=out, merged_lse=context_parallel.merged_lse,
+                         backend=self.backend)
         return out
 
     # ------------------------------------------------------------------ helpers
+
+    def _check_context_parallel(self, meta: RankStepMetadata, gather: object) -> None:
+        """A context-parallel call's gather against the rank's metadata and this layer (``ValueError`` /
+        ``TypeError`` naming what is wrong; attribute compares only)."""
+        if gather is None:
+            raise ValueError("meta is a RankStepMetadata (one rank's share of the step): pass context_parallel=, the "
+                             "PartialsGather of the rank's group that merges every rank's partials")
+        if not isinstance(gather, PartialsGather):
+            raise TypeError(f"context_parallel must be a PartialsGather, got {type(gather).__name__}")
+        if gather.layout != meta.layout:
+            raise ValueError(f"context_parallel gathers over {gather.layout}, but meta was built for {meta.layout}")
+        batch, part = meta.batch, gather.out_partial
+        want = (batch.token_capacity, self.num_heads, D_V)
+        if tuple(part.shape) != want or part.dtype != torch.bfloat16 or part.device != batch.device:
+            raise ValueError(f"context_parallel holds {part.dtype} partials of shape {tuple(part.shape)} on "
+                             f"{part.device}; this layer's step needs bf16 {want} on {batch.device}: make the "
+                             f"PartialsGather with max_tokens = the step's token capacity and num_heads = the "
+                             f"layer's, on the step's device")
+        if self.index_form == "combined":
+            raise ValueError("index_form 'combined' is not supported in context-parallel mode (use 'padded' or "
+                             "'ragged')")
+        if self.prefill_mode == "workspace" and batch.num_tokens > batch.num_decode_tokens:
+            raise ValueError("prefill_mode 'workspace' does not run in context-parallel mode: the step has prefill "
+                             "tokens; make the layer with prefill_mode 'paged' or 'mixed'")
 
     def _workspace_buffer(self, device: torch.device) -> torch.Tensor:
         """This layer's view of the shared workspace (``workspace_bytes`` of ``head_dim``-wide bf16 rows)."""
@@ -215,7 +266,7 @@ class SparseMLAAttention(torch.nn.Module):
             raise ValueError("out must be contiguous")
         return out
 
-    def _plan(self, meta: StepMetadata, caches: dict | None, has_sink: bool, q_fp8: bool = False
+    def _plan(self, meta: StepMetadata | RankStepMetadata, caches: dict | None, has_sink: bool, q_fp8: bool = False
               ) -> tuple[LayerPlan, tuple[torch.Tensor, ...], torch.Tensor | None]:
         """This step's plan for this layer's configuration and caches (made on the first call of the step), the
         cache tensors in its scope order, and their shared kv_scale (fp8_e4m3; else None)."""
@@ -245,7 +296,7 @@ class SparseMLAAttention(torch.nn.Module):
         if q_fp8 and kv_scale is None:
             raise ValueError(f"q_scale (an fp8 q) needs fp8_e4m3 caches, got "
                              f"{ {k: v.fmt.name for k, v in views.items()} }")
-        plan = meta.plan(key, lambda: self._make_plan(meta, views, q_fp8))
+        plan = meta.plan(key, lambda: self._make_plan(meta, views, has_sink, q_fp8))
         paged = tuple([views[k].tensor for k in plan.cache_kinds])
         # kept for the next call where the caches are the paged tensors themselves (no 4-D views) and no kv_scale
         # is read per call; weak references: the layer keeps no cache alive
@@ -253,7 +304,7 @@ class SparseMLAAttention(torch.nn.Module):
             weakref.ref(plan), (has_sink, q_fp8), [weakref.ref(obj) for obj in objs], [cache_stamp(t) for t in tensors])
         return plan, paged, kv_scale
 
-    def _check_step(self, meta: StepMetadata) -> None:
+    def _check_step(self, meta: StepMetadata | RankStepMetadata) -> None:
         """This layer against the step's metadata: its model family, window and top-k. On every plan lookup, so once
         per step at least (a layer's remembered plan is of the step it was checked against)."""
         batch, spec = meta.batch, meta.spec
@@ -267,12 +318,15 @@ class SparseMLAAttention(torch.nn.Module):
         if self.kind in PICKS_KINDS and spec.topk != self.topk:
             raise ValueError(f"the step's metadata has topk {spec.topk}, this layer {self.topk}")
 
-    def _make_plan(self, meta: StepMetadata, views: dict, q_fp8: bool = False) -> LayerPlan:
+    def _make_plan(self, meta: StepMetadata | RankStepMetadata, views: dict, has_sink: bool, q_fp8: bool = False
+                   ) -> LayerPlan:
         """Check this layer against the step and its caches (once per step and configuration), then plan."""
         batch = meta.batch
+        # a rank's block tables are read with block sizes × world (context_parallel.RankBatchBuilder)
+        world = meta.layout.world if isinstance(meta, RankStepMetadata) else 1
         formats = {kind: v.fmt.name for kind, v in views.items()}
-        if len(set(formats.values())) > 1:
-            raise ValueError(f"cache format mismatch: the layer's caches hold different formats {formats}")
+        if len(formats) > 1:  # one format, or V4.1's fp4 compressed cache beside an fp8 window cache
+            check_scope_formats(*formats.values(), names=tuple(f"caches[{k!r}]" for k in formats))
         for kind, view in views.items():
             name = f"caches[{kind!r}]"
             if kind not in batch.block_tables:
@@ -284,16 +338,16 @@ class SparseMLAAttention(torch.nn.Module):
             if view.fmt.dim != self.head_dim:
                 raise ValueError(f"{name} holds {view.fmt.dim}-d tokens ({view.fmt.name}), the layer's head_dim is "
                                  f"{self.head_dim}")
-            if view.tensor.shape[1] != batch.block_sizes[kind]:
+            if view.tensor.shape[1] * world != batch.block_sizes[kind]:
                 raise ValueError(f"{name} has blocks of {view.tensor.shape[1]} entries, the step's block tables use "
-                                 f"{batch.block_sizes[kind]}")
+                                 f"{batch.block_sizes[kind] // world}")
             needed = batch.max_block.get(kind, -1) + 1
             if view.tensor.shape[0] < needed:
                 raise ValueError(f"{name} has {view.tensor.shape[0]} blocks, but the step's {kind!r} block tables "
                                  f"name block {needed - 1}: the cache is smaller than the block tables")
             if view.tensor.device != batch.device:
                 raise ValueError(f"{name} is on {view.tensor.device}, the step's metadata on {batch.device}")
-        return LayerPlan(meta, self, views, q_fp8)
+        return LayerPlan(meta, self, views, q_fp8, has_sink)
 
 
 def _check_layer_sink(sink: object, num_heads: int, device: torch.device | None = None, values: bool = True) -> None:

@@ -7,11 +7,13 @@ decode step can be captured in a CUDA graph.
 
 * SWA: token at position ``p`` sees raw tokens ``max(0, p-W+1) … p``.
 * C128A: every compressed entry ``w`` with ``(w+1)·128 <= p+1``, i.e. entries ``0 … (p+1)//128 - 1``.
-* C4A: the indexer's picks (local entry numbers) that are visible, ``(w+1)·4 <= p+1``, converted to
-  global slots per layer by :meth:`StepMetadata.c4a_indices`; an invisible pick is dropped, not an error
-  (a pick below -1 or past ``max_model_len``'s entries is one, checked under ``SPARSE_MLA_DEBUG=1``).
+* Picks kinds — V4's C4A, V4.1's C2A and C1A: the indexer's picks (local entry numbers) that are visible,
+  ``(w+1)·r <= p+1`` (:func:`~sparse_mla.config.complete_entries`, the one visibility rule), converted to global
+  slots per layer by :meth:`StepMetadata.picks_for` (``c4a_indices`` for c4a); an invisible pick is dropped, not
+  an error (a pick below -1 or past ``max_model_len``'s entries is one, checked under ``SPARSE_MLA_DEBUG=1``).
+  Layers that reuse one indexer's picks (V4.1's ``index_source_layer_ids``) each convert the same picks tensor.
 * DSA (V3.2): the indexer's picks are request-local raw positions; a pick after the token's own position is
-  dropped; converted per layer by :meth:`StepMetadata.dsa_indices` (the c4a rule with ratio 1).
+  dropped; converted per layer by :meth:`StepMetadata.dsa_indices` (the same rule with ratio 1).
 * Decode order (:meth:`StepMetadata.decode_order`): per kind with long lists, the decode tokens longest key
   lists first, the order the attention kernels take them in (``sparse_mla.ops.order``).
 * Step plans (:meth:`StepMetadata.plan`): what is resolved once per step and kept with its metadata — the
@@ -19,7 +21,8 @@ decode step can be captured in a CUDA graph.
   forms' buffers (:mod:`sparse_mla.index_forms`).
 
 Metadata is only as current as its batch: once the batch's builder builds another step, its buffers hold
-that step, and every public read of this metadata — its index lists, :meth:`~StepMetadata.c4a_indices`,
+that step, and every public read of this metadata — its index lists, :meth:`~StepMetadata.picks_for`,
+:meth:`~StepMetadata.c4a_indices`,
 :meth:`~StepMetadata.dsa_indices`, :meth:`~StepMetadata.decode_order`, :meth:`~StepMetadata.plan` — is a
 ``ValueError`` (:meth:`StepBatch.check_current`: an integer compare, no device sync) until
 ``build_step_metadata(new_batch, spec, out=this)`` refills it.
@@ -33,18 +36,19 @@ import torch
 
 from ._checks import check_index_range, check_tensor
 from .batch import StepBatch, entries_needed, slots_of
-from .config import COMPRESS_RATIO, PICKS_KINDS
+from .config import COMPRESS_RATIO, COMPRESSED_KINDS, PICKS_KINDS, complete_entries
 from .ops import triton_index
 from .ops.dispatch import builders_use_triton
 from .ops.order import fill_longest_first
 from .ops.validate import debug_checks_enabled
 
-ORDERED_KINDS = ("c4a", "c128a", "dsa")  # kinds whose decode tokens get a longest-first order
+ORDERED_KINDS = COMPRESSED_KINDS + ("dsa",)  # kinds whose decode tokens get a longest-first order
 
 
 @dataclass(frozen=True)
 class MetadataSpec:
-    """What the step's layers need: the SWA window ``W`` (V4) and the indexer width (top-k: c4a, dsa)."""
+    """What the step's layers need: the SWA window ``W`` (V4, V4.1) and the indexer width (top-k: c4a, c2a, c1a,
+    dsa)."""
 
     window: int = 128
     topk: int = 512
@@ -86,10 +90,11 @@ class StepMetadata:
 
     swa_indices ``(T, W)`` + swa_lens ``(T,)`` (``None`` for a V3.2 batch); c128a_indices
     ``(T, ceil(max_model_len/128))`` + c128a_lens (``None`` when the batch has no c128a block table).
-    picks_indices / picks_lens / picks_local ``(T, topk)``, ``(T,)``, ``(T, topk)``: the picks kind's
-    (``picks_kind``: c4a or dsa) converted picks, filled per layer by :meth:`c4a_indices` /
-    :meth:`dsa_indices`; picks_bound ``(T,)``: ``min(topk, entries visible to the token)``, what any layer's
-    picks count can reach (the decode order's estimate). decode_orders: ``(T,)`` per ordered kind, see
+    picks_indices / picks_lens / picks_local ``(T, topk)``, ``(T,)``, ``(T, topk)``: the last converted picks
+    of a picks kind (c4a, c2a, c1a or dsa), filled per layer by :meth:`picks_for` (:meth:`c4a_indices`,
+    :meth:`dsa_indices`); every picks kind of the batch shares them (each layer converts before it attends);
+    picks_bound ``(T,)``: ``min(topk, entries visible to the token)`` at the smallest ratio of the batch's picks
+    kinds, what any layer's picks count can reach (the decode order's estimate). decode_orders: ``(T,)`` per ordered kind, see
     :meth:`decode_order`.
 
     The lists are read-only attributes that raise ``ValueError`` once the metadata is stale (its batch's builder
@@ -124,30 +129,42 @@ class StepMetadata:
 
     @property
     def picks_kind(self) -> str | None:
-        """The kind whose layers convert indexer picks into :attr:`picks_indices`: ``c4a``, ``dsa`` or None."""
+        """The first kind of the batch whose layers convert indexer picks into :attr:`picks_indices` (``c4a``,
+        ``c2a``, ``c1a``, ``dsa``) or None; a V4.1 batch may hold two (c2a and c1a), which share the buffers."""
         return next((k for k in PICKS_KINDS if k in self.batch.block_tables), None)
+
+    @property
+    def picks_ratio(self) -> int:
+        """The smallest compress ratio of the batch's picks kinds (1 without one): the ratio whose visible entries
+        bound every picks layer's count (:attr:`picks_bound`)."""
+        return min((COMPRESS_RATIO[k] for k in PICKS_KINDS if k in self.batch.block_tables), default=1)
 
     def check_current(self) -> None:
         """``ValueError`` if this metadata's batch is stale (its builder has built another step since)."""
         self.batch.check_current()
 
-    def c4a_indices(self, topk_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global C4A slots from the indexer's local picks, compacted to a valid prefix.
+    def picks_for(self, kind: str, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache slots of the indexer's picks for a layer of ``kind`` (one of the batch's picks kinds: ``c4a``,
+        ``c2a``, ``c1a`` — V4.1's —, or ``dsa``), compacted to a valid prefix.
 
-        topk_local: ``(T, topk)`` int32 local entry numbers (``-1`` none). A pick ``w`` is kept only if
-        entry ``w`` is complete before the token (``(w+1)·4 <= pos+1``); others are dropped, never
-        attended. Kept picks keep their order. Picks are expected to be distinct (a top-k): an entry
-        picked twice is attended twice, as FlashMLA's sparse kernels do (``SPARSE_MLA_DEBUG=1`` rejects
-        repeats). Returns (indices ``(T, topk)`` int32, lens ``(T,)`` int32), views of this step's buffers:
-        the next call overwrites them.
+        picks: ``(T, topk)`` int32, ``-1`` none: local entry numbers of ``kind``'s compressed cache (dsa: request-
+        local raw positions). A pick ``w`` is kept only if entry ``w`` is complete before the token
+        (``(w+1)·r <= pos+1``, r = ``kind``'s ratio); others are dropped, never attended. Kept picks keep their
+        order. Picks are expected to be distinct (a top-k): an entry picked twice is attended twice, as FlashMLA's
+        sparse kernels do (``SPARSE_MLA_DEBUG=1`` rejects repeats). Returns (indices ``(T, topk)`` int32, lens
+        ``(T,)`` int32), views of this step's buffers (fixed: CUDA-graph capturable): the next call overwrites them.
         """
+        return convert_picks(self, picks, kind)[:2]
+
+    def c4a_indices(self, topk_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global C4A slots from the indexer's local picks: :meth:`picks_for` ``("c4a", topk_local)``."""
         return convert_picks(self, topk_local, "c4a")[:2]
 
     def dsa_indices(self, topk_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """V3.2: cache slots of the indexer's picks, compacted to a valid prefix.
 
         topk_positions: ``(T, topk)`` int32 request-local token positions (``-1`` none); a pick after the
-        token's own position is dropped. Otherwise as :meth:`c4a_indices`.
+        token's own position is dropped. Otherwise as :meth:`picks_for`.
         """
         return convert_picks(self, topk_positions, "dsa")[:2]
 
@@ -169,16 +186,17 @@ class StepMetadata:
 
 
 def visible_entries(batch: StepBatch, ratio: int) -> torch.Tensor:
-    """Compressed entries complete before each token: ``(pos + 1) // ratio`` (0 for padding); for ratio 1
-    (dsa) the raw positions ``0 … pos``."""
-    return torch.where(batch.positions >= 0, (batch.positions + 1) // ratio, 0)
+    """Compressed entries complete before each token: ``complete_entries(pos + 1, ratio)`` (0 for padding); for
+    ratio 1 (c1a, dsa) the raw positions ``0 … pos``."""
+    return torch.where(batch.positions >= 0, complete_entries(batch.positions + 1, ratio), 0)
 
 
 def convert_picks(meta: StepMetadata, local: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor,
                                                                                    torch.Tensor]:
     """The indexer's picks -> (cache slots, lens, the kept picks themselves), each row a valid prefix.
 
-    kind: ``"c4a"`` (picks are local compressed entries) or ``"dsa"`` (request-local raw positions). Written
+    kind: a picks kind, ``"c4a"`` / ``"c2a"`` / ``"c1a"`` (picks are local compressed entries) or ``"dsa"``
+    (request-local raw positions). Written
     into the step's picks buffers, which the returned tensors are views of.
     """
     check_picks_kind(meta, kind)
@@ -240,7 +258,7 @@ def _compressed_picks_torch(positions: torch.Tensor, token_to_req: torch.Tensor,
                             block_size: int, ratio: int, local: torch.Tensor, out_indices: torch.Tensor,
                             out_lens: torch.Tensor, out_kept: torch.Tensor) -> None:
     """Torch twin of :func:`sparse_mla.ops.triton_index.compressed_picks` (same arguments)."""
-    visible = torch.where(positions >= 0, (positions + 1) // ratio, 0)[:, None]
+    visible = torch.where(positions >= 0, complete_entries(positions + 1, ratio), 0)[:, None]
     kept = torch.where((local >= 0) & (local < visible), local, -1)
     _, lens = compact_rows(kept, out=out_kept)
     out_indices.copy_(slots_of(table, token_to_req.clamp_min(0)[:, None], out_kept, block_size))
@@ -325,7 +343,7 @@ def _step_lists_triton(batch: StepBatch, out: StepMetadata) -> None:
             batch.positions, batch.token_to_req, out._is_valid_token,
             window_list("swa", out._swa_indices, out._swa_lens),
             window_list("c128a", out._c128a_indices, out._c128a_lens), picks,
-            COMPRESS_RATIO[out.picks_kind] if picks is not None else 1)
+            out.picks_ratio)
     out._fill_lists()
 
 
@@ -340,7 +358,7 @@ def _step_lists_torch(batch: StepBatch, out: StepMetadata) -> None:
     if picks is not None:  # until a layer converts its picks: nothing visible
         for buf, empty in zip(picks, (-1, -1, 0)):
             buf.fill_(empty)
-        out._picks_bound.copy_(visible_entries(batch, COMPRESS_RATIO[out.picks_kind]).clamp_max(out.spec.topk))
+        out._picks_bound.copy_(visible_entries(batch, out.picks_ratio).clamp_max(out.spec.topk))
 
 
 def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),

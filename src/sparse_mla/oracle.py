@@ -2,10 +2,15 @@
 
 It keeps each request's raw latents and compressed entries as plain tensors (the values the caches
 hold, dequantised), builds a visibility mask over all of a request's keys from each token's position
-— the window ``max(0, p-W+1) … p``, compressed visibility ``(w+1)·r <= p+1`` and, for c4a, the
-indexer's picks; for V3.2's dsa, the picked raw positions ``<= p`` — and runs a dense masked softmax with
-the sink (a repeated pick counts once, as the model's mask does). It shares no index code with
-:mod:`sparse_mla.metadata` or :mod:`sparse_mla.ops`: no slots, no block tables, no index lists.
+— the window ``max(0, p-W+1) … p``, compressed visibility ``(w+1)·r <= p+1`` and, for the picks kinds
+(V4's c4a, V4.1's c2a and c1a), the indexer's picks; for V3.2's dsa, the picked raw positions ``<= p`` — and
+runs a dense masked softmax with the sink (a repeated pick counts once, as the model's mask does). It shares no
+index code with :mod:`sparse_mla.metadata` or :mod:`sparse_mla.ops`: no slots, no block tables, no index lists,
+and it states the visibility rule itself (``config.complete_entries`` is the library's statement of it).
+
+One oracle holds one window cache's values and one compressed cache per kind: a V4.1 compressed cache that several
+layers share (the source layer's) is set once and seen by every layer of its kind; layers that own their window
+caches take an oracle each (:meth:`DenseOracle.with_raw`).
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import math
 
 import torch
 
-from .config import COMPRESS_RATIO, LAYER_KINDS
+from .config import COMPRESS_RATIO, COMPRESSED_KINDS, LAYER_KINDS, PICKS_KINDS
 
 D_OUT = 512
 
@@ -31,7 +36,7 @@ class DenseOracle:
             raise ValueError(f"window must be positive, got {window}")
         self.window = window
         self.raw: dict[int, tuple[int, torch.Tensor]] = {}
-        self.compressed: dict[str, dict[int, torch.Tensor]] = {"c4a": {}, "c128a": {}}
+        self.compressed: dict[str, dict[int, torch.Tensor]] = {kind: {} for kind in COMPRESSED_KINDS}
 
     def set_raw(self, r: int, latents: torch.Tensor, start: int = 0) -> None:
         """Request ``r``'s raw latents ``(n, d)`` for positions ``start … start+n-1`` (V4's SWA keys, or V3.2's
@@ -39,17 +44,27 @@ class DenseOracle:
         self.raw[r] = (start, latents.detach().cpu())
 
     def set_compressed(self, kind: str, r: int, entries: torch.Tensor) -> None:
-        """Request ``r``'s compressed entries ``(n, d)`` of ``kind`` (``"c4a"`` or ``"c128a"``), entry ``w`` in row ``w``."""
+        """Request ``r``'s compressed entries ``(n, d)`` of ``kind`` (one of :data:`~sparse_mla.config.COMPRESSED_KINDS`:
+        c4a, c128a, c2a, c1a), entry ``w`` in row ``w``."""
         if kind not in self.compressed:
-            raise ValueError(f"kind must be 'c4a' or 'c128a', got {kind!r}")
+            raise ValueError(f"kind must be one of {COMPRESSED_KINDS}, got {kind!r}")
         self.compressed[kind][r] = entries.detach().cpu()
+
+    def with_raw(self, raw: dict[int, tuple[int, torch.Tensor]]) -> DenseOracle:
+        """Another oracle over the same compressed entries (shared, not copied) with other raw latents ``raw``
+        (``{request: (start, latents)}``, as :meth:`set_raw` keeps them): a layer with its own window cache that
+        reads a shared compressed cache (V4.1)."""
+        other = DenseOracle(self.window)
+        other.compressed, other.raw = self.compressed, dict(raw)
+        return other
 
     def visibility(self, r: int, positions: torch.Tensor, kind: str,
                    picks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys of request ``r`` and which of them each token sees.
 
-        positions: ``(n,)`` token positions; picks: c4a / dsa only, ``(n, k)`` local entry numbers (c4a) or raw
-        positions (dsa) (``-1`` none, any value allowed: invisible or out-of-range picks are simply not visible).
+        positions: ``(n,)`` token positions; picks: picks kinds only (c4a, c2a, c1a, dsa), ``(n, k)`` local entry
+        numbers or raw positions (dsa) (``-1`` none, any value allowed: invisible or out-of-range picks are simply not
+        visible; None: none picked).
         Returns keys ``(K, d)`` float64 (raw latents, then compressed entries) and mask ``(n, K)`` bool.
         """
         if kind not in LAYER_KINDS:
@@ -70,7 +85,7 @@ class DenseOracle:
             comp = self.compressed[kind].get(r, raw.new_zeros(0, raw.shape[1]))
             w = torch.arange(comp.shape[0])[None, :]
             visible = (w + 1) * ratio <= p + 1
-            if kind == "c4a":
+            if kind in PICKS_KINDS:
                 visible &= _picked(picks, p.shape[0], comp.shape[0])
             masks.append(visible)
             keys.append(comp)
@@ -87,7 +102,7 @@ class DenseOracle:
                sink: torch.Tensor | None = None, scale: float | None = None,
                picks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense float64 attention for tokens ``q (n, H, d)`` of requests ``token_to_req (n,)`` (``-1``:
-        padding, output 0) at ``positions (n,)``. picks: ``(n, k)`` (c4a). sink: ``(H,)`` or None.
+        padding, output 0) at ``positions (n,)``. picks: ``(n, k)`` (picks kinds). sink: ``(H,)`` or None.
 
         Returns out ``(n, H, 512)`` and lse ``(n, H)`` (natural log over real keys; ``+inf`` and out 0
         for a token with no visible key), both float64 on the CPU.

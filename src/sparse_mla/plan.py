@@ -18,7 +18,7 @@ from . import index_forms
 from ._checks import check_kv_scale, check_sink
 from .cache import PagedCache
 from .config import PICKS_KINDS
-from .formats import IdentityMemo, KVFormat, cache_stamp, resolve_cache_once
+from .formats import IdentityMemo, KVFormat, cache_stamp, named_layout, resolve_cache_once
 from .metadata import StepMetadata
 from .ops import sparse_attention_decode, sparse_attention_prefill
 from .ops.dispatch import pages_16_byte_aligned, resolve_backend
@@ -46,11 +46,14 @@ _VIEWS = IdentityMemo()  # cache tensor -> its CacheView's fields but the tensor
 
 def resolve_cache_arg(cache: object, name: str) -> CacheView:
     """A :class:`PagedCache` or paged cache tensor, validated once per tensor (``formats.resolve_cache_once``; seen
-    again with the same :func:`~sparse_mla.formats.cache_stamp`, it costs one memo lookup)."""
+    again with the same :func:`~sparse_mla.formats.cache_stamp`, it costs one memo lookup). A PagedCache's format
+    names its page layout (a page-planar V4.1 pool's bytes do not read as its tensor's rows)."""
     tensor = cache.data if isinstance(cache, PagedCache) else cache
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a PagedCache or a paged cache tensor, got {type(cache).__name__}")
-    paged, fmt, aligned, key, per_tensor = _VIEWS.get(tensor, cache_stamp(tensor), lambda: _view(tensor, name))
+    layout = named_layout(cache.fmt) if isinstance(cache, PagedCache) else None
+    paged, fmt, aligned, key, per_tensor = _VIEWS.get(tensor, (cache_stamp(tensor), layout),
+                                                      lambda: _view(tensor, name, layout))
     view = CacheView(tensor if paged is None else paged, fmt, aligned, key)
     if per_tensor:  # the pool's scale, read per call (PagedCache.kv_scale may be replaced)
         kv_scale = getattr(cache, "kv_scale", None)
@@ -79,11 +82,12 @@ def check_cache_kv_scale(kv_scale: torch.Tensor, device: torch.device, name: str
                         lambda: check_kv_scale(kv_scale, device, name, values=not capturing) is not None)
 
 
-def _view(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor | None, KVFormat, bool, tuple, bool]:
+def _view(tensor: torch.Tensor, name: str, layout: KVFormat | None = None
+          ) -> tuple[torch.Tensor | None, KVFormat, bool, tuple, bool]:
     """A validated cache tensor's :class:`CacheView` fields as :data:`_VIEWS` keeps them: the paged view (None when
     it is the tensor itself: the memo holds no reference to its key), format, alignment, plan key, and whether the
     format is per-tensor scaled."""
-    paged, fmt = resolve_cache_once(tensor, None, name)
+    paged, fmt = resolve_cache_once(tensor, layout, name)
     aligned = pages_16_byte_aligned(paged)
     # a plan's launches may be bound to one cache's geometry (LayerPlan): every layer whose plan it shares has it
     key = (fmt.name, fmt.dim, aligned, paged.shape, paged.stride(), paged.device)
@@ -111,9 +115,10 @@ class LayerPlan:
     (prefill chunks) are launched separately; ``prefill_mode="mixed"`` launches all rows at once, ``"workspace"``
     gathers each prefill chunk's keys into the shared bf16 workspace first. layer: the
     :class:`~sparse_mla.layer.SparseMLAAttention` whose configuration (kind, heads, head_dim, backend, mode,
-    workspace size, batch invariance, whether it has a sink, index form) the plan is for — every layer of the step
-    with that configuration shares it, so calls pass their own sink and scale; views: the caches by kind, as
-    resolved for this plan; q_fp8: the calls' q is float8_e4m3fn.
+    workspace size, batch invariance, index form) the plan is for — every layer of the step with that configuration
+    shares it, so calls pass their own sink and scale; views: the caches by kind, as resolved for this plan; q_fp8:
+    the calls' q is float8_e4m3fn; has_sink: the calls pass a sink (default: the layer has one; a context-parallel
+    call passes none, the merge applies it: :mod:`sparse_mla.context_parallel`).
 
     The layer's ``index_form`` picks the lists the paged launches read (:mod:`sparse_mla.index_forms`):
     ``"padded"`` the metadata's own; ``"ragged"`` their ragged form, converted once per step for the SWA and
@@ -122,8 +127,10 @@ class LayerPlan:
     The form's buffers are kept with the step's plans: fixed for the step, refilled without a host sync.
     """
 
-    def __init__(self, meta: StepMetadata, layer, views: dict[str, CacheView], q_fp8: bool = False) -> None:
+    def __init__(self, meta: StepMetadata, layer, views: dict[str, CacheView], q_fp8: bool = False,
+                 has_sink: bool | None = None) -> None:
         batch = meta.batch
+        has_sink = layer.sink is not None if has_sink is None else has_sink
         self.meta = meta
         # SPARSE_MLA_DEBUG=1 when the step's plan is made: each call also checks the values of the tensors a caller
         # may write in place (sink, kv_scale, q_scale: they sync); read once per plan, not per call
@@ -138,7 +145,7 @@ class LayerPlan:
         scopes = []  # (kind, indices, lens)
         if "swa" in views:
             scopes.append(("swa", meta.swa_indices, meta.swa_lens))
-        if layer.kind in ("c4a", "dsa"):
+        if layer.kind in PICKS_KINDS:
             scopes.append((layer.kind, meta.picks_indices, meta.picks_lens))
         elif layer.kind == "c128a":
             scopes.append(("c128a", meta.c128a_indices, meta.c128a_lens))
@@ -146,6 +153,13 @@ class LayerPlan:
         self.cache_kinds = tuple(k for k, _, _ in scopes)
         # the kernels read an fp8_e4m3 cache's bytes (the resolved uint8 view); the public ops take its fp8 tensor
         self.per_tensor = any(v.fmt.per_tensor for v in views.values())
+        # the reference op's one fmt for its scopes names a page-planar V4.1 layout (the tensors read as token-
+        # interleaved): caches of one planar format, or none planar (ops: a per-scope fmt would lift this)
+        planar = {v.fmt.name for v in views.values() if named_layout(v.fmt) is not None}
+        self.layout = next(iter(planar)) if planar and len({v.fmt.name for v in views.values()}) == 1 else None
+        if planar and self.layout is None and self.impl == "reference":
+            raise ValueError(f"the reference attention reads one page-planar format per call; the layer's caches hold "
+                             f"{ {k: v.fmt.name for k, v in views.items()} }")
         self.form = "padded" if layer.index_form == "combined" and len(scopes) == 1 else layer.index_form
         self.lists = self._form_lists(meta)
         # a picks layer's conversion of each call's picks (into the form's lists), resolved once per step
@@ -171,15 +185,18 @@ class LayerPlan:
 
                 launch = AttentionPlan(
                     (rows.stop - rows.start, layer.num_heads, layer.head_dim), batch.device, geometry,
-                    layer.sink is not None, order is not None, batch_invariant=layer.batch_invariant,
+                    has_sink, order is not None, batch_invariant=layer.batch_invariant,
                     pages_16_byte_aligned=all(v.aligned for v in views.values()), scratch=True, q_fp8=q_fp8,
                     **forms)
             self.parts.append((rows, order, launch, indices, lens, ref))
         # per part, its launch bound by the first call whose tensors are all 16-byte aligned (AttentionPlan.bind),
         # under that call's q strides and scale
         self._bound = [BindOnce() for _ in self.parts]
-        # the LSE the kernels write and the layer drops
-        self.lse = torch.empty(self.capacity, layer.num_heads, dtype=torch.float32, device=batch.device)
+        # ``(T, H)`` float32: the last call's LSE of each row, ``+inf`` on padding rows (never written) and rows with
+        # no key; the layer drops it, or in context-parallel mode hands it to the merge (a workspace prefill's rows
+        # are not written: that mode is not run there)
+        self.lse = torch.full((self.capacity, layer.num_heads), float("inf"), dtype=torch.float32, device=batch.device)
+        self._part_lse = [self.lse[rows] for rows, *_ in self.parts]  # each part's rows (its launch writes from row 0)
 
     def _form_lists(self, meta) -> list | tuple | None:
         """The index form's step buffers: ragged, per scope ``(flat, indptr)``; combined, ``(indices, lens)``."""
@@ -232,16 +249,19 @@ class LayerPlan:
             q_rows = q if rows.start == 0 else q[rows]  # row 0 on: the same pointer, and the plan knows the count
             out_rows = out if rows.start == 0 else out[rows]
             if launch is not None:
-                self._launch(i, launch, q_rows, out_rows, sink, scale, caches, indices, lens, order, q_scale, kv_scale)
+                self._launch(i, launch, q_rows, out_rows, self._part_lse[i], sink, scale, caches, indices, lens, order,
+                             q_scale, kv_scale)
             else:
                 n = rows.stop - rows.start
-                self._reference(q_rows[:n], out_rows[:n], op_caches, ref, order, sink, scale, q_scale, kv_scale)
+                self._reference(q_rows[:n], out_rows[:n], self._part_lse[i], op_caches, ref, order, sink, scale,
+                                q_scale, kv_scale)
         if self.workspace:
             self._prefill_workspace(q, out, op_caches, kept, sink, scale, kv_scale)
         if self.n_tok < self.capacity:
             out[self.n_tok:].zero_()
 
-    def _launch(self, part: int, launch, q, out, sink, scale, caches, indices, lens, order, q_scale, kv_scale) -> None:
+    def _launch(self, part: int, launch, q, out, lse, sink, scale, caches, indices, lens, order, q_scale,
+                kv_scale) -> None:
         """One part's attention launch: through its bound launch when this call's tensors are laid out as the binding
         call's and on q's device (the plan fixes every other tensor and the caches' geometry: ``CacheView.key``),
         else the plan's."""
@@ -251,17 +271,18 @@ class LayerPlan:
                 ptrs |= t.data_ptr()
                 same_device &= t.get_device() == device  # (a bound launch skips the launcher's pointer checks)
         bindable, key, slot = same_device and ptrs & 15 == 0, (q.stride(0), q.stride(1), scale), self._bound[part]
-        if bindable and slot(key, q, out, self.lse, sink, caches, indices, lens, order, q_scale, kv_scale):
+        if bindable and slot(key, q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale):
             return
-        launch(q, out, self.lse, sink, scale, caches, indices, lens, order, q_scale, kv_scale)
+        launch(q, out, lse, sink, scale, caches, indices, lens, order, q_scale, kv_scale)
         if bindable:
-            slot.settle(key, lambda: launch.bind(q, out, self.lse, sink, scale, caches, indices, lens, order, q_scale,
+            slot.settle(key, lambda: launch.bind(q, out, lse, sink, scale, caches, indices, lens, order, q_scale,
                                                  kv_scale, lists_fixed=True))
 
-    def _reference(self, q, out, caches, ref, order, sink, scale, q_scale, kv_scale) -> None:
+    def _reference(self, q, out, lse, caches, ref, order, sink, scale, q_scale, kv_scale) -> None:
         extra = dict(extra_cache=caches[1]) if len(caches) > 1 else {}
-        sparse_attention_decode(q, caches[0], **ref, sink=sink, scale=scale, backend=self.backend, out=out,
-                                order=order, q_scale=q_scale, kv_scale=kv_scale, **extra)
+        lse.copy_(sparse_attention_decode(q, caches[0], **ref, sink=sink, scale=scale, fmt=self.layout,
+                                          backend=self.backend, out=out, order=order, q_scale=q_scale,
+                                          kv_scale=kv_scale, **extra)[1])
 
     def _prefill_workspace(self, q, out, caches, kept_picks, sink, scale, kv_scale) -> None:
         meta, kind, dim = self.meta, self.kind, self.head_dim

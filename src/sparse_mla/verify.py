@@ -3,7 +3,8 @@
 * ``kernel``: the Triton kernels against the reference ops (attention, cache insert / gather, token
   order). On a CPU they run only in Triton's interpreter, which must be switched on before the kernels
   are imported: :func:`kernel_checks_in_subprocess` runs them in a child with ``TRITON_INTERPRET=1``.
-* ``oracle``: a V4 layer of each kind over caches of each V4 format against the float64 dense oracle.
+* ``oracle``: a V4 and a V4.1 layer of each kind over caches of their formats (V4.1's fp4 compressed caches beside
+  fp8 windows), and V3.2's dsa layer, against the float64 dense oracle.
 * ``flashmla``: FlashMLA reads our fp8_v4 caches and agrees with our kernels (CUDA and ``flash_mla`` only).
 
 It also says what this GPU supports: :func:`support_row`, the row of the support table (README's, made by
@@ -25,12 +26,13 @@ from typing import Callable
 import torch
 
 from .cache import PagedCache
-from .config import PICKS_KINDS, V4_KINDS, get_config
+from .config import PICKS_KINDS, V4_KINDS, V41_KINDS, get_config
 from .formats import quantize_blocks
 from .layer import SparseMLAAttention
 from .ops import (dequantize_and_gather, longest_first, quantize_and_insert, sparse_attention_decode,
                   sparse_attention_prefill)
 from .ops import targets
+from .ops.dispatch import resolve_backend
 from .ops.order import longest_first_torch
 from .ops.validate import D_V
 from .scenario import Scenario, make_scenario
@@ -40,8 +42,10 @@ FORMATS = (("fp8_v4", 512), ("bf16", 512), ("fp8_v32", 576), ("bf16", 576))
 Progress = Callable[[str], None]
 
 
-# the support table's columns: per cache format (its q·k width), then an fp8 query (over fp8_e4m3 caches)
-SUPPORT_FORMATS = (("bf16", 512), ("fp8_v4", 512), ("fp8_v32", 576), ("fp8_e4m3", 512))
+# the support table's columns: per cache format (its q·k width; V4.1's in either page layout), then an fp8 query (over
+# fp8_e4m3 caches)
+SUPPORT_FORMATS = (("bf16", 512), ("fp8_v4", 512), ("fp8_v32", 576), ("fp8_e4m3", 512), ("fp8_v41", 512),
+                   ("fp4_v41", 512))
 
 
 def support_row(target: targets.Target) -> dict[str, str]:
@@ -88,8 +92,9 @@ class Check:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative Frobenius error of ``out`` against ``ref``."""
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-20)).item()
+    """Relative Frobenius error of ``out`` against ``ref`` (on the CPU: an oracle's reference lives there)."""
+    out, ref = out.float().cpu(), ref.float().cpu()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-20)).item()
 
 
 def random_scope(gen: torch.Generator, fmt: str, dim: int, num_tokens: int, width: int, num_blocks: int,
@@ -214,7 +219,7 @@ def run_layer_against_oracle(sc: Scenario, layer: SparseMLAAttention, q: torch.T
     call), time one call, and compare the ``sample`` token rows with the float64 dense oracle. It passes
     with rel err < :data:`TOLERANCE`, no NaN, and zero padding rows."""
     b = sc.batch
-    picks = sc.topk_local if layer.kind in PICKS_KINDS else None
+    picks = sc.picks[layer.kind] if layer.kind in PICKS_KINDS else None
     out = torch.full((b.token_capacity, layer.num_heads, D_V), float("nan"), dtype=torch.bfloat16, device=q.device)
     layer(q, None, sc.caches, out=out)  # warm-up without metadata: zeros
     if q.is_cuda:  # compile the kernels outside the timed call
@@ -232,29 +237,43 @@ def run_layer_against_oracle(sc: Scenario, layer: SparseMLAAttention, q: torch.T
     return LayerResult(elapsed, (got - ref).abs().max().item(), err, ok)
 
 
+# the oracle checks' models: (preset, layer kinds, (window cache format, compressed caches' format or None) pairs)
+ORACLE_MODELS = (("deepseek-v4-flash", V4_KINDS, (("bf16", None), ("fp8_v4", None))),
+                 ("deepseek-v4.1-flash", V41_KINDS, (("bf16", None), ("fp8_v41", "fp4_v41"))),
+                 ("deepseek-v3.2", ("dsa",), (("bf16", None), ("fp8_v32", None))))
+
+
 def oracle_checks(device: torch.device, backend: str = "auto", seed: int = 0,
                   progress: Progress = lambda _: None) -> list[Check]:
-    """A small step (two decodes, one with an MTP token, and a prefill chunk): each V4 layer kind over caches of
-    each V4 format, and V3.2's dsa layer over bf16 and fp8_v32 caches, against the dense oracle, every token
-    checked."""
+    """A small step (two decodes, one with an MTP token, and a prefill chunk): each V4 and V4.1 layer kind over caches
+    of each of its model's formats, and V3.2's dsa layer over bf16 and fp8_v32 caches, against the dense oracle,
+    every token checked. A format the Triton kernels do not read on this device runs on the reference backend (the
+    check's name says so)."""
+    from .ops import launch_configs
+
     num_heads = 8
     checks = []
-    for model, formats in (("deepseek-v4-flash", ("bf16", "fp8_v4")), ("deepseek-v3.2", ("bf16", "fp8_v32"))):
+    for model, kinds, formats in ORACLE_MODELS:
         cfg = get_config(model)
-        kinds = ("dsa",) if cfg.window == 0 else V4_KINDS
-        for fmt in formats:
+        for fmt, comp_fmt in formats:
             sc = make_scenario([(1400, 1), (700, 2), (300, 24)], window=cfg.window or 128, topk=cfg.index_topk,
-                               fmt=fmt, dim=cfg.head_dim, decode_threshold=2, padding=3, seed=seed, device=device)
+                               fmt=fmt, dim=cfg.head_dim, decode_threshold=2, padding=3, seed=seed, device=device,
+                               kinds=kinds, compressed_fmt=comp_fmt)
             gen = torch.Generator().manual_seed(seed)
             q = (torch.randn(sc.batch.token_capacity, num_heads, cfg.head_dim, generator=gen) * 0.5).to(torch.bfloat16)
-            sink = torch.randn(num_heads, generator=gen).to(device) if kinds == V4_KINDS else None
+            sink = torch.randn(num_heads, generator=gen).to(device) if cfg.window else None
+            unread = resolve_backend(backend, device) == "triton" and launch_configs.unsupported(
+                targets.target_of(device), cfg.head_dim, frozenset({fmt, comp_fmt or fmt}), False)
+            formats_name = fmt if comp_fmt is None else f"{fmt} + {comp_fmt}"
             for kind in kinds:
-                progress(f"oracle: {kind} layer, {fmt} caches")
+                progress(f"oracle: {kind} layer, {formats_name} caches")
                 layer = SparseMLAAttention(kind, num_heads, cfg.head_dim, cfg.window or 128,
                                            topk=cfg.index_topk if kind in PICKS_KINDS else None,
-                                           scale=cfg.softmax_scale, sink=sink, backend=backend)
+                                           scale=cfg.softmax_scale, sink=sink,
+                                           backend="reference" if unread else backend)
                 res = run_layer_against_oracle(sc, layer, q.to(device), list(range(sc.batch.num_tokens)), sink)
-                checks.append(Check("oracle", f"{kind} layer, {fmt} caches", res.ok, f"rel err {res.rel_err:.1e}"))
+                name = f"{model} {kind} layer, {formats_name} caches" + (" (reference backend)" if unread else "")
+                checks.append(Check("oracle", name, res.ok, f"rel err {res.rel_err:.1e}"))
     return checks
 
 

@@ -1,14 +1,16 @@
 """Sparse attention ops (DESIGN §4) with backend selection.
 
 ``backend="auto"`` picks the fastest implementation available for the inputs' device; any
-backend can be forced by name. All backends share the argument checks of :mod:`.validate`.
+backend can be forced by name. All backends share the argument checks of :mod:`.validate`. On the Triton path a
+call of a signature checked before (every tensor's shape, strides, dtype, device and alignment, every other
+argument) skips the checks and the planning and launches the remembered plan at once (:mod:`.memo`).
 """
 from __future__ import annotations
 
 import torch
 
 from . import reference
-from ..formats import resolve_cache
+from ..formats import resolve_cache, resolve_cache_once
 from . import dispatch
 from .dispatch import BACKENDS, backend_for, check_backend_name
 from .merge import merge_partials
@@ -16,9 +18,9 @@ from .order import longest_first
 from .validate import AttentionArgs, debug_checks_enabled, decode_args, gather_args, insert_args, prefill_args
 
 try:
-    from . import attention_plan, triton_cache, triton_index
+    from . import attention_plan, memo, triton_cache, triton_index
 except ImportError:  # no Triton on this platform: the reference backend still works
-    attention_plan = triton_cache = triton_index = None
+    attention_plan = memo = triton_cache = triton_index = None
 
 
 def attention_kernel(backend: str, q: torch.Tensor, cache: torch.Tensor) -> str:
@@ -93,14 +95,45 @@ def sparse_attention_decode(
     ``(T // tokens_per_len,)``, token ``t`` reading ``lens[t // tokens_per_len]`` (FlashMLA's per-request
     ``topk_length`` for requests of ``s_q`` query tokens each, read as it is: no expanding launch). Not with
     ragged scopes.
+
+    Host time: a Triton-path call of a signature seen before (no ``SPARSE_MLA_DEBUG``) launches its remembered
+    plan, bound to the signature, without checking or planning again (:mod:`.memo`); only ``out``'s overlap with
+    the inputs is checked again.
     """
+    caches = (cache,) if extra_cache is None else (cache, extra_cache)
+    if combined_window is None:  # per scope its index list and lens (or indptr), as the memo takes them
+        lists = (indices, extra_indices)[:len(caches)]
+        counts = (lens if indptr is None else indptr, extra_lens if extra_indptr is None else extra_indptr)
+    else:
+        lists, counts = (indices,), (lens,)
+    sig = None
+    if memo is not None and not debug_checks_enabled():
+        # q_scale / kv_scale: numbers or tensors (each in its place: a number's value, a tensor's geometry)
+        q_tensor = q_scale if isinstance(q_scale, torch.Tensor) else None
+        kv_tensor = kv_scale if isinstance(kv_scale, torch.Tensor) else None
+        sig = memo.signature((q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, out, order, indptr,
+                              extra_indptr, q_tensor, kv_tensor),
+                             ("decode", scale, fmt, backend, attention_plan.invariant_split(batch_invariant),
+                              combined_window, tokens_per_len, None if q_tensor is not None else q_scale,
+                              None if kv_tensor is not None else kv_scale))
+        entry = memo.recall_call(sig, out, lambda: {
+            "q": q, "sink": sink, "cache": cache, "indices": indices, "lens": lens, "indptr": indptr,
+            "extra_cache": extra_cache, "extra_indices": extra_indices, "extra_lens": extra_lens,
+            "extra_indptr": extra_indptr})
+        if entry is not None:
+            return memo.launch_call(entry, q, caches, lambda: tuple([resolve_cache_once(c, fmt)[0] for c in caches]),
+                                    lists, counts[:len(lists)], sink, out, order, q_scale, kv_scale)
     family, args = checked_decode(backend, q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink,
                                   scale, fmt, out=out, order=order, indptr=indptr, extra_indptr=extra_indptr,
                                   combined_window=combined_window, q_scale=q_scale, kv_scale=kv_scale,
                                   tokens_per_len=tokens_per_len)
     if family == "reference":
         return reference.run(args)
-    return attention_plan.run(args, batch_invariant=batch_invariant)
+    plan = attention_plan.plan_for(args, batch_invariant)
+    if sig is not None:
+        memo.remember_call(sig, args, plan, q, caches, lists, counts[:len(lists)], sink, out, order, q_scale,
+                           kv_scale, combined_window)
+    return attention_plan.run(args, plan=plan)
 
 
 def checked_decode(backend: str, q: torch.Tensor, *args, **kwargs) -> tuple[str, AttentionArgs]:
@@ -128,13 +161,26 @@ def sparse_attention_prefill(
     ``indptr (T+1,)`` int32 a flat ``(capacity,)`` ragged list (row ``t``: ``indices[indptr[t]:indptr[t+1]]``,
     ``lens`` None).
 
-    Same semantics and returns as :func:`sparse_attention_decode` (``batch_invariant`` too: a token's output
-    depends on its own key list, not on the rest of the call).
+    Same semantics, returns and remembered calls as :func:`sparse_attention_decode` (``batch_invariant`` too: a
+    token's output depends on its own key list, not on the rest of the call).
     """
+    counts = (lens if indptr is None else indptr,)
+    sig = None
+    if memo is not None and not debug_checks_enabled():
+        sig = memo.signature((q, kv, indices, lens, sink, out, indptr),
+                             ("prefill", scale, backend, attention_plan.invariant_split(batch_invariant)))
+        entry = memo.recall_call(sig, out, lambda: {"q": q, "sink": sink, "kv": kv, "indices": indices, "lens": lens,
+                                                    "indptr": indptr})
+        if entry is not None:
+            return memo.launch_call(entry, q, (kv,), lambda: (kv.unsqueeze(1),), (indices,), counts, sink, out,
+                                    None, None, None)
     if backend_for(backend, q, "q") == "reference":
         return reference.run(prefill_args(q, kv, indices, lens, sink, scale, out=out, indptr=indptr))
-    return attention_plan.run(prefill_args(q, kv, indices, lens, sink, scale, check_ranges=debug_checks_enabled(),
-                                             out=out, indptr=indptr), batch_invariant=batch_invariant)
+    args = prefill_args(q, kv, indices, lens, sink, scale, check_ranges=debug_checks_enabled(), out=out, indptr=indptr)
+    plan = attention_plan.plan_for(args, batch_invariant)
+    if sig is not None:
+        memo.remember_call(sig, args, plan, q, (kv,), (indices,), counts, sink, out, None, None, None)
+    return attention_plan.run(args, plan=plan)
 
 
 def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -350,6 +350,12 @@ _PLANS: OrderedDict[tuple, AttentionPlan] = OrderedDict()  # the ops' plans, by 
 _MAX_PLANS = 64
 
 
+def invariant_split(batch_invariant: bool) -> int | bool:
+    """What of ``batch_invariant`` a plan depends on: the split size (:data:`INVARIANT_SPLIT_BLOCKS`, which tests
+    change) when on, else False (a part of the keys of plans and of the ops' remembered calls)."""
+    return batch_invariant and INVARIANT_SPLIT_BLOCKS
+
+
 def plan_geometry(args: AttentionArgs, batch_invariant: bool = False) -> tuple[tuple, dict]:
     """The positional and keyword arguments of :class:`AttentionPlan` for checked arguments' geometry (what
     :func:`plan_for` plans, and the portability matrix compiles for each target)."""
@@ -367,7 +373,7 @@ def plan_for(args: AttentionArgs, batch_invariant: bool = False, **overrides) ->
     out); see :class:`AttentionPlan` for the overrides."""
     q = args.q
     key = (q.shape, q.device, tuple([(s.fmt.name, s.fmt.dim, s.cache.shape[1], s.width) for s in args.scopes]),
-           args.sink is not None, args.order is not None, batch_invariant and INVARIANT_SPLIT_BLOCKS,
+           args.sink is not None, args.order is not None, invariant_split(batch_invariant),
            tuple([pages_16_byte_aligned(s.cache) for s in args.scopes]),
            tuple([s.indptr is not None for s in args.scopes]), args.scopes[-1].len_skip > 0,
            args.q_scale is not None, args.tokens_per_len, tuple(sorted(overrides.items())) if overrides else ())

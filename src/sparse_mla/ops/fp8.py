@@ -1,4 +1,5 @@
-"""Reading ``float8_e4m3fn`` bytes inside the Triton kernels, on every target (docs/design.md §4, "Every GPU").
+"""Reading ``float8_e4m3fn`` bytes (and V4.1's e2m1 codes) inside the Triton kernels, on every target (docs/design.md
+§4, "Every GPU").
 
 Triton has the ``fp8e4nv`` type only on CUDA capability 8.9 and later (even a bitcast to it fails to compile on
 sm_80/86, and AMD's CDNA has other fp8 types), so elsewhere the kernels decode the bytes with integer operations:
@@ -10,6 +11,11 @@ writers never store them from finite input (the ops reject non-finite ``kv_new``
 cache written elsewhere with NaN in it could hold them.
 Where the target has the conversion (``NATIVE_FP8``, :attr:`.targets.Target.native_fp8`) it is used instead
 (two codes per instruction) and the gain is 1. Encoding stays integer-only on every target (``triton_cache``).
+
+e2m1 codes (fp4_v41: sign bit 3, two exponent bits of bias 1, one mantissa bit) are decoded the same way on every
+target (Triton has no portable fp4 type): code ``c``'s fp16 bits ``((c & 7) << 9) | ((c & 8) << 12)`` are its value
+times 2^-14, exactly (code 1, 0.5, lands on an fp16 subnormal; code 8 is -0); the caller folds :func:`e2m1_gain` into
+the group's scale.
 """
 from __future__ import annotations
 
@@ -40,3 +46,16 @@ def e4m3_gain(NATIVE_FP8: tl.constexpr):
     else:
         gain = 256.0
     return gain
+
+
+@triton.jit
+def e2m1_decode(codes):
+    """e2m1 codes (int32 in ``[0, 16)``, any shape) -> float32 values: the e2m1 numbers over :func:`e2m1_gain`."""
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e2m1_gain():
+    """The factor (2^14) that turns :func:`e2m1_decode`'s values into the e2m1 numbers."""
+    return 16384.0

@@ -15,9 +15,10 @@ import torch
 from . import targets
 from .targets import Target
 
-# the cache formats the Triton kernels read (the Gluon kernel reads a subset: dispatch.GLUON_FORMATS); V4.1's formats
-# are in the layout table and the reference ops, their kernels are planned (docs/design.md §2)
-TRITON_FORMATS = frozenset({"bf16", "fp8_v4", "fp8_v32", "fp8_e4m3"})
+# the cache formats the Triton kernels read: every name of the layout table (the Gluon kernel reads a subset:
+# dispatch.GLUON_FORMATS, without V4.1's, which go to the Triton kernel on Hopper too)
+TRITON_FORMATS = frozenset({"bf16", "fp8_v4", "fp8_v32", "fp8_e4m3", "fp8_v41", "fp8_v41_planar", "fp4_v41",
+                            "fp4_v41_planar"})
 
 
 @dataclass(frozen=True)
@@ -48,14 +49,14 @@ def attention_config(target: Target, dim: int, formats: frozenset[str], num_head
     blocks keep the tests fast).
 
     The constexprs: ``H_BLOCK`` heads and ``BLOCK_N`` keys per step, ``NATIVE_FP8`` (:mod:`.fp8`), ``Q_IN_LOOP``,
-    ``Q_ROPE_SCALAR`` and ``V_RELOAD`` (:func:`.triton_attention._scope_pass`). Each row was chosen by
+    ``Q_ROPE_SCALAR`` and ``DECODE_FENCE`` (:func:`.triton_attention._scope_pass`). Each row was chosen by
     cross-compiling the candidates for its targets (registers, spills in the key loop, shared memory;
     ``tests/test_portability.py`` prints the chosen rows') and, for the NVIDIA rows, timing them on an H100 under
     each target's lowering.
     """
     fp8 = formats != frozenset({"bf16"}) or q_fp8
     heads = max(16, triton.next_power_of_2(num_heads))
-    flags = dict(NATIVE_FP8=target.native_fp8, Q_IN_LOOP=False, Q_ROPE_SCALAR=False, V_RELOAD=False)
+    flags = dict(NATIVE_FP8=target.native_fp8, Q_IN_LOOP=False, Q_ROPE_SCALAR=False, DECODE_FENCE=False)
     if interpret:
         return AttentionConfig(dict(flags, H_BLOCK=min(64, heads), BLOCK_N=16), 8, 1, "the interpreter: small blocks")
     if target.backend == "cuda" and target.arch == 90:
@@ -66,15 +67,22 @@ def attention_config(target: Target, dim: int, formats: frozenset[str], num_head
         # mma.sync: sm_80/86/89/120, and sm_100, where a dot of fewer than 64 rows stays out of tensor memory
         # (at H_BLOCK 64 its five accumulators need 576 of the 512 columns)
         h_block = min(32, heads)
-        if target.arch == 120 and "fp8_v4" in formats:
-            return AttentionConfig(dict(flags, H_BLOCK=h_block, BLOCK_N=32, V_RELOAD=True), 8, 2,
-                                   "sm_120's ptxas spills the 64-key fp8_v4 row inside the key loop (64 bytes); "
-                                   "32-key blocks, two stages: 16 bytes, outside it")
         if fp8:
-            return AttentionConfig(dict(flags, H_BLOCK=h_block, BLOCK_N=64, V_RELOAD=True), 8, 1,
-                                   "mma.sync takes fp8 tiles dequantised in registers, once per dot layout: "
-                                   "V_RELOAD keeps one copy live across the softmax (no spills at sm_86/89; at sm_80 "
-                                   "24 bytes, outside the key loop); stages 1: pipelined raw bytes only spill")
+            fenced = dict(flags, H_BLOCK=h_block, DECODE_FENCE=True)
+            if target.shared_bytes >= 101 * 1024:  # sm_80, sm_100
+                return AttentionConfig(dict(fenced, BLOCK_N=64, Q_IN_LOOP=q_fp8), 8, 1,
+                                       "mma.sync takes its operands from registers: the fence keeps their layout "
+                                       "conversion on the dequantised bf16 tiles, not byte by byte on the raw ones "
+                                       "(1.7x faster at sm_80); 64-key blocks (100-108 KB); an fp8 q read in the loop "
+                                       "(its hoisted copy spills in the loop); stages 1: pipelined fp8 tiles spill")
+            if dim == 512:  # sm_86, sm_89, sm_120 (99 KB)
+                return AttentionConfig(dict(fenced, BLOCK_N=32), 8, 1,
+                                       "as sm_80's fp8 row in 99 KB: 32-key blocks (56-66 KB; 64-key ones with q "
+                                       "read in the loop fit, 1.3x faster, but reload registers inside the key loop "
+                                       "on Triton 3.9)")
+            return AttentionConfig(dict(fenced, BLOCK_N=64, Q_IN_LOOP=True), 8, 1,
+                                   "as sm_80's fp8 row in 99 KB, V3.2's 576 dims: q read in the loop so 64-key "
+                                   "blocks fit (80-88 KB; 1.3x faster than 32-key ones)")
         if target.shared_bytes >= 101 * 1024:  # sm_80, sm_100: two 64-key stages (100.25 KB) fit
             return AttentionConfig(dict(flags, H_BLOCK=h_block, BLOCK_N=64, Q_IN_LOOP=True), 8, 2,
                                    "mma.sync: at H_BLOCK 32 Triton puts the warps along the key / value columns (at "
@@ -104,11 +112,12 @@ def unsupported(target: Target, dim: int, formats: frozenset[str], q_fp8: bool) 
     and what to use instead), or None where it can. Every row of :data:`.targets.MATRIX` runs every format the
     Triton kernels read (:data:`TRITON_FORMATS`), fp8 q included: fp8 is decoded with integer operations
     where Triton has no e4m3 type (:mod:`.fp8`), and sm_100's configuration keeps the accumulators out of tensor
-    memory (:func:`attention_config`). The formats they do not read yet (V4.1's) are refused on every target."""
+    memory (:func:`attention_config`). A format outside :data:`TRITON_FORMATS` (none of the layout table's today) is
+    refused on every target."""
     unread = sorted(formats - TRITON_FORMATS)
     if unread:
-        return (f"{target.name} ({target.gpus}): the Triton kernels do not read {', '.join(unread)} caches yet "
-                f"(planned; they read {', '.join(sorted(TRITON_FORMATS))}): use backend='reference' for them")
+        return (f"{target.name} ({target.gpus}): the Triton kernels do not read {', '.join(unread)} caches "
+                f"(they read {', '.join(sorted(TRITON_FORMATS))}): use backend='reference' for them")
     return None
 
 

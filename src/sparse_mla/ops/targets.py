@@ -73,21 +73,23 @@ _LOWERED = "runs lowered on the H100; compiles, fits"
 MATRIX: tuple[Target, ...] = (
     Target("cuda", 80, 32, 163 * _KB, gpus="A100, A800, A30", verified=_LOWERED,
            limits="fp8 decoded by integer operations; under its lowering on the H100 the V4-Flash B 128 step takes "
-                  "1.90x, V3.2 h 128 decode 2.33x the native lowering's time"),
+                  "1.14x, V3.2 h 128 decode 1.34x the native lowering's time (one decode call: at most 1.39x)"),
     Target("cuda", 86, 32, 99 * _KB, gpus="A10, A40, RTX 3090, RTX A6000", verified=_LOWERED,
-           limits="fp8 decoded by integer operations; one c4a-like decode call 1.44x (bf16) / 2.00x (fp8_v4) the "
-                  "native lowering's time on the H100; 576-d bf16 (V3.2 workspace) in 32-key tiles"),
+           limits="fp8 decoded by integer operations; one decode call 1.43x (bf16) / 1.78x (fp8_v4) / 1.47x "
+                  "(fp8_v32) / 1.89x (576-d bf16) the native lowering's time on an H200; 512-d fp8 and 576-d bf16 "
+                  "in 32-key tiles (99 KB)"),
     Target("cuda", 89, 32, 99 * _KB, gpus="L4, L40S, RTX 4090, L20", verified=_LOWERED,
-           limits="V4-Flash B 128 step 1.79x, V3.2 h 128 decode 2.25x the native lowering's time on the H100; "
-                  "576-d bf16 in 32-key tiles"),
+           limits="V4-Flash B 128 step 1.48x, V3.2 h 128 decode 1.29x the native lowering's time on the H100 (one "
+                  "decode call: at most 1.89x, 576-d bf16); 512-d fp8 and 576-d bf16 in 32-key tiles (99 KB)"),
     Target("cuda", 90, 32, 227 * _KB, gpus="H100, H200, H20, H800",
            verified="runs natively on the H100; compiles, fits",
            limits="the Gluon kernel where every scope is fp8_v4, fp8_v32 or bf16 (16-byte aligned pages); the "
-                  "portable kernel elsewhere, 1.96x FlashMLA on the V4-Flash B 128 step"),
+                  "portable kernel elsewhere, 1.95x FlashMLA on the V4-Flash B 128 step"),
     Target("cuda", 100, 32, 227 * _KB, tmem_columns=512, gpus="B200, B300, GB200",
            limits="not run on silicon; the portable kernel on mma.sync (no tcgen05 / tensor memory)"),
     Target("cuda", 120, 32, 99 * _KB, gpus="RTX 5090, RTX PRO 6000",
-           limits="not run on silicon; fp8 variants spill 52-64 B (outside the key loop)"),
+           limits="not run on silicon; 512-d fp8 in 32-key tiles (99 KB); the V4.1 formats spill 20-52 B, with a "
+                  "few reloads inside the key loop (Triton 3.9)"),
     Target("hip", "gfx90a", 64, 64 * _KB, registers=512, gpus="MI210, MI250",
            limits="not run on silicon; fp8 decoded by integer operations; 16 heads per program"),
     Target("hip", "gfx942", 64, 64 * _KB, registers=512, gpus="MI300X, MI325X",

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .. import formats
 from . import dispatch
-from .fp8 import e4m3_decode, e4m3_gain
+from .fp8 import e2m1_decode, e2m1_gain, e4m3_decode, e4m3_gain
 
 
 def kernel_const(value: int | float) -> int | float | tl.constexpr:
@@ -37,9 +37,16 @@ FMT_BF16 = kernel_const(formats.FMT_BF16)
 FMT_FP8_V4 = kernel_const(formats.FMT_FP8_V4)
 FMT_FP8_V32 = kernel_const(formats.FMT_FP8_V32)
 FMT_FP8_E4M3 = kernel_const(formats.FMT_FP8_E4M3)
+FMT_FP8_V41 = kernel_const(formats.FMT_FP8_V41)
+FMT_FP4_V41 = kernel_const(formats.FMT_FP4_V41)
+FMT_FP8_V41_PLANAR = kernel_const(formats.FMT_FP8_V41_PLANAR)
+FMT_FP4_V41_PLANAR = kernel_const(formats.FMT_FP4_V41_PLANAR)
 UE8M0_BIAS = kernel_const(formats.UE8M0_BIAS)
+UE8M0_NAN = kernel_const(formats.UE8M0_NAN)
+E4M3_NAN = kernel_const(formats.E4M3_NAN)
 ROPE_DIM = kernel_const(formats.ROPE_DIM)
 V4_TILE = kernel_const(formats.V4_TILE)
+V4_TOKEN_BYTES = kernel_const(formats.V4_TOKEN_BYTES)
 V4_BODY_BYTES = kernel_const(formats.V4_BODY_BYTES)
 V4_SCALE_BYTES = kernel_const(formats.V4_SCALE_BYTES)
 V4_ROPE_OFFSET = kernel_const(formats.V4_ROPE_OFFSET)
@@ -48,6 +55,12 @@ V32_TOKEN_BYTES = kernel_const(formats.V32_TOKEN_BYTES)
 V32_SCALE_OFFSET = kernel_const(formats.V32_SCALE_OFFSET)
 V32_ROPE_OFFSET = kernel_const(formats.V32_ROPE_OFFSET)
 E4M3_TOKEN_BYTES = kernel_const(formats.E4M3_TOKEN_BYTES)
+V41_FP8_TILE = kernel_const(formats.V41_FP8_TILE)
+V41_FP8_TOKEN_BYTES = kernel_const(formats.V41_FP8_TOKEN_BYTES)
+V41_FP8_SCALE_OFFSET = kernel_const(formats.V41_FP8_SCALE_OFFSET)
+V41_FP4_TILE = kernel_const(formats.V41_FP4_TILE)
+V41_FP4_TOKEN_BYTES = kernel_const(formats.V41_FP4_TOKEN_BYTES)
+V41_FP4_SCALE_OFFSET = kernel_const(formats.V41_FP4_SCALE_OFFSET)
 LOG2E = 1.4426950408889634
 
 
@@ -56,11 +69,11 @@ def _load_piece(row_ptr, scale_ptr, valid, START: tl.constexpr, WIDTH: tl.conste
                 DOT: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """Dequantised dims ``[START, START+WIDTH)`` of ``BLOCK_N`` gathered tokens: ``(BLOCK_N, WIDTH)``.
 
-    row_ptr: ``(BLOCK_N,)`` pointers to each token's first element (bf16 caches) or byte (fp8 caches).
-    scale_ptr: fp8_v4 only, pointers to each token's 8 scale bytes.
+    row_ptr: ``(BLOCK_N,)`` pointers to each token's first element (bf16 caches) or byte (the others).
+    scale_ptr: fp8_v4 and the V4.1 formats, pointers to each token's scale bytes (:func:`_token_ptrs`).
     fp8_e4m3 values come back as :func:`.fp8.e4m3_decode` gives them, the plain e4m3 numbers over
     ``e4m3_gain(NATIVE_FP8)``: the per-tensor scale and the gain are the caller's (``_scope_pass``). The tiled
-    formats' gain is folded into their tile scales.
+    formats' gain is folded into their tile scales (fp4_v41's e2m1 gain too).
     """
     if FMT == FMT_BF16:
         vals = tl.load(row_ptr[:, None] + (START + tl.arange(0, WIDTH))[None, :], mask=valid[:, None], other=0.0)
@@ -68,19 +81,33 @@ def _load_piece(row_ptr, scale_ptr, valid, START: tl.constexpr, WIDTH: tl.conste
     elif FMT == FMT_FP8_E4M3:
         raw = tl.load(row_ptr[:, None] + (START + tl.arange(0, WIDTH))[None, :], mask=valid[:, None], other=0)
         out = e4m3_decode(raw, NATIVE_FP8).to(DOT)
-    else:
-        TILE: tl.constexpr = V4_TILE if FMT == FMT_FP8_V4 else V32_TILE
+    elif (FMT == FMT_FP4_V41) | (FMT == FMT_FP4_V41_PLANAR):
+        # a group of 16 dims is 8 bytes, dim 2i in the low nibble of byte i; one e4m3 scale per group. The nibbles
+        # are decoded apart and joined into dim order (with the decode fence, 20-50x fewer spills at sm_80 than
+        # reading each dim's byte per lane, which converts the raw bytes' layout instead)
+        NG: tl.constexpr = WIDTH // V41_FP4_TILE
+        g = tl.arange(0, NG)
+        cols = START // 2 + g[:, None] * (V41_FP4_TILE // 2) + tl.arange(0, V41_FP4_TILE // 2)[None, :]
+        packed = tl.load(row_ptr[:, None, None] + cols[None, :, :], mask=valid[:, None, None], other=0).to(tl.int32)
+        raw_scale = tl.load(scale_ptr[:, None] + (START // V41_FP4_TILE + g)[None, :], mask=valid[:, None], other=0)
+        scale = e4m3_decode(raw_scale, NATIVE_FP8) * (e4m3_gain(NATIVE_FP8) * e2m1_gain())
+        scale = tl.where((raw_scale & 0x7F) == E4M3_NAN, float("nan"), scale)[:, :, None]  # as the native decode
+        vals = tl.join(e2m1_decode(packed & 15) * scale, e2m1_decode(packed >> 4) * scale)  # (..., byte, nibble)
+        out = tl.reshape(vals, (BLOCK_N, WIDTH)).to(DOT)
+    else:  # tiled fp8: fp8_v4, fp8_v32, fp8_v41
+        TILE: tl.constexpr = V4_TILE if FMT == FMT_FP8_V4 else V32_TILE if FMT == FMT_FP8_V32 else V41_FP8_TILE
         NT: tl.constexpr = WIDTH // TILE
         t = tl.arange(0, NT)
         cols = START + t[:, None] * TILE + tl.arange(0, TILE)[None, :]
         raw = tl.load(row_ptr[:, None, None] + cols[None, :, :], mask=valid[:, None, None], other=0)
-        if FMT == FMT_FP8_V4:
-            exps = tl.load(scale_ptr[:, None] + (START // TILE + t)[None, :], mask=valid[:, None], other=UE8M0_BIAS)
-            scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True) * e4m3_gain(NATIVE_FP8)  # 2^(e-127)
-        else:
+        if FMT == FMT_FP8_V32:
             sp = (row_ptr[:, None] + (V32_SCALE_OFFSET + 4 * (START // TILE + t))[None, :]).to(
                 tl.pointer_type(tl.float32))
             scale = tl.load(sp, mask=valid[:, None], other=1.0) * e4m3_gain(NATIVE_FP8)
+        else:  # ue8m0 bytes
+            exps = tl.load(scale_ptr[:, None] + (START // TILE + t)[None, :], mask=valid[:, None], other=UE8M0_BIAS)
+            scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True) * e4m3_gain(NATIVE_FP8)  # 2^(e-127)
+            scale = tl.where(exps == UE8M0_NAN, float("nan"), scale)
         vals = e4m3_decode(raw, NATIVE_FP8) * scale[:, :, None]
         out = tl.reshape(vals, (BLOCK_N, WIDTH)).to(DOT)
     return out
@@ -88,12 +115,11 @@ def _load_piece(row_ptr, scale_ptr, valid, START: tl.constexpr, WIDTH: tl.conste
 
 @triton.jit
 def _load_rope(row_ptr, valid, FMT: tl.constexpr, ROPE_OFF: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-               NATIVE_FP8: tl.constexpr):
-    """The 64 rope dims of the gathered tokens: ``(BLOCK_N, 64)`` (bf16 in the cache; e4m3 in fp8_e4m3, as
-    :func:`_load_piece` gives them)."""
-    if FMT == FMT_FP8_E4M3:
-        out = _load_piece(row_ptr, row_ptr, valid, ROPE_OFF, ROPE_DIM, FMT, DOT, BLOCK_N, NATIVE_FP8)
-    else:
+               NATIVE_FP8: tl.constexpr, scale_ptr):
+    """The 64 rope dims of the gathered tokens: ``(BLOCK_N, 64)``: bf16 in the cache (bf16, fp8_v4, fp8_v32), or
+    quantised as the other dims (fp8_e4m3; the V4.1 formats, with the tile scales at ``scale_ptr``), as
+    :func:`_load_piece` gives them."""
+    if (FMT == FMT_BF16) | (FMT == FMT_FP8_V4) | (FMT == FMT_FP8_V32):
         cols = tl.arange(0, ROPE_DIM)
         if FMT == FMT_BF16:
             ptrs = row_ptr[:, None] + ROPE_OFF + cols[None, :]
@@ -101,20 +127,51 @@ def _load_rope(row_ptr, valid, FMT: tl.constexpr, ROPE_OFF: tl.constexpr, DOT: t
             start: tl.constexpr = V4_ROPE_OFFSET if FMT == FMT_FP8_V4 else V32_ROPE_OFFSET
             ptrs = (row_ptr + start).to(tl.pointer_type(tl.bfloat16))[:, None] + cols[None, :]
         out = tl.load(ptrs, mask=valid[:, None], other=0.0).to(DOT)
+    else:
+        out = _load_piece(row_ptr, scale_ptr, valid, ROPE_OFF, ROPE_DIM, FMT, DOT, BLOCK_N, NATIVE_FP8)
     return out
 
 
 @triton.jit
 def _token_ptrs(cache_ptr, stride0, slot, FMT: tl.constexpr, BS: tl.constexpr, ROPE_OFF: tl.constexpr):
-    """Pointers to the tokens at ``slot`` of a paged cache: their first element (bf16) or byte (fp8), and
-    (fp8_v4) their scale bytes, which sit after every body of the block."""
-    # bytes (fp8) or elements (bf16) from a token's first byte to the next token's in its block
-    ROW: tl.constexpr = (V4_BODY_BYTES if FMT == FMT_FP8_V4 else V32_TOKEN_BYTES if FMT == FMT_FP8_V32
-                         else E4M3_TOKEN_BYTES if FMT == FMT_FP8_E4M3 else ROPE_OFF + ROPE_DIM)
+    """Pointers to the tokens at ``slot`` of a paged cache (``stride0``: the page stride): their first element
+    (bf16) or byte (the others), and their tile scales (fp8_v4, the V4.1 formats: :func:`formats.page_fields`). A
+    page-planar page (fp8_v4, fp8_v41_planar, fp4_v41_planar) holds every token's bytes before the scales, then
+    every token's scales; a token-interleaved one (the others) its tokens' records back to back."""
+    FP8_V41: tl.constexpr = (FMT == FMT_FP8_V41) | (FMT == FMT_FP8_V41_PLANAR)
+    FP4_V41: tl.constexpr = (FMT == FMT_FP4_V41) | (FMT == FMT_FP4_V41_PLANAR)
+    PLANAR: tl.constexpr = (FMT == FMT_FP8_V4) | (FMT == FMT_FP8_V41_PLANAR) | (FMT == FMT_FP4_V41_PLANAR)
+    # a token's record: its bytes (elements: bf16), and where its scales start in it (the record's end: no scales)
+    TOKEN: tl.constexpr = (V4_TOKEN_BYTES if FMT == FMT_FP8_V4 else V32_TOKEN_BYTES if FMT == FMT_FP8_V32
+                           else E4M3_TOKEN_BYTES if FMT == FMT_FP8_E4M3 else V41_FP8_TOKEN_BYTES if FP8_V41
+                           else V41_FP4_TOKEN_BYTES if FP4_V41 else ROPE_OFF + ROPE_DIM)
+    SCALES: tl.constexpr = (V4_BODY_BYTES if FMT == FMT_FP8_V4 else V41_FP8_SCALE_OFFSET if FP8_V41
+                            else V41_FP4_SCALE_OFFSET if FP4_V41 else TOKEN)
     block = slot // BS
     off = slot - block * BS
     block_ptr = cache_ptr + block.to(tl.int64) * stride0
-    return block_ptr + off * ROW, block_ptr + BS * V4_BODY_BYTES + off * V4_SCALE_BYTES
+    if PLANAR:
+        row = block_ptr + off * SCALES
+        scales = block_ptr + BS * SCALES + off * (TOKEN - SCALES)
+    else:
+        row = block_ptr + off * TOKEN
+        scales = row + SCALES
+    return row, scales
+
+
+@triton.jit
+def _decode_fence(tile):
+    """``tile`` (bf16) unchanged, through an opaque instruction (a PTX register move, which ptxas removes).
+
+    Triton moves a dot operand's layout conversion above the elementwise ops that make the operand, to convert
+    fewer bytes: for a dequantised fp8 tile, onto the raw bytes. Where the dots take their operands from registers
+    (mma.sync) that conversion goes through shared memory one byte per store (``STS.U8``) and a byte permute per
+    element, for the score dots and again for the value dots: two thirds of sm_80's key loop. Triton cannot move
+    a conversion above an impure inline-assembly op, so behind this fence the tile is converted once, after the
+    decode, as bf16 with 16-byte stores. CUDA only (PTX).
+    """
+    tl.static_assert(tile.dtype == tl.bfloat16, "the fence moves bf16 pairs")
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [tile], dtype=tl.bfloat16, is_pure=False, pack=2)
 
 
 @triton.jit
@@ -122,7 +179,8 @@ def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok,
                 cache_ptr, stride0, num_slots, idx_row, length, blk_lo, blk_hi, qk_scale, kv_scale,
                 FMT: tl.constexpr, BS: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr,
                 BLOCK_N: tl.constexpr, DOT: tl.constexpr, V_HAS_ROPE: tl.constexpr, Q_FP8: tl.constexpr,
-                NATIVE_FP8: tl.constexpr, Q_IN_LOOP: tl.constexpr, V_RELOAD: tl.constexpr, Q_ROPE_SCALAR: tl.constexpr):
+                NATIVE_FP8: tl.constexpr, Q_IN_LOOP: tl.constexpr, Q_ROPE_SCALAR: tl.constexpr,
+                DECODE_FENCE: tl.constexpr):
     """Online-softmax update over key blocks ``[blk_lo, blk_hi)`` of one scope (base-2 logits).
 
     The running max is raised only when a block's max exceeds it by more than ``RESCALE_SLACK``
@@ -137,9 +195,8 @@ def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok,
     piece is read one element per load (:func:`_load_q`'s SCALAR), outside the pipeliner's buffers: its staging in
     shared memory then shares space with the P tile's, 4 KB less at 32 heads (so two 64-key bf16 stages fit a 99 KB
     GPU).
-    V_RELOAD: the value dots read and dequantise the key block's bytes again (from L1) instead of keeping the
-    score dots' dequantised tiles: where the dots take fp8 tiles dequantised in registers (mma.sync, MFMA), the
-    compiler dequantises a tile once per dot layout anyway, and holding both copies across the softmax spills.
+    DECODE_FENCE: the dequantised key tiles pass :func:`_decode_fence` before the dots (mma.sync targets' quantised
+    caches: 1.7x faster key loops at sm_80).
     """
     ROPE_OFF: tl.constexpr = PA + PB + PC
     RESCALE_SLACK: tl.constexpr = 8.0
@@ -156,7 +213,9 @@ def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok,
         k_a = _load_piece(row_ptr, scale_ptr, valid, 0, PA, FMT, DOT, BLOCK_N, NATIVE_FP8)
         k_b = _load_piece(row_ptr, scale_ptr, valid, PA, PB, FMT, DOT, BLOCK_N, NATIVE_FP8)
         k_c = _load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, DOT, BLOCK_N, NATIVE_FP8)
-        k_r = _load_rope(row_ptr, valid, FMT, ROPE_OFF, DOT, BLOCK_N, NATIVE_FP8)
+        k_r = _load_rope(row_ptr, valid, FMT, ROPE_OFF, DOT, BLOCK_N, NATIVE_FP8, scale_ptr)
+        if DECODE_FENCE:
+            k_a, k_b, k_c, k_r = _decode_fence(k_a), _decode_fence(k_b), _decode_fence(k_c), _decode_fence(k_r)
         if Q_IN_LOOP:
             # the mask's loop-variant term (always true: blk >= 0) keeps Triton's LICM from hoisting the loads out
             live = head_mask & (heads + blk >= 0)
@@ -189,15 +248,6 @@ def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok,
             p_dot = (p * kv_scale).to(DOT)
         else:
             p_dot = p.to(DOT)
-        if V_RELOAD:
-            # a mask of its own (equal to valid, which implies j < length) keeps the compiler from merging these
-            # loads with the score's
-            again = valid & (j <= length)
-            k_a = _load_piece(row_ptr, scale_ptr, again, 0, PA, FMT, DOT, BLOCK_N, NATIVE_FP8)
-            k_b = _load_piece(row_ptr, scale_ptr, again, PA, PB, FMT, DOT, BLOCK_N, NATIVE_FP8)
-            k_c = _load_piece(row_ptr, scale_ptr, again, PA + PB, PC, FMT, DOT, BLOCK_N, NATIVE_FP8)
-            if V_HAS_ROPE:
-                k_r = _load_rope(row_ptr, again, FMT, ROPE_OFF, DOT, BLOCK_N, NATIVE_FP8)
         acc_a = tl.dot(p_dot, k_a, acc_a)
         acc_b = tl.dot(p_dot, k_b, acc_b)
         acc_c = tl.dot(p_dot, k_c, acc_c)
@@ -287,12 +337,12 @@ def _sparse_mla_kernel(
     PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr, V_HAS_ROPE: tl.constexpr,
     H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     DOT: tl.constexpr, Q_FP8: tl.constexpr, RAGGED0: tl.constexpr, RAGGED1: tl.constexpr, COMBINED: tl.constexpr,
-    NATIVE_FP8: tl.constexpr, Q_IN_LOOP: tl.constexpr, V_RELOAD: tl.constexpr, Q_ROPE_SCALAR: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, Q_IN_LOOP: tl.constexpr, Q_ROPE_SCALAR: tl.constexpr, DECODE_FENCE: tl.constexpr,
 ):
     """One (token, head block, split) program. NATIVE_FP8: fp8 bytes decoded by conversion instructions (else by
     integer operations, :mod:`.fp8`); Q_IN_LOOP: q read again for every key block (Q_ROPE_SCALAR: its rope piece
-    one element per load), V_RELOAD: the value dots' key tiles read again (:func:`_scope_pass`). These and the tile sizes come from the target's row of
-    :mod:`.launch_configs`."""
+    one element per load), DECODE_FENCE: the dequantised key tiles pass :func:`_decode_fence` (:func:`_scope_pass`).
+    These and the tile sizes come from the target's row of :mod:`.launch_configs`."""
     head_blocks = tl.cdiv(num_heads, H_BLOCK)  # a token's head blocks are neighbours in the grid
     tok = tl.program_id(0) // head_blocks
     if HAS_ORDER:
@@ -341,13 +391,13 @@ def _sparse_mla_kernel(
         acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok, heads, head_mask, stride_qh,
         c0_ptr, c0_stride0, c0_slots, _scope_row(i0_ptr, i0_stride, l0_ptr, w0, tok, RAGGED0), len0,
         tl.minimum(lo, nblk0), tl.minimum(hi, nblk0), qk_scale, kv_scale, FMT0, BS0, PA, PB, PC, BLOCK_N, DOT,
-        V_HAS_ROPE, Q_FP8, NATIVE_FP8, Q_IN_LOOP, V_RELOAD, Q_ROPE_SCALAR)
+        V_HAS_ROPE, Q_FP8, NATIVE_FP8, Q_IN_LOOP, Q_ROPE_SCALAR, DECODE_FENCE)
     if HAS_EXTRA:
         acc_a, acc_b, acc_c, acc_r, m_i, l_i = _scope_pass(
             acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok, heads, head_mask, stride_qh,
             c1_ptr, c1_stride0, c1_slots, _scope_row(i1_ptr, i1_stride, l1_ptr, w1, tok, RAGGED1), len1,
             tl.maximum(lo, nblk0) - nblk0, hi - nblk0, qk_scale, kv_scale, FMT1, BS1, PA, PB, PC, BLOCK_N, DOT,
-            V_HAS_ROPE, Q_FP8, NATIVE_FP8, Q_IN_LOOP, V_RELOAD, Q_ROPE_SCALAR)
+            V_HAS_ROPE, Q_FP8, NATIVE_FP8, Q_IN_LOOP, Q_ROPE_SCALAR, DECODE_FENCE)
 
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))

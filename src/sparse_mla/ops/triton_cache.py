@@ -1,8 +1,9 @@
 """Triton cache kernels: quantise-and-insert new tokens, dequantise-and-gather rows (DESIGN §4).
 
-Bit-identical to the reference formats (:mod:`sparse_mla.formats`): the tile scale exponent is
-computed exactly from the float bits of ``max(amax / 448, 1e-4)``, and e4m3 rounding is to nearest
-even. One program handles one token. A slot of ``-1`` (or out of range) is skipped on insert and
+Bit-identical to the reference formats (:mod:`sparse_mla.formats`), in integer and exact float operations only (no
+fp8 type: the same bytes on every target and in the interpreter): the tile scale exponent is computed exactly from
+the float bits of ``max(amax / 448, 1e-4)``, e4m3 and e2m1 rounding is to nearest even, fp4_v41's divisions are
+IEEE-rounded (``div_rn``). One program handles one token. A slot of ``-1`` (or out of range) is skipped on insert and
 reads as zeros on gather, so neither kernel touches memory outside the cache.
 """
 from __future__ import annotations
@@ -13,13 +14,20 @@ import triton.language as tl
 
 from .. import formats
 from . import launch_configs, targets
-from .fp8 import e4m3_gain
-from .triton_attention import (FMT_BF16, FMT_FP8_E4M3, FMT_FP8_V4, ROPE_DIM, UE8M0_BIAS, V4_BODY_BYTES,
+from .fp8 import e4m3_decode, e4m3_gain
+from .triton_attention import (E4M3_NAN, FMT_BF16, FMT_FP4_V41, FMT_FP4_V41_PLANAR, FMT_FP8_E4M3, FMT_FP8_V4,
+                               FMT_FP8_V41, FMT_FP8_V41_PLANAR, ROPE_DIM, UE8M0_BIAS, UE8M0_NAN, V4_BODY_BYTES,
                                V4_SCALE_BYTES, V4_TILE, V32_ROPE_OFFSET, V32_SCALE_OFFSET, V32_TILE, V32_TOKEN_BYTES,
-                               _load_piece, _load_rope, _token_ptrs, kernel_const, latent_pieces)
+                               V41_FP4_TILE, V41_FP8_TILE, _load_piece, _load_rope, _token_ptrs, kernel_const,
+                               latent_pieces)
 
 E4M3_MAX = kernel_const(formats.E4M3_MAX)
 MIN_SCALE = kernel_const(formats.MIN_SCALE)
+V4_DIM = kernel_const(formats.V4_DIM)
+V41_FP8_NUM_TILES = kernel_const(formats.V41_FP8_NUM_TILES)
+V41_FP4_NUM_TILES = kernel_const(formats.V41_FP4_NUM_TILES)
+E2M1_MAX = kernel_const(formats.E2M1_MAX)
+E2M1_MIN_SCALE = kernel_const(formats.E2M1_MIN_SCALE)
 E4M3_TOKEN_BYTES = kernel_const(formats.E4M3_TOKEN_BYTES)
 V4_NOPE_DIM = kernel_const(formats.V4_NOPE_DIM)
 V4_NUM_TILES = kernel_const(formats.V4_NUM_TILES)
@@ -69,6 +77,58 @@ def _e4m3_bits(x):
 
 
 @triton.jit
+def _e2m1_codes(y):
+    """float32 ``y`` -> e2m1 codes (int32 in ``[0, 16)``), as ``formats.e2m1_codes``: the nearest of ±[0, 0.5, 1,
+    1.5, 2, 3, 4, 6], a tie going to the even code, beyond ±6 saturating at ±6; the sign bit (8) set for negative
+    values and -0 (a negative value that rounds to zero keeps it). NaN is not handled: the values are finite."""
+    a = tl.abs(y)
+    # the magnitude code counts the midpoints below a: a tie at a midpoint rounds down to an even code (0.25, 1.25,
+    # 2.5, 5: strictly above) or up to one (0.75, 1.75, 3.5: from the midpoint on)
+    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
+            + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    return code | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def _insert_e4m3_tiles(src, row, scales):
+    """fp8_v41: the token's 512 dims at ``src`` as e4m3 bytes at ``row``, one ue8m0 scale per 32 dims at ``scales``.
+
+    Non-finite tiles as ``formats.quantize_e4m3_tiles`` (IEEE arithmetic on a NaN or infinite scale, ue8m0 0xFF):
+    a tile holding NaN is all 0x7F; one holding ±inf (no NaN) has 0x7F for them and ±0 for its finite values."""
+    t = tl.arange(0, V41_FP8_NUM_TILES)
+    cols = t[:, None] * V41_FP8_TILE + tl.arange(0, V41_FP8_TILE)[None, :]
+    x = tl.load(src + cols).to(tl.float32)
+    has_nan = tl.max((x != x).to(tl.int32), 1) > 0  # explicit: a max reduction may skip NaN
+    exps = _tile_exponents(x, MIN_SCALE)
+    finite = (exps <= UE8M0_BIAS) & ~has_nan  # an infinite amax gives exponent 128
+    inv_scale = tl.where(finite, ((UE8M0_BIAS - exps) << 23), UE8M0_BIAS << 23).to(tl.float32, bitcast=True)  # 2^-e
+    nan_code = has_nan[:, None] | (tl.abs(x) == float("inf"))
+    special = tl.where(nan_code, E4M3_NAN, (x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    tl.store(row + cols, tl.where(finite[:, None], _e4m3_bits(x * inv_scale[:, None]), special))
+    tl.store(scales + t, tl.where(finite, exps + UE8M0_BIAS, UE8M0_NAN).to(tl.uint8))
+
+
+@triton.jit
+def _insert_e2m1_tiles(src, row, scales):
+    """fp4_v41: the token's 512 dims at ``src`` as e2m1 codes at ``row`` (dim 2i in the low nibble of byte i), one
+    e4m3 scale per 16 dims at ``scales``: ``scale = e4m3(clamp(amax / 6, 2^-9, 448))``, codes of ``x / scale``
+    (±inf: amax clamped to 448, codes ±6). A group holding NaN: scale 0x7F (NaN), codes 0 (``formats.e2m1_codes``)."""
+    g = tl.arange(0, V41_FP4_NUM_TILES)
+    HALF: tl.constexpr = V41_FP4_TILE // 2
+    byte = g[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (group, byte): the dims 2·byte (+1)
+    lo = tl.load(src + 2 * byte).to(tl.float32)
+    hi = tl.load(src + 2 * byte + 1).to(tl.float32)
+    has_nan = tl.max(((lo != lo) | (hi != hi)).to(tl.int32), 1) > 0  # explicit: a max reduction may skip NaN
+    amax = tl.maximum(tl.max(tl.abs(lo), 1), tl.max(tl.abs(hi), 1))
+    ratio = tl.minimum(tl.maximum(tl.math.div_rn(amax, E2M1_MAX), E2M1_MIN_SCALE), E4M3_MAX)
+    scale_bits = _e4m3_bits(ratio)
+    scale = tl.broadcast_to((e4m3_decode(scale_bits, False) * e4m3_gain(False))[:, None], lo.shape)  # exact
+    codes = _e2m1_codes(tl.math.div_rn(lo, scale)) | (_e2m1_codes(tl.math.div_rn(hi, scale)) << 4)
+    tl.store(row + byte, tl.where(has_nan[:, None], 0, codes).to(tl.uint8))
+    tl.store(scales + g, tl.where(has_nan, E4M3_NAN, scale_bits).to(tl.uint8))
+
+
+@triton.jit
 def _insert_kernel(kv_ptr, kv_stride, slot_ptr, cache_ptr, stride0, num_slots, kv_scale_ptr,
                    FMT: tl.constexpr, BS: tl.constexpr, DIM: tl.constexpr, DIM_P2: tl.constexpr):
     tok = tl.program_id(0)
@@ -86,6 +146,12 @@ def _insert_kernel(kv_ptr, kv_stride, slot_ptr, cache_ptr, stride0, num_slots, k
             x = tl.load(src + cols).to(tl.float32)
             q = _e4m3_bits(tl.math.div_rn(x, tl.broadcast_to(tl.load(kv_scale_ptr), x.shape)))
             tl.store(block_ptr + off * E4M3_TOKEN_BYTES + cols, q)
+        elif (FMT == FMT_FP8_V41) | (FMT == FMT_FP8_V41_PLANAR) | (FMT == FMT_FP4_V41) | (FMT == FMT_FP4_V41_PLANAR):
+            row, scales = _token_ptrs(cache_ptr, stride0, slot, FMT, BS, V4_DIM - ROPE_DIM)  # either page layout
+            if (FMT == FMT_FP4_V41) | (FMT == FMT_FP4_V41_PLANAR):
+                _insert_e2m1_tiles(src, row, scales)
+            else:
+                _insert_e4m3_tiles(src, row, scales)
         else:
             TILE: tl.constexpr = V4_TILE if FMT == FMT_FP8_V4 else V32_TILE
             # fp8_v4: 7 nope tiles + 1 masked (one lane per scale byte); fp8_v32: 4 tiles
@@ -143,7 +209,7 @@ def _gather_kernel(cache_ptr, stride0, num_slots, slot_ptr, out_ptr, kv_scale_pt
                     PA, PB, FMT)
     _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, tl.float32, 1, NATIVE_FP8),
                     kv_scale, PA + PB, PC, FMT)
-    _store_gathered(dst, _load_rope(row_ptr, valid, FMT, ROPE_OFF, tl.float32, 1, NATIVE_FP8), kv_scale,
+    _store_gathered(dst, _load_rope(row_ptr, valid, FMT, ROPE_OFF, tl.float32, 1, NATIVE_FP8, scale_ptr), kv_scale,
                     ROPE_OFF, ROPE_DIM, FMT)
 
 
