@@ -51,6 +51,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.jit import JITFunction, native_specialize_impl  # noqa: E402
 
+from sass_loops import key_loops, sass_of  # noqa: E402  (this script's folder is first on sys.path)
 from sparse_mla.ops import targets  # noqa: E402
 
 GROUPS = ("formats", "shared", "forms", "cache", "index")
@@ -70,8 +71,9 @@ class Launched:
 class Row:
     """One cell of the matrix. status: ``"ok"``, ``"unsupported"`` (``error``: the user's ValueError) or
     ``"failed"`` (``error``: why: a compile error, or a limit it does not fit). spill_stores / spill_loads: CUDA,
-    ptxas' spill store / load bytes; AMD, the spilled VGPRs / SGPRs. cpu_seconds: the compile's CPU time (this
-    process and its children: ptxas, ld.lld)."""
+    ptxas' spill store / load bytes; AMD, the spilled VGPRs / SGPRs. loop_spills: CUDA, the spill instructions
+    (``STL`` / ``LDL``) inside the kernel's key loops (:func:`sass_loops.key_loops`; None on AMD). cpu_seconds: the
+    compile's CPU time (this process and its children: ptxas, ld.lld)."""
 
     target: str
     variant: str
@@ -83,6 +85,7 @@ class Row:
     registers: int | None = None
     spill_stores: int | None = None
     spill_loads: int | None = None
+    loop_spills: int | None = None
     tmem_columns: int | None = None
     cpu_seconds: float = 0.0
 
@@ -196,6 +199,9 @@ def compile_launch(target: targets.Target, variant: str, launched: Launched) -> 
         if "registers" not in text:
             text = _ptxas_log(ptx, target)
         row.registers, row.spill_stores, row.spill_loads = _ptxas_numbers(text)
+        row.loop_spills = 0
+        if row.spill_stores or row.spill_loads:  # where: a spill inside the key loop costs every key block
+            row.loop_spills = sum(ops["STL"] + ops["LDL"] for ops in key_loops(sass_of(compiled.asm["cubin"])))
         # tensor-memory columns: Triton's count (metadata.tmem_size, Triton 3.9) and the PTX's allocations
         tmem = [int(n) for n in re.findall(r"tcgen05\.alloc[^;]*?,\s*(\d+);", ptx)]
         tmem.append(getattr(compiled.metadata, "tmem_size", 0) or 0)
@@ -357,16 +363,17 @@ def matrix(target: targets.Target, groups: tuple[str, ...] = GROUPS) -> list[Row
 
 def table(rows: list[Row]) -> str:
     """A compact text table of ``rows`` (spills: CUDA bytes stored / loaded; AMD spilled VGPRs ``v`` / SGPRs ``s``)."""
-    head = (f"{'target':8} {'variant':28} {'kernel':18} {'regs':>5} {'spills':>11} {'shared KB':>9} {'tmem':>4} "
-            f"{'cpu s':>5}  status")
+    head = (f"{'target':8} {'variant':28} {'kernel':18} {'regs':>5} {'spills':>11} {'in loop':>7} {'shared KB':>9} "
+            f"{'tmem':>4} {'cpu s':>5}  status")
     lines = [head, "-" * len(head)]
     for r in rows:
         spills = ("" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}" if r.target.startswith("sm")
                   else f"{r.spill_stores}v/{r.spill_loads}s")
         shared = "" if r.shared is None else f"{r.shared / 1024:.0f}/{r.shared_limit // 1024}"
         status = r.status + (f": {r.error}" if r.error else "")
+        loop = "" if r.loop_spills is None else str(r.loop_spills)
         lines.append(f"{r.target:8} {r.variant[:28]:28} {r.kernel[:18]:18} {r.registers or '':>5} {spills:>11} "
-                     f"{shared:>9} {r.tmem_columns or '':>4} {r.cpu_seconds:5.1f}  {status}")
+                     f"{loop:>7} {shared:>9} {r.tmem_columns or '':>4} {r.cpu_seconds:5.1f}  {status}")
     return "\n".join(lines)
 
 

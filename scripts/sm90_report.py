@@ -28,6 +28,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from sass_loops import key_loops, sass_of  # noqa: E402  (this script's folder is first on sys.path)
 from sparse_mla.formats import FORMAT_CODES  # noqa: E402
 from sparse_mla.ops import launch_configs, targets  # noqa: E402
 from sparse_mla.ops import triton_attention as ta  # noqa: E402
@@ -56,18 +57,6 @@ def _signature(kernel, constexprs: dict, cache_type: str) -> tuple[dict, dict]:
             if "stride" in name:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
-
-
-def key_loop_opcodes(sass: str) -> collections.Counter:
-    """Opcode counts of the first loop in the SASS that spans over 200 instructions (the key loop)."""
-    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    for i, (addr, text) in enumerate(code):
-        target = re.search(r"BRA\s.*?(0x[0-9a-f]+)", text)
-        start = next((j for j, (a, _) in enumerate(code) if target and a == int(target.group(1), 16)), None)
-        if start is not None and int(target.group(1), 16) < addr and i - start > 200:
-            ops = (t.split()[1] if t.startswith("@") else t.split()[0] for _, t in code[start:i + 1])
-            return collections.Counter(op.split(".")[0] for op in ops)
-    return collections.Counter()
 
 
 def main() -> None:
@@ -127,13 +116,12 @@ def main() -> None:
         ptx.write_text(compiled.asm["ptx"])
         log = subprocess.run([str(PTXAS), "-v", "-arch=sm_90a", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
                              capture_output=True, text=True).stderr
-        sass = subprocess.run([str(PTXAS.parent / "cuobjdump"), "-sass", str(ptx.with_suffix(".cubin"))],
-                              capture_output=True, text=True).stdout
+        sass = sass_of(ptx.with_suffix(".cubin").read_bytes())
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     print(f"registers {regs.group(1) if regs else '?'}  spill stores {spill.group(1) if spill else '?'} B  "
           f"spill loads {spill.group(2) if spill else '?'} B  shared {compiled.metadata.shared} B")
-    ops = key_loop_opcodes(sass)
+    ops = next(iter(key_loops(sass)), collections.Counter())  # the first key loop
     print(f"key loop: {sum(ops.values())} instructions per warp per block; "
           + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
     if args.dump:

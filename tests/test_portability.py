@@ -77,6 +77,14 @@ def test_every_launched_variant_compiles_and_fits(target, tmp_path, monkeypatch)
     assert {r["variant"].split()[0] for r in rows} >= {"decode", "prefill", "insert", "gather"}
     v41 = {r["variant"] for r in rows if "v41" in r["variant"]}
     assert {f"{op} {fmt}" for op in ("insert", "gather") for fmt in V41_NAMES} <= v41, "V4.1's cache kernels"
+    # issue 37's bar: no spill inside the attention key loops of the mma.sync targets nor on CDNA 3 / 4, but for the
+    # known ones (Target.limits): V4.1's formats on sm_80 and sm_120, and sm_120's bf16 workspace prefill
+    attention = [r for r in rows if r["kernel"] == "_sparse_mla_kernel" and "v41" not in r["variant"]
+                 and (target, r["variant"]) != ("sm_120", "prefill bf16 workspace d512")]
+    if target in ("sm_80", "sm_86", "sm_89", "sm_120"):
+        assert {r["variant"]: r["loop_spills"] for r in attention if r["loop_spills"]} == {}
+    if target in ("gfx942", "gfx950"):
+        assert {r["variant"]: r["spill_stores"] for r in attention if r["spill_stores"]} == {}
     if "formats" in groups:  # every V4.1 kernel code in the attention kernel: fp8 and fp4, each page layout
         assert {"decode fp8_v41+fp4_v41 d512", "decode fp8_v41_planar d512", "decode fp4_v41_planar d512"} <= v41
 

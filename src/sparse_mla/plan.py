@@ -156,6 +156,8 @@ class LayerPlan:
         # the reference op's one fmt for its scopes names a page-planar V4.1 layout (the tensors read as token-
         # interleaved): caches of one planar format, or none planar (ops: a per-scope fmt would lift this)
         planar = {v.fmt.name for v in views.values() if named_layout(v.fmt) is not None}
+        # the format a gather must be told (a page-planar layout; None: the tensor says it), per cache kind
+        self.gather_fmts = {k: None if named_layout(v.fmt) is None else v.fmt.name for k, v in views.items()}
         self.layout = next(iter(planar)) if planar and len({v.fmt.name for v in views.values()}) == 1 else None
         if planar and self.layout is None and self.impl == "reference":
             raise ValueError(f"the reference attention reads one page-planar format per call; the layer's caches hold "
@@ -289,7 +291,7 @@ class LayerPlan:
         by_kind = {k: c for c, (k, _, _) in zip(caches, self.scopes)}
         ws_all = shared_workspace(q.device, self.workspace_bytes, dim)
         for chunk in workspace_plan(meta, kind, self.workspace_bytes, dim):
-            ws = fill_workspace(ws_all, chunk, by_kind, self.backend, kv_scale)
+            ws = fill_workspace(ws_all, chunk, by_kind, self.backend, kv_scale, self.gather_fmts)
             idx, lens = workspace_indices(meta, chunk, kept_picks)
             sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, sink, scale, backend=self.backend,
                                      out=out[chunk.tokens], batch_invariant=self.batch_invariant)

@@ -221,15 +221,19 @@ def workspace_indices(meta: StepMetadata, chunk: WorkspaceChunk,
 
 
 def fill_workspace(ws_all: torch.Tensor, chunk: WorkspaceChunk, caches: dict[str, torch.Tensor],
-                   backend: str = "auto", kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   backend: str = "auto", kv_scale: torch.Tensor | None = None,
+                   fmts: dict[str, str | None] | None = None) -> torch.Tensor:
     """A prefill chunk's keys dequantised into the first ``chunk.num_rows`` rows of the bf16 workspace ``ws_all``
     (``(rows, d)``): its compressed entries, then its window's raw tokens (the layout of :class:`WorkspaceChunk`),
-    from ``caches`` by kind. Returns that ``(num_rows, d)`` view."""
+    from ``caches`` by kind (``fmts``: a cache's format where its tensor does not name it, V4.1's page-planar
+    layouts). Returns that ``(num_rows, d)`` view."""
+    fmts = fmts or {}
     ws = ws_all[: chunk.num_rows]
     n_c = chunk.compressed_slots.shape[0]
     if n_c:
-        dequantize_and_gather(caches[chunk.kind], chunk.compressed_slots, backend=backend, kv_scale=kv_scale,
-                              out=ws[:n_c])
+        dequantize_and_gather(caches[chunk.kind], chunk.compressed_slots, fmts.get(chunk.kind), backend=backend,
+                              kv_scale=kv_scale, out=ws[:n_c])
     if chunk.swa_slots.shape[0]:
-        dequantize_and_gather(caches["swa"], chunk.swa_slots, backend=backend, kv_scale=kv_scale, out=ws[n_c:])
+        dequantize_and_gather(caches["swa"], chunk.swa_slots, fmts.get("swa"), backend=backend, kv_scale=kv_scale,
+                              out=ws[n_c:])
     return ws

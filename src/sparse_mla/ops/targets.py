@@ -73,7 +73,8 @@ _LOWERED = "runs lowered on the H100; compiles, fits"
 MATRIX: tuple[Target, ...] = (
     Target("cuda", 80, 32, 163 * _KB, gpus="A100, A800, A30", verified=_LOWERED,
            limits="fp8 decoded by integer operations; under its lowering on the H100 the V4-Flash B 128 step takes "
-                  "1.14x, V3.2 h 128 decode 1.34x the native lowering's time (one decode call: at most 1.39x)"),
+                  "1.14x, V3.2 h 128 decode 1.34x the native lowering's time (one decode call: at most 1.39x); "
+                  "fp8_v41_planar reloads 3 spilled registers in the key loop (Triton 3.9)"),
     Target("cuda", 86, 32, 99 * _KB, gpus="A10, A40, RTX 3090, RTX A6000", verified=_LOWERED,
            limits="fp8 decoded by integer operations; one decode call 1.43x (bf16) / 1.78x (fp8_v4) / 1.47x "
                   "(fp8_v32) / 1.89x (576-d bf16) the native lowering's time on an H200; 512-d fp8 and 576-d bf16 "
@@ -88,8 +89,8 @@ MATRIX: tuple[Target, ...] = (
     Target("cuda", 100, 32, 227 * _KB, tmem_columns=512, gpus="B200, B300, GB200",
            limits="not run on silicon; the portable kernel on mma.sync (no tcgen05 / tensor memory)"),
     Target("cuda", 120, 32, 99 * _KB, gpus="RTX 5090, RTX PRO 6000",
-           limits="not run on silicon; 512-d fp8 in 32-key tiles (99 KB); the V4.1 formats spill 20-52 B, with a "
-                  "few reloads inside the key loop (Triton 3.9)"),
+           limits="not run on silicon; 512-d fp8 in 32-key tiles (99 KB); in the key loop the V4.1 formats reload "
+                  "7-16 and the bf16 workspace prefill 10 spilled registers (Triton 3.9's ptxas)"),
     Target("hip", "gfx90a", 64, 64 * _KB, registers=512, gpus="MI210, MI250",
            limits="not run on silicon; fp8 decoded by integer operations; 16 heads per program"),
     Target("hip", "gfx942", 64, 64 * _KB, registers=512, gpus="MI300X, MI325X",
