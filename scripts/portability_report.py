@@ -199,9 +199,9 @@ def compile_launch(target: targets.Target, variant: str, launched: Launched) -> 
         if "registers" not in text:
             text = _ptxas_log(ptx, target)
         row.registers, row.spill_stores, row.spill_loads = _ptxas_numbers(text)
-        row.loop_spills = 0
-        if row.spill_stores or row.spill_loads:  # where: a spill inside the key loop costs every key block
-            row.loop_spills = sum(ops["STL"] + ops["LDL"] for ops in key_loops(sass_of(compiled.asm["cubin"])))
+        # from the cubin itself (the ptxas log above may be a re-run's, where Triton's cache skipped ptxas): a spill
+        # inside the key loop costs every key block
+        row.loop_spills = sum(ops["STL"] + ops["LDL"] for ops in key_loops(sass_of(compiled.asm["cubin"])))
         # tensor-memory columns: Triton's count (metadata.tmem_size, Triton 3.9) and the PTX's allocations
         tmem = [int(n) for n in re.findall(r"tcgen05\.alloc[^;]*?,\s*(\d+);", ptx)]
         tmem.append(getattr(compiled.metadata, "tmem_size", 0) or 0)

@@ -63,3 +63,12 @@ def test_the_visibility_rule_and_the_scope_format_pairs():
     for pair in (("fp4_v41", "fp8_v41"), ("fp8_v4", "fp4_v41"), ("bf16", "fp8_v41"), ("fp8_v41", "fp8_v4")):
         with pytest.raises(ValueError, match=f"cache format mismatch: kv holds {pair[0]}, extra_kv {pair[1]}"):
             check_scope_formats(*pair)
+
+
+def test_a_family_is_one_the_kinds_are_named_for():
+    import dataclasses
+
+    with pytest.raises(ValueError, match=r"family must be one of \('v4', 'v4.1', 'v3.2'\), got 'v41'"):
+        dataclasses.replace(get_config("deepseek-v4-flash"), family="v41")
+    # a model without a sliding window is V3.2's kind whatever family it was left with
+    assert dataclasses.replace(get_config("deepseek-v3.2"), family="v4").layer_kind(0) == "dsa"

@@ -78,9 +78,11 @@ def test_every_launched_variant_compiles_and_fits(target, tmp_path, monkeypatch)
     v41 = {r["variant"] for r in rows if "v41" in r["variant"]}
     assert {f"{op} {fmt}" for op in ("insert", "gather") for fmt in V41_NAMES} <= v41, "V4.1's cache kernels"
     # issue 37's bar: no spill inside the attention key loops of the mma.sync targets nor on CDNA 3 / 4, but for the
-    # known ones (Target.limits): V4.1's formats on sm_80 and sm_120, and sm_120's bf16 workspace prefill
+    # known ones (Target.limits): V4.1's formats on sm_80 and sm_120, and sm_120's 512-d bf16 row (its ptxas reloads
+    # 10-19 registers per 64-key block; the 32-key row that does not was 1.6x slower under the sm_86 lowering)
+    known = {("sm_120", "decode bf16 d512"), ("sm_120", "prefill bf16 workspace d512")}
     attention = [r for r in rows if r["kernel"] == "_sparse_mla_kernel" and "v41" not in r["variant"]
-                 and (target, r["variant"]) != ("sm_120", "prefill bf16 workspace d512")]
+                 and (target, r["variant"]) not in known]
     if target in ("sm_80", "sm_86", "sm_89", "sm_120"):
         assert {r["variant"]: r["loop_spills"] for r in attention if r["loop_spills"]} == {}
     if target in ("gfx942", "gfx950"):

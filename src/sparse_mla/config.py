@@ -24,6 +24,7 @@ LAYER_KINDS = WINDOWED_KINDS + ("dsa",)
 COMPRESS_RATIO = {"swa": 1, "c4a": 4, "c128a": 128, "c2a": 2, "c1a": 1, "dsa": 1}
 COMPRESSED_KINDS = ("c4a", "c128a", "c2a", "c1a")  # kinds with a compressed cache (entries of their ratio)
 KIND_OF_RATIO = {1: "swa", 4: "c4a", 128: "c128a"}  # V4 layers by their compress ratio
+FAMILIES = ("v4", "v4.1", "v3.2")
 V41_KIND_OF_RATIO = {0: "swa", 2: "c2a", 1: "c1a"}  # V4.1 layers by their published compress ratio (0: window only)
 # Kinds whose layers take the indexer's picks (``topk_indices``): local compressed entries (c4a, c2a, c1a), or dsa
 # raw positions.
@@ -79,9 +80,13 @@ class ModelConfig:
     compress_ratios: tuple[int, ...]
     softmax_scale: float
     kv_format: str  # the cache format the production stacks use for this model
-    family: str = "v4"  # "v4", "v4.1" or "v3.2": how compress_ratios name the layer kinds
+    family: str = "v4"  # one of FAMILIES: how compress_ratios name the layer kinds
     kv_source_layer_ids: tuple[int, ...] = ()
     index_source_layer_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
 
     @property
     def nope_dim(self) -> int:
@@ -95,7 +100,7 @@ class ModelConfig:
         """The kind of layer ``layer``, in ``[0, num_layers)``: ``swa``, ``c4a`` or ``c128a`` (V4), ``swa``, ``c2a``
         or ``c1a`` (V4.1), ``dsa`` (V3.2, a model without a sliding window)."""
         self._check_layer(layer)
-        if self.family == "v3.2":
+        if self.family == "v3.2" or self.window == 0:  # V3.2: no sliding window
             return "dsa"
         return (V41_KIND_OF_RATIO if self.family == "v4.1" else KIND_OF_RATIO)[self.compress_ratios[layer]]
 

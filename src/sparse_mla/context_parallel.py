@@ -258,7 +258,7 @@ def build_rank_metadata(batch: StepBatch, layout: RankLayout, spec: MetadataSpec
     if meta.picks_indices is not None:  # until a layer converts its picks: nothing
         meta.picks_indices.fill_(-1)
         meta.picks_lens.zero_()
-        for kind in (k for k in PICKS_KINDS if k in batch.block_tables):  # V4.1: c2a and c1a
+        for kind in (k for k in PICKS_KINDS if k in batch.block_tables):  # every picks kind (V4.1 has two)
             meta._plans["picks", kind] = lambda picks, kind=kind: meta._convert(picks, kind)  # the plans' conversion
     _fill_decode_orders(meta)
     return meta

@@ -89,8 +89,8 @@ MATRIX: tuple[Target, ...] = (
     Target("cuda", 100, 32, 227 * _KB, tmem_columns=512, gpus="B200, B300, GB200",
            limits="not run on silicon; the portable kernel on mma.sync (no tcgen05 / tensor memory)"),
     Target("cuda", 120, 32, 99 * _KB, gpus="RTX 5090, RTX PRO 6000",
-           limits="not run on silicon; 512-d fp8 in 32-key tiles (99 KB); in the key loop the V4.1 formats reload "
-                  "7-16 and the bf16 workspace prefill 10 spilled registers (Triton 3.9's ptxas)"),
+           limits="not run on silicon; 512-d fp8 in 32-key tiles (99 KB); in the key loop the 512-d bf16 row "
+                  "reloads 10-19 and the V4.1 formats 7-16 spilled registers (Triton 3.9's ptxas)"),
     Target("hip", "gfx90a", 64, 64 * _KB, registers=512, gpus="MI210, MI250",
            limits="not run on silicon; fp8 decoded by integer operations; 16 heads per program"),
     Target("hip", "gfx942", 64, 64 * _KB, registers=512, gpus="MI300X, MI325X",
