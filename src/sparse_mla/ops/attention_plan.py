@@ -130,8 +130,7 @@ class AttentionPlan:
                  target: targets.Target | None = None) -> None:
         num_tokens, num_heads, dim = q_shape
         formats = frozenset(f.name for f, _, _ in scopes)
-        # Triton's CPU interpreter: CPU tensors, or CUDA tensors under TRITON_INTERPRET=1 (no inline PTX there)
-        interpret = target is None and (device.type != "cuda" or dispatch.interpreting())
+        interpret = device.type != "cuda" and target is None
         self.target = target or targets.target_of(device)
         self.formats = formats
         ragged = tuple(bool(r) for r in ragged) + (False,) * (len(scopes) - len(ragged))
