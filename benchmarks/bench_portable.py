@@ -23,6 +23,7 @@ The table prints last; each process's JSON lands in ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -34,20 +35,14 @@ PARTS = ("step", "v32", "call", "ceilings")
 # the call part's cases: name -> (tokens, heads, dims, [(keys per token, cache blocks of 64)] per scope, formats)
 CALLS = {"c4a-like": (256, 64, 512, [(128, 256), (512, 2048)], ("bf16", "fp8_v4", "fp8_e4m3")),
          "v32-like": (64, 128, 576, [(2048, 256)], ("bf16", "fp8_v32"))}
-_LOWERINGS: list = []  # the worker's lowering context, kept alive (a dropped generator would undo it)
 
 
 def ceilings(lowering: str, out: pathlib.Path) -> dict:
-    """Median TFLOP/s of an 8192³ bf16 Triton matmul and GB/s of a 1 GiB Triton copy under ``lowering``."""
+    """Median TFLOP/s of an 8192³ bf16 Triton matmul and GB/s of a 1 GiB Triton copy under ``lowering`` (entered by
+    :func:`worker`)."""
     import torch
     import triton
     import triton.language as tl
-
-    from sparse_mla.ops import targets
-
-    if lowering != "native":  # for the rest of this process (a worker of its own): entered, never left
-        _LOWERINGS.append(targets.lower_as(lowering))
-        _LOWERINGS[-1].__enter__()
 
     @triton.jit
     def matmul(a, b, c, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
@@ -105,17 +100,14 @@ def ceilings(lowering: str, out: pathlib.Path) -> dict:
 
 def calls(lowering: str, out: pathlib.Path, rep: int) -> dict:
     """Each case of :data:`CALLS` through the portable kernel under ``lowering``: rel err against the reference op,
-    then the median of CUDA-graph replays (µs)."""
+    then the median of CUDA-graph replays (µs). ``lowering`` is entered by :func:`worker`."""
     import torch
 
     from timing import graphed, rel, timed  # benchmarks/ is the script's directory, first on sys.path
     from sparse_mla import verify
-    from sparse_mla.ops import attention_plan, sparse_attention_decode, targets
+    from sparse_mla.ops import attention_plan, sparse_attention_decode
     from sparse_mla.ops.validate import decode_args
 
-    if lowering != "native":
-        _LOWERINGS.append(targets.lower_as(lowering))
-        _LOWERINGS[-1].__enter__()
     rows = []
     for case, (tokens, heads, dim, scopes, formats) in CALLS.items():
         for fmt in formats:
@@ -142,6 +134,17 @@ def calls(lowering: str, out: pathlib.Path, rep: int) -> dict:
     result = dict(lowering=lowering, gpu=torch.cuda.get_device_name(), calls=rows)
     (out / f"call-{lowering}.json").write_text(json.dumps(result, indent=1, default=str))
     return result
+
+
+def worker(part: str, lowering: str, out: pathlib.Path, rep: int) -> None:
+    """A worker process's part (``ceilings`` or ``call``) under ``lowering``, entered before any kernel compiles."""
+    from sparse_mla.ops import targets
+
+    with contextlib.nullcontext() if lowering == "native" else targets.lower_as(lowering):
+        if part == "ceilings":
+            print(json.dumps(ceilings(lowering, out)))
+        else:
+            calls(lowering, out, rep)
 
 
 def run_part(part: str, lowering: str, out: pathlib.Path, rep: int) -> None:
@@ -174,11 +177,9 @@ def main() -> None:
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.worker_ceilings:
-        print(json.dumps(ceilings(args.worker_ceilings, out)))
-        return
-    if args.worker_call:
-        calls(args.worker_call, out, args.rep)
+    if args.worker_ceilings or args.worker_call:
+        worker("ceilings" if args.worker_ceilings else "call", args.worker_ceilings or args.worker_call, out,
+               args.rep)
         return
     for part in args.parts:
         for lowering in args.lowerings:

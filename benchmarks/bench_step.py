@@ -37,9 +37,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+from sparse_mla.batch import Request, StepBatch, StepBatchBuilder, blocks_needed
 from sparse_mla.cache import PagedCache
-from sparse_mla.config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, V4_KINDS, ModelConfig, get_config
+from sparse_mla.config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS, ModelConfig, get_config
 from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import MetadataSpec, build_step_metadata, convert_picks
 from sparse_mla.scenario import random_picks
@@ -96,27 +96,40 @@ def model_layers(cfg: ModelConfig, per_kind: int | None) -> list[str]:
         return kinds
     return [k for i, k in enumerate(kinds) if kinds[:i].count(k) < per_kind]
 
-def make_step(lengths: list[tuple[int, int]], cfg: ModelConfig, device: torch.device, seed: int) -> Step:
-    """A step of requests ``(seq_len, query_len)`` (decodes first) over caches of every V4 kind in ``cfg``'s format,
-    every slot written with random latents, blocks in random order; the indexer's picks and the step's metadata.
+def make_step(lengths: list[tuple[int, int]], cfg: ModelConfig, device: torch.device, seed: int, *,
+              kinds: tuple[str, ...] = V4_KINDS, formats: tuple[str, str] | None = None,
+              decode_threshold: int = MTP_TOKENS) -> Step:
+    """A step of requests ``(seq_len, query_len)`` (decodes first) over one cache per kind of ``kinds`` (V4's, or
+    V4.1's), in ``cfg``'s format or ``formats`` (the window cache's, the compressed caches'), every slot written with
+    random latents, blocks in random order; the indexer's picks of the first picks kind and the step's metadata.
     ``max_model_len`` is the longest request rounded up to :data:`LEN_ALIGN`."""
     gen = torch.Generator().manual_seed(seed)
     max_len = math.ceil(max(s for s, _ in lengths) / LEN_ALIGN) * LEN_ALIGN
+    window_fmt, compressed_fmt = formats or (cfg.kv_format, cfg.kv_format)
     caches, tables = {}, {}
-    for kind in V4_KINDS:
+    for kind in kinds:
         need = [blocks_needed(s, kind) for s, _ in lengths]
-        caches[kind] = PagedCache(sum(need) + 1, DEFAULT_BLOCK_SIZE[kind], cfg.kv_format, cfg.head_dim, device)
+        caches[kind] = PagedCache(sum(need) + 1, DEFAULT_BLOCK_SIZE[kind],
+                                  window_fmt if kind == "swa" else compressed_fmt, cfg.head_dim, device)
         fill_random(caches[kind], torch.Generator(device=device).manual_seed(seed + len(tables)))
         blocks = torch.randperm(sum(need), generator=gen).split(need)
         tables[kind] = [b.tolist() for b in blocks]
-    requests = [Request(s, q, {k: tables[k][i] for k in V4_KINDS}) for i, (s, q) in enumerate(lengths)]
-    builder = StepBatchBuilder(sum(q for _, q in lengths), len(lengths), max_len, decode_threshold=MTP_TOKENS,
-                               device=device, num_blocks={k: c.num_blocks for k, c in caches.items()})
+    requests = [Request(s, q, {k: tables[k][i] for k in kinds}) for i, (s, q) in enumerate(lengths)]
+    builder = StepBatchBuilder(sum(q for _, q in lengths), len(lengths), max_len, kinds=kinds,
+                               decode_threshold=decode_threshold, device=device,
+                               num_blocks={k: c.num_blocks for k, c in caches.items()})
     batch = builder.build(requests)
     spec = MetadataSpec(window=cfg.window, topk=cfg.index_topk)
-    picks = random_picks(batch.positions.cpu(), cfg.index_topk, gen, max_len // COMPRESS_RATIO["c4a"],
-                         invisible=0, drop=0.0)
-    return Step(batch, spec, build_step_metadata(batch, spec), caches, picks.to(device))
+    picks = step_picks(batch, cfg.index_topk, next(k for k in kinds if k in PICKS_KINDS), max_len, gen)
+    return Step(batch, spec, build_step_metadata(batch, spec), caches, picks)
+
+
+def step_picks(batch: StepBatch, topk: int, kind: str, max_len: int, gen: torch.Generator) -> torch.Tensor:
+    """Indexer picks for the layers of picks kind ``kind``: ``min(topk, visible)`` distinct visible entries per token
+    (on the batch's device)."""
+    ratio = COMPRESS_RATIO[kind]
+    return random_picks(batch.positions.cpu(), topk, gen, max_len // ratio, invisible=0, drop=0.0,
+                        ratio=ratio).to(batch.device)
 
 
 def make_layers(cfg: ModelConfig, env: Env[Sizes], **options) -> dict[str, SparseMLAAttention]:

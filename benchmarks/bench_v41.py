@@ -24,30 +24,24 @@ No FlashMLA side: its V4.1 kernels run on SM100 only. ``--smoke``: tiny sizes on
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
-from sparse_mla.cache import PagedCache
-from sparse_mla.config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, V41_KINDS, get_config
+from sparse_mla.config import COMPRESS_RATIO, V41_KINDS, get_config
 from sparse_mla.formats import get_format
 from sparse_mla.layer import SparseMLAAttention
-from sparse_mla.metadata import MetadataSpec, build_step_metadata
-from sparse_mla.scenario import random_picks
 
-from harness import Env, Step, fill_random, main, positive_int, prepare, report, run_info, save_result
+import bench_step  # this script's folder is first on sys.path
+from harness import Env, Step, main, positive_int, prepare, report, run_info, save_result
 from timing import graphed, host_rounds, rel, timed_rounds
 
 MODEL = "deepseek-v4.1-flash"
-MTP_TOKENS = 2
-LEN_ALIGN = 128 * 64
 # (window format, compressed format) per column of the table; the first is the baseline
 FORMATS = {"V4 fp8 (584 B)": ("fp8_v4", "fp8_v4"), "fp8_v41 (528 B)": ("fp8_v41", "fp8_v41"),
            "fp8_v41 + fp4_v41 (288 B)": ("fp8_v41", "fp4_v41")}
@@ -76,29 +70,16 @@ def _layout(fmt: str, planar: bool) -> str:
     return f"{fmt}_planar" if planar and fmt.endswith("_v41") else fmt
 
 
-def make_step(lengths: list[tuple[int, int]], formats: tuple[str, str], heads_topk: int, window: int,
-              device: torch.device, seed: int, decode_threshold: int = MTP_TOKENS) -> Step:
-    """A step of requests ``(seq_len, query_len)`` over one cache per V4.1 kind (the window cache in ``formats[0]``,
-    the compressed ones in ``formats[1]``), every slot written with seeded random latents, blocks in random order;
-    the indexer's picks (one tensor per picks kind, as V4.1's layers reuse one indexer's picks) and the metadata."""
-    gen = torch.Generator().manual_seed(seed)
-    max_len = math.ceil(max(s for s, _ in lengths) / LEN_ALIGN) * LEN_ALIGN
-    caches, tables = {}, {}
-    for i, kind in enumerate(V41_KINDS):
-        need = [blocks_needed(s, kind) for s, _ in lengths]
-        fmt = formats[0] if kind == "swa" else formats[1]
-        caches[kind] = PagedCache(sum(need) + 1, DEFAULT_BLOCK_SIZE[kind], fmt, 512, device)
-        fill_random(caches[kind], torch.Generator(device=device).manual_seed(seed + i))
-        tables[kind] = [b.tolist() for b in torch.randperm(sum(need), generator=gen).split(need)]
-    requests = [Request(s, q, {k: tables[k][i] for k in V41_KINDS}) for i, (s, q) in enumerate(lengths)]
-    builder = StepBatchBuilder(sum(q for _, q in lengths), len(lengths), max_len, kinds=V41_KINDS,
-                               decode_threshold=decode_threshold, device=device,
-                               num_blocks={k: c.num_blocks for k, c in caches.items()})
-    batch = builder.build(requests)
-    spec = MetadataSpec(window=window, topk=heads_topk)
-    picks = {kind: random_picks(batch.positions.cpu(), heads_topk, gen, max_len // COMPRESS_RATIO[kind], invisible=0,
-                                drop=0.0, ratio=COMPRESS_RATIO[kind]).to(device) for kind in ("c2a", "c1a")}
-    return Step(batch, spec, build_step_metadata(batch, spec), caches, picks)
+def make_step(lengths: list[tuple[int, int]], formats: tuple[str, str], topk: int, device: torch.device, seed: int,
+              decode_threshold: int = bench_step.MTP_TOKENS) -> tuple[Step, dict[str, torch.Tensor]]:
+    """:func:`bench_step.make_step` over V4.1-Flash's kinds in ``formats`` (window cache, compressed caches), and the
+    indexer's picks per picks kind (c2a: the step's; c1a: its own), as V4.1's layers reuse one indexer's picks."""
+    cfg = replace(get_config(MODEL), index_topk=topk)
+    step = bench_step.make_step(lengths, cfg, device, seed, kinds=V41_KINDS, formats=formats,
+                                decode_threshold=decode_threshold)
+    gen = torch.Generator().manual_seed(seed + 1)
+    picks = {"c2a": step.picks, "c1a": bench_step.step_picks(step.batch, topk, "c1a", step.batch.max_model_len, gen)}
+    return step, picks
 
 
 def make_layers(heads: int, topk: int, window: int, scale: float, backend: str, device: torch.device, seed: int,
@@ -110,12 +91,13 @@ def make_layers(heads: int, topk: int, window: int, scale: float, backend: str, 
             for kind in V41_KINDS}
 
 
-def decode_step(step: Step, layers: dict, kinds: list[str], q: torch.Tensor, outs: dict) -> Callable[[], None]:
+def decode_step(step: Step, picks: dict[str, torch.Tensor], layers: dict, kinds: list[str], q: torch.Tensor,
+                outs: dict) -> Callable[[], None]:
     """The decode step: the metadata build, then every layer in model order."""
     def run() -> None:
         step.build()
         for kind in kinds:
-            layers[kind](q, step.meta, step.caches, step.picks.get(kind), out=outs[kind])
+            layers[kind](q, step.meta, step.caches, picks.get(kind), out=outs[kind])
     return run
 
 
@@ -136,12 +118,12 @@ def decode_cases(env: Env[Sizes], planar: bool) -> list[dict]:
         for name, formats in FORMATS.items():
             formats = tuple(_layout(f, planar) for f in formats)
             env.console.log(f"V4.1-Flash B {batch}, {name}: {len(kinds)} layers, building caches")
-            step = make_step([(c, MTP_TOKENS) for c in contexts], formats, topk, cfg.window, env.device, env.seed)
+            step, picks = make_step([(c, bench_step.MTP_TOKENS) for c in contexts], formats, topk, env.device, env.seed)
             q_gen = torch.Generator().manual_seed(env.seed + 11)  # the same queries for every format
             q = (torch.randn(step.batch.token_capacity, heads, 512, generator=q_gen) * 0.5).to(torch.bfloat16)
             q = q.to(env.device)
             outs = {kind: torch.empty_like(q) for kind in V41_KINDS}
-            run = decode_step(step, layers, kinds, q, outs)
+            run = decode_step(step, picks, layers, kinds, q, outs)
             run()
             runs.append(run)
             outs_by_fmt[name] = (outs, step)
@@ -176,14 +158,13 @@ def prefill_cases(env: Env[Sizes], planar: bool) -> list[dict]:
     seq = env.sizes.prefix + env.sizes.chunk
     for name, formats in FORMATS.items():
         formats = tuple(_layout(f, planar) for f in formats)
-        step = make_step([(seq, env.sizes.chunk)], formats, topk, cfg.window, env.device, env.seed,
-                         decode_threshold=1)
+        step, picks = make_step([(seq, env.sizes.chunk)], formats, topk, env.device, env.seed, decode_threshold=1)
         gen = torch.Generator().manual_seed(env.seed + 3)
         q = (torch.randn(step.batch.token_capacity, heads, 512, generator=gen) * 0.5).to(torch.bfloat16)
         q = q.to(env.device)
         for kind in ("c2a", "c1a"):
             out = torch.empty_like(q)
-            call = lambda kind=kind, out=out: layers[kind](q, step.meta, step.caches, step.picks[kind], out=out)  # noqa: E731
+            call = lambda kind=kind, out=out: layers[kind](q, step.meta, step.caches, picks[kind], out=out)  # noqa: E731
             call()
             us, = timed_rounds([call], env.rep_ms, env.rounds)
             rows.append(dict(format=name, kind=kind, chunk=env.sizes.chunk, prefix=env.sizes.prefix, us=us,
