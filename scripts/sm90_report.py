@@ -65,7 +65,8 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, default=64)
     parser.add_argument("--warps", type=int, default=8)
     parser.add_argument("--stages", type=int, default=1)
-    parser.add_argument("--fmt", choices=["fp8_v4", "fp8_v32", "bf16"], default="fp8_v4", help="cache format of both scopes")
+    parser.add_argument("--fmt", choices=["fp8_v4", "fp8_v32", "fp8_v41", "fp8_v41_planar", "fp4_v41", "fp4_v41_planar", "bf16"], default="fp8_v4", help="cache format of both scopes")
+    parser.add_argument("--extra-fmt", help="the second scope's format (default: --fmt; gluon: V4.1's fp8 beside fp4)")
     parser.add_argument("--dim", type=int, choices=[512, 576],
                         help="latent dims: 512 (V4), 576 (V3.2); default: fp8_v32's 576, else 512")
     parser.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
@@ -77,7 +78,7 @@ def main() -> None:
                         help="gluon, fp8: the narrow items' variant (HEADS_N, at most 16 heads)")
     parser.add_argument("--dump", type=pathlib.Path)
     args = parser.parse_args()
-    fixed_dim = {"fp8_v4": 512, "fp8_v32": 576}.get(args.fmt)  # bf16 takes either width
+    fixed_dim = None if args.fmt == "bf16" else 576 if args.fmt == "fp8_v32" else 512  # bf16 takes either width
     if args.dim is None:
         args.dim = fixed_dim or 512
     if fixed_dim and args.dim != fixed_dim:
@@ -95,7 +96,8 @@ def main() -> None:
         args.warps = gluon.PARTITION_WARPS  # of the default partition; the kernel adds two more groups
         heads_n = gluon.NARROW_HEADS if args.narrow else 0
     fmt = FORMAT_CODES[args.fmt]
-    constexprs = dict(FMT0=fmt, FMT1=fmt, BS0=256, BS1=64, HAS_EXTRA=True, HAS_SINK=True, HAS_ORDER=True, PA=pa,
+    fmt1 = FORMAT_CODES[args.extra_fmt or args.fmt]
+    constexprs = dict(FMT0=fmt, FMT1=fmt1, BS0=256, BS1=64, HAS_EXTRA=True, HAS_SINK=True, HAS_ORDER=True, PA=pa,
                       PB=pb, PC=pc, V_HAS_ROPE=v_has_rope, H_BLOCK=args.heads, BLOCK_N=args.block_n, SPLITS=1,
                       SPLIT_BLOCKS=0, DOT=tl.bfloat16, Q_FP8=False, RAGGED0=False, RAGGED1=False, COMBINED=False,
                       PERSISTENT=args.persistent, TAIL=args.tail)

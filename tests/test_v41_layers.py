@@ -188,8 +188,6 @@ def test_an_engine_loop_over_steps_reuses_its_buffers(fmt, comp_fmt, backend):
     (lambda sc: dict(sc.caches, swa=PagedCache(8, 4, "fp4_v41"), c2a=PagedCache(8, 4, "fp8_v41")),
      r"cache format mismatch: caches\['swa'\] holds fp4_v41, caches\['c2a'\] fp8_v41"),
     (lambda sc: dict(sc.caches, c2a=PagedCache(8, 4, "bf16")), r"cache format mismatch"),
-    (lambda sc: dict(sc.caches, c2a=PagedCache(8, 4, "fp8_v41_planar")),
-     r"the reference attention reads one page-planar format per call"),
 ])
 def test_bad_format_pairs_are_value_errors_naming_them(caches, match):
     sc = make_scenario([(20, 1)], window=4, topk=4, fmt="fp8_v41", block_sizes=SIZES, kinds=V41_KINDS)

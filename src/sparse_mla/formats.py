@@ -241,6 +241,16 @@ def page_fields(fmt: KVFormat, block_size: int) -> PageFields:
     return PageFields(fmt.token_bytes, fmt.scale_offset, fmt.token_bytes)
 
 
+def code_fields(code: int, block_size: int) -> PageFields:
+    """:func:`page_fields` of the fixed-width format whose kernel code (``KVFormat.code``) is ``code``: what a
+    kernel that knows a cache by its code and block size reads it by."""
+    name = next((n for n, c in FORMAT_CODES.items() if c == code and n in _FIXED_WIDTH), None)
+    if name is None:
+        raise ValueError(f"code must be the kernel code of a fixed-width format, one of "
+                         f"{ {f.name: f.code for f in _FIXED_WIDTH.values()} }, got {code!r}")
+    return page_fields(_FIXED_WIDTH[name], block_size)
+
+
 def infer_format(cache: torch.Tensor, name: str = "cache") -> KVFormat:
     """The format of a cache tensor from its dtype and last axis (bf16, uint8 with 584 / 656 / 528 / 288, or
     float8_e4m3fn with 512). A 528- or 288-byte cache reads as token-interleaved (fp8_v41, fp4_v41): the page-planar

@@ -153,15 +153,9 @@ class LayerPlan:
         self.cache_kinds = tuple(k for k, _, _ in scopes)
         # the kernels read an fp8_e4m3 cache's bytes (the resolved uint8 view); the public ops take its fp8 tensor
         self.per_tensor = any(v.fmt.per_tensor for v in views.values())
-        # the reference op's one fmt for its scopes names a page-planar V4.1 layout (the tensors read as token-
-        # interleaved): caches of one planar format, or none planar (ops: a per-scope fmt would lift this)
-        planar = {v.fmt.name for v in views.values() if named_layout(v.fmt) is not None}
-        # the format a gather must be told (a page-planar layout; None: the tensor says it), per cache kind
-        self.gather_fmts = {k: None if named_layout(v.fmt) is None else v.fmt.name for k, v in views.items()}
-        self.layout = next(iter(planar)) if planar and len({v.fmt.name for v in views.values()}) == 1 else None
-        if planar and self.layout is None and self.impl == "reference":
-            raise ValueError(f"the reference attention reads one page-planar format per call; the layer's caches hold "
-                             f"{ {k: v.fmt.name for k, v in views.items()} }")
+        # each cache's format name by kind, as the ops (the reference attention, the workspace's gathers) are told it:
+        # a page-planar V4.1 layout is not in the tensor
+        self.fmts = {k: v.fmt.name for k, v in views.items()}
         self.form = "padded" if layer.index_form == "combined" and len(scopes) == 1 else layer.index_form
         self.lists = self._form_lists(meta)
         # a picks layer's conversion of each call's picks (into the form's lists), resolved once per step
@@ -281,8 +275,9 @@ class LayerPlan:
                                                  kv_scale, lists_fixed=True))
 
     def _reference(self, q, out, lse, caches, ref, order, sink, scale, q_scale, kv_scale) -> None:
-        extra = dict(extra_cache=caches[1]) if len(caches) > 1 else {}
-        lse.copy_(sparse_attention_decode(q, caches[0], **ref, sink=sink, scale=scale, fmt=self.layout,
+        kinds = self.cache_kinds
+        extra = dict(extra_cache=caches[1], extra_fmt=self.fmts[kinds[1]]) if len(caches) > 1 else {}
+        lse.copy_(sparse_attention_decode(q, caches[0], **ref, sink=sink, scale=scale, fmt=self.fmts[kinds[0]],
                                           backend=self.backend, out=out, order=order, q_scale=q_scale,
                                           kv_scale=kv_scale, **extra)[1])
 
@@ -291,7 +286,7 @@ class LayerPlan:
         by_kind = {k: c for c, (k, _, _) in zip(caches, self.scopes)}
         ws_all = shared_workspace(q.device, self.workspace_bytes, dim)
         for chunk in workspace_plan(meta, kind, self.workspace_bytes, dim):
-            ws = fill_workspace(ws_all, chunk, by_kind, self.backend, kv_scale, self.gather_fmts)
+            ws = fill_workspace(ws_all, chunk, by_kind, self.backend, kv_scale, self.fmts)
             idx, lens = workspace_indices(meta, chunk, kept_picks)
             sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, sink, scale, backend=self.backend,
                                      out=out[chunk.tokens], batch_invariant=self.batch_invariant)

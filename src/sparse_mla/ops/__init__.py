@@ -15,7 +15,8 @@ from . import dispatch
 from .dispatch import BACKENDS, backend_for, check_backend_name
 from .merge import merge_partials
 from .order import longest_first
-from .validate import AttentionArgs, debug_checks_enabled, decode_args, gather_args, insert_args, prefill_args
+from .validate import (AttentionArgs, debug_checks_enabled, declared_formats, decode_args, gather_args, insert_args,
+                       out_inputs, prefill_args)
 
 try:
     from . import attention_plan, memo, triton_cache, triton_index
@@ -56,6 +57,7 @@ def sparse_attention_decode(
     q_scale: float | torch.Tensor | None = None,
     kv_scale: float | torch.Tensor | None = None,
     tokens_per_len: int = 1,
+    extra_fmt: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention of each query token over two index scopes of paged caches.
 
@@ -66,8 +68,15 @@ def sparse_attention_decode(
     indices / extra_indices: ``(T, width)`` int32 slots, ``-1`` invalid; token ``t`` attends to the
     first ``lens[t]`` entries of each (``lens``: ``(T,)`` int32, default the full width).
     sink: ``(H,)`` float32 logits joining the softmax denominator only. scale defaults to d**-0.5.
-    fmt: the caches' format name (``"fp8_v4"``, ``"bf16"``, ``"fp8_v32"``, ``"fp8_e4m3"``), optional: the format is
-    inferred from each cache's dtype and last axis, and a given ``fmt`` is checked against it.
+    fmt: the caches' format name (``"fp8_v4"``, ``"bf16"``, ``"fp8_v32"``, ``"fp8_e4m3"``, ``"fp8_v41"``, ...),
+    optional: the format is inferred from each cache's dtype and last axis, and a given ``fmt`` is checked against it.
+    A page-planar V4.1 cache (``"fp8_v41_planar"``, ``"fp4_v41_planar"``) reads as token-interleaved unless named.
+    extra_fmt (keyword): ``extra_cache``'s format name alone; ``fmt`` then names ``cache``'s alone. None (the
+    default): ``fmt`` declares both caches (or neither). Needed where the caches' page-planar formats differ, e.g.
+    ``fmt="fp8_v41_planar", extra_fmt="fp4_v41_planar"`` (a V4.1 layer's window and fp4 compressed caches as vLLM
+    pages them). A given pair must be a layer's pair (``config.check_scope_formats``: one encoding, or an fp4_v41
+    extra cache beside an fp8_v41 cache); an unknown name, a name the extra cache's tensor contradicts, or another
+    pair is a ``ValueError`` naming ``extra_fmt``.
     backend: ``"auto"`` (the Triton kernels on a CUDA device, else the reference), ``"reference"``
     (plain PyTorch) or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``).
     Returns out ``(T, H, 512)`` bf16 (written into ``out`` when given: contiguous, that shape) and
@@ -113,20 +122,23 @@ def sparse_attention_decode(
         kv_tensor = kv_scale if isinstance(kv_scale, torch.Tensor) else None
         sig = memo.signature((q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink, out, order, indptr,
                               extra_indptr, q_tensor, kv_tensor),
-                             ("decode", scale, fmt, backend, attention_plan.invariant_split(batch_invariant),
+                             ("decode", scale, fmt, extra_fmt, backend, attention_plan.invariant_split(batch_invariant),
                               combined_window, tokens_per_len, None if q_tensor is not None else q_scale,
                               None if kv_tensor is not None else kv_scale))
-        entry = memo.recall_call(sig, out, lambda: {
-            "q": q, "sink": sink, "cache": cache, "indices": indices, "lens": lens, "indptr": indptr,
-            "extra_cache": extra_cache, "extra_indices": extra_indices, "extra_lens": extra_lens,
-            "extra_indptr": extra_indptr})
+        entry = memo.recall_call(sig, out, lambda: out_inputs(q, cache, indices, lens, extra_cache, extra_indices,
+                                                              extra_lens, sink, order, indptr, extra_indptr,
+                                                              q_tensor, kv_tensor))
         if entry is not None:
-            return memo.launch_call(entry, q, caches, lambda: tuple([resolve_cache_once(c, fmt)[0] for c in caches]),
-                                    lists, counts[:len(lists)], sink, out, order, q_scale, kv_scale)
+            def paged() -> tuple[torch.Tensor, ...]:  # each cache's paged view, under its declared format
+                fmts = declared_formats(fmt, extra_fmt, extra_cache)[0]
+                return tuple([resolve_cache_once(c, f)[0] for c, f in zip(caches, fmts)])
+
+            return memo.launch_call(entry, q, caches, paged, lists, counts[:len(lists)], sink, out, order, q_scale,
+                                    kv_scale)
     family, args = checked_decode(backend, q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink,
                                   scale, fmt, out=out, order=order, indptr=indptr, extra_indptr=extra_indptr,
                                   combined_window=combined_window, q_scale=q_scale, kv_scale=kv_scale,
-                                  tokens_per_len=tokens_per_len)
+                                  tokens_per_len=tokens_per_len, extra_fmt=extra_fmt)
     if family == "reference":
         return reference.run(args)
     plan = attention_plan.plan_for(args, batch_invariant)
@@ -169,8 +181,8 @@ def sparse_attention_prefill(
     if memo is not None and not debug_checks_enabled():
         sig = memo.signature((q, kv, indices, lens, sink, out, indptr),
                              ("prefill", scale, backend, attention_plan.invariant_split(batch_invariant)))
-        entry = memo.recall_call(sig, out, lambda: {"q": q, "sink": sink, "kv": kv, "indices": indices, "lens": lens,
-                                                    "indptr": indptr})
+        entry = memo.recall_call(sig, out, lambda: out_inputs(q, kv, indices, lens, sink=sink, indptr=indptr,
+                                                              cache_name="kv"))
         if entry is not None:
             return memo.launch_call(entry, q, (kv,), lambda: (kv.unsqueeze(1),), (indices,), counts, sink, out,
                                     None, None, None)

@@ -9,6 +9,7 @@ formats and the shapes.
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 
 import torch
@@ -173,15 +174,15 @@ class AttentionPlan:
         constants = dict(BS0=bs0, BS1=bs1, HAS_EXTRA=self.has_extra, HAS_SINK=has_sink, HAS_ORDER=has_order,
                          SPLITS=splits, SPLIT_BLOCKS=split_blocks)
         if self.kernel == "gluon":
-            # every scope of one format: fp8_v4 or bf16 (512-d), fp8_v32 or bf16 (576-d)
-            constants.update(FMT=f0.code, D_QK=dim)
+            # the scopes' formats (dispatch.GLUON_FORMATS: one format, or V4.1's fp8 and fp4 rows side by side)
+            constants.update(FMT=f0.code, FMT1=f1.code, D_QK=dim)
             options = {"num_warps": gluon_kernel.PARTITION_WARPS}
             # a program per work item (token × head block × split), or persistent: one per SM, taking items in turn
             items, sms = (num_tokens + self.tail * (splits - 1)) * head_blocks, num_sms(device)
             constants["PERSISTENT"] = (gluon_kernel.persistent(items, max_blocks, sms) if persistent is None
                                        else persistent)
             constants["TAIL"] = tail_only
-            heads_n = gluon_kernel.narrow_heads(f0.name, num_heads)
+            heads_n = gluon_kernel.narrow_heads(formats, num_heads)
             constants["HEADS_N"] = heads_n if narrow is None or narrow else 0
             self.grid = (sms if constants["PERSISTENT"] else items,)
         else:
@@ -356,6 +357,15 @@ def invariant_split(batch_invariant: bool) -> int | bool:
     return batch_invariant and INVARIANT_SPLIT_BLOCKS
 
 
+def plan_switches() -> tuple[str | None, str | None]:
+    """What decides a plan besides its call's geometry and may change within a process: ``SPARSE_MLA_GLUON`` as set
+    (whether :func:`.gluon.enabled`) and the architecture Triton lowers for (``TRITON_OVERRIDE_ARCH`` /
+    :func:`.targets.lower_as`, which :func:`.targets.target_of` follows). A part of the plans' keys, and compared
+    again by every remembered call of the ops (:func:`.memo.recall`), so read raw, the cheapest way: two environment
+    reads, 0.7-1.2 us on a slow 2-core CPU (a value that enables Gluon as another does only costs one more plan)."""
+    return os.environ.get("SPARSE_MLA_GLUON"), targets._override_arch()
+
+
 def plan_geometry(args: AttentionArgs, batch_invariant: bool = False) -> tuple[tuple, dict]:
     """The positional and keyword arguments of :class:`AttentionPlan` for checked arguments' geometry (what
     :func:`plan_for` plans, and the portability matrix compiles for each target)."""
@@ -369,14 +379,15 @@ def plan_geometry(args: AttentionArgs, batch_invariant: bool = False) -> tuple[t
 
 
 def plan_for(args: AttentionArgs, batch_invariant: bool = False, **overrides) -> AttentionPlan:
-    """The shared :class:`AttentionPlan` of checked arguments' geometry (made on first sight, least recently used
-    out); see :class:`AttentionPlan` for the overrides."""
+    """The shared :class:`AttentionPlan` of checked arguments' geometry under the current :func:`plan_switches` (made
+    on first sight, least recently used out); see :class:`AttentionPlan` for the overrides."""
     q = args.q
     key = (q.shape, q.device, tuple([(s.fmt.name, s.fmt.dim, s.cache.shape[1], s.width) for s in args.scopes]),
            args.sink is not None, args.order is not None, invariant_split(batch_invariant),
            tuple([pages_16_byte_aligned(s.cache) for s in args.scopes]),
            tuple([s.indptr is not None for s in args.scopes]), args.scopes[-1].len_skip > 0,
-           args.q_scale is not None, args.tokens_per_len, tuple(sorted(overrides.items())) if overrides else ())
+           args.q_scale is not None, args.tokens_per_len, tuple(sorted(overrides.items())) if overrides else (),
+           plan_switches())
     plan = _PLANS.get(key)
     if plan is None:
         positional, keywords = plan_geometry(args, batch_invariant)

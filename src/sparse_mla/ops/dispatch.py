@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -65,8 +66,12 @@ def pages_16_byte_aligned(cache: torch.Tensor) -> bool:
     return cache.data_ptr() % 16 == 0 and cache.stride(0) * cache.element_size() % 16 == 0
 
 
-# the scope formats the Gluon kernel reads, by q·k width: V4 (512) and V3.2 (576), each fp8 or bf16
-GLUON_FORMATS = {512: (frozenset({"fp8_v4"}), frozenset({"bf16"})), 576: (frozenset({"fp8_v32"}), frozenset({"bf16"}))}
+# the scope formats the Gluon kernel reads, by q·k width: V4 (512: fp8_v4 or bf16, every scope alike), V4.1 (512: its
+# fp8 and fp4 rows in either page layout, the two scopes in one format or two) and V3.2 (576: fp8_v32 or bf16)
+_V41 = ("fp8_v41", "fp8_v41_planar", "fp4_v41", "fp4_v41_planar")
+GLUON_FORMATS = {512: (frozenset({"fp8_v4"}), frozenset({"bf16"}),
+                       *{frozenset({a, b}) for a, b in itertools.product(_V41, _V41)}),
+                 576: (frozenset({"fp8_v32"}), frozenset({"bf16"}))}
 
 
 def gluon_fits(device: torch.device, dim: int, formats: frozenset[str], pages_16_byte_aligned: bool,
@@ -96,8 +101,7 @@ def attention_kernel(device: torch.device, dim: int, formats: frozenset[str], pa
     if gluon is None:
         return "gluon" if fits and gluon_kernel.enabled() else "triton"
     if gluon and not fits:
-        readable = "; ".join(f"{d}-d: every scope {' or every scope '.join(sorted(f)[0] for f in fs)}"
-                             for d, fs in GLUON_FORMATS.items())
+        readable = "512-d: every scope fp8_v4 or bf16, or V4.1 formats; 576-d: every scope fp8_v32 or bf16"
         raise ValueError(f"gluon=1 needs a Hopper GPU, bf16 q, scopes of one format ({readable}) with padded index "
                          f"lists, and caches whose base and page stride are multiples of 16 bytes; got {dim}-d "
                          f"{'fp8' if q_fp8 else 'bf16'} q on {device}, scopes {sorted(formats)}, "

@@ -16,7 +16,7 @@ from . import targets
 from .targets import Target
 
 # the cache formats the Triton kernels read: every name of the layout table (the Gluon kernel reads a subset:
-# dispatch.GLUON_FORMATS, without V4.1's, which go to the Triton kernel on Hopper too)
+# dispatch.GLUON_FORMATS; fp4 scopes and mixed-format calls go to the Triton kernel on Hopper too)
 TRITON_FORMATS = frozenset({"bf16", "fp8_v4", "fp8_v32", "fp8_e4m3", "fp8_v41", "fp8_v41_planar", "fp4_v41",
                             "fp4_v41_planar"})
 

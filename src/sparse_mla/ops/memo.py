@@ -51,7 +51,7 @@ class Remembered:
     the plan's launch bound to the signature's strides and sizes (``AttentionPlan.bind``; the signature is its whole
     guard: key None)."""
 
-    __slots__ = ("plan", "scale", "full_lens", "window", "bound", "_plans")
+    __slots__ = ("plan", "scale", "full_lens", "window", "bound", "_plans", "switches")
 
     def __init__(self, plan: attention_plan.AttentionPlan, scale: float, full_lens: tuple[torch.Tensor | None, ...],
                  window: int | None = None) -> None:
@@ -60,6 +60,8 @@ class Remembered:
         # the plan cache the plan came from: a test that replaces it (to plan anew under changed launch
         # configurations) must not meet plans of the old one here (recall)
         self._plans = attention_plan._PLANS
+        # what decided the plan besides the signature (SPARSE_MLA_GLUON, the lowering): a change plans anew (recall)
+        self.switches = attention_plan.plan_switches()
 
     def lists(self, indices: tuple[torch.Tensor, ...], lens: tuple[torch.Tensor | None, ...]
               ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
@@ -74,9 +76,9 @@ class Remembered:
 
 def recall(memo: OrderedDict[tuple, Remembered], sig: tuple | None) -> Remembered | None:
     """The call remembered in ``memo`` under ``sig`` (now the most recently used), if any and planned under the
-    current plan cache of :mod:`.attention_plan`."""
+    current plan cache of :mod:`.attention_plan` and its current ``plan_switches``."""
     entry = None if sig is None else memo.get(sig)
-    if entry is None or entry._plans is not attention_plan._PLANS:
+    if entry is None or entry._plans is not attention_plan._PLANS or entry.switches != attention_plan.plan_switches():
         return None
     memo.move_to_end(sig)
     return entry

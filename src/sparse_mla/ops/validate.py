@@ -13,7 +13,8 @@ import torch
 
 from .._checks import (check_finite, check_index_range, check_kv_scale, check_no_overlap, check_scale, check_sink,
                        check_tensor, is_int)
-from ..formats import KVFormat, resolve_cache, resolve_cache_once
+from ..config import check_scope_formats
+from ..formats import FORMAT_NAMES, KVFormat, resolve_cache, resolve_cache_once
 
 D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part of 576)
 
@@ -74,16 +75,38 @@ class AttentionArgs:
         return scope.lens if self.tokens_per_len == 1 else scope.lens.repeat_interleave(self.tokens_per_len)
 
 
+def graph_capturing(device: torch.device) -> bool:
+    """Whether work for ``device`` is being captured into a CUDA graph (recorded to run at each replay, not now)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 @functools.lru_cache(maxsize=64)
-def _full_lens(num_tokens: int, width: int, device: torch.device) -> torch.Tensor:
-    """``(num_tokens,)`` int32 lens of ``width`` (no lens given: the full rows), made once per shape: only read."""
+def _full_lens(name: str, num_tokens: int, width: int, device: torch.device) -> torch.Tensor:
+    """``(num_tokens,)`` int32 lens of ``width`` standing in for an absent ``name`` (the full rows), made once per
+    argument and shape and only read: every later call of the shape, and the ops' memo, share it.
+
+    Never made during a CUDA-graph capture, which would only record its fill (run at each replay, not now) in
+    memory of the graph's pool: the tensor, unfilled until the graph replays and recycled with its pool, would then
+    serve every later call of the shape. Engines warm up each shape before capturing it, which makes it; a capture
+    that meets a shape first fails at capture time, naming the remedy, instead of reading garbage later."""
+    if graph_capturing(device):
+        raise ValueError(f"{name} is None (the full rows) while a CUDA graph is being captured, and no call before "
+                         f"made the full-width {name} of {num_tokens} rows of width {width}: pass {name} explicitly, "
+                         f"or make one call of this shape before capturing (a warm-up)")
     return torch.full((num_tokens,), width, dtype=torch.int32, device=device)
 
 
 def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None,
            fmt: str | KVFormat | None, check_ranges: bool, cache_name: str,
-           indptr: torch.Tensor | None = None, tokens_per_len: int = 1) -> Scope:
-    cache, f = resolve_cache_once(cache, fmt, cache_name)
+           indptr: torch.Tensor | None = None, tokens_per_len: int = 1, fmt_arg: str = "fmt") -> Scope:
+    """One scope checked (``fmt_arg``: the argument that declared ``fmt``, named by the errors of a cache that
+    does not hold it)."""
+    try:
+        cache, f = resolve_cache_once(cache, fmt, cache_name)
+    except ValueError as err:
+        if fmt is None or fmt_arg == "fmt":  # the cache's own errors, or ones that already name fmt
+            raise
+        raise ValueError(f"{fmt_arg}={fmt!r} does not fit {cache_name}: {err}") from err
     if f.dim != q.shape[-1]:
         raise ValueError(f"q has head dim {q.shape[-1]} but {cache_name} holds {f.name} tokens of dim {f.dim}")
     num_tokens = q.shape[0]
@@ -108,7 +131,7 @@ def _lens(name: str, lens: torch.Tensor | None, num_tokens: int, width: int, tok
     None: the full width for every token."""
     rows = num_tokens // tokens_per_len
     if lens is None:
-        return _full_lens(rows, width, device)
+        return _full_lens(name, rows, width, device)
     check_tensor(name, lens, dtype=torch.int32, shape=(rows,), device=device)
     return lens.contiguous()
 
@@ -140,19 +163,20 @@ def _ragged_scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, f: KVFormat
 
 
 def _combined_scopes(q: torch.Tensor, cache: torch.Tensor, extra_cache: torch.Tensor, indices: torch.Tensor,
-                     lens: torch.Tensor | None, window: int, fmt: str | KVFormat | None,
-                     check_ranges: bool, tokens_per_len: int = 1) -> list[Scope]:
+                     lens: torch.Tensor | None, window: int, fmts: tuple[str | KVFormat | None, ...],
+                     check_ranges: bool, tokens_per_len: int = 1, extra_fmt_arg: str = "fmt") -> list[Scope]:
     """The combined index (FlashInfer TRTLLM-gen's form) as two scopes over one list: ``indices (T, W + K)``,
     columns ``[0, W)`` slots of ``cache``, columns ``[W, W + K)`` slots of ``extra_cache``; token ``t`` reads
-    the first ``lens[t]`` entries of the whole row (``-1`` entries skipped)."""
+    the first ``lens[t]`` entries of the whole row (``-1`` entries skipped). fmts: the two caches' declared formats
+    (``extra_fmt_arg``: the argument that declared the second)."""
     check_tensor("indices", indices, dtype=torch.int32, shape=(q.shape[0], None), device=q.device)
     width = indices.shape[1]
     if not is_int(window) or not 0 <= window <= width:
         raise ValueError(f"combined_window must be an int in [0, {width}] (the width of indices), got {window!r}")
     lens = _lens("lens", lens, q.shape[0], width, tokens_per_len, q.device)
-    swa = _scope("", q, cache, indices[:, :window], lens, fmt, False, "cache", tokens_per_len=tokens_per_len)
-    comp = replace(_scope("", q, extra_cache, indices[:, window:], lens, fmt, False, "extra_cache",
-                          tokens_per_len=tokens_per_len), len_skip=window)
+    swa = _scope("", q, cache, indices[:, :window], lens, fmts[0], False, "cache", tokens_per_len=tokens_per_len)
+    comp = replace(_scope("", q, extra_cache, indices[:, window:], lens, fmts[1], False, "extra_cache",
+                          tokens_per_len=tokens_per_len, fmt_arg=extra_fmt_arg), len_skip=window)
     if check_ranges:
         _check_lens("lens", lens, width, "indices")
         within = torch.arange(width, device=q.device)[None, :] < lens.repeat_interleave(tokens_per_len)[:, None]
@@ -172,9 +196,10 @@ def _sink_and_scale(q: torch.Tensor, sink: torch.Tensor | None, scale: float | N
 def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=None, extra_lens=None,
                 sink=None, scale=None, fmt=None, check_ranges: bool = True, out=None,
                 cache_name: str = "cache", order=None, indptr=None, extra_indptr=None, combined_window=None,
-                q_scale=None, kv_scale=None, tokens_per_len: int = 1) -> AttentionArgs:
+                q_scale=None, kv_scale=None, tokens_per_len: int = 1, extra_fmt=None) -> AttentionArgs:
     """Check and normalise the arguments of ``sparse_attention_decode`` (``cache_name``: what errors
-    call the first scope's cache; prefill's is its workspace ``kv``)."""
+    call the first scope's cache; prefill's is its workspace ``kv``). ``fmt`` declares both caches' format, or with
+    ``extra_fmt`` given the first cache's alone (:func:`declared_formats`)."""
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float8_e4m3fn), ndim=3)
     if q.shape[-1] not in (512, 576):
         raise ValueError(f"q must have head dim 512 (V4) or 576 (V3.2), got {q.shape[-1]}")
@@ -186,35 +211,65 @@ def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=No
                          "extra_indptr) have a row per token, so it must be 1 with them")
     if isinstance(cache, torch.Tensor) and cache.device != q.device:  # before the indices are checked against q
         raise ValueError(f"q must be on {cache_name}'s device {cache.device}, got {q.device}")
+    fmts, extra_fmt_arg = declared_formats(fmt, extra_fmt, extra_cache)
     if combined_window is not None:
         if extra_cache is None or extra_indices is not None or extra_lens is not None or indptr is not None \
                 or extra_indptr is not None:
             raise ValueError("combined_window needs extra_cache and one (T, W + K) indices with lens; extra_indices, "
                              "extra_lens, indptr and extra_indptr must be None")
-        scopes = _combined_scopes(q, cache, extra_cache, indices, lens, combined_window, fmt, check_ranges,
-                                  tokens_per_len)
+        scopes = _combined_scopes(q, cache, extra_cache, indices, lens, combined_window, fmts, check_ranges,
+                                  tokens_per_len, extra_fmt_arg)
     else:
-        scopes = [_scope("", q, cache, indices, lens, fmt, check_ranges, cache_name, indptr, tokens_per_len)]
+        scopes = [_scope("", q, cache, indices, lens, fmts[0], check_ranges, cache_name, indptr, tokens_per_len)]
         if (extra_cache is None) != (extra_indices is None):
             raise ValueError("extra_cache and extra_indices must be given together")
         if extra_cache is not None:
-            scopes.append(_scope("extra_", q, extra_cache, extra_indices, extra_lens, fmt, check_ranges, "extra_cache",
-                                 extra_indptr, tokens_per_len))
+            scopes.append(_scope("extra_", q, extra_cache, extra_indices, extra_lens, fmts[1], check_ranges,
+                                 "extra_cache", extra_indptr, tokens_per_len, extra_fmt_arg))
         elif extra_lens is not None or extra_indptr is not None:
             raise ValueError("extra_lens / extra_indptr given without extra_cache / extra_indices")
+    if extra_fmt is not None:  # a declared pair is a layer's pair (config's one rule of which formats go together)
+        check_scope_formats(scopes[0].fmt.name, scopes[1].fmt.name, (cache_name, "extra_fmt"))
     sink, scale = _sink_and_scale(q, sink, scale, check_ranges)
     q_scale, kv_scale = _fp8_scales(q, scopes, q_scale, kv_scale, check_ranges)
+    order = _order(order, q, check_ranges)
     if out is not None:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(q.shape[0], q.shape[1], D_V), device=q.device)
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
-        inputs = {"q": q, "sink": sink}
-        for scope, prefix, name in zip(scopes, ("", "extra_"), (cache_name, "extra_cache")):
-            inputs.update({name: scope.cache, f"{prefix}indices": scope.indices, f"{prefix}lens": scope.lens,
-                           f"{prefix}indptr": scope.indptr})
-        check_no_overlap("out", out, inputs)
-    return AttentionArgs(q, tuple(scopes), sink, scale, out, _order(order, q, check_ranges), q_scale, kv_scale,
-                         tokens_per_len)
+        check_no_overlap("out", out, out_inputs(q, cache, indices, lens, extra_cache, extra_indices, extra_lens, sink,
+                                                order, indptr, extra_indptr, q_scale, kv_scale, cache_name))
+    return AttentionArgs(q, tuple(scopes), sink, scale, out, order, q_scale, kv_scale, tokens_per_len)
+
+
+def out_inputs(q, cache, indices, lens=None, extra_cache=None, extra_indices=None, extra_lens=None, sink=None,
+               order=None, indptr=None, extra_indptr=None, q_scale=None, kv_scale=None,
+               cache_name: str = "cache") -> dict[str, torch.Tensor | None]:
+    """What a given ``out`` must share no memory with (a kernel would read what it wrote): every tensor argument of an
+    attention call that the kernels read, by the name ``sparse_attention_decode`` gives it (``cache_name``: the first
+    cache's, prefill's ``"kv"``; ``q_scale`` / ``kv_scale``: as tensors, None where absent or numbers). The one list
+    for the checked path (:func:`decode_args`) and the ops' remembered calls (``memo.recall_call``)."""
+    return {"q": q, cache_name: cache, "indices": indices, "lens": lens, "indptr": indptr, "extra_cache": extra_cache,
+            "extra_indices": extra_indices, "extra_lens": extra_lens, "extra_indptr": extra_indptr, "sink": sink,
+            "order": order, "q_scale": q_scale, "kv_scale": kv_scale}
+
+
+def declared_formats(fmt: str | KVFormat | None, extra_fmt: str | KVFormat | None, extra_cache: object
+                      ) -> tuple[tuple[str | KVFormat | None, str | KVFormat | None], str]:
+    """The formats declared for ``(cache, extra_cache)`` and the argument that declared the second. ``extra_fmt``
+    None: ``fmt`` for both (None: each cache's format read from its tensor, as before ``extra_fmt`` existed); a given
+    ``extra_fmt``: the extra cache's alone, ``fmt`` then the first cache's alone — how two caches of different
+    page-planar formats (which their tensors cannot say) are named in one call."""
+    if extra_fmt is None:
+        return (fmt, fmt), "fmt"
+    if not isinstance(extra_fmt, (str, KVFormat)):
+        raise TypeError(f"extra_fmt must be None or a format name, one of {FORMAT_NAMES}; got "
+                        f"{type(extra_fmt).__name__}")
+    if isinstance(extra_fmt, str) and extra_fmt not in FORMAT_NAMES:
+        raise ValueError(f"extra_fmt must be None or one of {FORMAT_NAMES}, got {extra_fmt!r}")
+    if extra_cache is None:
+        raise ValueError(f"extra_fmt={extra_fmt!r} names extra_cache's format, but no extra_cache is given")
+    return (fmt, extra_fmt), "extra_fmt"
 
 
 def _fp8_scales(q: torch.Tensor, scopes: list[Scope], q_scale, kv_scale, check_values: bool

@@ -15,8 +15,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.language.core import _aggregate as aggregate
 
-from ...formats import (FMT_BF16, FMT_FP8_V4, FMT_FP8_V32, ROPE_DIM, V4_BODY_BYTES, V4_DIM, V4_NOPE_DIM,
-                        V4_SCALE_BYTES, V32_DIM, V32_SCALE_OFFSET, V32_TOKEN_BYTES)
+from ...formats import (FMT_BF16, FMT_FP4_V41, FMT_FP4_V41_PLANAR, FMT_FP8_V4, FMT_FP8_V32, FMT_FP8_V41,
+                        FMT_FP8_V41_PLANAR, ROPE_DIM, V4_DIM, V4_NOPE_DIM, V32_DIM, code_fields)
 from ..validate import D_V
 from .host import HEADS_PER_PROGRAM, KEYS_PER_BLOCK, PARTITION_WARPS
 
@@ -26,13 +26,13 @@ NOPE = gl.constexpr(V4_NOPE_DIM)  # e4m3 dims of a V4 row; the other 64 are bf16
 DIM = gl.constexpr(V4_DIM)  # the width of the q / key rows in shared memory: V4's whole latent, V3.2's V part
 ROPE = gl.constexpr(ROPE_DIM)
 QK_V32 = gl.constexpr(V32_DIM)  # V3.2's scores also read 64 rope dims past DIM, kept apart (r_smem)
-V32_ROW = gl.constexpr(V32_TOKEN_BYTES)
-V32_SCALES = gl.constexpr(V32_SCALE_OFFSET)  # four float32, one per 128 e4m3 dims
-BODY_BYTES = gl.constexpr(V4_BODY_BYTES)
-SCALE_BYTES = gl.constexpr(V4_SCALE_BYTES)
 BF16 = gl.constexpr(FMT_BF16)
 FP8_V4 = gl.constexpr(FMT_FP8_V4)
 FP8_V32 = gl.constexpr(FMT_FP8_V32)
+FP8_V41 = gl.constexpr(FMT_FP8_V41)  # V4.1's 528-byte rows, token-interleaved pages
+FP8_V41_PLANAR = gl.constexpr(FMT_FP8_V41_PLANAR)  # the same rows, page-planar
+FP4_V41 = gl.constexpr(FMT_FP4_V41)  # V4.1's 288-byte rows, token-interleaved pages
+FP4_V41_PLANAR = gl.constexpr(FMT_FP4_V41_PLANAR)
 D_OUT = gl.constexpr(D_V)
 HALF = gl.constexpr(256)
 WARPS = gl.constexpr(PARTITION_WARPS)
@@ -47,6 +47,50 @@ ROWS_LAYOUT = gl.constexpr(gl.SliceLayout(1, S_LAYOUT))
 O_ROWS = gl.constexpr(gl.SliceLayout(1, O_LAYOUT))
 
 Scalar = gl.tensor | gl.constexpr  # a runtime scalar argument, or the constexpr Triton made of it
+
+
+@gluon.constexpr_function
+def is_v41(fmt):
+    """Whether kernel format code ``fmt`` is V4.1's fp8 rows (either page layout): 512 e4m3 dims, 16 ue8m0 scales,
+    no bf16 rope."""
+    return fmt == FMT_FP8_V41 or fmt == FMT_FP8_V41_PLANAR
+
+
+@gluon.constexpr_function
+def is_fp4(fmt):
+    """Whether kernel format code ``fmt`` is V4.1's fp4 rows (either page layout): 512 e2m1 dims, 32 e4m3 scales."""
+    return fmt == FMT_FP4_V41 or fmt == FMT_FP4_V41_PLANAR
+
+
+@gluon.constexpr_function
+def rope_copied(fmt):
+    """Whether rows of ``fmt`` keep bf16 rope dims, which the copy warpgroup moves by ``cp.async`` (fp8_v4,
+    fp8_v32; V4.1's rows quantise every dim)."""
+    return fmt == FMT_FP8_V4 or fmt == FMT_FP8_V32
+
+
+# where a token's body and scales sit in its page, by format code, from the one layout table (``formats.page_fields``,
+# affine in the block size): (body stride, scales base = base_0 + block size · base_per_token, scales stride); data,
+# not the function: a JIT function's globals may not be plain functions
+PAGE_TABLE = gl.constexpr({
+    code: (code_fields(code, 0).body_stride, code_fields(code, 0).scales_base,
+           code_fields(code, 1).scales_base - code_fields(code, 0).scales_base, code_fields(code, 0).scales_stride)
+    for code in (FMT_FP8_V4, FMT_FP8_V32, FMT_FP8_V41, FMT_FP8_V41_PLANAR, FMT_FP4_V41, FMT_FP4_V41_PLANAR)})
+
+
+@gluon.constexpr_function
+def _body_stride(fmt):
+    return PAGE_TABLE.value[fmt][0]
+
+
+@gluon.constexpr_function
+def _scales_base(fmt, block_size):
+    return PAGE_TABLE.value[fmt][1] + block_size * PAGE_TABLE.value[fmt][2]
+
+
+@gluon.constexpr_function
+def _scales_stride(fmt):
+    return PAGE_TABLE.value[fmt][3]
 
 
 @gluon.constexpr_function
@@ -135,8 +179,8 @@ class Outputs:
 
 @aggregate
 class Caches:
-    """The two scopes' paged caches (base, page stride, slots; ``BS0``/``BS1`` slots a page) of format ``FMT``, read
-    for q·k widths ``D_QK``."""
+    """The two scopes' paged caches (base, page stride, slots; ``BS0``/``BS1`` slots a page) of formats ``FMT`` and
+    ``FMT1`` (the same but for V4.1's fp8 window beside an fp4 compressed cache), read for q·k widths ``D_QK``."""
     c0_ptr: Scalar
     c0_stride0: Scalar
     c0_slots: Scalar
@@ -144,12 +188,13 @@ class Caches:
     c1_stride0: Scalar
     c1_slots: Scalar
     FMT: gl.constexpr
+    FMT1: gl.constexpr
     BS0: gl.constexpr
     BS1: gl.constexpr
     D_QK: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, FMT, BS0, BS1, D_QK):
+    def __init__(self, c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, FMT, FMT1, BS0, BS1, D_QK):
         self.c0_ptr = _field(c0_ptr)
         self.c0_stride0 = _field(c0_stride0)
         self.c0_slots = _field(c0_slots)
@@ -157,34 +202,40 @@ class Caches:
         self.c1_stride0 = _field(c1_stride0)
         self.c1_slots = _field(c1_slots)
         self.FMT = _field(FMT)
+        self.FMT1 = _field(FMT1)
         self.BS0 = _field(BS0)
         self.BS1 = _field(BS1)
         self.D_QK = _field(D_QK)
 
     @gluon.jit
     def rows(self, idx, blk, nblk0):
-        """Pointers to the rows of block ``blk``'s slots ``idx`` (bytes for fp8, elements for bf16), to their
-        scales (fp8_v4: the ue8m0 bytes after the page's bodies; fp8_v32: the float32s inside the row), and the
-        rows' validity."""
-        ROW: gl.constexpr = BODY_BYTES if self.FMT == FP8_V4 else V32_ROW if self.FMT == FP8_V32 else self.D_QK
+        """Pointers to the rows of block ``blk``'s slots ``idx`` (bytes for fp8 and fp4, elements for bf16), to
+        their scales (:func:`_row_and_scales`), and the rows' validity."""
         if blk < nblk0:
             valid = (idx >= 0) & (idx < self.c0_slots)
             slot = gl.where(valid, idx, 0)
             page = self.c0_ptr + (slot // self.BS0).to(gl.int64) * self.c0_stride0
-            off = slot % self.BS0
-            page_scales = page + self.BS0 * ROW
+            row, scales = _row_and_scales(page, slot % self.BS0, self.FMT, self.BS0, self.D_QK)
         else:
             valid = (idx >= 0) & (idx < self.c1_slots)
             slot = gl.where(valid, idx, 0)
             page = self.c1_ptr + (slot // self.BS1).to(gl.int64) * self.c1_stride0
-            off = slot % self.BS1
-            page_scales = page + self.BS1 * ROW
-        row = page + off * ROW
-        if self.FMT == FP8_V32:
-            scales = row + V32_SCALES
-        else:
-            scales = page_scales + off * SCALE_BYTES
+            row, scales = _row_and_scales(page, slot % self.BS1, self.FMT1, self.BS1, self.D_QK)
         return row, scales, valid
+
+
+@gluon.jit
+def _row_and_scales(page, off, FMT: gl.constexpr, BS: gl.constexpr, D_QK: gl.constexpr):
+    """Pointers to the rows at ``off`` in pages ``page`` of ``FMT`` (``BS`` rows a page) and to their scales
+    (``formats.page_fields``: fp8_v4's ue8m0 bytes and the page-planar V4.1 scales after the page's bodies,
+    fp8_v32's float32s and the token-interleaved V4.1 scales inside the row; bf16: the row again, unused)."""
+    if FMT == BF16:
+        row = page + off * D_QK
+        scales = row
+    else:
+        row = page + off * _body_stride(FMT)
+        scales = page + _scales_base(FMT, BS) + off * _scales_stride(FMT)
+    return row, scales
 
 
 @gluon.jit

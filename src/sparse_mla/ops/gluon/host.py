@@ -64,10 +64,11 @@ def persistent(items: int, max_blocks: int, sms: int) -> bool:
     return items >= PERSISTENT_MIN_ROUNDS * sms and max_blocks <= PERSISTENT_MAX_BLOCKS
 
 
-def narrow_heads(fmt: str, num_heads: int) -> int:
-    """The head width (the wgmmas' N) of narrow items for ``num_heads`` heads of ``fmt`` rows, or 0 for 64-head
-    items: fp8 rows (decode, bound by the copy warpgroups) of at most ``NARROW_HEADS`` heads."""
-    return NARROW_HEADS if fmt != "bf16" and num_heads <= NARROW_HEADS else 0
+def narrow_heads(formats: frozenset[str], num_heads: int) -> int:
+    """The head width (the wgmmas' N) of narrow items for ``num_heads`` heads over scopes of ``formats``, or 0 for
+    64-head items: quantised rows of one format (decode, bound by the copy warpgroups) of at most ``NARROW_HEADS``
+    heads (scopes of two formats have only the 64-head items' copy loop)."""
+    return NARROW_HEADS if len(formats) == 1 and "bf16" not in formats and num_heads <= NARROW_HEADS else 0
 
 
 def enabled() -> bool:

@@ -6,11 +6,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .common import (BF16, BLOCK_N, DIM, FP8_V4, FP8_V32, H_BLOCK, QK_V32, ROPE, WARPS, Caches, KeyRing, Outputs,
-                     Query, WorkItems)
+                     Query, WorkItems, is_fp4, is_v41, rope_copied)
 from .host import LOGITS_REGS, NARROW_COPY_REGS, NARROW_MATH_REGS, PAIRED_REGS, VALUES_REGS
 from .narrow import NarrowShared, _copy_buffer_partition, _narrow_partition
 from .paired import PairedShared, _paired_copy_partition, _paired_partition
-from .wide import WideShared, _copy_partition, _logits_partition, _values_partition
+from .wide import WideShared, _copy_mixed_partition, _copy_partition, _logits_partition, _values_partition
 
 PAIRED_REGS_BF16 = gl.constexpr(PAIRED_REGS)
 LOGITS_REGS_V4 = gl.constexpr(LOGITS_REGS["fp8_v4"])
@@ -27,14 +27,20 @@ def _attention_kernel(
     c0_ptr, c0_stride0, c0_slots, i0_ptr, i0_stride, l0_ptr, w0,
     c1_ptr, c1_stride0, c1_slots, i1_ptr, i1_stride, l1_ptr, w1,
     num_tokens, num_heads, tokens_per_len, qk_scale, tail,
-    FMT: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr,
+    FMT: gl.constexpr, FMT1: gl.constexpr, BS0: gl.constexpr, BS1: gl.constexpr, HAS_EXTRA: gl.constexpr,
+    HAS_SINK: gl.constexpr,
     HAS_ORDER: gl.constexpr, SPLITS: gl.constexpr, SPLIT_BLOCKS: gl.constexpr, D_QK: gl.constexpr,
     PERSISTENT: gl.constexpr = False, TAIL: gl.constexpr = False, HEADS_N: gl.constexpr = 0,
 ):
     # the copy side branches on FMT, the buffers and the math side on D_QK: only these pairs agree
-    gl.static_assert((FMT == BF16) & ((D_QK == DIM) | (D_QK == QK_V32)) | (FMT == FP8_V4) & (D_QK == DIM)
+    gl.static_assert((FMT == BF16) & ((D_QK == DIM) | (D_QK == QK_V32))
+                     | ((FMT == FP8_V4) | is_v41(FMT) | is_fp4(FMT)) & (D_QK == DIM)
                      | (FMT == FP8_V32) & (D_QK == QK_V32),
-                     "FMT and D_QK must be bf16 (512 or 576), fp8_v4 (512) or fp8_v32 (576)")
+                     "FMT and D_QK must be bf16 (512 or 576), fp8_v4 or a V4.1 format (512) or fp8_v32 (576)")
+    # scope 1 in another format than scope 0: V4.1's fp8 and fp4 rows (no rope copies), as 64-head items
+    MIXED: gl.constexpr = FMT1 != FMT
+    gl.static_assert((not MIXED) or (is_v41(FMT) | is_fp4(FMT)) & (is_v41(FMT1) | is_fp4(FMT1)) & (HEADS_N == 0),
+                     "scopes of two formats: V4.1's (fp8_v41, fp4_v41, either layout), as 64-head items")
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     # bf16 rows (cp.async: math-bound) go to two paired math warpgroups that share the logits, fp8 rows (bound
@@ -72,10 +78,10 @@ def _attention_kernel(
     for b in gl.static_range(4):
         if FMT == BF16:
             mbarrier.init(ready.index(b), count=WARPS * 32)  # every copying thread's cp.async arrival
-        elif b % 2 == 0:
+        elif (b % 2 == 0) | (not rope_copied(FMT)):
             mbarrier.init(ready.index(b), count=1)  # the copy warpgroup, after its shared-memory stores
         else:
-            mbarrier.init(ready.index(b), count=1 + WARPS * 32)  # and each thread's rope cp.async
+            mbarrier.init(ready.index(b), count=1 + WARPS * 32)  # and each thread's rope cp.async (fp8_v4, v32)
         mbarrier.init(free.index(b), count=1)
     for b in gl.static_range(2):
         mbarrier.init(m_bar.index(b), count=1)
@@ -89,7 +95,7 @@ def _attention_kernel(
     ring = KeyRing(k_smem, r_smem, ready, free)
     q = Query(q_ptr, stride_qt, stride_qh)
     outs = Outputs(out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, sink_ptr, HAS_SINK, PARTIAL)
-    caches = Caches(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, FMT, BS0, BS1, D_QK)
+    caches = Caches(c0_ptr, c0_stride0, c0_slots, c1_ptr, c1_stride0, c1_slots, FMT, FMT1, BS0, BS1, D_QK)
     items = WorkItems(order_ptr, l0_ptr, w0, i0_ptr, i0_stride, l1_ptr, w1, i1_ptr, i1_stride, num_tokens, num_heads,
                       tokens_per_len, tail, HAS_ORDER, HAS_EXTRA, SPLITS, SPLIT_BLOCKS, TAIL, PERSISTENT)
     # (the partition lists are spelled out: a JIT function cannot be held in a variable)
@@ -107,8 +113,15 @@ def _attention_kernel(
             (_paired_partition, (ring, ex, q, outs, caches, items, qk_scale, 0)),
             (_paired_partition, (ring, ex, q, outs, caches, items, qk_scale, 1)),
         ], [WARPS, WARPS], [PAIRED_REGS_BF16, PAIRED_REGS_BF16])
+    elif MIXED:
+        ex = WideShared(q_smem, p_smem, a_smem, m_smem.index(0), l_smem.index(0), p_bar.index(0), p_free, l_bar, q_free)
+        gl.warp_specialize([
+            (_copy_mixed_partition, (ring, caches, items)),
+            (_logits_partition, (ring, ex, q, outs, caches, items, qk_scale)),
+            (_values_partition, (ring, ex, outs, items)),
+        ], [WARPS, WARPS], [LOGITS_REGS_V4, VALUES_WG_REGS])
     else:
-        logits_regs: gl.constexpr = LOGITS_REGS_V4 if FMT == FP8_V4 else LOGITS_REGS_V32
+        logits_regs: gl.constexpr = LOGITS_REGS_V32 if FMT == FP8_V32 else LOGITS_REGS_V4  # (V4.1: 512-d too)
         # (warpgroup 0's maxima and sums and its P's barrier: the first of the paired warpgroups')
         ex = WideShared(q_smem, p_smem, a_smem, m_smem.index(0), l_smem.index(0), p_bar.index(0), p_free, l_bar, q_free)
         gl.warp_specialize([

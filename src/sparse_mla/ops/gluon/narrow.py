@@ -15,9 +15,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from triton.language.core import _aggregate as aggregate
 
-from .common import (BLOCK_N, DIM, FP8_V4, QK_V32, ROPE, WARPS, _block_keys_valid, _load_query, _opaque,
+from .common import (BLOCK_N, DIM, QK_V32, ROPE, WARPS, _block_keys_valid, _load_query, _opaque,
                      _phase, _store_rows)
-from .fp8_rows import WORDS_V4, WORDS_V32, _gather_half, _store_half
+from .fp8_rows import _gather_half, _store_half, rows_layout
 
 
 @aggregate
@@ -45,8 +45,7 @@ def _copy_buffer_partition(ring, caches, items, BUF: gl.constexpr):
     half's gathers issued before the current half is stored: two halves in flight), each half dequantised before its
     buffer is free (``_store_half``'s ``DEQUANT_FIRST``)."""
     FMT: gl.constexpr = caches.FMT
-    words_layout: gl.constexpr = WORDS_V4 if FMT == FP8_V4 else WORDS_V32
-    words_rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words_layout))
+    words_rows: gl.constexpr = rows_layout(FMT)
     g = 0
     for r in range(items.rounds()):
         item = items.item(r)
@@ -56,16 +55,16 @@ def _copy_buffer_partition(ring, caches, items, BUF: gl.constexpr):
         pairs = item.pairs()
         idx = item.indices(lo + BUF, words_rows)
         row, scales, valid = caches.rows(idx, lo + BUF, nblk0)
-        raw_a, sc_a = _gather_half(row, scales, valid & (lo + BUF < hi), 0, words_layout, FMT)
+        raw_a, sc_a = _gather_half(row, scales, valid & (lo + BUF < hi), 0, FMT)
         for j in range(pairs):
             blk = lo + 2 * j + BUF
             row, scales, valid = caches.rows(idx, blk, nblk0)
             valid = valid & (blk < hi)
             idx = item.indices(blk + 2, words_rows)
-            raw_b, sc_b = _gather_half(row, scales, valid, 1, words_layout, FMT)
+            raw_b, sc_b = _gather_half(row, scales, valid, 1, FMT)
             _store_half(ring, raw_a, sc_a, row, valid, g + j, BUF, 0, FMT, True)
             row2, scales2, valid2 = caches.rows(idx, blk + 2, nblk0)
-            raw_a, sc_a = _gather_half(row2, scales2, valid2 & (blk + 2 < hi), 0, words_layout, FMT)
+            raw_a, sc_a = _gather_half(row2, scales2, valid2 & (blk + 2 < hi), 0, FMT)
             _store_half(ring, raw_b, sc_b, row, valid, g + j, BUF, 1, FMT, True)
         g += pairs
 

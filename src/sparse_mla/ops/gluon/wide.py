@@ -23,9 +23,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from triton.language.core import _aggregate as aggregate
 
-from .common import (FP8_V4, HALF, KEYS_LAYOUT, O_LAYOUT, O_ROWS, P_OPERAND, QK_V32, H_BLOCK, _block_keys_valid,
+from .common import (HALF, KEYS_LAYOUT, O_LAYOUT, O_ROWS, P_OPERAND, QK_V32, H_BLOCK, _block_keys_valid,
                      _load_query, _opaque, _rope_query, _softmax_start, _phase, _store_rows, _wait_free)
-from .fp8_rows import WORDS_V4, WORDS_V32, _gather_half, _store_half
+from .fp8_rows import _gather_half, _store_half, rows_layout
 
 
 @aggregate
@@ -65,8 +65,7 @@ def _copy_partition(ring, caches, items):
     item's first blocks go in as soon as the math warpgroups free the buffers, while they still store the last
     item's output. The ring's phases count the pairs of every item so far (``g``)."""
     FMT: gl.constexpr = caches.FMT
-    words_layout: gl.constexpr = WORDS_V4 if FMT == FP8_V4 else WORDS_V32
-    words_rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, words_layout))
+    words_rows: gl.constexpr = rows_layout(FMT)
     g = 0
     for r in range(items.rounds()):
         item = items.item(r)
@@ -79,7 +78,7 @@ def _copy_partition(ring, caches, items):
         idx0 = item.indices(lo, words_rows)
         idx1 = item.indices(lo + 1, words_rows)
         row0, scales0, valid0 = caches.rows(idx0, lo, nblk0)
-        raw_a, sc_a = _gather_half(row0, scales0, valid0, 0, words_layout, FMT)
+        raw_a, sc_a = _gather_half(row0, scales0, valid0, 0, FMT)
         for j in range(pairs):
             blk0 = lo + 2 * j
             gj = g + j
@@ -89,16 +88,52 @@ def _copy_partition(ring, caches, items):
             valid1 = valid1 & (blk0 + 1 < hi)
             idx0 = item.indices(blk0 + 2, words_rows)
             idx1 = item.indices(blk0 + 3, words_rows)
-            raw_b, sc_b = _gather_half(row0, scales0, valid0, 1, words_layout, FMT)
+            raw_b, sc_b = _gather_half(row0, scales0, valid0, 1, FMT)
             _store_half(ring, raw_a, sc_a, row0, valid0, gj, 0, 0, FMT)
-            raw_a, sc_a = _gather_half(row1, scales1, valid1, 0, words_layout, FMT)
+            raw_a, sc_a = _gather_half(row1, scales1, valid1, 0, FMT)
             _store_half(ring, raw_b, sc_b, row0, valid0, gj, 0, 1, FMT)
-            raw_b, sc_b = _gather_half(row1, scales1, valid1, 1, words_layout, FMT)
+            raw_b, sc_b = _gather_half(row1, scales1, valid1, 1, FMT)
             _store_half(ring, raw_a, sc_a, row1, valid1, gj, 1, 0, FMT)
             row0, scales0, valid0 = caches.rows(idx0, blk0 + 2, nblk0)
-            raw_a, sc_a = _gather_half(row0, scales0, valid0 & (blk0 + 2 < hi), 0, words_layout, FMT)
+            raw_a, sc_a = _gather_half(row0, scales0, valid0 & (blk0 + 2 < hi), 0, FMT)
             _store_half(ring, raw_b, sc_b, row1, valid1, gj, 1, 1, FMT)
         g += pairs
+
+
+@gluon.jit
+def _copy_mixed_partition(ring, caches, items):
+    """:func:`_copy_partition` for scopes of two formats (V4.1's fp8 window, fp4 compressed cache): each block
+    gathered in its scope's format, both halves at once, and dequantised into its buffer half by half. A block's
+    format is known only at run time, and gathered words of two formats cannot be carried from one block to the
+    next, so the gathers are not pipelined across blocks."""
+    words_rows: gl.constexpr = rows_layout(caches.FMT)  # (fp8_v41's and fp4_v41's words share it)
+    g = 0
+    for r in range(items.rounds()):
+        item = items.item(r)
+        lo = item.lo
+        hi = item.hi
+        nblk0 = item.nblk0
+        pairs = item.pairs()
+        for j in range(pairs):
+            for BUF in gl.static_range(2):
+                blk = lo + 2 * j + BUF
+                row, scales, valid = caches.rows(item.indices(blk, words_rows), blk, nblk0)
+                valid = valid & (blk < hi)
+                if blk < nblk0:
+                    _copy_block(ring, row, scales, valid, g + j, BUF, caches.FMT)
+                else:
+                    _copy_block(ring, row, scales, valid, g + j, BUF, caches.FMT1)
+        g += pairs
+
+
+@gluon.jit
+def _copy_block(ring, row, scales, valid, j, BUF: gl.constexpr, FMT: gl.constexpr):
+    """One block of ``FMT`` rows into buffer ``BUF`` for pair ``j``: both halves' gathers in flight, then each half
+    dequantised and stored once its readers are done."""
+    raw_a, sc_a = _gather_half(row, scales, valid, 0, FMT)
+    raw_b, sc_b = _gather_half(row, scales, valid, 1, FMT)
+    _store_half(ring, raw_a, sc_a, row, valid, j, BUF, 0, FMT)
+    _store_half(ring, raw_b, sc_b, row, valid, j, BUF, 1, FMT)
 
 
 @gluon.jit
