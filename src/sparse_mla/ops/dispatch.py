@@ -78,7 +78,7 @@ def gluon_fits(device: torch.device, dim: int, formats: frozenset[str], pages_16
                padded: bool = True, q_fp8: bool = False) -> bool:
     """Whether the Gluon kernel can compute an attention call: an NVIDIA Hopper GPU (:attr:`.targets.Target.hopper`:
     never an AMD GPU, whatever capability ROCm reports, nor a Hopper lowered as another target), bf16 queries,
-    every scope of one format its width has (:data:`GLUON_FORMATS`) with padded index lists (not ragged, not
+    scope formats its width reads (:data:`GLUON_FORMATS`) with padded index lists (not ragged, not
     combined), and caches whose base and page stride are multiples of 16 bytes (it copies bf16 rows and the fp8
     rope with 16-byte ``cp.async``)."""
     from . import gluon as gluon_kernel

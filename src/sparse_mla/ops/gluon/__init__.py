@@ -1,8 +1,9 @@
 """Hopper sparse MLA attention for V4 (512 latent dims) and V3.2 (576), written in Gluon (Triton's explicit dialect).
 
 Same contract and arguments as ``triton_attention``'s kernel, for the cases that dominate serving
-on an sm_90 GPU: every scope ``fp8_v4`` / ``fp8_v32`` (decode, paged-direct prefill) or every scope ``bf16``
-(workspace prefill, bf16 caches). A work item is one query token × 64 heads × one split of the key list (every
+on an sm_90 GPU: every scope ``fp8_v4`` / ``fp8_v32`` (decode, paged-direct prefill), V4.1's ``fp8_v41`` / ``fp4_v41``
+rows in either page layout (the scopes alike, or an fp8 window beside an fp4 compressed cache), or every scope
+``bf16`` (workspace prefill, bf16 caches). A work item is one query token × 64 heads × one split of the key list (every
 token's list cut alike, or with ``TAIL`` just the last tokens', whose pieces fill the SMs the others' whole lists
 leave idle: ``attention_plan.choose_splits``); a program takes one item, or, launched persistent
 (``persistent``: many short items), one program per SM takes items in turn, so that an item's q load and output
