@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from helpers import DEVICE, ON_GPU, check_close, random_sink
+from sparse_mla.cache import PagedCache
 from test_v41_kernels import padded_scope
 from sparse_mla.ops import attention_plan, dispatch, gluon, sparse_attention_decode
 from sparse_mla.ops.validate import decode_args
@@ -87,3 +88,24 @@ def test_default_kernel_for_v41_is_gluon(fmts):
     kw = v41_call(fmts, 3, 4, 64, 256)
     assert attention_plan.plan_for(checked(kw)).kernel == "gluon"
     check_close(sparse_attention_decode(**kw), sparse_attention_decode(**kw, backend="reference"))
+
+
+@needs_gluon
+@pytest.mark.parametrize("fmt", ["fp8_v41", "fp8_v41_planar", "fp4_v41", "fp4_v41_planar"])
+def test_keys_are_read_exactly_at_any_tile_scale(fmt):
+    """One key per token and no sink: every head's output is the key's dequantised row, bit for bit, for tile
+    magnitudes 2^-12 … 2^12 (fp4: its scales' whole range, 2^-9 … 448, every e2m1 code, signed zeros included)."""
+    gen = torch.Generator().manual_seed(41)
+    num_tokens = 256
+    cache = PagedCache(4, 64, fmt, 512, DEVICE)
+    cache.poison()
+    magnitude = torch.randint(-12, 13, (num_tokens, 512 // 16), generator=gen).float().repeat_interleave(16, dim=1)
+    kv = torch.randn(num_tokens, 512, generator=gen) * 2.0 ** magnitude
+    kv[:, ::17] = 0.0
+    kv[:, 5::17] = -0.0
+    slots = torch.randperm(cache.num_slots, generator=gen)[:num_tokens].int().to(DEVICE)
+    cache.write(kv.to(torch.bfloat16).to(DEVICE), slots)
+    q = torch.randn(num_tokens, 64, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    lens = torch.ones(num_tokens, dtype=torch.int32, device=DEVICE)
+    out, _ = attention_plan.run(decode_args(q, cache.data, slots[:, None], lens, fmt=fmt), gluon=1)
+    assert torch.equal(out, cache.read(slots)[:, None, :].expand_as(out))

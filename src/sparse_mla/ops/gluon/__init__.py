@@ -11,8 +11,9 @@ store overlap the next item's first gathers. A program is three warpgroups that 
 mbarriers only: copy warpgroups fill two shared buffers of 64 keys, one 256-dim half of a block at a time, each
 half as soon as its last reader of the block two back is done, and math warpgroups read them. The variants:
 
-* :mod:`.wide`: fp8 rows, 64 heads (decode: bound by the copy warpgroup): a copy warpgroup that gathers and
-  dequantises, a logits warpgroup that hands P to a values warpgroup.
+* :mod:`.wide`: fp8 and fp4 rows, 64 heads (decode: bound by the copy warpgroup): a copy warpgroup that gathers and
+  dequantises (V4 / V3.2 rows a pair of blocks per loop step; V4.1's block by block, in runs of one format), a logits
+  warpgroup that hands P to a values warpgroup.
 * :mod:`.paired`: bf16 rows (workspace prefill: bound by the math): a ``cp.async`` copy warpgroup and two paired
   math warpgroups that trade row maxima and P.
 * :mod:`.narrow`: fp8 rows of at most 16 heads (tensor-parallel shards): two copy warpgroups, one per buffer, and
@@ -25,7 +26,7 @@ kernel.
 
 Modules: :mod:`.host` (import guard, shapes, register budgets, launch choices: imports without Gluon),
 :mod:`.common` (constants, argument bundles, barrier waits, work items, q loads, output stores),
-:mod:`.fp8_rows` (fp8 gathers and dequantisation), the three variants, and :mod:`.kernel` (the entry kernel).
+:mod:`.fp8_rows` (fp8 and fp4 gathers and dequantisation), the three variants, and :mod:`.kernel` (the entry kernel).
 """
 from .host import (HEADS_PER_PROGRAM, KEYS_PER_BLOCK, LOGITS_REGS, NARROW_COPY_REGS, NARROW_HEADS, NARROW_MATH_REGS,
                    PAIRED_REGS, PARTITION_WARPS, VALIDATED_TRITON, VALUES_REGS, enabled, gluon, narrow_heads,

@@ -174,8 +174,9 @@ def _dequant_fp8(raw, scales, FMT: gl.constexpr):
     return gl.join(lo, hi)
 
 
-# byte ``b`` of a word of e2m1 codes ($4) -> bf16 pair ``$b``: the two codes as f16 bits (sign at 15, magnitude at
-# 9-11; the high nibble into the high half), to f32, times the scale s
+# byte ``b`` of a word of e2m1 codes ($4) -> bf16 pair ``$b``: the two codes as bf16 bits (sign at 15, magnitude at
+# 6-8; the high nibble into the high half), which read as the e2m1 value times 2^-126 (0.5: a subnormal), times 2^100
+# (k), then times the scale · 2^26 (s2): each product exact
 _FP4_BYTE = """
         bfe.u32 t, $4, {shift}, 8;
         and.b32 p, t, 15;
@@ -185,33 +186,32 @@ _FP4_BYTE = """
         and.b32 q, p, 524296;
         shl.b32 q, q, 12;
         and.b32 p, p, 458759;
-        shl.b32 p, p, 9;
+        shl.b32 p, p, 6;
         or.b32 p, p, q;
-        mov.b32 {{c0, c1}}, p;
-        cvt.f32.f16 f0, c0;
-        cvt.f32.f16 f1, c1;
-        mul.f32 f0, f0, s;
-        mul.f32 f1, f1, s;
-        cvt.rn.bf16x2.f32 ${out}, f1, f0;"""
-# a word of 8 e2m1 codes ($4) and its e4m3 scale (the low byte of $5) -> four bf16 pairs ($0-$3); s = scale · 2^14
+        mul.rn.bf16x2 p, p, k;
+        mul.rn.bf16x2 ${out}, p, s2;"""
+# a word of 8 e2m1 codes ($4) and its e4m3 scale (the low byte of $5) -> four bf16 pairs ($0-$3)
 FP4_PTX = gl.constexpr("""{
         .reg .b16 sl, sh, c0, c1;
-        .reg .b32 sc, t, p, q;
-        .reg .f32 s, f0, f1;
+        .reg .b32 sc, t, p, q, k, s2;
+        .reg .f32 s;
         mov.b32 {sl, sh}, $5;
         cvt.rn.f16x2.e4m3x2 sc, sl;
         mov.b32 {c0, c1}, sc;
         cvt.f32.f16 s, c0;
-        mul.f32 s, s, 0f46800000;""" + "".join(_FP4_BYTE.format(shift=8 * b, out=b) for b in range(4)) + """
+        mul.f32 s, s, 0f4C800000;
+        cvt.rn.bf16x2.f32 s2, s, s;
+        mov.b32 k, 1904243072;""" + "".join(_FP4_BYTE.format(shift=8 * b, out=b) for b in range(4)) + """
         }""")
 
 
 @gluon.jit
 def _dequant_fp4(raw, scales):
     """fp4_v41 words of 8 e2m1 codes (``_gather_half``) as ``(..., 4)`` int32 words of two bf16 each (the dims in
-    order), each code's value times its e4m3 scale. A byte's two codes become an f16 pair whose bits are the codes'
-    sign at bit 15 and magnitude at bits 9-11: the e2m1 value times 2^-14 (``ops.fp8.e2m1_decode``, as the
-    portable kernel decodes them), exact; the scale times 2^14 undoes it."""
+    order), each code's value times its e4m3 scale. A byte's two codes become a bf16 pair whose bits are the codes'
+    sign at bit 15 and magnitude at bits 6-8: the e2m1 value times 2^-126 (``ops.fp8.e2m1_decode``'s trick, in
+    bf16's exponent), exact; two bf16 multiplies (by 2^100, then by the scale times 2^26) undo it, exactly (the
+    products have at most 6 significant bits)."""
     words_layout: gl.constexpr = raw.type.layout
     word = gl.arange(0, raw.shape[3], layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, words_layout))))
     scale_bytes = (scales[:, :, :, None] >> ((word // 2) * 8)[None, None, None, :]) & 0xFF  # 16 dims a scale

@@ -10,7 +10,7 @@ from .common import (BF16, BLOCK_N, DIM, FP8_V4, FP8_V32, H_BLOCK, QK_V32, ROPE,
 from .host import LOGITS_REGS, NARROW_COPY_REGS, NARROW_MATH_REGS, PAIRED_REGS, VALUES_REGS
 from .narrow import NarrowShared, _copy_buffer_partition, _narrow_partition
 from .paired import PairedShared, _paired_copy_partition, _paired_partition
-from .wide import WideShared, _copy_mixed_partition, _copy_partition, _logits_partition, _values_partition
+from .wide import WideShared, _copy_partition, _copy_runs_partition, _logits_partition, _values_partition
 
 PAIRED_REGS_BF16 = gl.constexpr(PAIRED_REGS)
 LOGITS_REGS_V4 = gl.constexpr(LOGITS_REGS["fp8_v4"])
@@ -113,10 +113,10 @@ def _attention_kernel(
             (_paired_partition, (ring, ex, q, outs, caches, items, qk_scale, 0)),
             (_paired_partition, (ring, ex, q, outs, caches, items, qk_scale, 1)),
         ], [WARPS, WARPS], [PAIRED_REGS_BF16, PAIRED_REGS_BF16])
-    elif MIXED:
+    elif is_v41(FMT) | is_fp4(FMT):  # V4.1's rows, in one format or two: block by block (``wide._copy_run``)
         ex = WideShared(q_smem, p_smem, a_smem, m_smem.index(0), l_smem.index(0), p_bar.index(0), p_free, l_bar, q_free)
         gl.warp_specialize([
-            (_copy_mixed_partition, (ring, caches, items)),
+            (_copy_runs_partition, (ring, caches, items)),
             (_logits_partition, (ring, ex, q, outs, caches, items, qk_scale)),
             (_values_partition, (ring, ex, outs, items)),
         ], [WARPS, WARPS], [LOGITS_REGS_V4, VALUES_WG_REGS])

@@ -101,39 +101,58 @@ def _copy_partition(ring, caches, items):
 
 
 @gluon.jit
-def _copy_mixed_partition(ring, caches, items):
-    """:func:`_copy_partition` for scopes of two formats (V4.1's fp8 window, fp4 compressed cache): each block
-    gathered in its scope's format, both halves at once, and dequantised into its buffer half by half. A block's
-    format is known only at run time, and gathered words of two formats cannot be carried from one block to the
-    next, so the gathers are not pipelined across blocks."""
+def _copy_runs_partition(ring, caches, items):
+    """:func:`_copy_partition` for V4.1's rows, the scopes in one format or two (an fp8 window, an fp4 compressed
+    cache): an item's blocks in runs of one format, each software-pipelined as :func:`_copy_run` says; two formats
+    make two runs, scope 0's blocks and then scope 1's (and the last pair's block past ``hi``, zeros): gathered words
+    of two formats cannot be carried from one run into the next, so the pipeline restarts at the scopes' boundary.
+    (With one block's halves, not a pair's, in the loop body, fp8_v41's copy warpgroup does not spill: 28-40 B in
+    :func:`_copy_partition`'s pair loop.)"""
     words_rows: gl.constexpr = rows_layout(caches.FMT)  # (fp8_v41's and fp4_v41's words share it)
     g = 0
     for r in range(items.rounds()):
         item = items.item(r)
-        lo = item.lo
-        hi = item.hi
-        nblk0 = item.nblk0
-        pairs = item.pairs()
-        for j in range(pairs):
-            for BUF in gl.static_range(2):
-                blk = lo + 2 * j + BUF
-                row, scales, valid = caches.rows(item.indices(blk, words_rows), blk, nblk0)
-                valid = valid & (blk < hi)
-                if blk < nblk0:
-                    _copy_block(ring, row, scales, valid, g + j, BUF, caches.FMT)
-                else:
-                    _copy_block(ring, row, scales, valid, g + j, BUF, caches.FMT1)
-        g += pairs
+        end = item.lo + 2 * item.pairs()
+        if caches.FMT1 == caches.FMT:
+            _copy_run(ring, caches, item, item.lo, end, g, words_rows, caches.FMT)
+        else:
+            boundary = gl.minimum(gl.maximum(item.nblk0, item.lo), item.hi)  # the item's first block of scope 1
+            _copy_run(ring, caches, item, item.lo, boundary, g, words_rows, caches.FMT)
+            _copy_run(ring, caches, item, boundary, end, g, words_rows, caches.FMT1)
+        g += item.pairs()
 
 
 @gluon.jit
-def _copy_block(ring, row, scales, valid, j, BUF: gl.constexpr, FMT: gl.constexpr):
-    """One block of ``FMT`` rows into buffer ``BUF`` for pair ``j``: both halves' gathers in flight, then each half
-    dequantised and stored once its readers are done."""
-    raw_a, sc_a = _gather_half(row, scales, valid, 0, FMT)
-    raw_b, sc_b = _gather_half(row, scales, valid, 1, FMT)
-    _store_half(ring, raw_a, sc_a, row, valid, j, BUF, 0, FMT)
-    _store_half(ring, raw_b, sc_b, row, valid, j, BUF, 1, FMT)
+def _copy_run(ring, caches, item, k0, k1, g, words_rows: gl.constexpr, FMT: gl.constexpr):
+    """Blocks ``[k0, k1)`` of ``item``, all of one format ``FMT``, into the ring: block k into buffer ``(k - lo) % 2``
+    for pair ``g + (k - lo) // 2`` (rows past ``hi``: zeros), half by half, each half's gathers issued before the
+    previous half is dequantised (two halves in flight), as :func:`_copy_partition` does a pair's."""
+    lo = item.lo
+    hi = item.hi
+    nblk0 = item.nblk0
+    idx = item.indices(k0, words_rows)
+    row, scales, valid = caches.rows(idx, k0, nblk0)
+    raw_a, sc_a = _gather_half(row, scales, valid & (k0 < hi) & (k0 < k1), 0, FMT)
+    for k in range(k0, k1):
+        row, scales, valid = caches.rows(idx, k, nblk0)
+        valid = valid & (k < hi)
+        idx = item.indices(k + 1, words_rows)
+        raw_b, sc_b = _gather_half(row, scales, valid, 1, FMT)
+        j = g + (k - lo) // 2
+        odd = (k - lo) % 2
+        _store_in(ring, raw_a, sc_a, row, valid, j, odd, 0, FMT)
+        row_next, scales_next, valid_next = caches.rows(idx, k + 1, nblk0)
+        raw_a, sc_a = _gather_half(row_next, scales_next, valid_next & (k + 1 < hi) & (k + 1 < k1), 0, FMT)
+        _store_in(ring, raw_b, sc_b, row, valid, j, odd, 1, FMT)
+
+
+@gluon.jit
+def _store_in(ring, raw, scales, rows, ok, j, odd, SIDE: gl.constexpr, FMT: gl.constexpr):
+    """:func:`.fp8_rows._store_half` into buffer ``odd`` (0 or 1, known at run time)."""
+    if odd == 0:
+        _store_half(ring, raw, scales, rows, ok, j, 0, SIDE, FMT)
+    else:
+        _store_half(ring, raw, scales, rows, ok, j, 1, SIDE, FMT)
 
 
 @gluon.jit
