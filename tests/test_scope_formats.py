@@ -95,23 +95,28 @@ def test_a_remembered_call_reads_each_cache_in_its_declared_format():
     # the extra cache holds 288-byte fp4 tokens: an fp8 name contradicts it
     (dict(extra_fmt="fp8_v41_planar"), ValueError,
      r"extra_fmt='fp8_v41_planar' does not fit extra_cache: extra_cache holds fp4_v41 data"),
-    # fp4 as the first cache beside an fp8 extra cache is not a layer's pair
-    (dict(swap=True), ValueError, r"cache holds fp4_v41_planar, extra_fmt fp8_v41_planar"),
     (dict(extra_fmt="fp4_v41_planar", no_extra=True), ValueError,
      r"extra_fmt='fp4_v41_planar' names extra_cache's format, but no extra_cache is given"),
 ])
 def test_a_bad_extra_fmt_is_an_error_naming_it(backend, change, error, match):
     planar, _ = planar_pair_call(num_tokens=2, num_heads=2)
     change = dict(change)  # (the parameter's dict is shared by the backends' cases)
-    if change.pop("swap", False):  # the fp4 cache first, each declared as what it holds
-        planar.update(cache=planar["extra_cache"], extra_cache=planar["cache"], indices=planar["extra_indices"],
-                      extra_indices=planar["indices"], lens=planar["extra_lens"], extra_lens=planar["lens"],
-                      fmt=PLANAR_PAIR[1], extra_fmt=PLANAR_PAIR[0])
     if change.pop("no_extra", False):
         for name in ("extra_cache", "extra_indices", "extra_lens"):
             del planar[name]
     with pytest.raises(error, match=match):
         sparse_attention_decode(**dict(planar, **change), backend=backend)
+
+
+def test_the_op_reads_any_two_formats_in_either_order():
+    """The op is not the layer: an fp4 first cache beside an fp8 extra cache (a pair no V4.1 layer has) is read as
+    declared, on the Triton kernels as by the reference (the layer's pairing rule is ``config.check_scope_formats``)."""
+    planar, _ = planar_pair_call(num_tokens=3, num_heads=4)
+    planar.update(cache=planar["extra_cache"], extra_cache=planar["cache"], indices=planar["extra_indices"],
+                  extra_indices=planar["indices"], lens=planar["extra_lens"], extra_lens=planar["lens"],
+                  fmt=PLANAR_PAIR[1], extra_fmt=PLANAR_PAIR[0])
+    check_close(sparse_attention_decode(**planar, backend="triton"),
+                sparse_attention_decode(**planar, backend="reference"))
 
 
 def test_without_extra_fmt_fmt_declares_both_caches():

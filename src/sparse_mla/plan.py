@@ -23,7 +23,7 @@ from .metadata import StepMetadata
 from .ops import sparse_attention_decode, sparse_attention_prefill
 from .ops.dispatch import pages_16_byte_aligned, resolve_backend
 from .ops.launch import BindOnce
-from .ops.validate import debug_checks_enabled
+from .ops.validate import debug_checks_enabled, graph_capturing
 from .workspace import fill_workspace, shared_workspace, workspace_indices, workspace_plan
 
 PREFILL_MODES = ("paged", "workspace", "mixed")
@@ -76,7 +76,7 @@ def check_cache_kv_scale(kv_scale: torch.Tensor, device: torch.device, name: str
     captured (no sync is allowed then; ``StepGraph`` warms up before capturing, so a step's scales are met first
     outside the capture) and made at the next check outside it. Values written into it in place later are checked
     only with ``SPARSE_MLA_DEBUG=1`` (per call: :class:`LayerPlan`)."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    capturing = graph_capturing(device)
     # the memo keeps True, not what check_kv_scale returns (the tensor itself, which the entry must not hold)
     _CHECKED_SCALES.get(kv_scale, (device, capturing),
                         lambda: check_kv_scale(kv_scale, device, name, values=not capturing) is not None)

@@ -74,9 +74,8 @@ def sparse_attention_decode(
     extra_fmt (keyword): ``extra_cache``'s format name alone; ``fmt`` then names ``cache``'s alone. None (the
     default): ``fmt`` declares both caches (or neither). Needed where the caches' page-planar formats differ, e.g.
     ``fmt="fp8_v41_planar", extra_fmt="fp4_v41_planar"`` (a V4.1 layer's window and fp4 compressed caches as vLLM
-    pages them). A given pair must be a layer's pair (``config.check_scope_formats``: one encoding, or an fp4_v41
-    extra cache beside an fp8_v41 cache); an unknown name, a name the extra cache's tensor contradicts, or another
-    pair is a ``ValueError`` naming ``extra_fmt``.
+    pages them). Any two formats of one width are read (a layer's pairs are fewer: ``config.check_scope_formats``);
+    an unknown name or a name the extra cache's tensor contradicts is a ``ValueError`` naming ``extra_fmt``.
     backend: ``"auto"`` (the Triton kernels on a CUDA device, else the reference), ``"reference"``
     (plain PyTorch) or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``).
     Returns out ``(T, H, 512)`` bf16 (written into ``out`` when given: contiguous, that shape) and

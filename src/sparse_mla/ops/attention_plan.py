@@ -363,7 +363,7 @@ def plan_switches() -> tuple[str | None, str | None]:
     :func:`.targets.lower_as`, which :func:`.targets.target_of` follows). A part of the plans' keys, and compared
     again by every remembered call of the ops (:func:`.memo.recall`), so read raw, the cheapest way: two environment
     reads, 0.7-1.2 us on a slow 2-core CPU (a value that enables Gluon as another does only costs one more plan)."""
-    return os.environ.get("SPARSE_MLA_GLUON"), targets._override_arch()
+    return os.environ.get("SPARSE_MLA_GLUON"), targets.override_arch()
 
 
 def plan_geometry(args: AttentionArgs, batch_invariant: bool = False) -> tuple[tuple, dict]:

@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 import triton
 
+from .targets import override_arch
+
 FAST_TRITON = ("3.6.",)  # launcher interfaces read (triton/backends/nvidia/driver.py) and run on an H100
 
 try:
@@ -242,8 +244,9 @@ _LAUNCHES: dict[tuple, Launch] = {}
 def cached_launch(kernel, constexprs: tuple, options: tuple = ()) -> Launch:
     """The shared :class:`Launch` of ``kernel`` for ``constexprs`` / ``options`` given as ``(name, value)`` pairs.
     Keyed by the kernel's identity (kernels are module-level functions, alive for the whole run): hashing a JIT
-    function hashes its source under a lock, a cost per call where a launch is looked up per call."""
-    key = (id(kernel), constexprs, options)
+    function hashes its source under a lock, a cost per call where a launch is looked up per call; and by the
+    lowering (``targets.lower_as``), whose binaries differ for the same constexprs."""
+    key = (id(kernel), constexprs, options, override_arch())
     launch = _LAUNCHES.get(key)
     if launch is None or launch.kernel is not kernel:
         launch = _LAUNCHES[key] = Launch(kernel, dict(constexprs), dict(options))

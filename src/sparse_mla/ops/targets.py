@@ -111,7 +111,7 @@ _BY_KEY = {(t.backend, t.arch): t for t in MATRIX}
 DEFAULT = _BY_KEY[("cuda", 90)]
 
 
-def _override_arch() -> str | None:
+def override_arch() -> str | None:
     """Triton's ``TRITON_OVERRIDE_ARCH`` (``"sm80"``, ``"gfx942"``), read as Triton reads it."""
     import triton
 
@@ -144,7 +144,7 @@ def target_of(device: torch.device) -> Target:
     if device.type != "cuda":
         return DEFAULT
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_target(index, bool(torch.version.hip), _override_arch())
+    return _device_target(index, bool(torch.version.hip), override_arch())
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,7 +13,6 @@ import torch
 
 from .._checks import (check_finite, check_index_range, check_kv_scale, check_no_overlap, check_scale, check_sink,
                        check_tensor, is_int)
-from ..config import check_scope_formats
 from ..formats import FORMAT_NAMES, KVFormat, resolve_cache, resolve_cache_once
 
 D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part of 576)
@@ -228,8 +227,6 @@ def decode_args(q, cache, indices, lens=None, extra_cache=None, extra_indices=No
                                  "extra_cache", extra_indptr, tokens_per_len, extra_fmt_arg))
         elif extra_lens is not None or extra_indptr is not None:
             raise ValueError("extra_lens / extra_indptr given without extra_cache / extra_indices")
-    if extra_fmt is not None:  # a declared pair is a layer's pair (config's one rule of which formats go together)
-        check_scope_formats(scopes[0].fmt.name, scopes[1].fmt.name, (cache_name, "extra_fmt"))
     sink, scale = _sink_and_scale(q, sink, scale, check_ranges)
     q_scale, kv_scale = _fp8_scales(q, scopes, q_scale, kv_scale, check_ranges)
     order = _order(order, q, check_ranges)
