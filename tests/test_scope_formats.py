@@ -84,7 +84,7 @@ def test_a_remembered_call_reads_each_cache_in_its_declared_format():
     assert len(memo.CALLS) == remembered
     assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
     check_close(again, sparse_attention_decode(**rows, backend="reference"))
-    with pytest.raises(ValueError, match=r"extra_fmt='fp8_v41_planar' does not fit extra_cache"):
+    with pytest.raises(ValueError, match=r"extra_cache holds fp4_v41 data .* but extra_fmt is 'fp8_v41_planar'"):
         sparse_attention_decode(**dict(planar, extra_fmt="fp8_v41_planar"), backend="triton")
 
 
@@ -94,7 +94,7 @@ def test_a_remembered_call_reads_each_cache_in_its_declared_format():
     (dict(extra_fmt=288), TypeError, r"extra_fmt must be None or a format name"),
     # the extra cache holds 288-byte fp4 tokens: an fp8 name contradicts it
     (dict(extra_fmt="fp8_v41_planar"), ValueError,
-     r"extra_fmt='fp8_v41_planar' does not fit extra_cache: extra_cache holds fp4_v41 data"),
+     r"extra_cache holds fp4_v41 data \(torch.uint8, last axis 288\) but extra_fmt is 'fp8_v41_planar'"),
     (dict(extra_fmt="fp4_v41_planar", no_extra=True), ValueError,
      r"extra_fmt='fp4_v41_planar' names extra_cache's format, but no extra_cache is given"),
 ])

@@ -309,14 +309,16 @@ def as_paged(cache: torch.Tensor, fmt: KVFormat, name: str = "cache") -> torch.T
 
 
 def resolve_cache(cache: torch.Tensor, fmt: str | KVFormat | None = None,
-                  name: str = "cache") -> tuple[torch.Tensor, KVFormat]:
+                  name: str = "cache", fmt_name: str = "fmt") -> tuple[torch.Tensor, KVFormat]:
     """Infer a cache's format, check it against ``fmt`` when given, and validate its layout. ``fmt`` also picks
-    the page layout of a V4.1 cache (``"fp8_v41_planar"``: its bytes read as page-planar)."""
-    found = _declared_format(cache, infer_format(cache, name), fmt, name)
+    the page layout of a V4.1 cache (``"fp8_v41_planar"``: its bytes read as page-planar). ``name`` / ``fmt_name``:
+    the arguments the errors name."""
+    found = _declared_format(cache, infer_format(cache, name), fmt, name, fmt_name)
     return as_paged(cache, found, name), found
 
 
-def _declared_format(cache: torch.Tensor, found: KVFormat, fmt: str | KVFormat | None, name: str) -> KVFormat:
+def _declared_format(cache: torch.Tensor, found: KVFormat, fmt: str | KVFormat | None, name: str,
+                     fmt_name: str = "fmt") -> KVFormat:
     """The format of a cache whose tensor reads as ``found``: ``fmt`` when it is ``found`` or the same encoding in
     the other page layout, ``found`` when ``fmt`` is None; ``ValueError`` when ``fmt`` is another format."""
     if fmt is None:
@@ -325,7 +327,7 @@ def _declared_format(cache: torch.Tensor, found: KVFormat, fmt: str | KVFormat |
     if replace(want, name=found.name, page_align=found.page_align) == found:  # found, or found in another layout
         return want
     raise ValueError(f"{name} holds {found.name} data ({cache.dtype}, last axis {cache.shape[-1]}) "
-                     f"but fmt is {want.name!r}" + (f" (dim {want.dim})" if isinstance(fmt, KVFormat) else ""))
+                     f"but {fmt_name} is {want.name!r}" + (f" (dim {want.dim})" if isinstance(fmt, KVFormat) else ""))
 
 
 def field_views(cache: torch.Tensor, fmt: KVFormat) -> list[tuple[torch.Tensor, int, int]]:
@@ -588,16 +590,17 @@ _RESOLVED = IdentityMemo()  # cache tensor -> (paged view, format)
 
 
 def resolve_cache_once(cache: torch.Tensor, fmt: str | KVFormat | None = None,
-                       name: str = "cache") -> tuple[torch.Tensor, KVFormat]:
+                       name: str = "cache", fmt_name: str = "fmt") -> tuple[torch.Tensor, KVFormat]:
     """:func:`resolve_cache`, remembered per cache tensor: a tensor seen before with the same data pointer,
     shape, strides and dtype (and the same named page layout, see :func:`named_layout`) is not validated again
     (caches live for the whole serving run; the per-call checks of the ops and layers then cost a dictionary
     lookup). A given ``fmt`` is compared every time."""
     if not isinstance(cache, torch.Tensor):
-        return resolve_cache(cache, fmt, name)  # raises the TypeError naming it
+        return resolve_cache(cache, fmt, name, fmt_name)  # raises the TypeError naming it
     layout = named_layout(fmt)
-    paged, found = _RESOLVED.get(cache, (cache_stamp(cache), layout), lambda: _resolved_entry(cache, layout, name))
-    found = _declared_format(cache, found, fmt, name)
+    paged, found = _RESOLVED.get(cache, (cache_stamp(cache), layout),
+                                 lambda: _resolved_entry(cache, layout, name, fmt_name))
+    found = _declared_format(cache, found, fmt, name, fmt_name)
     return (cache if paged is None else paged), found
 
 
@@ -616,7 +619,8 @@ def cache_stamp(cache: torch.Tensor) -> tuple:
     return cache.data_ptr(), cache.shape, cache.stride(), cache.dtype
 
 
-def _resolved_entry(cache: torch.Tensor, layout: KVFormat | None, name: str) -> tuple[torch.Tensor | None, KVFormat]:
+def _resolved_entry(cache: torch.Tensor, layout: KVFormat | None, name: str, fmt_name: str
+                    ) -> tuple[torch.Tensor | None, KVFormat]:
     """:func:`resolve_cache`'s result as the memo keeps it: None for a paged view that is the cache itself."""
-    paged, found = resolve_cache(cache, layout, name)
+    paged, found = resolve_cache(cache, layout, name, fmt_name)
     return (None if paged is cache else paged), found

@@ -100,12 +100,7 @@ def _scope(prefix: str, q: torch.Tensor, cache: torch.Tensor, indices: torch.Ten
            indptr: torch.Tensor | None = None, tokens_per_len: int = 1, fmt_arg: str = "fmt") -> Scope:
     """One scope checked (``fmt_arg``: the argument that declared ``fmt``, named by the errors of a cache that
     does not hold it)."""
-    try:
-        cache, f = resolve_cache_once(cache, fmt, cache_name)
-    except ValueError as err:
-        if fmt is None or fmt_arg == "fmt":  # the cache's own errors, or ones that already name fmt
-            raise
-        raise ValueError(f"{fmt_arg}={fmt!r} does not fit {cache_name}: {err}") from err
+    cache, f = resolve_cache_once(cache, fmt, cache_name, fmt_arg)
     if f.dim != q.shape[-1]:
         raise ValueError(f"q has head dim {q.shape[-1]} but {cache_name} holds {f.name} tokens of dim {f.dim}")
     num_tokens = q.shape[0]
