@@ -14,8 +14,11 @@ from sparse_mla.ops import attention_plan, launch_configs
 _FENCES = [False, True] if DEVICE.type == "cuda" else [False]
 STRATEGIES = [dict(NATIVE_FP8=n, Q_IN_LOOP=q, Q_ROPE_SCALAR=r, DECODE_FENCE=f)
               for n, q, r, f in itertools.product([False, True], [False, True], [False, True], _FENCES) if q or not r]
+# PREFETCH (the indices loaded a block ahead; the L2 prefetch itself, inline PTX, only on a CUDA device): two of them
+STRATEGIES += [dict(STRATEGIES[0], PREFETCH=True), dict(STRATEGIES[-1], PREFETCH=True)]
 STRATEGY_IDS = ["native" * s["NATIVE_FP8"] + "int" * (not s["NATIVE_FP8"]) + "-q" * s["Q_IN_LOOP"]
-                + "-r" * s["Q_ROPE_SCALAR"] + "-f" * s["DECODE_FENCE"] for s in STRATEGIES]
+                + "-r" * s["Q_ROPE_SCALAR"] + "-f" * s["DECODE_FENCE"] + "-p" * s.get("PREFETCH", False)
+                for s in STRATEGIES]
 
 
 def force_strategy(monkeypatch, **constexprs) -> None:

@@ -174,13 +174,58 @@ def _decode_fence(tile):
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [tile], dtype=tl.bfloat16, is_pure=False, pack=2)
 
 
+# the bytes of a token's record a page keeps at its row pointer (``formats.page_fields``' body stride), by format code
+# (bf16: the row, 2 bytes a dim); read by :func:`_prefetch_rows`
+BODY_BYTES = {c: formats.code_fields(c, 1).body_stride for c in formats.FORMAT_CODES.values() if c != formats.FMT_BF16}
+ROPE_BYTES_DIMS = formats.ROPE_DIM
+INTERPRETING = kernel_const(dispatch.interpreting())  # the CPU interpreter runs no inline PTX
+PREFETCH_PTX = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
+
+
+@triton.constexpr_function
+def _row_bytes(fmt, rope_off):
+    return BODY_BYTES[fmt] if fmt in BODY_BYTES else 2 * (rope_off + ROPE_BYTES_DIMS)
+
+
+@triton.constexpr_function
+def _row_lines(fmt, rope_off):
+    """128-byte lines a row of :func:`_row_bytes` can touch at any alignment, rounded up to a power of 2."""
+    lines = -(-_row_bytes(fmt, rope_off) // 128) + 1
+    return 1 << (lines - 1).bit_length()
+
+
+@triton.jit
+def _prefetch_rows(cache_ptr, stride0, num_slots, idx, ask, FMT: tl.constexpr, BS: tl.constexpr,
+                   ROPE_OFF: tl.constexpr):
+    """Ask L2 for the rows of cache slots ``idx`` (``(BLOCK_N,)``; where ``ask``), a key block before they are
+    gathered: the loop's gathers then wait for L2, not HBM. Holds no register past the instruction (CUDA; nothing in
+    the CPU interpreter, which runs the rest of the PREFETCH loop: the indices loaded a block ahead)."""
+    if not INTERPRETING:
+        valid = (idx >= 0) & (idx < num_slots) & ask
+        row_ptr, _ = _token_ptrs(cache_ptr, stride0, tl.where(valid, idx, 0), FMT, BS, ROPE_OFF)
+        BYTES: tl.constexpr = _row_bytes(FMT, ROPE_OFF)
+        LINES: tl.constexpr = _row_lines(FMT, ROPE_OFF)
+        k = tl.arange(0, LINES)
+        addr = row_ptr.to(tl.pointer_type(tl.int8))[:, None] + tl.minimum(k * 128, BYTES - 1)[None, :]
+        ok = valid[:, None] & (k * 128 < BYTES + 127)[None, :]
+        tl.inline_asm_elementwise(PREFETCH_PTX, "=r,l,r", [addr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
+def _block_slots(idx_row, blk, length, offs, BLOCK_N: tl.constexpr):
+    """The cache slots of key block ``blk`` of an index row (``-1`` past ``length``)."""
+    j = blk * BLOCK_N + offs
+    return tl.load(idx_row + j, mask=j < length, other=-1)
+
+
 @triton.jit
 def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok, heads, head_mask, stride_qh,
                 cache_ptr, stride0, num_slots, idx_row, length, blk_lo, blk_hi, qk_scale, kv_scale,
                 FMT: tl.constexpr, BS: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr,
                 BLOCK_N: tl.constexpr, DOT: tl.constexpr, V_HAS_ROPE: tl.constexpr, Q_FP8: tl.constexpr,
                 NATIVE_FP8: tl.constexpr, Q_IN_LOOP: tl.constexpr, Q_ROPE_SCALAR: tl.constexpr,
-                DECODE_FENCE: tl.constexpr):
+                DECODE_FENCE: tl.constexpr, PREFETCH: tl.constexpr):
     """Online-softmax update over key blocks ``[blk_lo, blk_hi)`` of one scope (base-2 logits).
 
     The running max is raised only when a block's max exceeds it by more than ``RESCALE_SLACK``
@@ -197,6 +242,8 @@ def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok,
     GPU).
     DECODE_FENCE: the dequantised key tiles pass :func:`_decode_fence` before the dots (mma.sync targets' quantised
     caches: 1.7x faster key loops at sm_80).
+    PREFETCH: each block's loop step first asks L2 for the next block's rows (:func:`_prefetch_rows`; the index rows
+    are then loaded a block ahead).
     """
     ROPE_OFF: tl.constexpr = PA + PB + PC
     RESCALE_SLACK: tl.constexpr = 8.0
@@ -204,9 +251,17 @@ def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok,
         kv_scale = kv_scale * e4m3_gain(NATIVE_FP8)
         qk_scale = qk_scale * kv_scale
     offs = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        idx_cur = _block_slots(idx_row, blk_lo, length, offs, BLOCK_N)
+        idx_next = _block_slots(idx_row, blk_lo + 1, length, offs, BLOCK_N)
     for blk in range(blk_lo, blk_hi):
-        j = blk * BLOCK_N + offs
-        idx = tl.load(idx_row + j, mask=j < length, other=-1)
+        if PREFETCH:
+            idx = idx_cur
+            _prefetch_rows(cache_ptr, stride0, num_slots, idx_next, blk + 1 < blk_hi, FMT, BS, ROPE_OFF)
+            idx_cur = idx_next
+            idx_next = _block_slots(idx_row, blk + 2, length, offs, BLOCK_N)
+        else:
+            idx = _block_slots(idx_row, blk, length, offs, BLOCK_N)
         valid = (idx >= 0) & (idx < num_slots)
         slot = tl.where(valid, idx, 0)
         row_ptr, scale_ptr = _token_ptrs(cache_ptr, stride0, slot, FMT, BS, ROPE_OFF)
@@ -338,10 +393,12 @@ def _sparse_mla_kernel(
     H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     DOT: tl.constexpr, Q_FP8: tl.constexpr, RAGGED0: tl.constexpr, RAGGED1: tl.constexpr, COMBINED: tl.constexpr,
     NATIVE_FP8: tl.constexpr, Q_IN_LOOP: tl.constexpr, Q_ROPE_SCALAR: tl.constexpr, DECODE_FENCE: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """One (token, head block, split) program. NATIVE_FP8: fp8 bytes decoded by conversion instructions (else by
     integer operations, :mod:`.fp8`); Q_IN_LOOP: q read again for every key block (Q_ROPE_SCALAR: its rope piece
-    one element per load), DECODE_FENCE: the dequantised key tiles pass :func:`_decode_fence` (:func:`_scope_pass`).
+    one element per load), DECODE_FENCE: the dequantised key tiles pass :func:`_decode_fence`, PREFETCH: the next key
+    block's rows asked of L2 (:func:`_scope_pass`).
     These and the tile sizes come from the target's row of :mod:`.launch_configs`."""
     head_blocks = tl.cdiv(num_heads, H_BLOCK)  # a token's head blocks are neighbours in the grid
     tok = tl.program_id(0) // head_blocks
@@ -391,13 +448,13 @@ def _sparse_mla_kernel(
         acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok, heads, head_mask, stride_qh,
         c0_ptr, c0_stride0, c0_slots, _scope_row(i0_ptr, i0_stride, l0_ptr, w0, tok, RAGGED0), len0,
         tl.minimum(lo, nblk0), tl.minimum(hi, nblk0), qk_scale, kv_scale, FMT0, BS0, PA, PB, PC, BLOCK_N, DOT,
-        V_HAS_ROPE, Q_FP8, NATIVE_FP8, Q_IN_LOOP, Q_ROPE_SCALAR, DECODE_FENCE)
+        V_HAS_ROPE, Q_FP8, NATIVE_FP8, Q_IN_LOOP, Q_ROPE_SCALAR, DECODE_FENCE, PREFETCH)
     if HAS_EXTRA:
         acc_a, acc_b, acc_c, acc_r, m_i, l_i = _scope_pass(
             acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok, heads, head_mask, stride_qh,
             c1_ptr, c1_stride0, c1_slots, _scope_row(i1_ptr, i1_stride, l1_ptr, w1, tok, RAGGED1), len1,
             tl.maximum(lo, nblk0) - nblk0, hi - nblk0, qk_scale, kv_scale, FMT1, BS1, PA, PB, PC, BLOCK_N, DOT,
-            V_HAS_ROPE, Q_FP8, NATIVE_FP8, Q_IN_LOOP, Q_ROPE_SCALAR, DECODE_FENCE)
+            V_HAS_ROPE, Q_FP8, NATIVE_FP8, Q_IN_LOOP, Q_ROPE_SCALAR, DECODE_FENCE, PREFETCH)
 
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
