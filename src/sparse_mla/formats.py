@@ -241,14 +241,16 @@ def page_fields(fmt: KVFormat, block_size: int) -> PageFields:
     return PageFields(fmt.token_bytes, fmt.scale_offset, fmt.token_bytes)
 
 
-def code_fields(code: int, block_size: int) -> PageFields:
-    """:func:`page_fields` of the fixed-width format whose kernel code (``KVFormat.code``) is ``code``: what a
-    kernel that knows a cache by its code and block size reads it by."""
-    name = next((n for n, c in FORMAT_CODES.items() if c == code and n in _FIXED_WIDTH), None)
-    if name is None:
-        raise ValueError(f"code must be the kernel code of a fixed-width format, one of "
-                         f"{ {f.name: f.code for f in _FIXED_WIDTH.values()} }, got {code!r}")
-    return page_fields(_FIXED_WIDTH[name], block_size)
+def _page_row(f: KVFormat) -> tuple[int, int, int, int]:
+    """:func:`page_fields` of ``f`` as numbers for any block size ``B``: ``(body_stride, scales_base at B = 0,
+    scales_base per token of B, scales_stride)`` (``scales_base`` is affine in the block size)."""
+    none, one = page_fields(f, 0), page_fields(f, 1)
+    return none.body_stride, none.scales_base, one.scales_base - none.scales_base, none.scales_stride
+
+
+# page_fields by kernel format code (``KVFormat.code``) of the fixed-width formats, as :func:`_page_row` gives them:
+# what kernels that know a cache by its code and block size read it by (data, which JIT code may hold)
+PAGE_TABLE = {f.code: _page_row(f) for f in _FIXED_WIDTH.values()}
 
 
 def infer_format(cache: torch.Tensor, name: str = "cache") -> KVFormat:

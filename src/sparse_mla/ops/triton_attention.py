@@ -174,9 +174,7 @@ def _decode_fence(tile):
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [tile], dtype=tl.bfloat16, is_pure=False, pack=2)
 
 
-# the bytes of a token's record a page keeps at its row pointer (``formats.page_fields``' body stride), by format code
-# (bf16: the row, 2 bytes a dim); read by :func:`_prefetch_rows`
-BODY_BYTES = {c: formats.code_fields(c, 1).body_stride for c in formats.FORMAT_CODES.values() if c != formats.FMT_BF16}
+PAGE_TABLE = formats.PAGE_TABLE  # by format code: (body stride, ...): read by :func:`_row_bytes`
 ROPE_BYTES_DIMS = formats.ROPE_DIM
 INTERPRETING = kernel_const(dispatch.interpreting())  # the CPU interpreter runs no inline PTX
 PREFETCH_PTX = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
@@ -184,7 +182,9 @@ PREFETCH_PTX = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.g
 
 @triton.constexpr_function
 def _row_bytes(fmt, rope_off):
-    return BODY_BYTES[fmt] if fmt in BODY_BYTES else 2 * (rope_off + ROPE_BYTES_DIMS)
+    """The bytes of a token's record a page keeps at its row pointer (``formats.page_fields``' body stride; bf16: the
+    row, 2 bytes a dim)."""
+    return PAGE_TABLE[fmt][0] if fmt in PAGE_TABLE else 2 * (rope_off + ROPE_BYTES_DIMS)
 
 
 @triton.constexpr_function

@@ -16,7 +16,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.language.core import _aggregate as aggregate
 
 from ...formats import (FMT_BF16, FMT_FP4_V41, FMT_FP4_V41_PLANAR, FMT_FP8_V4, FMT_FP8_V32, FMT_FP8_V41,
-                        FMT_FP8_V41_PLANAR, ROPE_DIM, V4_DIM, V4_NOPE_DIM, V32_DIM, code_fields)
+                        FMT_FP8_V41_PLANAR, PAGE_TABLE as PAGE_ROWS, ROPE_DIM, V4_DIM, V4_NOPE_DIM, V32_DIM)
 from ..validate import D_V
 from .host import HEADS_PER_PROGRAM, KEYS_PER_BLOCK, PARTITION_WARPS
 
@@ -69,13 +69,9 @@ def rope_copied(fmt):
     return fmt == FMT_FP8_V4 or fmt == FMT_FP8_V32
 
 
-# where a token's body and scales sit in its page, by format code, from the one layout table (``formats.page_fields``,
-# affine in the block size): (body stride, scales base = base_0 + block size · base_per_token, scales stride); data,
-# not the function: a JIT function's globals may not be plain functions
-PAGE_TABLE = gl.constexpr({
-    code: (code_fields(code, 0).body_stride, code_fields(code, 0).scales_base,
-           code_fields(code, 1).scales_base - code_fields(code, 0).scales_base, code_fields(code, 0).scales_stride)
-    for code in (FMT_FP8_V4, FMT_FP8_V32, FMT_FP8_V41, FMT_FP8_V41_PLANAR, FMT_FP4_V41, FMT_FP4_V41_PLANAR)})
+# where a token's body and scales sit in its page, by format code: ``formats.PAGE_TABLE`` (held as a constexpr: a JIT
+# function's globals may not be plain objects)
+PAGE_TABLE = gl.constexpr(PAGE_ROWS)
 
 
 @gluon.constexpr_function
