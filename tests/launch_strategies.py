@@ -16,8 +16,11 @@ STRATEGIES = [dict(NATIVE_FP8=n, Q_IN_LOOP=q, Q_ROPE_SCALAR=r, DECODE_FENCE=f)
               for n, q, r, f in itertools.product([False, True], [False, True], [False, True], _FENCES) if q or not r]
 # PREFETCH (the indices loaded a block ahead; the L2 prefetch itself, inline PTX, only on a CUDA device): two of them
 STRATEGIES += [dict(STRATEGIES[0], PREFETCH=True), dict(STRATEGIES[-1], PREFETCH=True)]
+# PTX_DECODE (inline PTX: on a CUDA device only), as sm_80's row takes it: with the integer decode and the fence
+STRATEGIES += [dict(STRATEGIES[0], DECODE_FENCE=True, PREFETCH=True, PTX_DECODE=True)] * (DEVICE.type == "cuda")
 STRATEGY_IDS = ["native" * s["NATIVE_FP8"] + "int" * (not s["NATIVE_FP8"]) + "-q" * s["Q_IN_LOOP"]
                 + "-r" * s["Q_ROPE_SCALAR"] + "-f" * s["DECODE_FENCE"] + "-p" * s.get("PREFETCH", False)
+                + "-x" * s.get("PTX_DECODE", False)
                 for s in STRATEGIES]
 
 

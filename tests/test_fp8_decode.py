@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from helpers import DEVICE
-from sparse_mla.ops.fp8 import e4m3_decode, e4m3_gain
+from sparse_mla.ops.fp8 import e4m3_decode, e4m3_gain, e4m3_ue8m0_bf16
 
 NAN_CODES = (0x7F, 0xFF)
 
@@ -57,3 +57,31 @@ def test_the_integer_decode_is_the_value_over_its_gain():
     out = torch.zeros(5, dtype=torch.float32, device=DEVICE)
     raw_decode[(1,)](codes.to(DEVICE), out)
     assert torch.equal(out.cpu(), codes.view(torch.float8_e4m3fn).float() * 2.0 ** -8)
+
+
+@triton.jit
+def _ue8m0_bf16_kernel(raw_ptr, exps_ptr, out_ptr):
+    """A (256 exponents, 256 codes) tile: code ``c`` times ``2^(e-127)`` as bf16, through the inline PTX."""
+    e = tl.arange(0, 256)
+    c = tl.arange(0, 256)
+    raw = tl.broadcast_to(tl.load(raw_ptr + c)[None, :], (256, 256))
+    exps = tl.broadcast_to(tl.load(exps_ptr + e)[:, None], (256, 256))
+    tl.store(out_ptr + e[:, None] * 256 + c[None, :], e4m3_ue8m0_bf16(raw, exps))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda" or torch.version.hip is not None, reason="inline PTX: an NVIDIA GPU")
+def test_the_ptx_bf16_decode_is_the_float32_product_rounded_for_every_code_and_scale():
+    """e4m3_ue8m0_bf16 (the PTX_DECODE route of sm_80 / sm_86) against the float32 route of the other targets, bit
+    for bit: every code, every ue8m0 exponent (2^-127, a bf16 subnormal, up to 2^127; 255 is NaN), so subnormal
+    codes, tiny and huge scales, signed zeros and products that leave bf16's range (inf, or rounded subnormals)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    exps = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.empty(256, 256, dtype=torch.bfloat16, device=DEVICE)
+    _ue8m0_bf16_kernel[(1,)](codes.to(DEVICE), exps.to(DEVICE), out)
+    values = decode_all(False)  # the integer route's e4m3 numbers: ±480 for the NaN codes, as the PTX reads them
+    scale = torch.where(exps == 255, float("nan"), torch.exp2(exps.double() - 127))
+    want = (values.double()[None, :] * scale[:, None]).float().to(torch.bfloat16)
+    got = out.cpu()
+    assert torch.equal(got.isnan(), want.isnan())
+    same = ~want.isnan()
+    assert torch.equal(got[same].view(torch.int16), want[same].view(torch.int16))

@@ -12,6 +12,11 @@ cache written elsewhere with NaN in it could hold them.
 Where the target has the conversion (``NATIVE_FP8``, :attr:`.targets.Target.native_fp8`) it is used instead
 (two codes per instruction) and the gain is 1. Encoding stays integer-only on every target (``triton_cache``).
 
+Where the tile scale is a power of two (ue8m0: fp8_v4, fp8_v41) a CUDA target without the conversion can instead
+build bf16 directly (:func:`e4m3_ue8m0_bf16`, inline PTX): byte ``b``'s bf16 bits ``((b & 0x7F) << 4) | ((b & 0x80)
+<< 8)`` are the e4m3 number times 2^-120, exactly (e4m3 subnormals land on bf16 subnormals), and two bf16
+multiplies (by 2^120, then by the tile's 2^(e-127)) finish two codes per instruction, exact as the float32 route.
+
 e2m1 codes (fp4_v41: sign bit 3, two exponent bits of bias 1, one mantissa bit) are decoded the same way on every
 target (Triton has no portable fp4 type): code ``c``'s fp16 bits ``((c & 7) << 9) | ((c & 8) << 12)`` are its value
 times 2^-14, exactly (code 1, 0.5, lands on an fp16 subnormal; code 8 is -0); the caller folds :func:`e2m1_gain` into
@@ -21,6 +26,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .. import formats
 
 @triton.jit
 def e4m3_decode(raw, NATIVE_FP8: tl.constexpr):
@@ -35,6 +42,52 @@ def e4m3_decode(raw, NATIVE_FP8: tl.constexpr):
         x = raw.to(tl.int8, bitcast=True).to(tl.int16)
         vals = ((x << 7) & -16512).to(tl.float16, bitcast=True).to(tl.float32)
     return vals
+
+
+UE8M0_NAN = tl.constexpr(formats.UE8M0_NAN)
+BF16_NAN_BITS = tl.constexpr(0x7FC0)
+assert formats.UE8M0_BIAS == 127, "e4m3_ue8m0_bf16 reads a ue8m0 byte as bf16's exponent field"
+# bf16 pairs for e4m3_ue8m0_bf16: 2^120 (undoes the bit placement's 2^-120) and -0 (the FMAs' addend: x*y + -0 keeps
+# the sign of a zero product)
+_BF16X2_2POW120 = 0x7B807B80
+_BF16X2_NEG_ZERO = 0x80008000
+# four e4m3 bytes ($2) -> four bf16 ($0: bytes 0 and 1, $1: bytes 2 and 3): each byte moved to the top of a 16-bit
+# lane, its exponent and mantissa shifted down into bf16's (4 bits), then times 2^120 and the tile scale pair ($3)
+_E4M3_UE8M0_BF16_PTX = """{
+.reg .b32 lo, hi, t, two120, nz;
+mov.b32 two120, %d;
+mov.b32 nz, %d;
+prmt.b32 lo, $2, 0, 0x1404;
+prmt.b32 hi, $2, 0, 0x3424;
+shr.b32 t, lo, 4;
+and.b32 t, t, 0x07F007F0;
+and.b32 lo, lo, 0x80008000;
+or.b32 lo, lo, t;
+shr.b32 t, hi, 4;
+and.b32 t, t, 0x07F007F0;
+and.b32 hi, hi, 0x80008000;
+or.b32 hi, hi, t;
+fma.rn.bf16x2 lo, lo, two120, nz;
+fma.rn.bf16x2 hi, hi, two120, nz;
+fma.rn.bf16x2 $0, lo, $3, nz;
+fma.rn.bf16x2 $1, hi, $3, nz;
+}""" % (_BF16X2_2POW120, _BF16X2_NEG_ZERO)
+E4M3_UE8M0_BF16_PTX = tl.constexpr(_E4M3_UE8M0_BF16_PTX)
+
+
+@triton.jit
+def e4m3_ue8m0_bf16(raw, exps):
+    """e4m3fn bytes ``raw`` (uint8, last axis a multiple of 4 in each thread's registers) times ``2^(exps - 127)``
+    (ue8m0 bytes broadcast to ``raw``'s shape; ``formats.UE8M0_NAN``: NaN) -> bfloat16, the float32 product rounded.
+    CUDA sm_80+ (inline PTX, ``fma.rn.bf16x2``); not in Triton's CPU interpreter. Codes 0x7F / 0xFF read ±480 as in
+    :func:`e4m3_decode`'s integer route. Impure, so Triton keeps a dot operand's layout conversion on the bf16 result
+    (as ``_decode_fence`` does)."""
+    e = exps.to(tl.int32)
+    # bf16 bits of 2^(e-127): ue8m0's bias is bf16's, so the byte is the exponent field, but for 2^-127 (subnormal)
+    bits = tl.where(e == UE8M0_NAN, BF16_NAN_BITS, tl.where(e == 0, 0x0040, e << 7))
+    pair = bits | (bits << 16)
+    return tl.inline_asm_elementwise(E4M3_UE8M0_BF16_PTX, "=r,=r,r,r,r,r,r", [raw, pair], dtype=tl.bfloat16,
+                                     is_pure=False, pack=4)
 
 
 @triton.jit

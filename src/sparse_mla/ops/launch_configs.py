@@ -59,7 +59,7 @@ def attention_config(target: Target, dim: int, formats: frozenset[str], num_head
     fp8 = formats != frozenset({"bf16"}) or q_fp8
     heads = max(16, triton.next_power_of_2(num_heads))
     flags = dict(NATIVE_FP8=target.native_fp8, Q_IN_LOOP=False, Q_ROPE_SCALAR=False, DECODE_FENCE=False,
-                 PREFETCH=False)
+                 PREFETCH=False, PTX_DECODE=False)
     if interpret:
         return AttentionConfig(dict(flags, H_BLOCK=min(64, heads), BLOCK_N=16), 8, 1, "the interpreter: small blocks")
     if target.backend == "cuda" and target.arch == 90:
@@ -71,24 +71,33 @@ def attention_config(target: Target, dim: int, formats: frozenset[str], num_head
         # (at H_BLOCK 64 its five accumulators need 576 of the 512 columns)
         h_block = min(32, heads)
         if fp8:
-            fenced = dict(flags, H_BLOCK=h_block, DECODE_FENCE=True)
+            # sm_80 / sm_86 build the ue8m0-scaled tiles' bf16 in PTX (PTX_DECODE: sm_80's fp8_v4 key loop 1,375 ->
+            # 1,073 SASS instructions; no gain where the e4m3 conversion exists, sm_89's loop 810 -> 814)
+            fenced = dict(flags, H_BLOCK=h_block, DECODE_FENCE=True, PTX_DECODE=not target.native_fp8)
+            # the next block's rows asked of L2 (PREFETCH), V4 / V3.2 formats (V4.1's rows then spill in the key
+            # loop, sm_120): the V4-Flash B 128 step 11 % faster under the sm89 lowering, 13 % with PTX_DECODE under
+            # the sm80 one (H200); not at sm_90 (9.13 against 6.88 ms: its row spills already)
+            prefetch = not any(get_format(f).record_code in V41_CODES for f in formats)
             if target.shared_bytes >= 101 * 1024:  # sm_80, sm_100
-                return AttentionConfig(dict(fenced, BLOCK_N=64, Q_IN_LOOP=q_fp8), 8, 1,
+                # the prefetch where measured: sm_80, V4's fp8_v4 (its fp8_e4m3 row then spills in the loop)
+                measured = formats <= {"fp8_v4", "bf16"} and not q_fp8 and not target.native_fp8
+                return AttentionConfig(dict(fenced, BLOCK_N=64, Q_IN_LOOP=q_fp8, PREFETCH=measured and dim == 512),
+                                       8, 1,
                                        "mma.sync takes its operands from registers: the fence keeps their layout "
                                        "conversion on the dequantised bf16 tiles, not byte by byte on the raw ones "
                                        "(1.7x faster at sm_80); 64-key blocks (100-108 KB); an fp8 q read in the loop "
-                                       "(its hoisted copy spills in the loop); stages 1: pipelined fp8 tiles spill")
+                                       "(its hoisted copy spills in the loop); stages 1: pipelined fp8 tiles spill; "
+                                       "sm_80: bf16 built in PTX and the next block asked of L2, V4-Flash B 128 step "
+                                       "7.96 -> 6.83 ms under its lowering (H100: 2.24x -> 1.96x FlashMLA; 32-key "
+                                       "blocks 11.7 on an H200); the other formats, V3.2's 576 dims and sm_100 (not "
+                                       "measured) without the prefetch")
             if dim == 512:  # sm_86, sm_89, sm_120 (99 KB)
-                # the next block's rows asked of L2 (PREFETCH): the V4-Flash B 128 step 11 % faster under the sm89
-                # lowering (H100); not for V4.1's formats, whose rows then spill in the key loop (sm_120); not at
-                # sm_80 (its fp8_v4 row then spilled in the loop, 5 % faster all the same) nor sm_90 (9.13 against
-                # 6.88 ms: its row spills already); the 576-d row not measured yet
-                prefetch = not any(get_format(f).record_code in V41_CODES for f in formats)
                 return AttentionConfig(dict(fenced, BLOCK_N=32, PREFETCH=prefetch), 8, 1,
                                        "as sm_80's fp8 row in 99 KB: 32-key blocks (56-66 KB; 64-key ones with q "
                                        "read in the loop fit, 1.3x faster, but reload registers inside the key loop "
                                        "on Triton 3.9); the next block's rows asked of L2 (V4 formats: 11 % faster "
-                                       "under the sm89 lowering)")
+                                       "under the sm89 lowering); sm_86: bf16 built in PTX (6 % faster, sm86 "
+                                       "lowering, H200)")
             return AttentionConfig(dict(fenced, BLOCK_N=64, Q_IN_LOOP=True), 8, 1,
                                    "as sm_80's fp8 row in 99 KB, V3.2's 576 dims: q read in the loop so 64-key "
                                    "blocks fit (80-88 KB; 1.3x faster than 32-key ones)")

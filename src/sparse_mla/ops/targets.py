@@ -72,11 +72,13 @@ _KB = 1024
 _LOWERED = "runs lowered on the H100; compiles, fits"
 MATRIX: tuple[Target, ...] = (
     Target("cuda", 80, 32, 163 * _KB, gpus="A100, A800, A30", verified=_LOWERED,
-           limits="fp8 decoded by integer operations; under its lowering on the H100 the V4-Flash B 128 step takes "
-                  "1.14x, V3.2 h 128 decode 1.34x the native lowering's time (one decode call: at most 1.39x); "
-                  "fp8_v41_planar reloads 3 spilled registers in the key loop (Triton 3.9)"),
+           limits="fp8 decoded by integer operations (ue8m0 tiles to bf16 in PTX); under its lowering on the H100 "
+                  "the V4-Flash B 128 step takes 1.96x FlashMLA (0.99x the native lowering's time), V3.2 h 128 "
+                  "decode 1.34x the native lowering's (one decode call: at most 1.39x); in the key loop "
+                  "fp8_v41_planar reloads 3 spilled registers and fp8_v4 about 50 (Triton 3.9; none on 3.6)"),
     Target("cuda", 86, 32, 99 * _KB, gpus="A10, A40, RTX 3090, RTX A6000", verified=_LOWERED,
-           limits="fp8 decoded by integer operations; one decode call 1.43x (bf16) / 1.78x (fp8_v4) / 1.47x "
+           limits="fp8 decoded by integer operations (ue8m0 tiles to bf16 in PTX: the V4-Flash B 128 step 2.68x "
+                  "FlashMLA under its lowering on the H100); one decode call 1.43x (bf16) / 1.78x (fp8_v4) / 1.47x "
                   "(fp8_v32) / 1.89x (576-d bf16) the native lowering's time on an H200; 512-d fp8 and 576-d bf16 "
                   "in 32-key tiles (99 KB)"),
     Target("cuda", 89, 32, 99 * _KB, gpus="L4, L40S, RTX 4090, L20", verified=_LOWERED,
@@ -86,7 +88,7 @@ MATRIX: tuple[Target, ...] = (
     Target("cuda", 90, 32, 227 * _KB, gpus="H100, H200, H20, H800",
            verified="runs natively on the H100; compiles, fits",
            limits="the Gluon kernel where every scope is fp8_v4, fp8_v32 or bf16, or V4.1's formats (16-byte "
-                  "aligned pages); the portable kernel elsewhere, 1.95x FlashMLA on the V4-Flash B 128 step"),
+                  "aligned pages); the portable kernel elsewhere, 1.97x FlashMLA on the V4-Flash B 128 step"),
     Target("cuda", 100, 32, 227 * _KB, tmem_columns=512, gpus="B200, B300, GB200",
            limits="not run on silicon; the portable kernel on mma.sync (no tcgen05 / tensor memory)"),
     Target("cuda", 120, 32, 99 * _KB, gpus="RTX 5090, RTX PRO 6000",

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .. import formats
 from . import dispatch
-from .fp8 import e2m1_decode, e2m1_gain, e4m3_decode, e4m3_gain
+from .fp8 import e2m1_decode, e2m1_gain, e4m3_decode, e4m3_gain, e4m3_ue8m0_bf16
 
 
 def kernel_const(value: int | float) -> int | float | tl.constexpr:
@@ -66,7 +66,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _load_piece(row_ptr, scale_ptr, valid, START: tl.constexpr, WIDTH: tl.constexpr, FMT: tl.constexpr,
-                DOT: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE_FP8: tl.constexpr):
+                DOT: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE_FP8: tl.constexpr, PTX_DECODE: tl.constexpr = False):
     """Dequantised dims ``[START, START+WIDTH)`` of ``BLOCK_N`` gathered tokens: ``(BLOCK_N, WIDTH)``.
 
     row_ptr: ``(BLOCK_N,)`` pointers to each token's first element (bf16 caches) or byte (the others).
@@ -74,6 +74,8 @@ def _load_piece(row_ptr, scale_ptr, valid, START: tl.constexpr, WIDTH: tl.conste
     fp8_e4m3 values come back as :func:`.fp8.e4m3_decode` gives them, the plain e4m3 numbers over
     ``e4m3_gain(NATIVE_FP8)``: the per-tensor scale and the gain are the caller's (``_scope_pass``). The tiled
     formats' gain is folded into their tile scales (fp4_v41's e2m1 gain too).
+    PTX_DECODE: ue8m0-scaled fp8 tiles (fp8_v4, fp8_v41) go to bf16 in inline PTX (:func:`.fp8.e4m3_ue8m0_bf16`;
+    CUDA targets without the e4m3 conversion, bf16 dots): the same values in fewer instructions.
     """
     if FMT == FMT_BF16:
         vals = tl.load(row_ptr[:, None] + (START + tl.arange(0, WIDTH))[None, :], mask=valid[:, None], other=0.0)
@@ -104,18 +106,23 @@ def _load_piece(row_ptr, scale_ptr, valid, START: tl.constexpr, WIDTH: tl.conste
             sp = (row_ptr[:, None] + (V32_SCALE_OFFSET + 4 * (START // TILE + t))[None, :]).to(
                 tl.pointer_type(tl.float32))
             scale = tl.load(sp, mask=valid[:, None], other=1.0) * e4m3_gain(NATIVE_FP8)
+            out = tl.reshape(e4m3_decode(raw, NATIVE_FP8) * scale[:, :, None], (BLOCK_N, WIDTH)).to(DOT)
         else:  # ue8m0 bytes
             exps = tl.load(scale_ptr[:, None] + (START // TILE + t)[None, :], mask=valid[:, None], other=UE8M0_BIAS)
-            scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True) * e4m3_gain(NATIVE_FP8)  # 2^(e-127)
-            scale = tl.where(exps == UE8M0_NAN, float("nan"), scale)
-        vals = e4m3_decode(raw, NATIVE_FP8) * scale[:, :, None]
-        out = tl.reshape(vals, (BLOCK_N, WIDTH)).to(DOT)
+            if PTX_DECODE:
+                tl.static_assert(DOT == tl.bfloat16, "PTX_DECODE makes bf16 tiles")
+                out = e4m3_ue8m0_bf16(raw, tl.broadcast_to(exps[:, :, None], raw.shape))
+            else:
+                scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True) * e4m3_gain(NATIVE_FP8)  # 2^(e-127)
+                scale = tl.where(exps == UE8M0_NAN, float("nan"), scale)
+                out = (e4m3_decode(raw, NATIVE_FP8) * scale[:, :, None]).to(DOT)
+            out = tl.reshape(out, (BLOCK_N, WIDTH))
     return out
 
 
 @triton.jit
 def _load_rope(row_ptr, valid, FMT: tl.constexpr, ROPE_OFF: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-               NATIVE_FP8: tl.constexpr, scale_ptr):
+               NATIVE_FP8: tl.constexpr, scale_ptr, PTX_DECODE: tl.constexpr = False):
     """The 64 rope dims of the gathered tokens: ``(BLOCK_N, 64)``: bf16 in the cache (bf16, fp8_v4, fp8_v32), or
     quantised as the other dims (fp8_e4m3; the V4.1 formats, with the tile scales at ``scale_ptr``), as
     :func:`_load_piece` gives them."""
@@ -128,7 +135,7 @@ def _load_rope(row_ptr, valid, FMT: tl.constexpr, ROPE_OFF: tl.constexpr, DOT: t
             ptrs = (row_ptr + start).to(tl.pointer_type(tl.bfloat16))[:, None] + cols[None, :]
         out = tl.load(ptrs, mask=valid[:, None], other=0.0).to(DOT)
     else:
-        out = _load_piece(row_ptr, scale_ptr, valid, ROPE_OFF, ROPE_DIM, FMT, DOT, BLOCK_N, NATIVE_FP8)
+        out = _load_piece(row_ptr, scale_ptr, valid, ROPE_OFF, ROPE_DIM, FMT, DOT, BLOCK_N, NATIVE_FP8, PTX_DECODE)
     return out
 
 
@@ -178,8 +185,6 @@ PAGE_TABLE = formats.PAGE_TABLE  # by format code: (body stride, ...): read by :
 ROPE_BYTES_DIMS = formats.ROPE_DIM
 INTERPRETING = kernel_const(dispatch.interpreting())  # the CPU interpreter runs no inline PTX
 PREFETCH_PTX = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
-
-
 @triton.constexpr_function
 def _row_bytes(fmt, rope_off):
     """The bytes of a token's record a page keeps at its row pointer (``formats.page_fields``' body stride; bf16: the
@@ -225,7 +230,7 @@ def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok,
                 FMT: tl.constexpr, BS: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr,
                 BLOCK_N: tl.constexpr, DOT: tl.constexpr, V_HAS_ROPE: tl.constexpr, Q_FP8: tl.constexpr,
                 NATIVE_FP8: tl.constexpr, Q_IN_LOOP: tl.constexpr, Q_ROPE_SCALAR: tl.constexpr,
-                DECODE_FENCE: tl.constexpr, PREFETCH: tl.constexpr):
+                DECODE_FENCE: tl.constexpr, PREFETCH: tl.constexpr, PTX_DECODE: tl.constexpr):
     """Online-softmax update over key blocks ``[blk_lo, blk_hi)`` of one scope (base-2 logits).
 
     The running max is raised only when a block's max exceeds it by more than ``RESCALE_SLACK``
@@ -265,10 +270,10 @@ def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok,
         valid = (idx >= 0) & (idx < num_slots)
         slot = tl.where(valid, idx, 0)
         row_ptr, scale_ptr = _token_ptrs(cache_ptr, stride0, slot, FMT, BS, ROPE_OFF)
-        k_a = _load_piece(row_ptr, scale_ptr, valid, 0, PA, FMT, DOT, BLOCK_N, NATIVE_FP8)
-        k_b = _load_piece(row_ptr, scale_ptr, valid, PA, PB, FMT, DOT, BLOCK_N, NATIVE_FP8)
-        k_c = _load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, DOT, BLOCK_N, NATIVE_FP8)
-        k_r = _load_rope(row_ptr, valid, FMT, ROPE_OFF, DOT, BLOCK_N, NATIVE_FP8, scale_ptr)
+        k_a = _load_piece(row_ptr, scale_ptr, valid, 0, PA, FMT, DOT, BLOCK_N, NATIVE_FP8, PTX_DECODE)
+        k_b = _load_piece(row_ptr, scale_ptr, valid, PA, PB, FMT, DOT, BLOCK_N, NATIVE_FP8, PTX_DECODE)
+        k_c = _load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, DOT, BLOCK_N, NATIVE_FP8, PTX_DECODE)
+        k_r = _load_rope(row_ptr, valid, FMT, ROPE_OFF, DOT, BLOCK_N, NATIVE_FP8, scale_ptr, PTX_DECODE)
         if DECODE_FENCE:
             k_a, k_b, k_c, k_r = _decode_fence(k_a), _decode_fence(k_b), _decode_fence(k_c), _decode_fence(k_r)
         if Q_IN_LOOP:
@@ -393,7 +398,7 @@ def _sparse_mla_kernel(
     H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     DOT: tl.constexpr, Q_FP8: tl.constexpr, RAGGED0: tl.constexpr, RAGGED1: tl.constexpr, COMBINED: tl.constexpr,
     NATIVE_FP8: tl.constexpr, Q_IN_LOOP: tl.constexpr, Q_ROPE_SCALAR: tl.constexpr, DECODE_FENCE: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, PTX_DECODE: tl.constexpr = False,
 ):
     """One (token, head block, split) program. NATIVE_FP8: fp8 bytes decoded by conversion instructions (else by
     integer operations, :mod:`.fp8`); Q_IN_LOOP: q read again for every key block (Q_ROPE_SCALAR: its rope piece
@@ -448,13 +453,13 @@ def _sparse_mla_kernel(
         acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok, heads, head_mask, stride_qh,
         c0_ptr, c0_stride0, c0_slots, _scope_row(i0_ptr, i0_stride, l0_ptr, w0, tok, RAGGED0), len0,
         tl.minimum(lo, nblk0), tl.minimum(hi, nblk0), qk_scale, kv_scale, FMT0, BS0, PA, PB, PC, BLOCK_N, DOT,
-        V_HAS_ROPE, Q_FP8, NATIVE_FP8, Q_IN_LOOP, Q_ROPE_SCALAR, DECODE_FENCE, PREFETCH)
+        V_HAS_ROPE, Q_FP8, NATIVE_FP8, Q_IN_LOOP, Q_ROPE_SCALAR, DECODE_FENCE, PREFETCH, PTX_DECODE)
     if HAS_EXTRA:
         acc_a, acc_b, acc_c, acc_r, m_i, l_i = _scope_pass(
             acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok, heads, head_mask, stride_qh,
             c1_ptr, c1_stride0, c1_slots, _scope_row(i1_ptr, i1_stride, l1_ptr, w1, tok, RAGGED1), len1,
             tl.maximum(lo, nblk0) - nblk0, hi - nblk0, qk_scale, kv_scale, FMT1, BS1, PA, PB, PC, BLOCK_N, DOT,
-            V_HAS_ROPE, Q_FP8, NATIVE_FP8, Q_IN_LOOP, Q_ROPE_SCALAR, DECODE_FENCE, PREFETCH)
+            V_HAS_ROPE, Q_FP8, NATIVE_FP8, Q_IN_LOOP, Q_ROPE_SCALAR, DECODE_FENCE, PREFETCH, PTX_DECODE)
 
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
