@@ -73,7 +73,7 @@ _LOWERED = "runs lowered on the H100; compiles, fits"
 MATRIX: tuple[Target, ...] = (
     Target("cuda", 80, 32, 163 * _KB, gpus="A100, A800, A30", verified=_LOWERED,
            limits="fp8 decoded by integer operations (ue8m0 tiles to bf16 in PTX); under its lowering on the H100 "
-                  "the V4-Flash B 128 step takes 1.96x FlashMLA (0.99x the native lowering's time), V3.2 h 128 "
+                  "the V4-Flash B 128 step takes 1.94x FlashMLA (0.99x the native lowering's time), V3.2 h 128 "
                   "decode 1.34x the native lowering's (one decode call: at most 1.39x); in the key loop "
                   "fp8_v41_planar reloads 3 spilled registers and fp8_v4 about 50 (Triton 3.9; none on 3.6)"),
     Target("cuda", 86, 32, 99 * _KB, gpus="A10, A40, RTX 3090, RTX A6000", verified=_LOWERED,
@@ -88,7 +88,7 @@ MATRIX: tuple[Target, ...] = (
     Target("cuda", 90, 32, 227 * _KB, gpus="H100, H200, H20, H800",
            verified="runs natively on the H100; compiles, fits",
            limits="the Gluon kernel where every scope is fp8_v4, fp8_v32 or bf16, or V4.1's formats (16-byte "
-                  "aligned pages); the portable kernel elsewhere, 1.97x FlashMLA on the V4-Flash B 128 step"),
+                  "aligned pages); the portable kernel elsewhere, 1.96x FlashMLA on the V4-Flash B 128 step"),
     Target("cuda", 100, 32, 227 * _KB, tmem_columns=512, gpus="B200, B300, GB200",
            limits="not run on silicon; the portable kernel on mma.sync (no tcgen05 / tensor memory)"),
     Target("cuda", 120, 32, 99 * _KB, gpus="RTX 5090, RTX PRO 6000",
