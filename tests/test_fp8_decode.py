@@ -60,13 +60,12 @@ def test_the_integer_decode_is_the_value_over_its_gain():
 
 
 @triton.jit
-def _ue8m0_bf16_kernel(raw_ptr, exps_ptr, out_ptr):
-    """A (256 exponents, 256 codes) tile: code ``c`` times ``2^(e-127)`` as bf16, through the inline PTX."""
-    e = tl.arange(0, 256)
-    c = tl.arange(0, 256)
-    raw = tl.broadcast_to(tl.load(raw_ptr + c)[None, :], (256, 256))
-    exps = tl.broadcast_to(tl.load(exps_ptr + e)[:, None], (256, 256))
-    tl.store(out_ptr + e[:, None] * 256 + c[None, :], e4m3_ue8m0_bf16(raw, exps))
+def _ue8m0_bf16_kernel(raw_ptr, out_ptr):
+    """Element ``i = 256 a + c``: code ``c`` times ``2^(e-127)``, ``e = (a + c) % 256``, as bf16 through the inline
+    PTX: every (code, exponent) pair once, and neighbours (which share a thread's packed registers) of other scales."""
+    i = tl.arange(0, 65536)
+    code = i % 256
+    tl.store(out_ptr + i, e4m3_ue8m0_bf16(tl.load(raw_ptr + code), ((i // 256 + code) % 256).to(tl.uint8)))
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda" or torch.version.hip is not None, reason="inline PTX: an NVIDIA GPU")
@@ -75,12 +74,13 @@ def test_the_ptx_bf16_decode_is_the_float32_product_rounded_for_every_code_and_s
     for bit: every code, every ue8m0 exponent (2^-127, a bf16 subnormal, up to 2^127; 255 is NaN), so subnormal
     codes, tiny and huge scales, signed zeros and products that leave bf16's range (inf, or rounded subnormals)."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    exps = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    out = torch.empty(256, 256, dtype=torch.bfloat16, device=DEVICE)
-    _ue8m0_bf16_kernel[(1,)](codes.to(DEVICE), exps.to(DEVICE), out)
-    values = decode_all(False)  # the integer route's e4m3 numbers: ±480 for the NaN codes, as the PTX reads them
+    out = torch.empty(65536, dtype=torch.bfloat16, device=DEVICE)
+    _ue8m0_bf16_kernel[(1,)](codes.to(DEVICE), out)
+    i = torch.arange(65536)
+    exps = (i // 256 + i % 256) % 256
+    values = decode_all(False)[i % 256]  # the integer route's e4m3 numbers: ±480 for the NaN codes, as the PTX reads
     scale = torch.where(exps == 255, float("nan"), torch.exp2(exps.double() - 127))
-    want = (values.double()[None, :] * scale[:, None]).float().to(torch.bfloat16)
+    want = (values.double() * scale).float().to(torch.bfloat16)
     got = out.cpu()
     assert torch.equal(got.isnan(), want.isnan())
     same = ~want.isnan()

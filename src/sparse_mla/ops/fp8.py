@@ -51,10 +51,11 @@ assert formats.UE8M0_BIAS == 127, "e4m3_ue8m0_bf16 reads a ue8m0 byte as bf16's 
 # the sign of a zero product)
 _BF16X2_2POW120 = 0x7B807B80
 _BF16X2_NEG_ZERO = 0x80008000
-# four e4m3 bytes ($2) -> four bf16 ($0: bytes 0 and 1, $1: bytes 2 and 3): each byte moved to the top of a 16-bit
-# lane, its exponent and mantissa shifted down into bf16's (4 bits), then times 2^120 and the tile scale pair ($3)
+# four e4m3 bytes ($2) and their scales' bf16 bits ($3-$6) -> four bf16 ($0: bytes 0 and 1, $1: bytes 2 and 3): each
+# byte moved to the top of a 16-bit lane, its exponent and mantissa shifted down into bf16's (4 bits), then times
+# 2^120 and its own scale (the four bytes need not share a tile: a thread's registers follow Triton's layout)
 _E4M3_UE8M0_BF16_PTX = """{
-.reg .b32 lo, hi, t, two120, nz;
+.reg .b32 lo, hi, t, two120, nz, s01, s23;
 mov.b32 two120, %d;
 mov.b32 nz, %d;
 prmt.b32 lo, $2, 0, 0x1404;
@@ -67,10 +68,12 @@ shr.b32 t, hi, 4;
 and.b32 t, t, 0x07F007F0;
 and.b32 hi, hi, 0x80008000;
 or.b32 hi, hi, t;
+prmt.b32 s01, $3, $4, 0x5410;
+prmt.b32 s23, $5, $6, 0x5410;
 fma.rn.bf16x2 lo, lo, two120, nz;
 fma.rn.bf16x2 hi, hi, two120, nz;
-fma.rn.bf16x2 $0, lo, $3, nz;
-fma.rn.bf16x2 $1, hi, $3, nz;
+fma.rn.bf16x2 $0, lo, s01, nz;
+fma.rn.bf16x2 $1, hi, s23, nz;
 }""" % (_BF16X2_2POW120, _BF16X2_NEG_ZERO)
 E4M3_UE8M0_BF16_PTX = tl.constexpr(_E4M3_UE8M0_BF16_PTX)
 
@@ -85,8 +88,7 @@ def e4m3_ue8m0_bf16(raw, exps):
     e = exps.to(tl.int32)
     # bf16 bits of 2^(e-127): ue8m0's bias is bf16's, so the byte is the exponent field, but for 2^-127 (subnormal)
     bits = tl.where(e == UE8M0_NAN, BF16_NAN_BITS, tl.where(e == 0, 0x0040, e << 7))
-    pair = bits | (bits << 16)
-    return tl.inline_asm_elementwise(E4M3_UE8M0_BF16_PTX, "=r,=r,r,r,r,r,r", [raw, pair], dtype=tl.bfloat16,
+    return tl.inline_asm_elementwise(E4M3_UE8M0_BF16_PTX, "=r,=r,r,r,r,r,r", [raw, bits], dtype=tl.bfloat16,
                                      is_pure=False, pack=4)
 
 
