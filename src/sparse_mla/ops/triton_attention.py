@@ -185,6 +185,8 @@ PAGE_TABLE = formats.PAGE_TABLE  # by format code: (body stride, ...): read by :
 ROPE_BYTES_DIMS = formats.ROPE_DIM
 INTERPRETING = kernel_const(dispatch.interpreting())  # the CPU interpreter runs no inline PTX
 PREFETCH_PTX = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
+
+
 @triton.constexpr_function
 def _row_bytes(fmt, rope_off):
     """The bytes of a token's record a page keeps at its row pointer (``formats.page_fields``' body stride; bf16: the
@@ -249,6 +251,7 @@ def _scope_pass(acc_a, acc_b, acc_c, acc_r, m_i, l_i, q_a, q_b, q_c, q_r, q_tok,
     caches: 1.7x faster key loops at sm_80).
     PREFETCH: each block's loop step first asks L2 for the next block's rows (:func:`_prefetch_rows`; the index rows
     are then loaded a block ahead).
+    PTX_DECODE: ue8m0-scaled fp8 tiles become bf16 in inline PTX (:func:`_load_piece`).
     """
     ROPE_OFF: tl.constexpr = PA + PB + PC
     RESCALE_SLACK: tl.constexpr = 8.0
@@ -403,7 +406,7 @@ def _sparse_mla_kernel(
     """One (token, head block, split) program. NATIVE_FP8: fp8 bytes decoded by conversion instructions (else by
     integer operations, :mod:`.fp8`); Q_IN_LOOP: q read again for every key block (Q_ROPE_SCALAR: its rope piece
     one element per load), DECODE_FENCE: the dequantised key tiles pass :func:`_decode_fence`, PREFETCH: the next key
-    block's rows asked of L2 (:func:`_scope_pass`).
+    block's rows asked of L2, PTX_DECODE: ue8m0-scaled fp8 tiles become bf16 in inline PTX (:func:`_scope_pass`).
     These and the tile sizes come from the target's row of :mod:`.launch_configs`."""
     head_blocks = tl.cdiv(num_heads, H_BLOCK)  # a token's head blocks are neighbours in the grid
     tok = tl.program_id(0) // head_blocks
