@@ -54,7 +54,7 @@ _BF16X2_NEG_ZERO = 0x80008000
 # four e4m3 bytes ($2) and their scales' bf16 bits ($3-$6) -> four bf16 ($0: bytes 0 and 1, $1: bytes 2 and 3): each
 # byte moved to the top of a 16-bit lane, its exponent and mantissa shifted down into bf16's (4 bits), then times
 # 2^120 and its own scale (the four bytes need not share a tile: a thread's registers follow Triton's layout)
-_E4M3_UE8M0_BF16_PTX = """{
+E4M3_UE8M0_BF16_PTX = tl.constexpr("""{
 .reg .b32 lo, hi, t, two120, nz, s01, s23;
 mov.b32 two120, %d;
 mov.b32 nz, %d;
@@ -74,8 +74,7 @@ fma.rn.bf16x2 lo, lo, two120, nz;
 fma.rn.bf16x2 hi, hi, two120, nz;
 fma.rn.bf16x2 $0, lo, s01, nz;
 fma.rn.bf16x2 $1, hi, s23, nz;
-}""" % (_BF16X2_2POW120, _BF16X2_NEG_ZERO)
-E4M3_UE8M0_BF16_PTX = tl.constexpr(_E4M3_UE8M0_BF16_PTX)
+}""" % (_BF16X2_2POW120, _BF16X2_NEG_ZERO))
 
 
 @triton.jit
