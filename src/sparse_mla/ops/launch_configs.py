@@ -21,6 +21,9 @@ from .targets import Target
 V41_CODES = (FMT_FP8_V41, FMT_FP4_V41)  # V4.1's record encodings (either page layout)
 TRITON_FORMATS = frozenset({"bf16", "fp8_v4", "fp8_v32", "fp8_e4m3", "fp8_v41", "fp8_v41_planar", "fp4_v41",
                             "fp4_v41_planar"})
+# the Triton whose compile of sm_80's fp8_v4 row with the L2 prefetch was checked spill-free and timed (the GPUs'):
+# Triton 3.9's ptxas input reloads about 50 spilled values per key block there, so other versions go without it
+SM80_PREFETCH_TRITON = "3.6."
 
 
 @dataclass(frozen=True)
@@ -77,10 +80,13 @@ def attention_config(target: Target, dim: int, formats: frozenset[str], num_head
             # the next block's rows asked of L2 (PREFETCH), V4 / V3.2 formats (V4.1's rows then spill in the key
             # loop, sm_120): the V4-Flash B 128 step 11 % faster under the sm89 lowering, 13 % with PTX_DECODE under
             # the sm80 one (H200); not at sm_90 (9.13 against 6.88 ms: its row spills already)
-            prefetch = not any(get_format(f).record_code in V41_CODES for f in formats)
+            v41 = any(get_format(f).record_code in V41_CODES for f in formats)
+            prefetch = not v41
             if target.shared_bytes >= 101 * 1024:  # sm_80, sm_100
-                # the prefetch where measured: sm_80, V4's fp8_v4 (its fp8_e4m3 row then spills in the loop)
-                measured = formats <= {"fp8_v4", "bf16"} and not q_fp8 and not target.native_fp8
+                # the prefetch where measured: sm_80, V4's fp8_v4 (its fp8_e4m3 row then spills in the loop), on the
+                # Triton it was measured with
+                measured = (formats <= {"fp8_v4", "bf16"} and not q_fp8 and not target.native_fp8
+                            and triton.__version__.startswith(SM80_PREFETCH_TRITON))
                 return AttentionConfig(dict(fenced, BLOCK_N=64, Q_IN_LOOP=q_fp8, PREFETCH=measured and dim == 512),
                                        8, 1,
                                        "mma.sync takes its operands from registers: the fence keeps their layout "
@@ -90,14 +96,17 @@ def attention_config(target: Target, dim: int, formats: frozenset[str], num_head
                                        "sm_80: bf16 built in PTX and the next block asked of L2, V4-Flash B 128 step "
                                        "7.96 -> 6.83 ms under its lowering (H100: 2.24x -> 1.96x FlashMLA; 32-key "
                                        "blocks 11.7 on an H200); the other formats, V3.2's 576 dims and sm_100 (not "
-                                       "measured) without the prefetch")
+                                       "measured), and Triton other than 3.6 (3.9 spills with it) without the prefetch")
             if dim == 512:  # sm_86, sm_89, sm_120 (99 KB)
-                return AttentionConfig(dict(fenced, BLOCK_N=32, PREFETCH=prefetch), 8, 1,
+                # sm_120's ptxas spills in V4.1's key loops with q held (7-16 reloads per block on Triton 3.9;
+                # sm_89's none): there q is read in the loop, 2-5 % slower under the sm89 lowering (H200)
+                q_in_loop = v41 and target.arch == 120
+                return AttentionConfig(dict(fenced, BLOCK_N=32, PREFETCH=prefetch, Q_IN_LOOP=q_in_loop), 8, 1,
                                        "as sm_80's fp8 row in 99 KB: 32-key blocks (56-66 KB; 64-key ones with q "
                                        "read in the loop fit, 1.3x faster, but reload registers inside the key loop "
                                        "on Triton 3.9); the next block's rows asked of L2 (V4 formats: 11 % faster "
                                        "under the sm89 lowering); sm_86: bf16 built in PTX (6 % faster, sm86 "
-                                       "lowering, H200)")
+                                       "lowering, H200); sm_120: V4.1's q read in the loop (spill-free)")
             return AttentionConfig(dict(fenced, BLOCK_N=64, Q_IN_LOOP=True), 8, 1,
                                    "as sm_80's fp8 row in 99 KB, V3.2's 576 dims: q read in the loop so 64-key "
                                    "blocks fit (80-88 KB; 1.3x faster than 32-key ones)")

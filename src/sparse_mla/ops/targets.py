@@ -74,8 +74,8 @@ MATRIX: tuple[Target, ...] = (
     Target("cuda", 80, 32, 163 * _KB, gpus="A100, A800, A30", verified=_LOWERED,
            limits="fp8 decoded by integer operations (ue8m0 tiles to bf16 in PTX); under its lowering on the H100 "
                   "the V4-Flash B 128 step takes 1.94x FlashMLA (0.99x the native lowering's time), V3.2 h 128 "
-                  "decode 1.34x the native lowering's (one decode call: at most 1.39x); in the key loop "
-                  "fp8_v41_planar reloads 3 spilled registers and fp8_v4 about 50 (Triton 3.9; none on 3.6)"),
+                  "decode 1.34x the native lowering's (one decode call: at most 1.39x); the fp8_v4 row's L2 prefetch "
+                  "on Triton 3.6 only (3.9 spills with it in the key loop)"),
     Target("cuda", 86, 32, 99 * _KB, gpus="A10, A40, RTX 3090, RTX A6000", verified=_LOWERED,
            limits="fp8 decoded by integer operations (ue8m0 tiles to bf16 in PTX: the V4-Flash B 128 step 2.68x "
                   "FlashMLA under its lowering on the H100); one decode call 1.43x (bf16) / 1.78x (fp8_v4) / 1.47x "
@@ -92,8 +92,9 @@ MATRIX: tuple[Target, ...] = (
     Target("cuda", 100, 32, 227 * _KB, tmem_columns=512, gpus="B200, B300, GB200",
            limits="not run on silicon; the portable kernel on mma.sync (no tcgen05 / tensor memory)"),
     Target("cuda", 120, 32, 99 * _KB, gpus="RTX 5090, RTX PRO 6000",
-           limits="not run on silicon; 512-d fp8 in 32-key tiles (99 KB); in the key loop the 512-d bf16 row "
-                  "reloads 10-19 and the V4.1 formats 7-16 spilled registers (Triton 3.9's ptxas)"),
+           limits="not run on silicon; 512-d fp8 in 32-key tiles (99 KB), V4.1's with q read in the loop; in "
+                  "the key loop the 512-d bf16 row reloads 10-20 spilled registers (Triton 3.9's ptxas; its "
+                  "spill-free rows were 1.4-1.6x slower under the sm86 lowering)"),
     Target("hip", "gfx90a", 64, 64 * _KB, registers=512, gpus="MI210, MI250",
            limits="not run on silicon; fp8 decoded by integer operations; 16 heads per program"),
     Target("hip", "gfx942", 64, 64 * _KB, registers=512, gpus="MI300X, MI325X",
