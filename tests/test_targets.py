@@ -46,7 +46,7 @@ def test_target_for_known_and_nearest_architectures():
         targets.target_for("cuda", 75)
     with pytest.raises(ValueError, match="gfx803"):
         targets.target_for("hip", "gfx803")
-    assert [t.name for t in targets.MATRIX if t.native_fp8] == ["sm_89", "sm_90", "sm_100", "sm_120"]
+    assert [t.name for t in targets.MATRIX if t.native_fp8] == ["sm_89", "sm_90", "sm_100", "sm_120", "gfx950"]
     assert [t.name for t in targets.MATRIX if t.hopper] == ["sm_90"]
 
 

@@ -1,8 +1,9 @@
 """Reading ``float8_e4m3fn`` bytes (and V4.1's e2m1 codes) inside the Triton kernels, on every target (docs/design.md
 §4, "Every GPU").
 
-Triton has the ``fp8e4nv`` type only on CUDA capability 8.9 and later (even a bitcast to it fails to compile on
-sm_80/86, and AMD's CDNA has other fp8 types), so elsewhere the kernels decode the bytes with integer operations:
+Triton converts ``fp8e4nv`` with instructions only on CUDA capability 8.9 and later (even a bitcast to it fails to
+compile on sm_80/86) and on AMD's CDNA 4 (gfx950, OCP fp8; CDNA 3's instructions read the other e4m3, without negative
+zero), so elsewhere the kernels decode the bytes with integer operations:
 byte ``b``'s fp16 bits ``((b & 0x7F) << 7) | ((b & 0x80) << 8)`` are the e4m3 number times 2^-8, exactly, for
 every finite code (e4m3's 4-bit exponent of bias 7 lands in fp16's 5-bit one of bias 15; e4m3 subnormals land on
 fp16 subnormals). The 2^8 is not multiplied back here: each caller folds :func:`e4m3_gain` into a scale it already
