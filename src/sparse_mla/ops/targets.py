@@ -101,11 +101,14 @@ MATRIX: tuple[Target, ...] = (
                   "the key loop the 512-d bf16 row reloads 10-20 spilled registers (Triton 3.9's ptxas; its "
                   "spill-free rows were 1.4-1.6x slower under the sm86 lowering)"),
     Target("hip", "gfx90a", 64, 64 * _KB, registers=512, gpus="MI210, MI250",
-           limits="not run on silicon; fp8 decoded by integer operations; 16 heads per program"),
+           limits="not run on silicon; fp8 decoded by integer operations; 32 heads per program (fp8 caches) or "
+                  "16 (bf16)"),
     Target("hip", "gfx942", 64, 64 * _KB, registers=512, gpus="MI300X, MI325X",
-           limits="not run on silicon; fp8 decoded by integer operations; 16 heads per program"),
+           limits="not run on silicon; fp8 decoded by integer operations; 32 heads per program (fp8 caches) or "
+                  "16 (bf16)"),
     Target("hip", "gfx950", 64, 160 * _KB, registers=512, gpus="MI350X, MI355X",
-           limits="not run on silicon; fp8 by its OCP conversion instructions; 16 heads per program"),
+           limits="not run on silicon; fp8 by its OCP conversion instructions; 32 heads per program (fp8 "
+                  "caches) or 16 (bf16)"),
     Target("hip", "gfx1100", 32, 64 * _KB, gpus="RX 7900",
            limits="not run on silicon; the attention kernel spills 1,000-2,700 VGPRs (slow: a value-dim split is "
                   "planned)"),
