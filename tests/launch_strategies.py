@@ -24,14 +24,15 @@ STRATEGY_IDS = ["native" * s["NATIVE_FP8"] + "int" * (not s["NATIVE_FP8"]) + "-q
                 for s in STRATEGIES]
 
 
-def force_strategy(monkeypatch, **constexprs) -> None:
-    """Plans made from now on (the plan cache emptied) take ``constexprs`` over their target's row."""
+def force_strategy(monkeypatch, num_warps: int | None = None, **constexprs) -> None:
+    """Plans made from now on (the plan cache emptied) take ``constexprs`` (and ``num_warps``, when given) over their
+    target's row."""
     real = launch_configs.attention_config
 
     def attention_config(*args, **kwargs):
         row = real(*args, **kwargs)
-        return launch_configs.AttentionConfig({**row.constexprs, **constexprs}, row.num_warps, row.num_stages,
-                                              "forced by a test")
+        return launch_configs.AttentionConfig({**row.constexprs, **constexprs}, num_warps or row.num_warps,
+                                              row.num_stages, "forced by a test")
 
     monkeypatch.setattr(launch_configs, "attention_config", attention_config)
     monkeypatch.setattr(attention_plan, "_PLANS", OrderedDict())

@@ -84,17 +84,26 @@ def _load_piece(row_ptr, scale_ptr, valid, START: tl.constexpr, WIDTH: tl.conste
         raw = tl.load(row_ptr[:, None] + (START + tl.arange(0, WIDTH))[None, :], mask=valid[:, None], other=0)
         out = e4m3_decode(raw, NATIVE_FP8).to(DOT)
     elif (FMT == FMT_FP4_V41) | (FMT == FMT_FP4_V41_PLANAR):
-        # a group of 16 dims is 8 bytes, dim 2i in the low nibble of byte i; one e4m3 scale per group. The nibbles
-        # are decoded apart and joined into dim order (with the decode fence, 20-50x fewer spills at sm_80 than
-        # reading each dim's byte per lane, which converts the raw bytes' layout instead)
+        # a group of 16 dims is 8 bytes, dim 2i in the low nibble of byte i; one e4m3 scale per group. From 32-key
+        # blocks the nibbles are decoded apart and joined into dim order (sm_80's fenced key loop: no spills, against
+        # 379 reloads per block reading each dim's byte per lane). Below, each dim reads its own byte: Triton 3.6
+        # compiles the join wrongly at 16-key blocks without the decode fence (rel err 12 on the H100, 4 or 8 warps,
+        # 16-64 heads: the operand layout it propagates back is replicated across warps), and 16-key blocks are
+        # CDNA's rows, which have no fence
         NG: tl.constexpr = WIDTH // V41_FP4_TILE
         g = tl.arange(0, NG)
-        cols = START // 2 + g[:, None] * (V41_FP4_TILE // 2) + tl.arange(0, V41_FP4_TILE // 2)[None, :]
-        packed = tl.load(row_ptr[:, None, None] + cols[None, :, :], mask=valid[:, None, None], other=0).to(tl.int32)
         raw_scale = tl.load(scale_ptr[:, None] + (START // V41_FP4_TILE + g)[None, :], mask=valid[:, None], other=0)
         scale = e4m3_decode(raw_scale, NATIVE_FP8) * (e4m3_gain(NATIVE_FP8) * e2m1_gain())
         scale = tl.where((raw_scale & 0x7F) == E4M3_NAN, float("nan"), scale)[:, :, None]  # as the native decode
-        vals = tl.join(e2m1_decode(packed & 15) * scale, e2m1_decode(packed >> 4) * scale)  # (..., byte, nibble)
+        if BLOCK_N < 32:
+            j = tl.arange(0, V41_FP4_TILE)
+            cols = START // 2 + g[:, None] * (V41_FP4_TILE // 2) + (j // 2)[None, :]
+            packed = tl.load(row_ptr[:, None, None] + cols[None, :, :], mask=valid[:, None, None], other=0).to(tl.int32)
+            vals = e2m1_decode((packed >> ((j & 1) * 4)[None, None, :]) & 15) * scale
+        else:
+            cols = START // 2 + g[:, None] * (V41_FP4_TILE // 2) + tl.arange(0, V41_FP4_TILE // 2)[None, :]
+            packed = tl.load(row_ptr[:, None, None] + cols[None, :, :], mask=valid[:, None, None], other=0).to(tl.int32)
+            vals = tl.join(e2m1_decode(packed & 15) * scale, e2m1_decode(packed >> 4) * scale)  # (..., byte, nibble)
         out = tl.reshape(vals, (BLOCK_N, WIDTH)).to(DOT)
     else:  # tiled fp8: fp8_v4, fp8_v32, fp8_v41
         TILE: tl.constexpr = V4_TILE if FMT == FMT_FP8_V4 else V32_TILE if FMT == FMT_FP8_V32 else V41_FP8_TILE
