@@ -87,9 +87,9 @@ def _load_piece(row_ptr, scale_ptr, valid, START: tl.constexpr, WIDTH: tl.conste
         # a group of 16 dims is 8 bytes, dim 2i in the low nibble of byte i; one e4m3 scale per group. From 32-key
         # blocks the nibbles are decoded apart and joined into dim order (sm_80's fenced key loop: no spills, against
         # 379 reloads per block reading each dim's byte per lane). Below, each dim reads its own byte: Triton 3.6
-        # compiles the join wrongly at 16-key blocks without the decode fence (rel err 12 on the H100, 4 or 8 warps,
-        # 16-64 heads; likely as the operand layout it propagates back is replicated across warps), and 16-key blocks are
-        # CDNA's rows, which have no fence
+        # compiles the join wrongly at 16-key blocks without the decode fence (rel err 12 on an H200, 4 or 8 warps,
+        # 16-64 heads; likely as the operand layout it propagates back is replicated across warps), and 16-key
+        # blocks are CDNA's rows, which have no fence
         NG: tl.constexpr = WIDTH // V41_FP4_TILE
         g = tl.arange(0, NG)
         raw_scale = tl.load(scale_ptr[:, None] + (START // V41_FP4_TILE + g)[None, :], mask=valid[:, None], other=0)
