@@ -187,10 +187,16 @@ def test_attention_over_v41_caches_matches_the_reference(monkeypatch, window_fmt
     """A window scope and an extra scope over padded, NaN-poisoned pages (a partial head block, a sink), under every
     strategy a target's launch configuration can choose (fp8 decoded natively or by integer operations, ...)."""
     force_strategy(monkeypatch, **strategy)
-    gen = torch.Generator().manual_seed(len(window_fmt) + 2 * len(extra_fmt))
-    num_tokens, num_heads = 4, 20
-    c0, i0, l0 = padded_scope(gen, window_fmt, num_tokens, 12, 3, 8)
-    c1, i1, l1 = padded_scope(gen, extra_fmt, num_tokens, 37, 5, 4)
+    _check_two_scopes(torch.Generator().manual_seed(len(window_fmt) + 2 * len(extra_fmt)), 4, (window_fmt, 12, 3, 8),
+                      (extra_fmt, 37, 5, 4), fmt)
+
+
+def _check_two_scopes(gen: torch.Generator, num_tokens: int, window: tuple, extra: tuple, fmt: str | None) -> None:
+    """The Triton kernel against the reference on a window and an extra scope, each ``(format, width, blocks, block
+    size)`` of :func:`padded_scope`, with 20 heads (a partial head block) and a sink."""
+    num_heads = 20
+    c0, i0, l0 = padded_scope(gen, window[0], num_tokens, *window[1:])
+    c1, i1, l1 = padded_scope(gen, extra[0], num_tokens, *extra[1:])
     q = torch.randn(num_tokens, num_heads, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
     kw = dict(extra_cache=c1, extra_indices=i1, extra_lens=l1, sink=random_sink(gen, num_heads), fmt=fmt)
     check_close(sparse_attention_decode(q, c0, i0, l0, backend="triton", **kw),
@@ -209,14 +215,8 @@ FP4_SHAPES = [(16, 16, 4), (32, 16, 4), (32, 16, 8), (64, 16, 8), (32, 32, 4), (
 def test_fp4_attention_at_each_block_shape(monkeypatch, window_fmt, extra_fmt, fmt, h_block, block_n, num_warps):
     force_strategy(monkeypatch, num_warps=num_warps, H_BLOCK=h_block, BLOCK_N=block_n, DECODE_FENCE=False,
                    PTX_DECODE=False, PREFETCH=False)
-    gen = torch.Generator().manual_seed(h_block + block_n + num_warps)
-    num_tokens, num_heads = 3, 20
-    c0, i0, l0 = padded_scope(gen, window_fmt, num_tokens, 40, 3, 16)
-    c1, i1, l1 = padded_scope(gen, extra_fmt, num_tokens, 70, 5, 4)
-    q = torch.randn(num_tokens, num_heads, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
-    kw = dict(extra_cache=c1, extra_indices=i1, extra_lens=l1, sink=random_sink(gen, num_heads), fmt=fmt)
-    check_close(sparse_attention_decode(q, c0, i0, l0, backend="triton", **kw),
-                sparse_attention_decode(q, c0, i0, l0, backend="reference", **kw))
+    _check_two_scopes(torch.Generator().manual_seed(h_block + block_n + num_warps), 3, (window_fmt, 40, 3, 16),
+                      (extra_fmt, 70, 5, 4), fmt)
 
 
 @pytest.mark.parametrize("fmt", V41)
