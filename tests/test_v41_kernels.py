@@ -205,7 +205,7 @@ def _check_two_scopes(gen: torch.Generator, num_tokens: int, window: tuple, extr
 
 # key-block shapes on either side of the fp4 decode's two forms (16-key blocks read a byte per dim, from 32 the nibbles
 # are joined), at 4 and 8 warps and 16-64 heads, without the decode fence: CDNA's rows and their neighbours. The
-# join form at 16-key blocks computed garbage on the H100 (rel err 12), which the strategy suite, running each
+# join form at 16-key blocks computed garbage on an H200 (rel err 12), which the strategy suite, running each
 # target's own block sizes, did not reach.
 FP4_SHAPES = [(16, 16, 4), (32, 16, 4), (32, 16, 8), (64, 16, 8), (32, 32, 4), (64, 32, 8)]
 

@@ -128,7 +128,7 @@ def attention_config(target: Target, dim: int, formats: frozenset[str], num_head
                                "CDNA (MFMA, wave64, 512 VGPRs with AGPRs at one wave per SIMD): 4 waves (at 8 each "
                                "has 256 and spills); bf16: 16 heads x 32 keys (32 heads or 64-key blocks spill); fp8, "
                                "whose dequantisation needs registers too: 32 heads x 16 keys, spill-free, one wave per "
-                               "SIMD as at 16 heads, and each key decoded for 32 heads, not 16: 1.8-1.9x fewer "
+                               "SIMD as at 16 heads, and each key decoded for 32 heads, not 16: 1.8-2.0x fewer "
                                "instructions per key and 64 heads (gfx942 fp8_v4: 2,237 -> 1,185; not run on silicon)")
     return AttentionConfig(dict(flags, H_BLOCK=16, BLOCK_N=32, Q_IN_LOOP=True), 8, 1,
                            "RDNA (WMMA, wave32, 256 VGPRs): Triton stacks the value dots' warps along the heads, so "
