@@ -38,7 +38,8 @@ EVERY_SESSION="tests/test_step_plan.py tests/test_batch_invariance.py tests/test
     tests/test_triton_attention.py::test_narrow_items_match_the_reference[16-16-fp8_v32-576]
     tests/test_triton_attention.py::test_narrow_items_match_the_reference[11-16-fp8_v4-512]"
 MORE="tests/test_triton_attention.py tests/test_layer.py tests/test_triton_cache.py tests/test_triton_index.py
-    tests/test_order.py tests/test_checks.py"
+    tests/test_order.py tests/test_checks.py
+    tests/test_launch_configs.py::test_every_target_s_row_computes_the_reference_on_this_gpu"
 lowered() {  # lowered ARCH [pytest args...]: tests/test_lowerings.py with the kernels lowered as for ARCH
     local arch=$1
     shift

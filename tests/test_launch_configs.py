@@ -8,8 +8,9 @@ import torch
 
 from helpers import DEVICE, check_close, random_scope, random_sink
 from launch_strategies import STRATEGIES, STRATEGY_IDS, force_strategy
-from sparse_mla.ops import launch_configs, sparse_attention_decode
+from sparse_mla.ops import attention_plan, launch_configs, sparse_attention_decode
 from sparse_mla.ops.targets import MATRIX
+from sparse_mla.ops.validate import decode_args
 
 CASES = [(frozenset({"bf16"}), 512), (frozenset({"fp8_v4"}), 512), (frozenset({"fp8_v32"}), 576),
          (frozenset({"bf16"}), 576), (frozenset({"fp8_e4m3"}), 512)]
@@ -62,3 +63,35 @@ def test_every_strategy_matches_the_reference(monkeypatch, strategy, fmt, dim):
     kw = dict(extra_cache=c1.data, extra_indices=i1, extra_lens=l1, sink=random_sink(gen, num_heads))
     check_close(sparse_attention_decode(q, c0.data, i0, l0, backend="triton", **kw),
                 sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="other targets' rows compiled for this GPU (the interpreter runs its "
+                    "own row)")
+@pytest.mark.parametrize("fmt,dim", [("fp8_v4", 512), ("fp4_v41", 512), ("bf16", 512), ("fp8_v32", 576)])
+def test_every_target_s_row_computes_the_reference_on_this_gpu(fmt, dim):
+    """Each distinct row the matrix's targets launch (block shapes, warps, stages, strategy constexprs: as planned for
+    that target), compiled for and run on this GPU. A row only its own GPU family reaches (CDNA's 16-key blocks
+    without the decode fence) is so checked on silicon where Triton lowers it alike: the fp4 decode's join was
+    compiled wrongly there (docs/history.md, version 22) while every NVIDIA row passed."""
+    gen = torch.Generator().manual_seed(23 + dim)
+    num_tokens, num_heads = 4, 40  # 40: a partial head block at 16, 32 and 64 heads per program
+    scopes = [random_scope(gen, fmt, dim, num_tokens, 40, 3, 16), random_scope(gen, fmt, dim, num_tokens, 70, 5, 4)]
+    (c0, i0, l0), (c1, i1, l1) = scopes
+    q = torch.randn(num_tokens, num_heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    kw = dict(extra_cache=c1.data, extra_indices=i1, extra_lens=l1, sink=random_sink(gen, num_heads))
+    want = sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw)
+    args = decode_args(q, c0.data, i0, l0, **kw)
+    positional, keywords = attention_plan.plan_geometry(args)
+    rows = {}
+    for target in MATRIX:
+        plan = attention_plan.AttentionPlan(*positional, **keywords, gluon=0, target=target)
+        _, _, constexprs, options = plan.kernels()[0]
+        rows.setdefault(repr((sorted(constexprs.items()), sorted(options.items()))), (target.name, plan))
+    assert len(rows) >= 3  # mma.sync's, CDNA's and RDNA's rows differ from sm_90's at least
+    failed = []
+    for name, plan in rows.values():
+        try:
+            check_close(attention_plan.run(args, plan=plan), want)
+        except AssertionError as err:
+            failed.append(f"{name}'s row: {err}")
+    assert not failed, failed
