@@ -151,8 +151,9 @@ run_subset() {  # run_subset NAME
             echo "== compute-sanitizer missing (expected): the guard tests without it"
             pytest_run gpu_tests_guards.log "${tests[@]}"
         else
-            echo "FAILED: compute-sanitizer not found (PATH, /usr/local/cuda*/bin, a carried nvidia-cuda-sanitizer-api" \
-                 "wheel); SPARSE_MLA_EXPECT_MISSING=compute-sanitizer runs the guard tests without it"
+            echo "FAILED: compute-sanitizer not found (PATH, /usr/local/cuda*/bin, a carried" \
+                 "nvidia-cuda-sanitizer-api wheel); SPARSE_MLA_EXPECT_MISSING=compute-sanitizer runs the guard" \
+                 "tests without it"
             status=1
         fi;;
     hf)
