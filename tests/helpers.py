@@ -125,9 +125,9 @@ def requirement(*deps: str) -> tuple[str, str] | None:
 
 def needs(*deps: str) -> pytest.MarkDecorator:
     """The mark of a test (or, as ``pytestmark``, a module) that needs ``deps``; see :func:`requirement`."""
-    requirement_names = set(deps) - set(_MISSING)
-    if requirement_names:
-        raise ValueError(f"needs: unknown dependencies {sorted(requirement_names)}; known: {sorted(_MISSING)}")
+    unknown = set(deps) - set(_MISSING)
+    if unknown:
+        raise ValueError(f"needs: unknown dependencies {sorted(unknown)}; known: {sorted(_MISSING)}")
     return pytest.mark.needs(*deps)
 
 
