@@ -2,10 +2,10 @@
 
 The variable must be set before any module defining a ``@triton.jit`` kernel is imported.
 
-Hypothesis profiles, chosen by ``HYPOTHESIS_PROFILE``: ``ci`` (the default: few examples, so ``make test``
-stays under two minutes on two cores) and ``thorough`` (many examples; before a release, or after
-changing a kernel, nightly: ``HYPOTHESIS_PROFILE=thorough make test``). Property tests take their example
-counts from the profile; one that needs more than the profile's count scales it (``helpers.examples(n)``).
+Hypothesis profiles, chosen by ``HYPOTHESIS_PROFILE``: ``ci`` (the default: few examples, for CI's two cores) and
+``thorough`` (many examples; nightly, before a release, or after changing a kernel: ``HYPOTHESIS_PROFILE=thorough
+make test``). Property tests take their example counts from the profile; one that needs more than the profile's
+count scales it (``helpers.examples(n)``).
 
 ``@needs("gpu" | "hopper" | "gluon" | "flash_mla" | "transformers")`` (helpers.py): what a test needs. Missing
 hardware skips it; missing software on a machine with a CUDA GPU fails it, naming what is missing, unless
