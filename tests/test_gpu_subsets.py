@@ -112,7 +112,8 @@ def test_a_file_that_skips_inside_a_test_is_named_whole():
                 rel = f"tests/{path.name}"
                 if not any(fnmatch.fnmatchcase(rel, e) for e in whole):
                     hidden.append(f"{rel}::{node.name}")
-    assert not hidden, "tests that skip from inside, in files no subset names whole:\n" + "\n".join(hidden)
+    assert not hidden, ("tests that skip from inside (mark them instead: helpers.needs(...), pytest.mark.skipif; or "
+                        "name their file whole in scripts/gpu_subsets.txt):\n" + "\n".join(hidden))
 
 
 def test_the_help_and_the_docs_name_every_subset():
