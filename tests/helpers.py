@@ -1,4 +1,5 @@
-"""Helpers shared by the test files: the device the tests run on, size tables, error measures, random inputs."""
+"""Helpers shared by the test files: the device the tests run on, size tables, error measures, random inputs, what a
+test needs beyond the CPU (``needs``), property tests' example counts (``examples``)."""
 from __future__ import annotations
 
 import importlib
@@ -53,8 +54,7 @@ def check_close(got, ref) -> None:
 # hardware is a skip: a subset of scripts/gpu_check.sh runs the test on a machine that has it. Missing software on a
 # machine with a CUDA GPU is a failure naming it, so that a GPU run cannot go green without having tested it, unless
 # the run lists it in SPARSE_MLA_EXPECT_MISSING (comma-separated names, e.g. ``flash_mla,gluon``); on a CPU, a skip.
-HARDWARE = ("gpu", "hopper")
-SOFTWARE = ("gluon", "flash_mla", "transformers")
+HARDWARE = ("gpu", "hopper")  # the others (gluon, flash_mla, transformers: _MISSING's keys) are software
 TRANSFORMERS_VERSION = "5.23.0"  # the version the integration supports (sparse_mla.integrations.transformers)
 
 
@@ -106,12 +106,17 @@ def expected_missing() -> frozenset[str]:
     return frozenset(n.strip() for n in os.environ.get("SPARSE_MLA_EXPECT_MISSING", "").split(",") if n.strip())
 
 
+def _check_names(deps: tuple[str, ...]) -> None:
+    unknown = set(deps) - set(_MISSING)
+    if unknown:
+        raise ValueError(f"needs: unknown dependencies {sorted(unknown)}; known: {sorted(_MISSING)}")
+
+
 def requirement(*deps: str) -> tuple[str, str] | None:
-    """What becomes of a test needing ``deps`` (names of :data:`HARDWARE` and :data:`SOFTWARE`) here: None (it
-    runs), or ``("skip" | "fail", why)`` for the first one missing."""
+    """What becomes of a test needing ``deps`` (keys of ``_MISSING``) here: None (it runs), or ``("skip" | "fail",
+    why)`` for the first one missing."""
+    _check_names(deps)
     for dep in deps:
-        if dep not in _MISSING:
-            raise ValueError(f"needs: unknown dependency {dep!r}; known: {sorted(_MISSING)}")
         why = _MISSING[dep]()
         if why is None:
             continue
@@ -125,9 +130,7 @@ def requirement(*deps: str) -> tuple[str, str] | None:
 
 def needs(*deps: str) -> pytest.MarkDecorator:
     """The mark of a test (or, as ``pytestmark``, a module) that needs ``deps``; see :func:`requirement`."""
-    unknown = set(deps) - set(_MISSING)
-    if unknown:
-        raise ValueError(f"needs: unknown dependencies {sorted(unknown)}; known: {sorted(_MISSING)}")
+    _check_names(deps)
     return pytest.mark.needs(*deps)
 
 
