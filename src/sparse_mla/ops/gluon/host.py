@@ -22,6 +22,8 @@ try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any mismatch
         warpgroup_mma_wait,
     )
     from triton.language.core import _aggregate  # noqa: F401  (Triton 3.6 has no public gl.aggregate)
+
+    from . import compat  # noqa: F401  (the builtins Triton renamed: ImportError where it knows neither name)
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
