@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from sparse_mla.formats import get_format
-from sparse_mla.ops import attention_plan, launch_configs, targets
+from sparse_mla.ops import attention_plan, gluon, launch_configs, targets
 from sparse_mla.verify import SUPPORT_FORMATS, support_markdown
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -114,4 +114,8 @@ def test_a_case_a_target_cannot_run_is_a_value_error_naming_it(target):
 def test_readme_support_table_is_the_code_s():
     """README's support table is :func:`sparse_mla.verify.support_markdown`'s (regenerate it with
     ``python scripts/portability_report.py --support``)."""
-    assert support_markdown() in (ROOT / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert support_markdown() in readme
+    # and its torch / Triton statement names every pair the GPU suite passed on (the list verify prints)
+    assert all(f"torch {torch_version} + Triton {triton_version}" in readme
+               for torch_version, triton_version in gluon.VALIDATED_STACKS)

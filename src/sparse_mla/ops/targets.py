@@ -92,8 +92,10 @@ MATRIX: tuple[Target, ...] = (
                   "bf16); 512-d fp8 and 576-d bf16 in 32-key tiles (99 KB)"),
     Target("cuda", 90, 32, 227 * _KB, gpus="H100, H200, H20, H800",
            verified="runs natively on the H100; compiles, fits",
-           limits="the Gluon kernel where every scope is fp8_v4, fp8_v32 or bf16, or V4.1's formats (16-byte "
-                  "aligned pages); the portable kernel elsewhere, 1.96x FlashMLA on the V4-Flash B 128 step"),
+           limits="with a Triton the Gluon kernel passed the GPU tests on (`sparse-mla verify` names them), the "
+                  "Gluon kernel where every scope is fp8_v4, fp8_v32 or bf16, or V4.1's formats (16-byte aligned "
+                  "pages); the portable kernel elsewhere and with other Tritons, 1.96x FlashMLA on the V4-Flash B 128 "
+                  "step"),
     Target("cuda", 100, 32, 227 * _KB, tmem_columns=512, gpus="B200, B300, GB200",
            limits="not run on silicon; the portable kernel on mma.sync (no tcgen05 / tensor memory)"),
     Target("cuda", 120, 32, 99 * _KB, gpus="RTX 5090, RTX PRO 6000",
