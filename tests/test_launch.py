@@ -10,8 +10,11 @@ import types
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from helpers import ON_GPU
 from sparse_mla.ops import launch
 from sparse_mla.ops.launch import BindOnce, BoundLaunch, fingerprint, fingerprint_function
 
@@ -243,3 +246,26 @@ def test_kernels_with_scratch_memory_or_another_launcher_go_through_its_python_c
     assert launch._direct_call(binary) == (binary.run, (0xF00, (4, 1, 1024), None, None, None), False)
     amd = types.SimpleNamespace(run=type("HIPLauncher", (), {})(), function=0xF00, packed_metadata=(4, 1, 1024))
     assert launch._direct_call(amd) == (amd.run, (0xF00, (4, 1, 1024), None, None, None), False)
+
+
+@triton.jit
+def _scaled_copy(src, dst, n, factor, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n) * factor, mask=offs < n)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="launches on the GPU")
+def test_a_kernel_goes_direct_and_bound_on_this_gpu_s_triton():
+    """On the GPU's Triton (3.6, or another put first on PYTHONPATH): after the compiling JIT call, the direct call
+    and a bound launch run and compute what the JIT call does, on new tensors and values."""
+    run = launch.Launch(_scaled_copy, {"BLOCK": 128})
+    src = torch.arange(300, dtype=torch.float32, device="cuda")
+    dst, dst2, dst3 = (torch.empty_like(src) for _ in range(3))
+    grid = (triton.cdiv(300, 128),)
+    assert run(grid, src, dst, 300, 2.0) is not None  # compiled through the JIT
+    src2 = src + 1
+    assert run(grid, src2, dst2, 300, 3.0) is None  # the direct path
+    bound = run.bind(grid, (src, dst, 300, 0.5))
+    assert bound is not None and bound([src2, dst3])
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src * 2) and torch.equal(dst2, src2 * 3) and torch.equal(dst3, src2 * 0.5)
