@@ -34,12 +34,9 @@ import contextlib
 import io
 import json
 import os
-import pathlib
 import re
 import resource
-import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 
 os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels (before any kernel module is imported)
@@ -138,18 +135,6 @@ def _ptxas_numbers(log: str) -> tuple[int | None, int | None, int | None]:
             int(spill.group(2)) if spill else None)
 
 
-def _ptxas_log(ptx: str, target: targets.Target) -> str:
-    """ptxas ``-v`` on ``ptx`` for ``target`` (where Triton's compile came from its cache and printed nothing)."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = pathlib.Path(tmp) / "k.ptx"
-        path.write_text(ptx)
-        arch = int(target.arch)
-        return subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", str(path),
-                               "-o", str(path.with_suffix(".cubin"))], capture_output=True, text=True).stderr
-
-
 def _amd_number(asm: str, key: str) -> int | None:
     found = re.search(rf"\.{key}:\s+(\d+)", asm)
     return int(found.group(1)) if found else None
@@ -180,8 +165,12 @@ def compile_launch(target: targets.Target, variant: str, launched: Launched) -> 
     source, options = _source(launched)
     log = io.StringIO()
     try:
+        # compiled every time, never taken from Triton's cache: ptxas' log (registers, spills) is then always the
+        # real compile's, with Triton's own ptxas options (3.9: --regAllocOptLevel=2), and a warm cache gives the
+        # numbers a cold one does (a re-run of ptxas with other options did not: issue 47)
         with contextlib.redirect_stdout(log):
             triton.knobs.nvidia.dump_ptxas_log = True
+            triton.knobs.compilation.always_compile = True
             compiled = triton.compile(source, target=target.gpu_target(), options=options)
     except Exception as error:  # a compile error is the cell's result
         row.status, row.error = "failed", f"{type(error).__name__}: {_message(error)}"
@@ -189,18 +178,17 @@ def compile_launch(target: targets.Target, variant: str, launched: Launched) -> 
         return row
     finally:
         triton.knobs.nvidia.dump_ptxas_log = False
+        triton.knobs.compilation.always_compile = False
     row.shared = compiled.metadata.shared
     problems = []
     if row.shared > target.shared_bytes:
         problems.append(f"shared memory {row.shared} B > {target.shared_bytes} B")
     if target.backend == "cuda":
         ptx = compiled.asm["ptx"]
-        text = log.getvalue()
-        if "registers" not in text:
-            text = _ptxas_log(ptx, target)
-        row.registers, row.spill_stores, row.spill_loads = _ptxas_numbers(text)
-        # from the cubin itself (the ptxas log above may be a re-run's, where Triton's cache skipped ptxas): a spill
-        # inside the key loop costs every key block
+        row.registers, row.spill_stores, row.spill_loads = _ptxas_numbers(log.getvalue())
+        if row.registers is None:
+            problems.append("no ptxas log from the compile")
+        # a spill inside the key loop costs every key block
         row.loop_spills = sum(ops["STL"] + ops["LDL"] for ops in key_loops(sass_of(compiled.asm["cubin"])))
         # tensor-memory columns: Triton's count (metadata.tmem_size, Triton 3.9) and the PTX's allocations
         tmem = [int(n) for n in re.findall(r"tcgen05\.alloc[^;]*?,\s*(\d+);", ptx)]
