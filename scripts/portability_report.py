@@ -45,7 +45,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.6's default, 
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.backends.compiler import BaseBackend  # noqa: E402
+from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, native_specialize_impl  # noqa: E402
 
 from sass_loops import key_loops, sass_of  # noqa: E402  (this script's folder is first on sys.path)
@@ -105,10 +105,13 @@ def recorded_launches(target: targets.Target):
         JITFunction.run, targets.target_of = original, target_of
 
 
-def _source(launched: Launched) -> tuple[ASTSource, dict]:
+def _source(launched: Launched, target: targets.Target) -> tuple[ASTSource, dict]:
     """The ``ASTSource`` and options of a recorded launch, each runtime argument specialised as Triton's JIT does
-    (its own ``native_specialize_impl``: typed pointers, ints equal to 1 as constants, 16-divisibility), the
-    constexprs as given (their declared defaults where not)."""
+    on ``target``'s backend (its own ``native_specialize_impl`` and the backend's attributes: typed pointers, ints
+    equal to 1 as constants, 16-divisibility; on AMD also ``tt.pointer_range 32`` for a tensor under 2 GiB, as every
+    test-sized tensor is, which lets ROCm's compiler use buffer loads), the constexprs as given (their declared
+    defaults where not)."""
+    backend = type(make_backend(target.gpu_target()))
     kernel = launched.kernel
     options = {k: v for k, v in launched.kwargs.items() if k in _OPTIONS}
     values = dict(zip(kernel.arg_names, launched.args))
@@ -119,12 +122,12 @@ def _source(launched: Launched) -> tuple[ASTSource, dict]:
         if p.is_constexpr:
             signature[p.name], constexprs[(i,)] = "constexpr", value
             continue
-        kind, key = native_specialize_impl(BaseBackend, value, p.is_const, not p.do_not_specialize, True)
+        kind, key = native_specialize_impl(backend, value, p.is_const, not p.do_not_specialize, True)
         signature[p.name] = kind
         if kind == "constexpr":
             constexprs[(i,)] = key
-        elif key == "D":
-            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(key, str) and backend.parse_attr(key):
+            attrs[(i,)] = backend.parse_attr(key)
     return ASTSource(kernel, signature, constexprs, attrs), options
 
 
@@ -162,7 +165,7 @@ def compile_launch(target: targets.Target, variant: str, launched: Launched) -> 
     """Compile one recorded launch for ``target`` and check it fits: its :class:`Row`."""
     row = Row(target.name, variant, launched.kernel.__name__, "ok", shared_limit=target.shared_bytes)
     start = _cpu_time()
-    source, options = _source(launched)
+    source, options = _source(launched, target)
     log = io.StringIO()
     try:
         # compiled every time, never taken from Triton's cache: ptxas' log (registers, spills) is then always the
