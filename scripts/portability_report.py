@@ -7,10 +7,12 @@ not hand-written: the library's own host code (the attention plan made for the t
 index builders, the token order) runs on CPU tensors with Triton's launch replaced by a recorder, so each compile is
 exactly a launch the library would make on that GPU — its kernel, constexprs, launch options and argument types.
 
-Per variant it prints registers (CUDA: ptxas ``-v``; AMD: the amdgcn ``.vgpr_count``), spills (CUDA: spill
-store / load bytes; AMD: spilled VGPRs / SGPRs), shared memory (LDS) against the target's limit, and on sm_100 the
-tensor-memory columns used (Triton's ``metadata.tmem_size``, the PTX's ``tcgen05.alloc``) and whether the body is a
-``trap``. A case the target cannot run is listed with the ``ValueError`` a user gets
+Per variant it prints registers (CUDA: ptxas ``-v`` of Triton's own compile, compiled every time so that a warm
+Triton cache gives a cold one's numbers; AMD: the amdgcn ``.vgpr_count``, arguments specialised by ROCm's backend,
+``tt.pointer_range 32`` included), spills (CUDA: spill store / load bytes; AMD: spilled VGPRs / SGPRs), shared
+memory (LDS) against the target's limit, and on sm_100 the tensor-memory columns used (Triton's
+``metadata.tmem_size``, the PTX's ``tcgen05.alloc``) and whether the body is a ``trap``. A case the target cannot
+run is listed with the ``ValueError`` a user gets
 (:func:`sparse_mla.ops.launch_configs.unsupported`).
 ``--json`` prints one JSON object per row instead (``tests/test_portability.py`` reads them); ``--support`` prints
 the README support table (:func:`sparse_mla.verify.support_markdown`).
