@@ -104,13 +104,14 @@ MATRIX: tuple[Target, ...] = (
                   "spill-free rows were 1.4-1.6x slower under the sm86 lowering)"),
     Target("hip", "gfx90a", 64, 64 * _KB, registers=512, gpus="MI210, MI250",
            limits="not run on silicon; fp8 decoded by integer operations; 32 heads per program (fp8 caches) or "
-                  "16 (bf16)"),
+                  "16 (bf16); V4.1's decodes spill 78-206 SGPRs (tensors under 2 GiB, buffer loads)"),
     Target("hip", "gfx942", 64, 64 * _KB, registers=512, gpus="MI300X, MI325X",
            limits="not run on silicon; fp8 decoded by integer operations; 32 heads per program (fp8 caches) or "
-                  "16 (bf16)"),
+                  "16 (bf16); V4.1's decodes spill 80-227 SGPRs (tensors under 2 GiB, buffer loads)"),
     Target("hip", "gfx950", 64, 160 * _KB, registers=512, gpus="MI350X, MI355X",
            limits="not run on silicon; fp8 by its OCP conversion instructions; 32 heads per program (fp8 "
-                  "caches) or 16 (bf16)"),
+                  "caches) or 16 (bf16); V4.1's fp4 decodes spill 176-358 SGPRs (tensors under 2 GiB, buffer "
+                  "loads)"),
     Target("hip", "gfx1100", 32, 64 * _KB, gpus="RX 7900",
            limits="not run on silicon; the attention kernel spills 1,000-2,700 VGPRs (slow: a value-dim split is "
                   "planned)"),
