@@ -223,3 +223,28 @@ def test_the_step_api_doc_runs_as_written():
     assert len(blocks) >= 2
     for i, block in enumerate(blocks):
         exec(compile(block, f"docs/step_api.md block {i}", "exec"), {})
+
+
+@pytest.mark.parametrize("change", ["data", "resize", "wide"])
+def test_a_sink_changed_under_the_layer_is_checked_on_every_call_path(change):
+    """``layer.sink.data = ...`` / ``sink.resize_`` keep the buffer's tensor object but change what the kernels read:
+    the remembered path (the layer's last plan), the planned path (a new step) and the Triton launches all see the
+    layer's head count checked again, never a read past the sink's end or its first heads silently used."""
+    sc = make_scenario([(6, 1), (9, 2)], window=4, topk=4, device=DEVICE, seed=2, block_sizes=SIZES)
+    q = torch.randn(sc.batch.token_capacity, 4, 512).to(torch.bfloat16).to(DEVICE)
+    layer = SparseMLAAttention("swa", 4, window=4, sink=torch.zeros(4, device=DEVICE), backend="triton")
+    first = layer(q, sc.meta, sc.caches)
+    assert torch.equal(layer(q, sc.meta, sc.caches), first)  # the remembered plan, the same sink
+    if change == "data":
+        layer.sink.data = torch.zeros(2, device=DEVICE)
+    elif change == "resize":
+        layer.sink.resize_(2)
+    else:
+        layer.sink.data = torch.zeros(64, device=DEVICE)
+    other = make_scenario([(7, 1)], window=4, topk=4, device=DEVICE, seed=3, block_sizes=SIZES)
+    for meta, caches in ((sc.meta, sc.caches), (other.meta, other.caches)):  # remembered, then planned
+        with pytest.raises(ValueError, match=r"sink must have shape \(4,\): one float32 logit per head of the "
+                                             r"layer's 4 heads"):
+            layer(q[: meta.batch.token_capacity], meta, caches)
+    layer.sink.data = torch.ones(4, device=DEVICE)  # put right: runs again, with the new values
+    assert rel_err(layer(q, sc.meta, sc.caches), sc.expected(q, "swa", sink=torch.ones(4), scale=layer.scale)) < TOL
