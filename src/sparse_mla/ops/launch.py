@@ -20,12 +20,12 @@ makes the ordinary JIT call.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
 import triton
 
+from ..env import switch_on
 from .targets import override_arch
 
 FAST_TRITON = ("3.6.",)  # launcher interfaces read (triton/backends/nvidia/driver.py) and run on an H100
@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - older Triton: no fast path
 def fast_path_enabled() -> bool:
     """Whether :class:`Launch` may call compiled binaries directly on this Triton."""
     return (_knobs is not None and triton.__version__.startswith(FAST_TRITON)
-            and os.environ.get("SPARSE_MLA_FAST_LAUNCH", "1") not in ("", "0"))
+            and switch_on("SPARSE_MLA_FAST_LAUNCH", default=True))
 
 
 def _fingerprint_terms(name: str, kind: type) -> str:

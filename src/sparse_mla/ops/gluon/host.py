@@ -8,7 +8,7 @@ Gluon's API is experimental: the kernel is used with the Triton versions it was 
 """
 from __future__ import annotations
 
-import os
+from ...env import env_value
 
 try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any mismatch disables this path
     import triton
@@ -73,7 +73,7 @@ def narrow_heads(formats: frozenset[str], num_heads: int) -> int:
 
 def enabled() -> bool:
     """Whether the Gluon path may be used at all: Gluon importable and a validated Triton (or forced)."""
-    choice = os.environ.get("SPARSE_MLA_GLUON", "")
+    choice = env_value("SPARSE_MLA_GLUON")
     if gluon is None or choice == "0":
         return False
     return choice == "1" or triton.__version__.startswith(VALIDATED_TRITON)
