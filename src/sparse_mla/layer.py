@@ -197,6 +197,7 @@ class SparseMLAAttention(torch.nn.Module):
             if q_scale is None and isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
                 raise ValueError("q is float8_e4m3fn: pass its q_scale (q's values are e4m3 · q_scale)")
             check_tensor("q", q, dtype=q_dtype, shape=(None, self.num_heads, dim))
+            self._check_family(batch)  # metadata of the other model family: said before its token capacity
             if q.shape[0] != capacity:
                 raise ValueError(f"q has {q.shape[0]} tokens, the step's token capacity is {capacity}")
             check_tensor("q", q, device=device)
@@ -316,15 +317,19 @@ class SparseMLAAttention(torch.nn.Module):
         """This layer against the step's metadata: its model family, window and top-k. On every plan lookup, so once
         per step at least (a layer's remembered plan is of the step it was checked against)."""
         batch, spec = meta.batch, meta.spec
+        self._check_family(batch)
+        if self.kind != "dsa" and spec.window != self.window:
+            raise ValueError(f"the step's metadata has window {spec.window}, this layer {self.window}")
+        if self.kind in PICKS_KINDS and spec.topk != self.topk:
+            raise ValueError(f"the step's metadata has topk {spec.topk}, this layer {self.topk}")
+
+    def _check_family(self, batch) -> None:
+        """The step's batch is of this layer's model family: V3.2's ``dsa`` cache for a dsa layer, V4's for the rest."""
         if (self.kind == "dsa") != ("dsa" in batch.block_tables):
             want = ("V3.2 step metadata (a batch of kinds ('dsa',))" if self.kind == "dsa" else
                     "V4 step metadata (a batch whose kinds include 'swa')")
             raise ValueError(f"meta was built from a batch of kinds {batch.kinds}, but a {self.kind} layer reads "
                              f"{want}")
-        if self.kind != "dsa" and spec.window != self.window:
-            raise ValueError(f"the step's metadata has window {spec.window}, this layer {self.window}")
-        if self.kind in PICKS_KINDS and spec.topk != self.topk:
-            raise ValueError(f"the step's metadata has topk {spec.topk}, this layer {self.topk}")
 
     def _make_plan(self, meta: StepMetadata | RankStepMetadata, views: dict, has_sink: bool, q_fp8: bool = False
                    ) -> LayerPlan:
