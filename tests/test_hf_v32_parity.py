@@ -13,8 +13,10 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-if transformers.__version__ != "5.23.0":
-    pytest.skip(f"tested with transformers 5.23.0, found {transformers.__version__}", allow_module_level=True)
+if transformers.__version__ not in ("5.23.0", "5.24.0"):
+    pytest.skip(f"tested with transformers 5.23.0 and 5.24.0, found {transformers.__version__}",
+                allow_module_level=True)
+CACHE = {"5.23.0": "past_key_values", "5.24.0": "cache"}[transformers.__version__]  # 5.24's name for it
 
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf  # noqa: E402
 
@@ -52,7 +54,7 @@ def hf_steps():
     steps = []
     with torch.no_grad():
         for prefix, n in STEPS:
-            model(ids[:, prefix:prefix + n], past_key_values=cache, use_cache=True)
+            model(ids[:, prefix:prefix + n], **{CACHE: cache}, use_cache=True)
             h, (cos, sin) = seen["hidden_states"], seen["position_embeddings"]
             q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(h))).view(1, n, HEADS, -1).transpose(1, 2)
             q_rot, _ = hf.apply_rotary_pos_emb_interleave(q[..., NOPE:], q[..., NOPE:], cos, sin)
