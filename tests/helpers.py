@@ -44,3 +44,19 @@ def check_close(got, ref) -> None:
     assert torch.equal(torch.isinf(lse) & (lse > 0), ~finite), "+inf LSE exactly on the rows with no key"
     assert torch.allclose(lse[finite], ref_lse[finite], atol=2e-3, rtol=1e-3)
     assert (out[~finite] == 0).all()
+
+
+SINK_CHANGES = ("data", "resize", "wide")  # how repoint_sink changes a layer's sink under it
+
+
+def repoint_sink(layer, change: str) -> None:
+    """Change a layer's 4-head sink without its setter, keeping the buffer's tensor object: ``"data"`` (2 values,
+    ``sink.data = ...``), ``"resize"`` (``sink.resize_(2)``) or ``"wide"`` (64 values, as a whole model's sink on a
+    shard)."""
+    device = layer.sink.device
+    if change == "data":
+        layer.sink.data = torch.zeros(2, device=device)
+    elif change == "resize":
+        layer.sink.resize_(2)
+    else:
+        layer.sink.data = torch.zeros(64, device=device)

@@ -24,6 +24,7 @@ from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.oracle import DenseOracle
 from sparse_mla.scenario import make_scenario, random_picks
 from engine import Engine
+from helpers import SINK_CHANGES, repoint_sink
 from strategies import step_lengths
 
 SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
@@ -228,7 +229,7 @@ def test_the_step_api_doc_runs_as_written():
         exec(compile(block, f"docs/step_api.md block {i}", "exec"), {})
 
 
-@pytest.mark.parametrize("change", ["data", "resize", "wide"])
+@pytest.mark.parametrize("change", SINK_CHANGES)
 def test_a_sink_changed_under_the_layer_is_checked_on_every_call_path(change):
     """``layer.sink.data = ...`` / ``sink.resize_`` keep the buffer's tensor object but change what the kernels read:
     the remembered path (the layer's last plan), the planned path (a new step) and the Triton launches all see the
@@ -238,12 +239,7 @@ def test_a_sink_changed_under_the_layer_is_checked_on_every_call_path(change):
     layer = SparseMLAAttention("swa", 4, window=4, sink=torch.zeros(4, device=DEVICE), backend="triton")
     first = layer(q, sc.meta, sc.caches)
     assert torch.equal(layer(q, sc.meta, sc.caches), first)  # the remembered plan, the same sink
-    if change == "data":
-        layer.sink.data = torch.zeros(2, device=DEVICE)
-    elif change == "resize":
-        layer.sink.resize_(2)
-    else:
-        layer.sink.data = torch.zeros(64, device=DEVICE)
+    repoint_sink(layer, change)
     other = make_scenario([(7, 1)], window=4, topk=4, device=DEVICE, seed=3, block_sizes=SIZES)
     for meta, caches in ((sc.meta, sc.caches), (other.meta, other.caches)):  # remembered, then planned
         with pytest.raises(ValueError, match=r"sink must have shape \(4,\): one float32 logit per head of the "

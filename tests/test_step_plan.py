@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from helpers import SINK_CHANGES, repoint_sink
 from sparse_mla import formats
 from sparse_mla import plan as plan_module
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
@@ -309,7 +310,7 @@ def test_a_cache_seen_by_a_layer_is_freed_with_its_owner(fmt, four_d):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Triton launches and CUDA graphs of a GPU (run under compute-sanitizer)")
-@pytest.mark.parametrize("change", ["data", "resize", "wide"])
+@pytest.mark.parametrize("change", SINK_CHANGES)
 def test_a_sink_changed_after_the_first_call_is_refused_on_the_remembered_planned_and_captured_paths(change):
     """A layer's sink re-pointed under it (``sink.data = ...``, ``resize_``) is refused before any launch reads it:
     on the layer's remembered plan, on a new step's plan, in a capture's warm-up and in the replay of a step captured
@@ -333,12 +334,7 @@ def test_a_sink_changed_after_the_first_call_is_refused_on_the_remembered_planne
     graph = StepGraph(step, meta.batch, meta)
     layer(q, meta, caches)  # eager: its plan is the layer's remembered one
     kept = layer.sink
-    if change == "data":
-        layer.sink.data = torch.zeros(2, device=DEVICE)
-    elif change == "resize":
-        layer.sink.resize_(2)
-    else:
-        layer.sink.data = torch.zeros(64, device=DEVICE)
+    repoint_sink(layer, change)
     assert layer.sink is kept
     message = r"sink must have shape \(4,\): one float32 logit per head of the layer's 4 heads"
     with pytest.raises(ValueError, match=message):  # remembered
