@@ -367,8 +367,8 @@ def _check_layer_sink(sink: object, num_heads: int, device: torch.device | None 
     """A layer's sink: :func:`~sparse_mla._checks.check_sink` (with ``values``, no NaN: a sync for a GPU tensor), and
     contiguous (the kernels read it as ``num_heads`` packed floats)."""
     if isinstance(sink, torch.Tensor) and tuple(sink.shape) != (num_heads,):
-        raise ValueError(f"sink must have shape ({num_heads},): one float32 logit per head of the layer's {num_heads} "
-                         f"heads, got shape {tuple(sink.shape)}")
+        raise ValueError(f"sink must have shape ({num_heads},), got {tuple(sink.shape)}: one float32 logit per head of "
+                         f"the layer's {num_heads} heads")
     check_sink(sink, num_heads, device, values)
     if not sink.is_contiguous():
         raise ValueError(f"sink must be contiguous (the kernels read {num_heads} packed float32), got strides "
