@@ -364,17 +364,22 @@ def tile_amax(x: torch.Tensor, tile: int) -> torch.Tensor:
     return x.view(x.shape[0], x.shape[1] // tile, tile).abs().amax(-1)
 
 
-def fp8_tile_scales(x: torch.Tensor, tile: int) -> torch.Tensor:
-    """FlashMLA's fp8 tile scales ``2^ceil(log2(max(amax / 448, 1e-4)))``: ``(n, d)`` float32 -> ``(n, d // tile)``.
+def ceil_pow2(ratio: torch.Tensor) -> torch.Tensor:
+    """``2^ceil(log2(ratio))`` of positive float32 ``ratio``, elementwise; NaN stays NaN, +inf stays +inf.
 
     Exact: the exponent comes from the float's exponent and mantissa bits (a float32 ``log2`` can round
-    ``2^e·(1+2^-23)`` down to ``e``), so every implementation can reproduce it bit for bit. A tile holding NaN
-    gets NaN, one holding ±inf (and no NaN) +inf: the rule in IEEE arithmetic.
+    ``2^e·(1+2^-23)`` down to ``e``), so every implementation can reproduce it bit for bit.
     """
-    ratio = torch.clamp_min(tile_amax(x, tile) / E4M3_MAX, MIN_SCALE)
     mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2^exponent, mantissa in [0.5, 1)
     power = torch.exp2((exponent - (mantissa == 0.5).to(torch.int32)).float())
     return torch.where(torch.isfinite(ratio), power, ratio)
+
+
+def fp8_tile_scales(x: torch.Tensor, tile: int) -> torch.Tensor:
+    """FlashMLA's fp8 tile scales ``2^ceil(log2(max(amax / 448, 1e-4)))``: ``(n, d)`` float32 -> ``(n, d // tile)``
+    (exact: :func:`ceil_pow2`). A tile holding NaN gets NaN, one holding ±inf (and no NaN) +inf: the rule in IEEE
+    arithmetic."""
+    return ceil_pow2(torch.clamp_min(tile_amax(x, tile) / E4M3_MAX, MIN_SCALE))
 
 
 def quantize_e4m3_tiles(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
