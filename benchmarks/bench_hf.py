@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import transformers
     except ImportError:
-        console.print("bench_hf needs transformers==5.23.0")
+        console.print("bench_hf needs transformers 5.23.0 or 5.24.0")
         return 2
     if not args.smoke and not torch.cuda.is_available():
         console.print("bench_hf needs a CUDA GPU (or --smoke)")

@@ -39,13 +39,15 @@ from rich.table import Table
 
 from sparse_mla.batch import Request, StepBatch, StepBatchBuilder, blocks_needed
 from sparse_mla.cache import PagedCache
+from sparse_mla.cli import parse_seed
 from sparse_mla.config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS, ModelConfig, get_config
 from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import MetadataSpec, build_step_metadata, convert_picks
 from sparse_mla.scenario import random_picks
 from sparse_mla.workspace import fill_workspace, shared_workspace, workspace_indices, workspace_plan
 
-from harness import Env, Step, fill_random, flash_mla_side, main, positive_int, prepare, report, run_info, save_result
+from harness import (Env, Step, fill_random, flash_mla_side, main, output_folder, positive_int, prepare, report,
+                     run_info, save_result)
 from timing import graphed, host_rounds, load_flash_mla, rel, timed_rounds
 
 D_V = 512
@@ -456,13 +458,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's command-line options."""
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES,
                         help="cases to run (default: all): decode steps <model>-b<batch>, prefill-<model>")
-    parser.add_argument("--out", default=os.environ.get("OUT", "results"), help="folder for bench_step.json/.png")
+    parser.add_argument("--out", type=output_folder, default=os.environ.get("OUT", "results"),
+                        help="folder for bench_step.json/.png")
     parser.add_argument("--rep", type=positive_int, default=60,
                         help="do_bench repetition time per timing, ms (default 60)")
     parser.add_argument("--rounds", type=positive_int, default=3, help="alternating timing rounds (median), default 3")
     parser.add_argument("--no-flashmla", action="store_true", help="time ours only, even if flash_mla imports")
     parser.add_argument("--no-graphs", action="store_true", help="eager timings only")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=parse_seed, default=0)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes on the CPU: 2 layers per kind, 4 heads, short contexts, reference backend, "
                              "no FlashMLA, no graphs")

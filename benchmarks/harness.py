@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Callable, Generic, Iterable, TypeVar
 
@@ -153,3 +155,17 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def output_folder(text: str) -> str:
+    """An argparse ``type`` for ``--out``: a folder that exists or can be made (its nearest existing ancestor is a
+    writable folder), else a usage error naming it, before anything runs. Made only when a result is written."""
+    path = Path(text).absolute()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is an existing file, not a folder")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be made: {str(parent)!r} is not a writable folder")
+    return text

@@ -24,14 +24,17 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import their helpers (helpers.py, dense.py) by name
 
+from sparse_mla.env import env_value  # noqa: E402  (imports no kernel module)
+
+LOWERING_ARCH = env_value("SPARSE_MLA_LOWERING")  # a ValueError naming it for a value outside sm80 / sm86 / sm89
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-elif os.environ.get("SPARSE_MLA_LOWERING"):
+elif LOWERING_ARCH:
     from sparse_mla.ops.targets import lower_as
 
     # for the whole session, before any kernel is compiled (plans and launches keep what they compiled); the context
     # manager is kept alive: a dropped generator closes, and its exit would undo the lowering
-    LOWERING = lower_as(os.environ["SPARSE_MLA_LOWERING"])
+    LOWERING = lower_as(LOWERING_ARCH)
     LOWERED_AS = LOWERING.__enter__()
 
 settings.register_profile("ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

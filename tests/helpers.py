@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sparse_mla import verify
+from sparse_mla.integrations.transformers import SUPPORTED_TRANSFORMERS
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -55,7 +56,7 @@ def check_close(got, ref) -> None:
 # machine with a CUDA GPU is a failure naming it, so that a GPU run cannot go green without having tested it, unless
 # the run lists it in SPARSE_MLA_EXPECT_MISSING (comma-separated names, e.g. ``flash_mla,gluon``); on a CPU, a skip.
 HARDWARE = ("gpu", "hopper")  # the others (gluon, flash_mla, transformers: _MISSING's keys) are software
-TRANSFORMERS_VERSION = "5.23.0"  # the version the integration supports (sparse_mla.integrations.transformers)
+
 
 
 def _hopper_missing() -> str | None:
@@ -91,8 +92,8 @@ def _transformers_missing() -> str | None:
         import transformers
     except ImportError as e:
         return f"transformers does not import: {e}"
-    if transformers.__version__ != TRANSFORMERS_VERSION:
-        return f"transformers {TRANSFORMERS_VERSION} (found {transformers.__version__})"
+    if transformers.__version__ not in SUPPORTED_TRANSFORMERS:  # the releases the integration supports
+        return f"transformers {' or '.join(SUPPORTED_TRANSFORMERS)} (found {transformers.__version__})"
     return None
 
 
@@ -148,3 +149,19 @@ def examples(n: int) -> int:
     from hypothesis import settings
 
     return max(1, round(n * settings.default.max_examples / settings.get_profile("ci").max_examples))
+
+
+SINK_CHANGES = ("data", "resize", "wide")  # how repoint_sink changes a layer's sink under it
+
+
+def repoint_sink(layer, change: str) -> None:
+    """Change a layer's 4-head sink without its setter, keeping the buffer's tensor object: ``"data"`` (2 values,
+    ``sink.data = ...``), ``"resize"`` (``sink.resize_(2)``) or ``"wide"`` (64 values, as a whole model's sink on a
+    shard)."""
+    device = layer.sink.device
+    if change == "data":
+        layer.sink.data = torch.zeros(2, device=device)
+    elif change == "resize":
+        layer.sink.resize_(2)
+    else:
+        layer.sink.data = torch.zeros(64, device=device)

@@ -202,6 +202,10 @@ def test_requests_of_the_wrong_types_are_named():
         builder.build([Request(3, 1, table(1)), (3, 1, table(1))])
     with pytest.raises(TypeError, match="request 0: shared_prefix_blocks must be a dict"):
         builder.build([Request(3, 1, table(1), None)])
+    with pytest.raises(TypeError, match=r"requests must be a list \(or tuple\) of Request, decodes first, got "
+                                        r"generator: pass list\(\.\.\.\) of it"):
+        builder.build(Request(3, 1, table(1)) for _ in range(2))
+    assert builder.build((Request(3, 1, table(1)),)).num_reqs == 1  # a tuple is a sequence too
 
 
 ALIAS_SIZES = {"swa": 16, "c4a": 4, "c128a": 2}

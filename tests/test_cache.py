@@ -65,6 +65,9 @@ def test_allocator_errors():
         with pytest.raises(TypeError, match=r"blocks must be a list of block numbers \(as allocate returns them\), "
                                             f"got {bad!r}"):
             alloc.free(bad)
+    with pytest.raises(TypeError, match=r"blocks must be a list of block numbers \(as allocate returns them\), got a "
+                                        r"tensor of shape \(2,\): pass blocks.tolist\(\)"):
+        alloc.free(torch.tensor(got[:2]))
     with pytest.raises(ValueError, match="n must be an int"):
         alloc.allocate(True)
     with pytest.raises(TypeError, match="num_blocks must be a positive int"):

@@ -89,6 +89,9 @@ BAD_OPTIONS = [
     (["bench", "--rep", "0"], "--rep"),
     (["bench", "--rep", "fast"], "--rep"),
     (["bench", "--rounds", "-2", "--smoke"], "--rounds"),
+    (["demo", "--seed", "99999999999999999999"], "--seed"),
+    (["verify", "--seed", "-1"], "--seed"),
+    (["bench", "--smoke", "--seed", "99999999999999999999"], "--seed"),
 ] + ([] if ON_GPU else [(["demo", "--device", "cuda"], "--device cuda"),
                         (["verify", "--device", "cuda"], "--device cuda")])
 
@@ -102,6 +105,19 @@ def test_bad_options_are_one_line_usage_errors(capsys, argv, option):
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"sparse-mla {argv[0]}: error: ") and option in last
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["existing file", "under a file"])
+def test_bench_out_that_cannot_be_a_folder_is_one_line_usage_error(tmp_path, capsys, where):
+    file = tmp_path / "taken"
+    file.write_text("")
+    out = file if where == "existing file" else file / "results"
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "--smoke", "--cases", "prefill-flash", "--out", str(out)])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert done.value.code == 2 and "Traceback" not in err
+    assert last.startswith("sparse-mla bench: error: argument --out: ") and str(out) in last
 
 
 @pytest.mark.skipif(ON_GPU, reason="the Triton backend runs on a GPU")

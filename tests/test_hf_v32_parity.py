@@ -21,6 +21,7 @@ from sparse_mla.scenario import dequantized
 transformers = optional_import("transformers")
 hf = optional_import("transformers.models.deepseek_v32.modeling_deepseek_v32")
 pytestmark = needs("transformers")
+CACHE = "cache" if getattr(transformers, "__version__", None) == "5.24.0" else "past_key_values"  # 5.24's name
 
 TOPK, HEADS, NOPE, V = 8, 4, 16, 16
 STEPS = [(0, 40), (40, 25), (65, 1), (66, 1), (67, 1)]  # (cached prefix, new tokens): prefill, chunk, decodes
@@ -52,7 +53,7 @@ def hf_steps():
     steps = []
     with torch.no_grad():
         for prefix, n in STEPS:
-            model(ids[:, prefix:prefix + n], past_key_values=cache, use_cache=True)
+            model(ids[:, prefix:prefix + n], **{CACHE: cache}, use_cache=True)
             h, (cos, sin) = seen["hidden_states"], seen["position_embeddings"]
             q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(h))).view(1, n, HEADS, -1).transpose(1, 2)
             q_rot, _ = hf.apply_rotary_pos_emb_interleave(q[..., NOPE:], q[..., NOPE:], cos, sin)

@@ -24,7 +24,7 @@ from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.oracle import DenseOracle
 from sparse_mla.scenario import make_scenario, random_picks
 from engine import Engine
-from helpers import examples
+from helpers import SINK_CHANGES, examples, repoint_sink
 from strategies import step_lengths
 
 SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
@@ -202,6 +202,9 @@ def i32(*shape):
     (lambda s: SparseMLAAttention("swa", 2, sink=torch.zeros(3)), r"sink must have shape \(2,\)"),
     (lambda s: SparseMLAAttention("swa", 2, sink=torch.tensor([0.0, float("nan")])), r"sink must not be NaN"),
     (lambda s: SparseMLAAttention("swa", 2, scale=-1.0), r"scale must be a positive finite number"),
+    (lambda s: SparseMLAAttention("swa", 2, scale=torch.tensor([0.1, 0.2])),
+     r"scale must be a positive finite number or a 0-d real tensor, got a torch.float32 tensor of shape \(2,\)"),
+    (lambda s: SparseMLAAttention("swa", 2, scale=torch.tensor(-0.1)), r"scale must be a positive finite number"),
     (lambda s: SparseMLAAttention("swa", 2, backend="cuda"), r"backend must be 'auto' or one of"),
     (lambda s: SparseMLAAttention("swa", 2, kv_format="fp8"), r"kv_format must be None or one of"),
     (lambda s: SparseMLAAttention("c4a", 2, topk=2.5), r"topk must be a positive int"),
@@ -224,3 +227,43 @@ def test_the_step_api_doc_runs_as_written():
     assert len(blocks) >= 2
     for i, block in enumerate(blocks):
         exec(compile(block, f"docs/step_api.md block {i}", "exec"), {})
+
+
+@pytest.mark.parametrize("change", SINK_CHANGES)
+def test_a_sink_changed_under_the_layer_is_checked_on_every_call_path(change):
+    """``layer.sink.data = ...`` / ``sink.resize_`` keep the buffer's tensor object but change what the kernels read:
+    the remembered path (the layer's last plan), the planned path (a new step) and the Triton launches all see the
+    layer's head count checked again, never a read past the sink's end or its first heads silently used."""
+    sc = make_scenario([(6, 1), (9, 2)], window=4, topk=4, device=DEVICE, seed=2, block_sizes=SIZES)
+    q = torch.randn(sc.batch.token_capacity, 4, 512).to(torch.bfloat16).to(DEVICE)
+    layer = SparseMLAAttention("swa", 4, window=4, sink=torch.zeros(4, device=DEVICE), backend="triton")
+    first = layer(q, sc.meta, sc.caches)
+    assert torch.equal(layer(q, sc.meta, sc.caches), first)  # the remembered plan, the same sink
+    repoint_sink(layer, change)
+    other = make_scenario([(7, 1)], window=4, topk=4, device=DEVICE, seed=3, block_sizes=SIZES)
+    for meta, caches in ((sc.meta, sc.caches), (other.meta, other.caches)):  # remembered, then planned
+        with pytest.raises(ValueError, match=r"sink must have shape \(4,\), got \((2|64),\): one float32 logit per "
+                                             r"head of the layer's 4 heads"):
+            layer(q[: meta.batch.token_capacity], meta, caches)
+    layer.sink.data = torch.ones(4, device=DEVICE)  # put right: runs again, with the new values
+    assert rel_err(layer(q, sc.meta, sc.caches), sc.expected(q, "swa", sink=torch.ones(4), scale=layer.scale)) < TOL
+
+
+def test_a_0d_tensor_scale_is_a_scale():
+    """``scale=torch.tensor(s)`` (a 0-d tensor, as torch code often holds one) is read as the number it holds, at
+    construction and at assignment; the ops take it too."""
+    sc = make_scenario([(20, 1), (9, 2)], window=4, topk=4, device=DEVICE, seed=4, block_sizes=SIZES)
+    q = torch.randn(sc.batch.token_capacity, 2, 512).to(torch.bfloat16).to(DEVICE)
+    layer = SparseMLAAttention("swa", 2, window=4, scale=torch.tensor(0.07), backend="reference")
+    assert type(layer.scale) is float and layer.scale == pytest.approx(0.07)
+    assert torch.equal(layer(q, sc.meta, sc.caches),
+                       SparseMLAAttention("swa", 2, window=4, scale=layer.scale, backend="reference")(q, sc.meta,
+                                                                                                      sc.caches))
+    layer.scale = torch.tensor(0.05, dtype=torch.float64, device=DEVICE)
+    assert layer.scale == pytest.approx(0.05)
+    from sparse_mla.ops import sparse_attention_decode
+
+    cache, idx, lens = sc.caches["swa"].data, sc.meta.swa_indices, sc.meta.swa_lens
+    got, _ = sparse_attention_decode(q, cache, idx, lens, scale=torch.tensor(0.05), backend="reference")
+    want, _ = sparse_attention_decode(q, cache, idx, lens, scale=0.05, backend="reference")
+    assert torch.equal(got, want)

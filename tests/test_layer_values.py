@@ -83,7 +83,7 @@ def test_a_valid_sink_or_scale_assigned_later_is_the_one_used(sc, backend):
         "swa", HEADS, window=8, scale=0.03, backend=backend)(q, sc.meta, sc.caches))
 
 
-@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0, 0, True, torch.tensor(0.1), "0.1"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0, 0, True, torch.tensor([0.1]), "0.1"])  # 0-d: a scale
 def test_a_bad_scale_assigned_later_is_a_value_error(value):
     layer = swa_layer()
     with pytest.raises(ValueError, match="scale must be a positive finite number"):

@@ -157,3 +157,17 @@ def test_bad_inputs_name_the_argument():
         outs_arg, lses_arg, sink_arg = args.pop("outs"), args.pop("lses"), args.pop("sink")
         with pytest.raises(error, match=message):
             merge_partials(outs_arg, lses_arg, sink_arg, **args)
+
+
+@pytest.mark.parametrize("bad", ["sink", "lses"])
+def test_reference_checks_values_always(monkeypatch, bad):
+    """The reference merge reads a NaN sink or NaN LSE as the attention ops' reference does: a ``ValueError``
+    without ``SPARSE_MLA_DEBUG`` (no NaN rows handed back)."""
+    monkeypatch.delenv("SPARSE_MLA_DEBUG", raising=False)
+    outs, lses, sink = partials(2, 4, 8, 32, torch.float32)
+    if bad == "sink":
+        sink[2] = math.nan
+    else:
+        lses[0, 3, 1] = math.nan
+    with pytest.raises(ValueError, match="sink must not be NaN" if bad == "sink" else "lses must not hold NaN"):
+        merge_partials(outs, lses, sink, backend="reference")

@@ -173,8 +173,9 @@ def test_bad_picks_and_specs_raise_value_error():
         meta.c4a_indices(torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"topk_indices must have shape \(2, 3\)"):
         meta.c4a_indices(torch.zeros(2, 4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="spec.window and spec.topk must be positive"):
-        build_step_metadata(batch, MetadataSpec(window=0, topk=3))
+    for spec in (MetadataSpec(window=0, topk=3), MetadataSpec(window="8", topk=3), MetadataSpec(window=8, topk=2.5)):
+        with pytest.raises(ValueError, match="spec.window and spec.topk must be positive ints"):
+            build_step_metadata(batch, spec)
     with pytest.raises(TypeError, match="spec must be a MetadataSpec, got NoneType"):
         build_step_metadata(batch, None)
     with pytest.raises(TypeError, match="out must be a StepMetadata"):

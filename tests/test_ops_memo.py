@@ -316,3 +316,19 @@ def test_a_remembered_call_is_captured_in_a_cuda_graph(checked):
     graph.replay()
     torch.cuda.synchronize()
     check_close((out, lse), decode(other, backend="reference"))
+
+
+@pytest.mark.parametrize("moved", ["q", "cache", "indices", "lens"])
+def test_a_meta_tensor_is_not_a_remembered_cpu_signature(moved):
+    """``get_device()`` is -1 for the CPU and the meta device alike: a remembered call's signature holds the device
+    itself, so a meta tensor where a CPU call was remembered takes the checked path (the device check), never a
+    kernel launch on a tensor without data."""
+    gen = torch.Generator().manual_seed(0)
+    cache, idx, lens = random_scope(gen, "bf16", 512, 2, 4, 2, 4)
+    q = torch.randn(2, 2, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    args = dict(q=q, cache=cache.data, indices=idx, lens=lens)
+    for _ in range(2):  # checked, then remembered
+        sparse_attention_decode(**args, backend="triton")
+    args[moved] = args[moved].to("meta")
+    with pytest.raises(ValueError, match=r"must be on .*, got meta|must be on cache's device meta"):
+        sparse_attention_decode(**args, backend="triton")

@@ -81,3 +81,18 @@ def test_a_layer_on_metadata_of_the_other_model_names_it():
                                          r"layer reads V3.2 step metadata"):
         SparseMLAAttention("dsa", 2, 576, topk=4, scale=0.1, backend="reference")(
             q576, v4.meta, {"dsa": v4.caches["swa"]}, v4.topk_local)
+
+
+def test_the_model_family_is_named_before_a_token_capacity_that_differs():
+    """A dsa layer on V4 metadata, or a swa layer on V3.2 metadata, with a q sized for its own model's step: the
+    family is what is wrong, not the token count."""
+    v4 = make_scenario([(40, 1), (30, 4)], window=8, topk=4, block_sizes=SIZES, padding=1)
+    q576 = torch.zeros(v4.batch.token_capacity + 3, 2, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"meta was built from a batch of kinds \('swa', 'c4a', 'c128a'\), but a dsa "
+                                         r"layer reads V3.2 step metadata"):
+        SparseMLAAttention("dsa", 2, 576, topk=4, scale=0.1, backend="reference")(
+            q576, v4.meta, {"dsa": v4.caches["swa"]}, torch.zeros(len(q576), 4, dtype=torch.int32))
+    v32 = make_scenario([(40, 1), (30, 4)], topk=4, fmt="fp8_v32", dim=576, padding=1)
+    q = torch.zeros(v32.batch.token_capacity + 5, 2, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"meta was built from a batch of kinds \('dsa',\), but a swa layer reads V4"):
+        SparseMLAAttention("swa", 2, window=8, backend="reference")(q, v32.meta, v32.caches)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from helpers import SINK_CHANGES, repoint_sink
 from sparse_mla import formats
 from sparse_mla import plan as plan_module
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
@@ -306,3 +307,55 @@ def test_a_cache_seen_by_a_layer_is_freed_with_its_owner(fmt, four_d):
     del cache, tensor
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Triton launches and CUDA graphs of a GPU (run under compute-sanitizer)")
+@pytest.mark.parametrize("change", SINK_CHANGES)
+def test_a_sink_changed_after_the_first_call_is_refused_on_the_remembered_planned_and_captured_paths(change):
+    """A layer's sink re-pointed under it (``sink.data = ...``, ``resize_``) is refused before any launch reads it:
+    on the layer's remembered plan, on a new step's plan, in a capture's warm-up and in the replay of a step captured
+    before the change (the graph would read the captured storage). ``compute-sanitizer --tool memcheck``: 0 errors."""
+    from sparse_mla.graphs import StepGraph
+
+    spec = MetadataSpec(window=8, topk=4)
+    caches, builder = engine(num_blocks=256, max_tokens=8, max_reqs=4)
+    for c in caches.values():
+        c.write(torch.randn(c.num_slots, 512).to(torch.bfloat16).to(DEVICE),
+                torch.arange(c.num_slots, dtype=torch.int32, device=DEVICE))
+    layer = SparseMLAAttention("swa", 4, window=8, sink=torch.randn(4).to(DEVICE), backend="triton")
+    q = torch.randn(8, 4, 512).to(torch.bfloat16).to(DEVICE)
+    out = torch.empty(8, 4, 512, dtype=torch.bfloat16, device=DEVICE)
+    meta = build_step_metadata(builder.build(requests(caches, [(300, 2), (40, 1), (120, 1)])), spec)
+
+    def step(batch):
+        build_step_metadata(batch, spec, out=meta)
+        layer(q, meta, caches, out=out)
+
+    graph = StepGraph(step, meta.batch, meta)
+    layer(q, meta, caches)  # eager: its plan is the layer's remembered one
+    kept = layer.sink
+    repoint_sink(layer, change)
+    assert layer.sink is kept
+    message = r"sink must have shape \(4,\), got \((2|64),\): one float32 logit per head of the layer's 4 heads"
+    with pytest.raises(ValueError, match=message):  # remembered
+        layer(q, meta, caches)
+    batch = builder.build(requests(caches, [(310, 2), (41, 1), (121, 1)]))
+    with pytest.raises(ValueError, match="sink was replaced or resized since the step was captured"):
+        graph.replay(batch)
+    with pytest.raises(ValueError, match=message):  # a capture's warm-up, on this batch's new plan
+        StepGraph(step, batch, meta)
+    fresh = build_step_metadata(builder.build(requests(caches, [(90, 1)])), spec)
+    with pytest.raises(ValueError, match=message):  # planned: a step the layer has not run
+        layer(q, fresh, caches)
+    torch.cuda.synchronize()
+    # values written in place are read by a replay: no refusal
+    layer.sink.data = torch.randn(4, device=DEVICE)
+    batch = builder.build(requests(caches, [(300, 2), (40, 1), (120, 1)]))
+    meta = build_step_metadata(batch, spec)
+    graph = StepGraph(step, batch, meta)
+    layer.sink.copy_(torch.randn(4, device=DEVICE))
+    batch = builder.build(requests(caches, [(305, 2), (44, 1), (100, 1)]))
+    graph.replay(batch)
+    replayed = out.clone()
+    step(batch)
+    assert torch.equal(replayed, out)

@@ -104,6 +104,17 @@ def test_lower_as_compiles_as_the_target_and_assembles_for_the_real_gpu(fake_gpu
             pass
 
 
+@pytest.mark.skipif(ON_GPU, reason="a machine without a GPU")
+def test_lower_as_without_an_nvidia_gpu_says_it_needs_one(fake_gpu):
+    with pytest.raises(ValueError, match=r"lower_as\('sm80'\) needs an NVIDIA GPU .* sees none"):
+        with targets.lower_as("sm80"):
+            pass
+    fake_gpu((9, 4), "gfx942")
+    with pytest.raises(ValueError, match=r"lower_as\('sm80'\) needs an NVIDIA GPU .* is ROCm's"):
+        with targets.lower_as("sm80"):
+            pass
+
+
 def _bf16_plan(**kw) -> attention_plan.AttentionPlan:
     return attention_plan.AttentionPlan((1, 2, 512), torch.device("cpu"), [(get_format("bf16"), 4, 4)], False, False,
                                         **kw)

@@ -14,6 +14,8 @@ from sparse_mla.integrations.transformers import check_transformers_version, ena
 
 transformers = optional_import("transformers")
 pytestmark = needs("transformers")
+# the model's cache keyword: 5.24 renamed past_key_values (kept as a deprecated alias) to cache
+CACHE = "cache" if getattr(transformers, "__version__", None) == "5.24.0" else "past_key_values"
 
 PROMPT, PADS, STEPS = 150, 13, 8
 
@@ -101,7 +103,7 @@ def test_v4_chunked_prefill(v4):
 
     def two_chunks():
         first = model(ids[:1, :100], use_cache=True)
-        rest = model(ids[:1, 100:], past_key_values=first.past_key_values).logits
+        rest = model(ids[:1, 100:], **{CACHE: getattr(first, CACHE)}).logits
         return torch.cat([first.logits, rest], dim=1)
 
     with torch.no_grad():
@@ -120,8 +122,11 @@ def test_errors(v4):
         enable_sparse_mla(model, kv_format="fp8_v32")
     with pytest.raises(ValueError, match="model must be a DeepseekV4ForCausalLM"):
         enable_sparse_mla(torch.nn.Linear(2, 2))
-    with pytest.raises(RuntimeError, match="supports transformers"):
+    with pytest.raises(RuntimeError, match=r"supports transformers 5.23.0 and 5.24.0, found 5.22.0: .* install "
+                                           r"transformers==5.24.0"):
         check_transformers_version("5.22.0")
+    assert [check_transformers_version(v) for v in ("5.23.0", "5.24.0")] == ["5.23.0", "5.24.0"]
+    assert check_transformers_version() == transformers.__version__
     ids, mask = _inputs()
     integration = enable_sparse_mla(model)
     try:
@@ -134,9 +139,9 @@ def test_errors(v4):
             with pytest.raises(ValueError, match="never saw"):
                 cache = transformers.DynamicCache(config=model.config)
                 integration.remove()
-                model(ids[:1, :4], past_key_values=cache)
+                model(ids[:1, :4], **{CACHE: cache})
                 integration = enable_sparse_mla(model)
-                model(ids[:1, 4:8], past_key_values=cache)
+                model(ids[:1, 4:8], **{CACHE: cache})
     finally:
         integration.remove()
     assert model.config._attn_implementation == "eager"

@@ -132,3 +132,34 @@ def test_gather_decodes_fp8_alike_with_or_without_fp8_instructions(fmt, dim, kv_
         assert torch.equal(integer.view(torch.int16), want.view(torch.int16))
     else:
         assert torch.allclose(integer.float(), want.float(), rtol=2.0 ** -7, atol=0)  # within a bf16 rounding
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's 256 · 2^120
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("fmt,dim", [("fp8_v4", 512), ("fp8_v32", 576), ("fp8_v41", 512)])
+def test_fp8_saturation_reads_back_as_inf(backend, fmt, dim):
+    """FlashMLA's rule on a tile of amax > 448 · 2^119: scale 2^120, and ``|x| >= 248 · 2^120`` (FP8_TILE_INF_FROM)
+    gives x / 2^120 >= 248, which e4m3 rounds to 256: the cache reads ±inf back (docs/formats.md), in every tiled fp8
+    format; just below the bound, and beside it in the same tile, values read back exactly."""
+    from sparse_mla.formats import FP8_TILE_INF_FROM, encode_records, get_format
+
+    big = torch.tensor(FP8_TILE_INF_FROM, dtype=torch.bfloat16)
+    assert big.item() == FP8_TILE_INF_FROM == 1.9375 * 2.0**127  # a bf16 value: the smallest that saturates
+    below = torch.tensor(1.875 * 2.0**127, dtype=torch.bfloat16)  # 240 · 2^120: the largest e4m3 code below 256
+    kv = torch.zeros(3, dim, dtype=torch.bfloat16)
+    kv[0, 0], kv[0, 1], kv[0, 2] = big, -torch.finfo(torch.bfloat16).max, 1.0
+    kv[1, 0], kv[1, 1] = below, -below
+    kv[2, 0] = 247 * 2.0**120  # the bf16 value just below (bf16's step there is 2^120)
+    cache = allocate_cache(fmt, 1, 4, DEVICE, dim)
+    slots = torch.arange(3, dtype=torch.int32, device=DEVICE)
+    quantize_and_insert(kv.to(DEVICE), cache, slots, fmt, backend=backend)
+    back = dequantize_and_gather(cache, slots.view(1, 3), fmt, backend=backend)[0].float().cpu()
+    assert back[0, 0] == float("inf") and back[0, 1] == -float("inf")
+    assert back[0, 2] == 0  # 1.0 / 2^120 is below e4m3's smallest subnormal: the rest of the tile reads 0
+    assert back[1, 0] == below.float() and back[1, 1] == -below.float()
+    assert back[2, 0] == 1.875 * 2.0**127  # 247 rounds to 240
+    f = get_format(fmt)
+    record = encode_records(kv[:1], f)[0]  # the first tile's scale: ue8m0 127 + 120, or fp8_v32's float32 2^120
+    scale = record[f.scale_offset: f.scale_offset + 4].view(torch.float32).item() if fmt == "fp8_v32" else \
+        record[f.scale_offset].item()
+    assert scale == (2.0**120 if fmt == "fp8_v32" else 247)

@@ -100,8 +100,14 @@ def check_sink(sink: object, num_heads: int, device: torch.device | None = None,
 
 
 def check_scale(scale: object) -> float:
-    """A softmax scale: a positive finite Python number (not a bool, not a tensor)."""
-    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
+    """A softmax scale as a Python float: a positive finite real number (Python or numpy, not a bool) or a 0-d
+    tensor holding one (read once here: a sync for a GPU tensor)."""
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() != 0 or scale.dtype == torch.bool or scale.is_complex() or scale.is_meta:
+            raise ValueError(f"scale must be a positive finite number or a 0-d real tensor, got a {scale.dtype} "
+                             f"tensor of shape {tuple(scale.shape)} on {scale.device}")
+        scale = scale.item()
+    if isinstance(scale, bool) or not (isinstance(scale, numbers.Real) and 0 < scale < float("inf")):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     return float(scale)
 

@@ -199,6 +199,9 @@ class StepBatchBuilder:
         self.builds = 0  # how many steps build() has filled the buffers with (StepBatch.build_number)
 
     def _check(self, requests: Sequence[Request]) -> tuple[int, dict[str, tuple[torch.Tensor, int]]]:
+        if not isinstance(requests, Sequence) or isinstance(requests, (str, bytes)):
+            raise TypeError(f"requests must be a list (or tuple) of Request, decodes first, got "
+                            f"{type(requests).__name__}: pass list(...) of it")
         if not 0 < len(requests) <= self.max_reqs:
             raise ValueError(f"requests must hold 1 to {self.max_reqs} requests, got {len(requests)}")
         num_decodes, seen_prefill = 0, False

@@ -37,6 +37,9 @@ class BlockAllocator:
     def free(self, blocks: list[int]) -> None:
         """Return blocks to the pool; freeing a block that is not allocated (or twice) is an error,
         and then no block of the call is freed."""
+        if isinstance(blocks, torch.Tensor):
+            raise TypeError(f"blocks must be a list of block numbers (as allocate returns them), got a tensor of "
+                            f"shape {tuple(blocks.shape)}: pass blocks.tolist()")
         if isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__"):
             raise TypeError(f"blocks must be a list of block numbers (as allocate returns them), got {blocks!r}")
         blocks = list(blocks)

@@ -67,6 +67,20 @@ def _int_at_least(least: int) -> Callable[[str], int]:
     return parse
 
 
+SEED_LIMIT = 2**32  # seeds are in [0, 2^32): torch's generators take 64 bits, and the benchmarks add offsets
+
+
+def parse_seed(text: str) -> int:
+    """An argparse ``type`` for ``--seed``: an integer in ``[0, 2^32)``, else a usage error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text!r}") from None
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {value}")
+    return value
+
+
 def _status() -> Console:
     """Progress lines go to stderr, so stdout holds only the result."""
     return Console(stderr=True, highlight=False)
@@ -102,7 +116,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens of each of the 2 prefill chunks (default 256; 0: decodes only)")
     p.add_argument("--prefill-mode", default="paged", choices=PREFILL_MODES)
     p.add_argument("--format", default=None, choices=FORMAT_NAMES, help="cache format (default: the model's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=parse_seed, default=0)
 
 
 def _demo_checks(args: argparse.Namespace) -> tuple[torch.device, str]:
@@ -247,7 +261,7 @@ def demo(args: argparse.Namespace) -> int:
 
 def _verify_arguments(p: argparse.ArgumentParser) -> None:
     _device_argument(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=parse_seed, default=0)
 
 
 @command("verify", "check this machine: Triton kernels vs the reference, each layer kind and format vs the dense "

@@ -40,7 +40,8 @@ Quantisers (FlashMLA's reference rules; tiles of consecutive quantised dims):
   codes the e2m1 value nearest ``x / scale`` (ties to the even code), saturating at ±6, the sign bit kept for -0
   and for negatives that round to 0, NaN -> code 0.
 
-Dequantised values (``value · scale``) are exact in bf16.
+Dequantised values (``value · scale``) are exact in bf16, except in tiled fp8 for ``|x| >=``
+:data:`FP8_TILE_INF_FROM` (~3.2958e38), which FlashMLA's rule stores as code 256 at scale 2^120: ±inf read back.
 
 A *record* is one token's bytes in the canonical order ``[fields of the layout]`` used by
 :func:`encode_records` / :func:`decode_records` (a V4.1 record is its token-interleaved row); :func:`field_views`
@@ -61,6 +62,12 @@ from ._checks import check_finite, check_kv_scale, check_positive_int, check_ten
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 E4M3_NAN = 0x7F  # the float8_e4m3fn NaN the quantisers write
 MIN_SCALE = 1e-4  # floor of amax / 448, so an all-zero tile still gets a finite scale
+# where "a dequantised fp8 value is exact in bf16" stops: a tile whose amax exceeds 448 · 2^119 (~2.98e38) gets the
+# scale 2^120, and in it |x| >= 248 · 2^120 (~3.2958e38, up to bf16's largest 3.39e38) has x / 2^120 >= 248, which
+# e4m3 rounds (to even) to 256: the stored code is exact FlashMLA bytes, but 256 · 2^120 = 2^128 reads back as ±inf
+# (every tiled fp8 format: fp8_v4, fp8_v32, fp8_v41). Every smaller value, down to the floor scale's subnormals,
+# reads back exactly.
+FP8_TILE_INF_FROM = 248 * 2.0**120
 UE8M0_BIAS = 127  # a ue8m0 byte e stands for 2^(e - 127)
 UE8M0_NAN = 0xFF  # the one ue8m0 byte that is not a power of two
 ROPE_DIM = 64  # trailing rope dims of every latent
@@ -484,7 +491,8 @@ def record_scales(records: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
 
 def decode_records(records: torch.Tensor, fmt: KVFormat, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantise records: ``(n, token_bytes)`` uint8 -> ``(n, d)`` float32, ``value · scale`` (exact in bf16
-    for the tiled formats: e4m3 · 2^k, e2m1 · e4m3; fp8_e4m3: e4m3 · kv_scale)."""
+    for the tiled formats: e4m3 · 2^k, e2m1 · e4m3 — but ±inf for a value quantised from ``|x| >=``
+    :data:`FP8_TILE_INF_FROM`; fp8_e4m3: e4m3 · kv_scale)."""
     n = records.shape[0]
     if fmt.record_code == FMT_FP4_V41:
         values = e2m1_values(unpack_e2m1(records[:, : fmt.scale_offset]))

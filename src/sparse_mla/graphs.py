@@ -3,11 +3,12 @@ replayed for later steps whose batches have the same shape.
 
 What a replay reads is fixed at capture: the builder's batch buffers (refilled by each
 ``StepBatchBuilder.build``), the metadata buffers (``build_step_metadata(batch, spec, out=meta)`` refills
-them inside the graph), the caches and whatever q / picks / out tensors the step function used. So the step
-function must write into the same metadata object and read the same tensors every time, and a replayed batch
-must come from the same builder with the same shape: requests, decode requests, decode tokens and tokens
-(the host numbers the launches were planned with). Prefill rows are not allowed: their workspace chunks are
-planned on the host from each batch's lengths.
+them inside the graph), the caches, the layers' sinks and whatever q / picks / out tensors the step function
+used. So the step function must write into the same metadata object and read the same tensors every time, and a
+replayed batch must come from the same builder with the same shape: requests, decode requests, decode tokens and
+tokens (the host numbers the launches were planned with). Prefill rows are not allowed: their workspace chunks are
+planned on the host from each batch's lengths. A layer's sink replaced or resized after the capture makes
+:meth:`StepGraph.replay` raise ``ValueError`` (values written into it in place are read).
 
 The metadata is stale from the builder's next ``build`` until that batch is replayed (its reads raise
 ``ValueError``, as after any build); :meth:`StepGraph.replay` makes it the replayed batch's, so eager reads and
@@ -21,6 +22,7 @@ from typing import Callable
 import torch
 
 from .batch import StepBatch
+from .layer import check_sinks_kept, record_sinks
 from .metadata import StepMetadata
 
 
@@ -55,8 +57,10 @@ class StepGraph:
                 step(batch)
         torch.cuda.current_stream(batch.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with record_sinks() as sinks, torch.cuda.graph(self.graph):
             step(batch)
+        # each captured layer's sink once (a replay checks they are still the captured tensors, as laid out then)
+        self.sinks = list({id(layer): (layer, seen) for layer, seen in sinks}.values())
         if meta.batch is not batch:
             raise ValueError("the step function must build the metadata into meta (build_step_metadata(..., out=meta))")
         # the smallest cache of each kind the captured layers read: a replayed batch must not name a block past it
@@ -78,5 +82,6 @@ class StepGraph:
             if batch.max_block.get(kind, -1) >= n:
                 raise ValueError(f"batch's {kind!r} block tables name block {batch.max_block[kind]}, but the captured "
                                  f"step reads a {kind!r} cache of {n} blocks")
+        check_sinks_kept(self.sinks)  # a few hundred ns per layer with a sink
         self.graph.replay()
         self.meta.batch = batch

@@ -1,7 +1,9 @@
 """SparseMLAAttention: one DeepSeek-V4 or V3.2 sparse attention layer over paged caches (DESIGN §5)."""
 from __future__ import annotations
 
+import contextlib
 import weakref
+from typing import Iterator
 
 import torch
 
@@ -54,7 +56,9 @@ class SparseMLAAttention(torch.nn.Module):
     ``forward``.
 
     After construction, ``sink`` and ``scale`` may be replaced (``layer.sink = new``: checked at once — shape,
-    dtype, contiguity, no NaN, which syncs once for a GPU tensor —, and its device at the next call) and so may
+    dtype, contiguity, no NaN, which syncs once for a GPU tensor —, and its device at the next call; a sink whose
+    storage, shape or dtype is changed under it, ``layer.sink.data = ...`` or ``resize_``, is checked again at the
+    next call, whatever path it takes: a host compare of well under a microsecond) and so may
     a cache's ``kv_scale`` (checked the first time a call reads it); the rest of the configuration is fixed
     (assigning it is a ``ValueError``). Values written into the sink or a scale tensor in place are checked only
     with ``SPARSE_MLA_DEBUG=1`` (a NaN there gives NaN rows, never a read outside a tensor).
@@ -111,9 +115,10 @@ class SparseMLAAttention(torch.nn.Module):
         # what _plan found on the last call, all weakly held (a layer keeps neither a step nor a cache alive): (the
         # plan, (has_sink, q_fp8), the caches given, their tensors' stamps)
         self._last_plan: tuple | None = None
-        # the sink last checked against a call's device, and that device: a sink replaced or moved since (the
-        # setter, register_buffer, .to()/.half()) is checked again at the next call, without a sync
-        self._sink_seen: tuple[torch.Tensor, torch.device] | None = None
+        # the sink last checked against a call's device, that device and the sink's layout (_sink_layout): a sink
+        # replaced, moved or re-pointed since (the setter, register_buffer, .to()/.half(), ``sink.data = ...``,
+        # ``sink.resize_(...)``) is checked again at the next call, without a sync
+        self._sink_seen: tuple[torch.Tensor, torch.device, tuple] | None = None
 
     def __setattr__(self, name: str, value: object) -> None:
         """``sink`` and ``scale`` are checked when assigned; the configuration is fixed (``ValueError``)."""
@@ -192,6 +197,7 @@ class SparseMLAAttention(torch.nn.Module):
             if q_scale is None and isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
                 raise ValueError("q is float8_e4m3fn: pass its q_scale (q's values are e4m3 · q_scale)")
             check_tensor("q", q, dtype=q_dtype, shape=(None, self.num_heads, dim))
+            self._check_family(batch)  # metadata of the other model family: said before its token capacity
             if q.shape[0] != capacity:
                 raise ValueError(f"q has {q.shape[0]} tokens, the step's token capacity is {capacity}")
             check_tensor("q", q, device=device)
@@ -199,10 +205,13 @@ class SparseMLAAttention(torch.nn.Module):
             q = q.contiguous()
         out = self._out(q, out, capacity)
         sink = self._buffers["sink"]
-        seen = self._sink_seen
-        if sink is not None and (seen is None or seen[0] is not sink or seen[1] != device):
-            _check_layer_sink(sink, self.num_heads, device, values=False)
-            self._sink_seen = (sink, device)
+        if sink is not None:
+            seen = self._sink_seen
+            if seen is None or seen[0] is not sink or seen[1] != device or seen[2] != _sink_layout(sink):
+                _check_layer_sink(sink, self.num_heads, device, values=False)
+                self._sink_seen = seen = (sink, device, _sink_layout(sink))
+            if _CAPTURED_SINKS is not None:
+                _CAPTURED_SINKS.append((self, seen))
         # context parallel: the partial has no sink (the merge applies it once) and goes straight into the send buffer
         has_sink = sink is not None and context_parallel is None
         plan, caches_t, kv_scale = self._plan(meta, caches, has_sink, q_scale is not None)
@@ -308,15 +317,19 @@ class SparseMLAAttention(torch.nn.Module):
         """This layer against the step's metadata: its model family, window and top-k. On every plan lookup, so once
         per step at least (a layer's remembered plan is of the step it was checked against)."""
         batch, spec = meta.batch, meta.spec
+        self._check_family(batch)
+        if self.kind != "dsa" and spec.window != self.window:
+            raise ValueError(f"the step's metadata has window {spec.window}, this layer {self.window}")
+        if self.kind in PICKS_KINDS and spec.topk != self.topk:
+            raise ValueError(f"the step's metadata has topk {spec.topk}, this layer {self.topk}")
+
+    def _check_family(self, batch) -> None:
+        """The step's batch is of this layer's model family: V3.2's ``dsa`` cache for a dsa layer, V4's for the rest."""
         if (self.kind == "dsa") != ("dsa" in batch.block_tables):
             want = ("V3.2 step metadata (a batch of kinds ('dsa',))" if self.kind == "dsa" else
                     "V4 step metadata (a batch whose kinds include 'swa')")
             raise ValueError(f"meta was built from a batch of kinds {batch.kinds}, but a {self.kind} layer reads "
                              f"{want}")
-        if self.kind != "dsa" and spec.window != self.window:
-            raise ValueError(f"the step's metadata has window {spec.window}, this layer {self.window}")
-        if self.kind in PICKS_KINDS and spec.topk != self.topk:
-            raise ValueError(f"the step's metadata has topk {spec.topk}, this layer {self.topk}")
 
     def _make_plan(self, meta: StepMetadata | RankStepMetadata, views: dict, has_sink: bool, q_fp8: bool = False
                    ) -> LayerPlan:
@@ -353,7 +366,43 @@ class SparseMLAAttention(torch.nn.Module):
 def _check_layer_sink(sink: object, num_heads: int, device: torch.device | None = None, values: bool = True) -> None:
     """A layer's sink: :func:`~sparse_mla._checks.check_sink` (with ``values``, no NaN: a sync for a GPU tensor), and
     contiguous (the kernels read it as ``num_heads`` packed floats)."""
+    if isinstance(sink, torch.Tensor) and tuple(sink.shape) != (num_heads,):
+        raise ValueError(f"sink must have shape ({num_heads},), got {tuple(sink.shape)}: one float32 logit per head of "
+                         f"the layer's {num_heads} heads")
     check_sink(sink, num_heads, device, values)
     if not sink.is_contiguous():
         raise ValueError(f"sink must be contiguous (the kernels read {num_heads} packed float32), got strides "
                          f"{sink.stride()}")
+
+
+def _sink_layout(sink: torch.Tensor) -> tuple:
+    """What the kernels' reads of a sink depend on: its storage address, shape, strides and dtype (a few hundred ns
+    to read; ``sink.data = ...`` or ``sink.resize_(...)`` keep the tensor object but change them)."""
+    return sink.data_ptr(), sink.shape, sink.stride(), sink.dtype
+
+
+# while a StepGraph captures a step: (layer, the sink it read as _sink_seen holds it) of each layer call, so that a
+# replay can refuse a sink replaced since (the graph reads the captured storage); None otherwise
+_CAPTURED_SINKS: list | None = None
+
+
+@contextlib.contextmanager
+def record_sinks() -> Iterator[list]:
+    """Collect ``(layer, seen)`` of each layer call with a sink inside the ``with`` (see :func:`check_sinks_kept`)."""
+    global _CAPTURED_SINKS
+    _CAPTURED_SINKS = recorded = []
+    try:
+        yield recorded
+    finally:
+        _CAPTURED_SINKS = None
+
+
+def check_sinks_kept(recorded: list) -> None:
+    """``ValueError`` if a layer recorded by :func:`record_sinks` has had its sink replaced, moved or re-pointed since:
+    a captured graph would read the old storage (possibly freed) with the old head count."""
+    for layer, (sink, _, layout) in recorded:
+        now = layer._buffers.get("sink")
+        if now is not sink or _sink_layout(now) != layout:
+            raise ValueError(f"a {layer.kind} layer's sink was replaced or resized since the step was captured "
+                             f"(the graph reads the captured tensor, {layer.num_heads} float32 values): write new "
+                             f"values into it in place (sink.copy_(...)) or capture the step again")

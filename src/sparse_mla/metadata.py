@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import check_index_range, check_tensor
+from ._checks import check_index_range, check_tensor, is_int
 from .batch import StepBatch, entries_needed, slots_of
 from .config import COMPRESS_RATIO, COMPRESSED_KINDS, PICKS_KINDS, complete_entries
 from .ops import triton_index
@@ -370,8 +370,8 @@ def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),
             raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
     if out is not None and not isinstance(out, StepMetadata):
         raise TypeError(f"out must be a StepMetadata (an earlier step's) or None, got {type(out).__name__}")
-    if spec.window < 1 or spec.topk < 1:
-        raise ValueError(f"spec.window and spec.topk must be positive, got {spec}")
+    if not (is_int(spec.window) and is_int(spec.topk)) or spec.window < 1 or spec.topk < 1:
+        raise ValueError(f"spec.window and spec.topk must be positive ints, got {spec}")
     batch.check_current()
     if out is None:
         out = allocate_metadata(batch, spec)

@@ -8,7 +8,12 @@ model's own latents and compressor outputs, and attends through :class:`SparseML
 index lists built from the indexer's picks (no dense mask). Everything is set up once per forward
 (one :class:`StepBatch` + :class:`StepMetadata` shared by all layers, like an engine's step);
 ``generate()`` works as usual: a prefill step, then decode steps, for a batch of prompts of
-different lengths (left-padded). Only transformers 5.23.0 is supported (checked).
+different lengths (left-padded). Supported: transformers 5.23.0 and 5.24.0 (:data:`SUPPORTED_TRANSFORMERS`,
+checked by :func:`enable_sparse_mla`: another version is a ``RuntimeError`` naming the supported ones).
+
+5.24.0 renames the model's cache keyword and output field ``past_key_values`` to ``cache`` (the old name stays a
+deprecated alias until 5.40) in ``deepseek_v4`` and ``deepseek_v32``; its DeepSeek attention, compressors, indexers
+and masks are 5.23's otherwise (a few norms kept in float32). We read the cache under either name.
 
 What HF does, read in transformers 5.23.0 (``models/deepseek_v4/modeling_deepseek_v4.py`` = V4,
 ``models/deepseek_v32/modeling_deepseek_v32.py`` = V3.2), and how it maps to sparse-mla:
@@ -70,7 +75,10 @@ from ..config import DEFAULT_BLOCK_SIZE
 from ..layer import SparseMLAAttention
 from ..metadata import MetadataSpec, StepMetadata, build_step_metadata
 
-SUPPORTED_TRANSFORMERS = ("5.23.0",)
+# the releases whose DeepSeek V4 / V3.2 code this module was read against and is tested with (CI runs the tests on each)
+SUPPORTED_TRANSFORMERS = ("5.23.0", "5.24.0")
+# the names the model's cache goes by, the current one first: 5.24 renamed past_key_values (a deprecated alias)
+CACHE_KEYWORDS = ("cache", "past_key_values")
 ATTENTION_NAME = "sparse_mla"
 V4_KINDS = {"sliding_attention": "swa", "compressed_sparse_attention": "c4a", "heavily_compressed_attention": "c128a"}
 KV_FORMATS = {"v4": ("bf16", "fp8_v4"), "v32": ("bf16", "fp8_v32")}
@@ -86,10 +94,20 @@ def check_transformers_version(version: str | None = None) -> str:
 
         version = transformers.__version__
     if version not in SUPPORTED_TRANSFORMERS:
-        raise RuntimeError(f"sparse_mla.integrations.transformers supports transformers {SUPPORTED_TRANSFORMERS}, "
-                           f"found {version}: its DeepSeek attention code may differ; install "
-                           f"transformers=={SUPPORTED_TRANSFORMERS[-1]}")
+        raise RuntimeError(f"sparse_mla.integrations.transformers supports transformers "
+                           f"{' and '.join(SUPPORTED_TRANSFORMERS)}, found {version}: its DeepSeek attention code may "
+                           f"differ; install transformers=={SUPPORTED_TRANSFORMERS[-1]}")
     return version
+
+
+def _model_cache(found: object) -> object:
+    """The model's cache among a forward's keyword arguments (a dict) or in its output, under either name
+    (:data:`CACHE_KEYWORDS`); None if absent."""
+    for name in CACHE_KEYWORDS:
+        cache = found.get(name) if isinstance(found, dict) else getattr(found, name, None)
+        if cache is not None:
+            return cache
+    return None
 
 
 @dataclass
@@ -220,7 +238,7 @@ class SparseMLAIntegration:
         ids = kwargs.get("input_ids", args[0] if args else None)
         x = ids if ids is not None else kwargs["inputs_embeds"]
         num_rows, seq = x.shape[0], x.shape[1]
-        cache = kwargs.get("past_key_values")
+        cache = _model_cache(kwargs)
         past = cache.get_seq_length() if cache is not None else 0
         mask = kwargs.get("attention_mask")
         if isinstance(mask, dict) or (mask is not None and mask.dim() != 2):
@@ -246,13 +264,13 @@ class SparseMLAIntegration:
         session = self._sessions.get(cache) if cache is not None else None
         if session is None:
             if past:
-                raise ValueError("past_key_values holds tokens sparse-mla's caches never saw: enable sparse-mla "
-                                 "before the first forward of a generation")
+                raise ValueError("the model's cache (cache / past_key_values) holds tokens sparse-mla's caches never "
+                                 "saw: enable sparse-mla before the first forward of a generation")
             session = _Session([{k: [] for k in self.kinds} for _ in range(num_rows)])
         self._step = self._build_step(session, mask, seq)
 
     def _end_step(self, module, args, kwargs, output) -> None:
-        cache = getattr(output, "past_key_values", None)
+        cache = _model_cache(output)
         if cache is not None and self._step is not None:
             self._sessions[cache] = self._step.session
         self._step = None
@@ -374,7 +392,8 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 def enable_sparse_mla(model: torch.nn.Module, kv_format: str = "bf16", device: torch.device | str | None = None,
                       backend: str = "auto") -> SparseMLAIntegration:
-    """Make a ``DeepseekV4ForCausalLM`` / ``DeepseekV32ForCausalLM`` (transformers 5.23.0) attend through sparse-mla.
+    """Make a ``DeepseekV4ForCausalLM`` / ``DeepseekV32ForCausalLM`` attend through sparse-mla (transformers 5.23.0 or
+    5.24.0; another version: ``RuntimeError`` naming those).
 
     kv_format: the paged caches' format, ``"bf16"`` or ``"fp8_v4"`` (V4) / ``"fp8_v32"`` (V3.2).
     device: where the caches live and the layer runs (default: the model's); ``backend`` as for

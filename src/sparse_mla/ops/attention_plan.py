@@ -9,7 +9,6 @@ formats and the shapes.
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import torch
@@ -17,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.errors import TritonError
 
+from ..env import env_value
 from . import dispatch, gluon as gluon_kernel, launch_configs, targets
 from .dispatch import pages_16_byte_aligned
 from .launch import Launch, cached_launch
@@ -361,9 +361,9 @@ def plan_switches() -> tuple[str | None, str | None]:
     """What decides a plan besides its call's geometry and may change within a process: ``SPARSE_MLA_GLUON`` as set
     (whether :func:`.gluon.enabled`) and the architecture Triton lowers for (``TRITON_OVERRIDE_ARCH`` /
     :func:`.targets.lower_as`, which :func:`.targets.target_of` follows). A part of the plans' keys, and compared
-    again by every remembered call of the ops (:func:`.memo.recall`), so read raw, the cheapest way: two environment
-    reads, 0.7-1.2 us on a slow 2-core CPU (a value that enables Gluon as another does only costs one more plan)."""
-    return os.environ.get("SPARSE_MLA_GLUON"), targets.override_arch()
+    again by every remembered call of the ops (:func:`.memo.recall`), so read the cheapest way: two environment
+    reads (the first checked against its values, :func:`sparse_mla.env.env_value`), ~1 us on a slow 2-core CPU."""
+    return env_value("SPARSE_MLA_GLUON"), targets.override_arch()
 
 
 def plan_geometry(args: AttentionArgs, batch_invariant: bool = False) -> tuple[tuple, dict]:

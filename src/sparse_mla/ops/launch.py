@@ -21,12 +21,12 @@ the ordinary JIT call — on Triton 3.9 some 5-8 times the host time of a direct
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
 import triton
 
+from ..env import switch_on
 from .targets import override_arch
 
 # Triton versions whose launcher interfaces were read (triton/backends/{nvidia,amd}/driver.py, compiler.py's
@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - older Triton: no fast path
 def fast_path_enabled() -> bool:
     """Whether :class:`Launch` may call compiled binaries directly on this Triton."""
     return (_knobs is not None and triton.__version__.startswith(FAST_TRITON)
-            and os.environ.get("SPARSE_MLA_FAST_LAUNCH", "1") not in ("", "0"))
+            and switch_on("SPARSE_MLA_FAST_LAUNCH", default=True))
 
 
 def _fingerprint_terms(name: str, kind: type) -> str:

@@ -38,8 +38,9 @@ def signature(tensors: tuple, scalars: tuple) -> tuple | None:
     if not _PLAIN.issuperset(kinds):
         return None
     try:
-        return (tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.get_device(),  # -1: CPU
-                                               t.data_ptr() & 15) for t in tensors]), kinds, scalars)
+        # the device itself, not get_device(): that is -1 for the CPU and the meta device alike
+        return (tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+                       for t in tensors]), kinds, scalars)
     except (AttributeError, TypeError, RuntimeError):  # RuntimeError: a tensor without strides (sparse)
         return None
 

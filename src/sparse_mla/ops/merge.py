@@ -82,7 +82,8 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | 
     no rank has one, with ``out`` 0), the ops' convention.
     """
     family = backend_for(backend, outs, "outs")
-    out, lse_out = _checked(outs, lses, sink, out, lse_out)
+    # the values (a NaN sink or LSE) sync: always on the reference backend, as the attention ops; debug-only on Triton
+    out, lse_out = _checked(outs, lses, sink, out, lse_out, values=family == "reference" or debug_checks_enabled())
     if outs.shape[1] * outs.shape[2] == 0:
         return out, lse_out
     if family == "reference":
@@ -97,9 +98,9 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | 
 
 
 def _checked(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None, out: torch.Tensor | None,
-             lse_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`merge_partials`' argument checks (``ValueError`` / ``TypeError`` naming the argument); returns the
-    output tensors (allocated where not given)."""
+             lse_out: torch.Tensor | None, values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_partials`' argument checks (``ValueError`` / ``TypeError`` naming the argument); with ``values``
+    also no NaN in ``sink`` or ``lses`` (a sync). Returns the output tensors (allocated where not given)."""
     check_tensor("outs", outs, dtype=PARTIAL_DTYPES, ndim=4)
     num_ranks, num_tokens, num_heads, dim = outs.shape
     if num_ranks < 1 or dim < 1:
@@ -110,7 +111,7 @@ def _checked(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None, 
     device = outs.device
     check_tensor("lses", lses, dtype=torch.float32, shape=(num_ranks, num_tokens, num_heads), device=device)
     if sink is not None:
-        check_sink(sink, num_heads, device, values=debug_checks_enabled())  # its values sync: debug mode only
+        check_sink(sink, num_heads, device, values=values)
     if out is None:
         out = torch.empty(num_tokens, num_heads, dim, dtype=outs.dtype, device=device)
     check_tensor("out", out, dtype=PARTIAL_DTYPES, shape=(num_tokens, num_heads, dim), device=device)
@@ -122,7 +123,7 @@ def _checked(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None, 
             raise ValueError(f"{name} must be contiguous")
         check_no_overlap(name, t, {"outs": outs, "lses": lses, "sink": sink})
     check_no_overlap("out", out, {"lse_out": lse_out})
-    if debug_checks_enabled() and bool(torch.isnan(lses).any()):  # a sync: debug mode only
+    if values and bool(torch.isnan(lses).any()):
         raise ValueError("lses must not hold NaN (+inf marks a rank with no key)")
     return out, lse_out
 

@@ -188,9 +188,15 @@ def lower_as(arch: str) -> Iterator[Target]:
     import triton
     from triton.backends.nvidia import compiler
 
-    if not arch.startswith("sm") or not arch[2:].isdigit():
+    if not isinstance(arch, str) or not arch.startswith("sm") or not arch[2:].isdigit():
         raise ValueError(f"arch must be an NVIDIA target such as 'sm80', got {arch!r}")
-    major, minor = torch.cuda.get_device_capability()
+    needs = f"lower_as({arch!r}) needs an NVIDIA GPU to run the lowered code on; this torch ({torch.__version__})"
+    if torch.version.hip is not None:
+        raise ValueError(f"{needs} is ROCm's")
+    try:
+        major, minor = torch.cuda.get_device_capability()
+    except (AssertionError, RuntimeError):  # a CPU-only build asserts, a CUDA build without a device raises
+        raise ValueError(f"{needs} sees none") from None
     real = compiler.sm_arch_from_capability(10 * major + minor)
     before_arch, before_fn = triton.knobs.runtime.override_arch, compiler.sm_arch_from_capability
     triton.knobs.runtime.override_arch = arch

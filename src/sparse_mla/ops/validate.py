@@ -6,13 +6,13 @@ same bad inputs with the same ``ValueError`` and see the same normalised argumen
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from .._checks import (check_finite, check_index_range, check_kv_scale, check_no_overlap, check_scale, check_sink,
                        check_tensor, is_int)
+from ..env import switch_on
 from ..formats import FORMAT_NAMES, KVFormat, resolve_cache, resolve_cache_once
 
 D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part of 576)
@@ -20,7 +20,7 @@ D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part 
 
 def debug_checks_enabled() -> bool:
     """Whether fast kernels also check index ranges on entry (``SPARSE_MLA_DEBUG=1``)."""
-    return os.environ.get("SPARSE_MLA_DEBUG", "0") not in ("", "0")
+    return switch_on("SPARSE_MLA_DEBUG")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ the first plan made for one says so once (:func:`warn_portable_once`).
 """
 from __future__ import annotations
 
-import os
 import warnings
+
+from ...env import env_value
 
 try:
     import triton
@@ -59,7 +60,9 @@ NARROW_COPY_REGS, NARROW_MATH_REGS = 168, 160
 # reference ops, tests/test_triton_attention.py, test_gluon_v41.py) passed on, an H100 / H200: the one list to extend
 # after a pass on another pair. The Gluon kernel is enabled by default with these Triton versions (beside any torch);
 # the support statement (``sparse_mla.verify.stack_line``) prints the pairs
-VALIDATED_STACKS = (("2.11", "3.6"),)
+# 2.11 + 3.9 (H200, 2026-11-28, SPARSE_MLA_GLUON=1): tests/test_gluon_v41.py 44 passed, and the V4-Flash B 32 / 128
+# steps of benchmarks/bench_step.py equal FlashMLA's outputs (rel err <= 2.3e-3) at 0.87x / 0.94x its time
+VALIDATED_STACKS = (("2.11", "3.6"), ("2.11", "3.9"))
 VALIDATED_TRITON = tuple(f"{version}." for _, version in VALIDATED_STACKS)  # prefixes of triton.__version__
 
 
@@ -91,7 +94,7 @@ def off_reason() -> str | None:
     """Why the Gluon path is off on this machine — :data:`TURNED_OFF`, or a sentence about the installed Triton —
     or None where it may be used: Gluon builds here and the Triton is validated (``VALIDATED_TRITON``) or
     ``SPARSE_MLA_GLUON=1`` forces it."""
-    choice = os.environ.get("SPARSE_MLA_GLUON", "")
+    choice = env_value("SPARSE_MLA_GLUON")
     if choice == "0":
         return TURNED_OFF
     if gluon is None:
