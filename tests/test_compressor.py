@@ -1,0 +1,251 @@
+"""The KV compressors' reference (DESIGN §6): against a float64 oracle of the formulas, the same bytes whichever way
+a sequence is fed (one prefill, chunks at every boundary, token by token; requests batched in any order), every
+cache format written byte for byte as ``PagedCache.write`` writes the same entries, the indexer key cache, the state
+pool and compress metadata, and bad input named."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compress_feed import (Feeder, coff, feed, make_params, make_sequences, oracle_entries, schedule_chunks,
+                           schedule_prefill, schedule_tokens)
+from sparse_mla.cache import CacheFullError, PagedCache
+from sparse_mla.compress_metadata import build_compress_metadata
+from sparse_mla.compress_state import CompressorStatePool, state_tokens
+from sparse_mla.compressor import KVCompressor
+from sparse_mla.indexer_cache import IndexerKeyCache
+
+EPS = 1e-6
+CASES = [(4, 512), (4, 128), (128, 512), (2, 512), (1, 512)]  # V4 c4a, its indexer, c128a; V4.1 c2a, c1a
+
+
+def lengths_for(ratio):
+    return [3 * ratio + 1, 2 * ratio, ratio - 1 if ratio > 1 else 2, 5 * ratio + 3]
+
+
+def make(ratio, dim, lengths, fmt="bf16", dtype=torch.float32, backend="reference", max_tokens=None):
+    feeder = Feeder(lengths, ratio, dtype=dtype, max_tokens=max_tokens)
+    weight, ape = make_params(ratio, dim)
+    comp = KVCompressor(feeder.pool, dim, weight, EPS, ape=ape, backend=backend)
+    if dim == 128:
+        cache = IndexerKeyCache(feeder.num_blocks[feeder.kind], fmt, block_size=feeder.block_size)
+    else:
+        cache = PagedCache(feeder.num_blocks[feeder.kind], feeder.block_size, fmt)
+    cache.poison()
+    return feeder, comp, cache, weight, ape
+
+
+def entry_slots(feeder, i):
+    """Slots of request i's entries, in entry order."""
+    n = feeder.lengths[i] // feeder.ratio
+    table = feeder.tables[i][feeder.kind]
+    return torch.tensor([table[w // feeder.block_size] * feeder.block_size + w % feeder.block_size for w in range(n)],
+                        dtype=torch.int32)
+
+
+@pytest.mark.parametrize("ratio,dim", CASES)
+def test_reference_entries_match_the_float64_oracle(ratio, dim):
+    lengths = lengths_for(ratio)
+    feeder, comp, cache, weight, ape = make(ratio, dim, lengths)
+    seqs = make_sequences(lengths, ratio, dim)
+    feed(feeder, [comp], [cache], [seqs], schedule_chunks(lengths, [ratio + 1, 1, 2 * ratio - 1]))
+    for i, (kv, score) in enumerate(seqs):
+        _, expect = oracle_entries(kv, score, ape, weight, EPS, ratio)
+        got = cache.read(entry_slots(feeder, i)).double()
+        assert got.shape == expect.shape
+        if expect.numel():  # bf16 rounding of the pooled value, the latent and the entry: a few bf16 ulps
+            assert (got - expect).abs().max() <= 3 * 2.0**-8 * expect.abs().max(), (i, (got - expect).abs().max())
+    # only the completed entries were written: every other slot still holds the poison
+    written = torch.cat([entry_slots(feeder, i) for i in range(len(lengths))])
+    others = torch.ones(cache.num_slots, dtype=torch.bool)
+    others[written.long()] = False
+    rest = cache.read(others.nonzero().squeeze(1).int())
+    assert bool(torch.isnan(rest).all())
+
+
+def test_r4_window_zero_has_an_empty_first_half():
+    """Entry 0 at ratio 4 pools only window 0's second halves: the first halves of tokens 0-3 do not matter."""
+    feeder, comp, cache, weight, ape = make(4, 512, [8])
+    (kv, score), = make_sequences([8], 4, 512)
+    feed(feeder, [comp], [cache], [[(kv, score)]], schedule_prefill([8]))
+    before = cache.data.clone()
+    feeder2, comp2, cache2, _, _ = make(4, 512, [8])
+    kv2, score2 = kv.clone(), score.clone()
+    kv2[:4, :512] = 100.0
+    score2[:4, :512] = 50.0
+    feed(feeder2, [comp2], [cache2], [[(kv2, score2)]], schedule_prefill([8]))
+    slot0, slot1 = entry_slots(feeder, 0).tolist()
+    assert torch.equal(cache2.data[slot0 // 64, slot0 % 64], before[slot0 // 64, slot0 % 64])
+    assert not torch.equal(cache2.data[slot1 // 64, slot1 % 64], before[slot1 // 64, slot1 % 64])
+
+
+def run_schedule(ratio, dim, lengths, schedule, fmt, backend="reference", dtype=torch.float32):
+    feeder, comp, cache, _, _ = make(ratio, dim, lengths, fmt, dtype=dtype, backend=backend)
+    seqs = make_sequences(lengths, ratio, dim, dtype=dtype)
+    feed(feeder, [comp], [cache], [seqs], schedule)
+    return cache.data.view(torch.uint8).clone(), feeder.pool.layers[comp.layer]
+
+
+@pytest.mark.parametrize("ratio,dim,fmt", [(4, 512, "fp8_v4"), (4, 128, "fp8"), (128, 512, "bf16"),
+                                           (2, 512, "fp8_v41"), (1, 512, "fp4_v41")])
+def test_three_ways_of_feeding_write_the_same_bytes(ratio, dim, fmt):
+    lengths = lengths_for(ratio)
+    one, state = run_schedule(ratio, dim, lengths, schedule_prefill(lengths), fmt)
+    ways = [schedule_tokens(lengths)] if ratio < 128 else []
+    ways += [schedule_chunks(lengths, sizes, seed) for seed, sizes in
+             enumerate([[1, 2, 3], [ratio - 1 or 1, ratio + 1], [2 * ratio + 1, 1]])]
+    for schedule in ways:
+        data, other_state = run_schedule(ratio, dim, lengths, schedule, fmt)
+        assert torch.equal(data, one)
+        for a, b in zip(state, other_state):  # the open windows too
+            assert torch.equal(a, b)
+
+
+def test_chunks_at_every_boundary_write_the_same_bytes():
+    """One request at ratio 4 split in two at each position (a chunk may start mid-window, or on one)."""
+    n = 13
+    whole, _ = run_schedule(4, 128, [n], schedule_prefill([n]), "fp8")
+    for cut in range(1, n):
+        data, _ = run_schedule(4, 128, [n], [[(0, cut)], [(0, n - cut)]], "fp8")
+        assert torch.equal(data, whole), cut
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_v4", "fp8_e4m3", "fp8_v41", "fp8_v41_planar", "fp4_v41",
+                                 "fp4_v41_planar"])
+def test_every_format_is_written_as_paged_cache_write_writes_the_entries(fmt):
+    lengths = [9, 17]
+    feeder, comp, cache, _, _ = make(4, 512, lengths, fmt)
+    twin = PagedCache(cache.num_blocks, cache.block_size, fmt)
+    twin.poison()
+    seqs = make_sequences(lengths, 4, 512)
+    for step in schedule_chunks(lengths, [3, 5]):
+        order, batch, meta = feeder.step(step)
+        chunks = {i: (feeder.done[i] - n, n) for i, n in step}
+        comp.forward(Feeder.rows(order, chunks, seqs, 0), Feeder.rows(order, chunks, seqs, 1), meta, cache)
+        twin.write(comp.entries, meta.entry_slots[:comp.entries.shape[0]])
+    assert torch.equal(cache.data.view(torch.uint8), twin.data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_indexer_compressor_writes_the_key_caches_writer_bytes(fmt):
+    lengths = [11, 6]
+    feeder, comp, cache, weight, ape = make(4, 128, lengths, fmt)
+    twin = IndexerKeyCache(cache.num_blocks, fmt, block_size=cache.block_size)
+    twin.poison()
+    seqs = make_sequences(lengths, 4, 128)
+    for step in schedule_chunks(lengths, [2, 7]):
+        order, batch, meta = feeder.step(step)
+        chunks = {i: (feeder.done[i] - n, n) for i, n in step}
+        latent = comp.forward(Feeder.rows(order, chunks, seqs, 0), Feeder.rows(order, chunks, seqs, 1), meta, cache)
+        twin.write(comp.entries, meta.entry_slots[:comp.entries.shape[0]])
+        done = meta.entry_positions[:latent.shape[0]] < 0
+        assert bool((latent[done] == 0).all())
+    assert torch.equal(cache.data.view(torch.uint8), twin.data.view(torch.uint8))
+
+
+def test_state_pool_slots_and_positions_are_checked():
+    pool = CompressorStatePool(4, 2)
+    assert state_tokens(4) == 8 and state_tokens(128) == 128 and state_tokens(2) == 2 and state_tokens(1) == 0
+    a, b = pool.allocate(), pool.allocate()
+    with pytest.raises(CacheFullError):
+        pool.allocate()
+    pool.advance([a, b], [0, 0], [5, 3])
+    with pytest.raises(ValueError, match="go backwards"):
+        pool.advance([a], [4], [6])
+    with pytest.raises(ValueError, match="skip positions"):
+        pool.advance([b], [4], [6])
+    with pytest.raises(ValueError, match="twice"):
+        pool.advance([a, a], [5, 5], [6, 6])
+    pool.free(b)
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.advance([b], [3], [4])
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free(b)
+    assert pool.seen(a) == 5 and pool.allocate() == b and pool.seen(b) == 0
+
+
+def test_metadata_names_the_completing_tokens_and_their_slots():
+    feeder = Feeder([9, 4], 4)
+    order, batch, meta = feeder.step([(0, 9), (1, 4)])
+    pos = batch.positions[:13].tolist()
+    completes = [(p + 1) % 4 == 0 for p in pos]
+    assert [e >= 0 for e in meta.entry_positions[:13].tolist()] == completes
+    assert meta.entry_positions[:13][torch.tensor(completes)].tolist() == [0, 4, 0]
+    got = meta.entry_slots[:13][torch.tensor(completes)].tolist()
+    assert got == entry_slots(feeder, 0).tolist() + entry_slots(feeder, 1).tolist()
+    assert (meta.entry_slots[13:] == -1).all()
+
+
+def bad_call(case):
+    feeder, comp, cache, _, _ = make(4, 512, [6])
+    (kv, score), = make_sequences([6], 4, 512)
+    order, batch, meta = feeder.step([(0, 6)])
+    args = dict(kv=kv, score=score, meta=meta, cache=cache)
+    if case == "kv shape":
+        args["kv"] = kv[:, :512]
+    elif case == "kv dtype":
+        args["kv"] = kv.to(torch.bfloat16)
+    elif case == "score shape":
+        args["score"] = score[:5]
+    elif case == "kv rows":
+        args["kv"], args["score"] = kv[:5], score[:5]
+    elif case == "cache dim":
+        args["cache"] = IndexerKeyCache(4, "fp8")
+    elif case == "small cache":
+        args["cache"] = PagedCache(0 + 1, 64, "bf16") if feeder.num_blocks["c4a"] > 1 else PagedCache(1, 32, "bf16")
+    elif case == "stale":
+        feeder.builder.build([__import__("sparse_mla.batch", fromlist=["Request"]).Request(
+            1, 1, feeder.tables[0])])
+    return comp, args
+
+
+@pytest.mark.parametrize("case,match", [("kv shape", "kv must have shape"), ("kv dtype", "kv must have dtype"),
+                                        ("score shape", "score must have shape"), ("kv rows", "kv must have between"),
+                                        ("cache dim", "IndexerKeyCache takes"), ("small cache", "block_size"),
+                                        ("stale", "stale")])
+def test_bad_forward_input_is_named(case, match):
+    comp, args = bad_call(case)
+    before = args["cache"].data.clone()
+    with pytest.raises(ValueError, match=match):
+        comp.forward(**args)
+    assert torch.equal(args["cache"].data.view(torch.uint8), before.view(torch.uint8))  # nothing written
+
+
+def test_bad_construction_is_named():
+    pool = CompressorStatePool(4, 2)
+    w, ape = make_params(4, 512)
+    with pytest.raises(ValueError, match="ape is required"):
+        KVCompressor(pool, 512, w, EPS)
+    with pytest.raises(ValueError, match="ape must have shape"):
+        KVCompressor(pool, 512, w, EPS, ape=ape[:, :512])
+    with pytest.raises(ValueError, match="dim must be"):
+        KVCompressor(pool, 256, w, EPS, ape=ape)
+    with pytest.raises(ValueError, match="ape must be None"):
+        KVCompressor(CompressorStatePool(2, 2), 512, w, EPS, ape=torch.zeros(2, 512))
+    with pytest.raises(ValueError, match="ratio must be"):
+        CompressorStatePool(3, 2)
+    with pytest.raises(ValueError, match="eps"):
+        KVCompressor(pool, 512, w, 0.0, ape=ape)
+
+
+def test_metadata_refuses_a_freed_request_and_positions_going_backwards():
+    feeder = Feeder([6, 6], 4)
+    feeder.step([(0, 3), (1, 3)])
+    feeder.pool.free(feeder.state[1])
+    with pytest.raises(ValueError, match="not allocated"):
+        feeder.step([(0, 1), (1, 1)])
+    feeder.done = [3, 3]
+    batch = feeder.builder.build([__import__("sparse_mla.batch", fromlist=["Request"]).Request(2, 1, feeder.tables[0])])
+    with pytest.raises(ValueError, match="go backwards"):
+        build_compress_metadata(batch, feeder.pool, [feeder.state[0]])
+    with pytest.raises(ValueError, match="one slot per request"):
+        build_compress_metadata(batch, feeder.pool, [])
+
+
+def test_ratio_one_takes_no_score_and_coff():
+    assert coff(4) == 2 and coff(1) == 1
+    feeder, comp, cache, _, _ = make(1, 512, [3])
+    (kv, _), = make_sequences([3], 1, 512)
+    order, batch, meta = feeder.step([(0, 3)])
+    with pytest.raises(ValueError, match="score must be None"):
+        comp.forward(kv, kv, meta, cache)
