@@ -64,16 +64,16 @@ class Feeder:
         self.state = {i: self.pool.allocate() for i in range(len(lengths))}
         self.done = [0] * len(lengths)
 
-    def step(self, chunks: list[tuple[int, int]]):
+    def step(self, chunks: list[tuple[int, int]], out=None):
         """One step: ``(request, new tokens)`` pairs (reordered decodes first); returns the batch's request order,
-        the batch and the compress metadata."""
+        the batch and the compress metadata (refilled into ``out`` when given)."""
         chunks = sorted(chunks, key=lambda c: c[1] > 1)
         reqs = []
         for i, n in chunks:
             self.done[i] += n
             reqs.append(Request(self.done[i], n, self.tables[i]))
         batch = self.builder.build(reqs)
-        meta = build_compress_metadata(batch, self.pool, [self.state[i] for i, _ in chunks])
+        meta = build_compress_metadata(batch, self.pool, [self.state[i] for i, _ in chunks], out=out)
         return [i for i, _ in chunks], batch, meta
 
     @staticmethod

@@ -134,3 +134,65 @@ def test_gpu_bf16_projections_v4_flash_shapes(ratio, dim, fmt):
     assert torch.equal(tri[0], tri[1])
     whole = run(ratio, dim, lengths, schedule_prefill(lengths), fmt, "triton", torch.bfloat16)[0]
     assert torch.equal(whole, tri[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_decode_steps_replay_in_a_cuda_graph():
+    """A c4a layer's decode step (its compressor and its indexer's) captured once and replayed for later steps
+    writes the bytes eager steps write."""
+    eager, replayed = decode_steps_run(False), decode_steps_run(True)
+    for a, b in zip(eager, replayed):
+        assert torch.equal(a, b)
+
+
+def test_decode_steps_with_refilled_metadata_write_the_prefill_s_bytes():
+    """Prefill then decode steps whose metadata is refilled in place (``out=``): the bytes of one whole prefill."""
+    for a, b in zip(decode_steps_run(False), decode_steps_run(False, decode_steps=0)):
+        assert torch.equal(a, b)
+
+
+def decode_steps_run(use_graph, decode_steps=9):
+    """Three requests' prefills, then ``decode_steps`` decode steps of the default backend (eager, or from the
+    second on captured once and replayed)."""
+    lengths = [37, 70, 12]
+    feeder = Feeder(lengths, 4, dtype=torch.bfloat16, device=DEVICE)
+    nb = feeder.num_blocks["c4a"]
+    comps, caches, seqs = [], [], []
+    for dim, cache in ((512, PagedCache(nb, 64, "fp8_v4", device=DEVICE)),
+                       (128, IndexerKeyCache(nb, "fp8", DEVICE))):
+        weight, ape = make_params(4, dim)
+        comps.append(KVCompressor(feeder.pool, dim, weight, EPS, ape=ape))
+        cache.poison()
+        caches.append(cache)
+        seqs.append([(kv.to(DEVICE), s.to(DEVICE))
+                     for kv, s in make_sequences(lengths, 4, dim, dtype=torch.bfloat16)])
+    bufs = [(torch.zeros(3, c.width, dtype=torch.bfloat16, device=DEVICE),
+             torch.zeros(3, c.width, dtype=torch.bfloat16, device=DEVICE)) for c in comps]
+    prefill = [(i, n - decode_steps) for i, n in enumerate(lengths)]
+    order, _, meta = feeder.step(prefill)
+    chunks = {i: (0, n) for i, n in prefill}
+    for comp, cache, seq in zip(comps, caches, seqs):
+        comp.forward(Feeder.rows(order, chunks, seq, 0), Feeder.rows(order, chunks, seq, 1), meta, cache)
+    meta, graph = None, None
+    for k in range(decode_steps):
+        step = [(i, 1) for i in range(len(lengths))]
+        order, _, meta = feeder.step(step, out=meta)
+        chunks = {i: (feeder.done[i] - 1, 1) for i in order}
+        for (kv_buf, s_buf), seq in zip(bufs, seqs):
+            kv_buf.copy_(Feeder.rows(order, chunks, seq, 0))
+            s_buf.copy_(Feeder.rows(order, chunks, seq, 1))
+
+        def run_step():
+            for comp, cache, (kv_buf, s_buf) in zip(comps, caches, bufs):
+                comp.forward(kv_buf, s_buf, meta, cache)
+
+        if not use_graph or k == 0:
+            run_step()  # eager (the graph run's first decode step compiles what the decode launches)
+            continue
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run_step()
+        graph.replay()
+    return [c.data.view(torch.uint8).cpu() for c in caches]
