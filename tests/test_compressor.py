@@ -9,11 +9,14 @@ import torch
 
 from compress_feed import (Feeder, coff, feed, make_params, make_sequences, oracle_entries, schedule_chunks,
                            schedule_prefill, schedule_tokens)
+from sparse_mla.batch import Request, StepBatchBuilder
 from sparse_mla.cache import CacheFullError, PagedCache
 from sparse_mla.compress_metadata import build_compress_metadata
 from sparse_mla.compress_state import CompressorStatePool, state_tokens
 from sparse_mla.compressor import KVCompressor
+from sparse_mla.index_keys import insert_index_keys
 from sparse_mla.indexer_cache import IndexerKeyCache
+from sparse_mla.rope import rotate_interleaved_tail
 
 EPS = 1e-6
 CASES = [(4, 512), (4, 128), (128, 512), (2, 512), (1, 512)]  # V4 c4a, its indexer, c128a; V4.1 c2a, c1a
@@ -177,9 +180,10 @@ def test_metadata_names_the_completing_tokens_and_their_slots():
 
 
 def bad_call(case):
-    feeder, comp, cache, _, _ = make(4, 512, [6])
-    (kv, score), = make_sequences([6], 4, 512)
-    order, batch, meta = feeder.step([(0, 6)])
+    feeder, comp, cache, _, _ = make(4, 512, [6, 6])
+    seqs = make_sequences([6, 6], 4, 512)
+    kv, score = torch.cat([seqs[0][0], seqs[1][0]]), torch.cat([seqs[0][1], seqs[1][1]])
+    order, batch, meta = feeder.step([(0, 6), (1, 6)])
     args = dict(kv=kv, score=score, meta=meta, cache=cache)
     if case == "kv shape":
         args["kv"] = kv[:, :512]
@@ -191,24 +195,30 @@ def bad_call(case):
         args["kv"], args["score"] = kv[:5], score[:5]
     elif case == "cache dim":
         args["cache"] = IndexerKeyCache(4, "fp8")
-    elif case == "small cache":
-        args["cache"] = PagedCache(0 + 1, 64, "bf16") if feeder.num_blocks["c4a"] > 1 else PagedCache(1, 32, "bf16")
+    elif case == "block size":
+        args["cache"] = PagedCache(4, 32, "bf16")
+    elif case == "few blocks":  # the tables name block 1: a slot outside a one-block cache
+        args["cache"] = PagedCache(1, 64, "bf16")
     elif case == "stale":
-        feeder.builder.build([__import__("sparse_mla.batch", fromlist=["Request"]).Request(
-            1, 1, feeder.tables[0])])
+        feeder.builder.build([Request(1, 1, feeder.tables[0])])
+    elif case == "other pool":
+        args["meta"] = Feeder([6], 4).step([(0, 6)])[2]
     return comp, args
 
 
 @pytest.mark.parametrize("case,match", [("kv shape", "kv must have shape"), ("kv dtype", "kv must have dtype"),
                                         ("score shape", "score must have shape"), ("kv rows", "kv must have between"),
-                                        ("cache dim", "IndexerKeyCache takes"), ("small cache", "block_size"),
-                                        ("stale", "stale")])
+                                        ("cache dim", "IndexerKeyCache takes"), ("block size", "block_size"),
+                                        ("few blocks", "past the cache"), ("stale", "stale"),
+                                        ("other pool", "another CompressorStatePool")])
 def test_bad_forward_input_is_named(case, match):
     comp, args = bad_call(case)
     before = args["cache"].data.clone()
+    rings = [t.clone() for t in comp.pool.layers[comp.layer]]
     with pytest.raises(ValueError, match=match):
         comp.forward(**args)
     assert torch.equal(args["cache"].data.view(torch.uint8), before.view(torch.uint8))  # nothing written
+    assert all(torch.equal(a, b) for a, b in zip(rings, comp.pool.layers[comp.layer]))
 
 
 def test_bad_construction_is_named():
@@ -235,7 +245,7 @@ def test_metadata_refuses_a_freed_request_and_positions_going_backwards():
     with pytest.raises(ValueError, match="not allocated"):
         feeder.step([(0, 1), (1, 1)])
     feeder.done = [3, 3]
-    batch = feeder.builder.build([__import__("sparse_mla.batch", fromlist=["Request"]).Request(2, 1, feeder.tables[0])])
+    batch = feeder.builder.build([Request(2, 1, feeder.tables[0])])
     with pytest.raises(ValueError, match="go backwards"):
         build_compress_metadata(batch, feeder.pool, [feeder.state[0]])
     with pytest.raises(ValueError, match="one slot per request"):
@@ -249,3 +259,42 @@ def test_ratio_one_takes_no_score_and_coff():
     order, batch, meta = feeder.step([(0, 3)])
     with pytest.raises(ValueError, match="score must be None"):
         comp.forward(kv, kv, meta, cache)
+
+
+def test_v41_engine_keys_go_to_the_index_cache_roped_at_their_entry_positions():
+    """V4.1: the c2a compressor returns latents; the engine's ``k_norm(W_k latent)`` keys are roped at ``w · r`` and
+    quantised into the indexer key cache at the entries' slots (the c2a block table: 64 entries a page)."""
+    lengths = [7, 4]
+    feeder, comp, cache, weight, _ = make(2, 512, lengths, "fp8_v41")
+    keys_cache = IndexerKeyCache(feeder.num_blocks["c2a"], "fp8")
+    keys_cache.poison()
+    w_k = torch.randn(512, 128, generator=torch.Generator().manual_seed(5)) / 512**0.5
+    seqs = make_sequences(lengths, 2, 512)
+    for step in schedule_chunks(lengths, [3, 1]):
+        order, batch, meta = feeder.step(step)
+        chunks = {i: (feeder.done[i] - n, n) for i, n in step}
+        latent = comp.forward(Feeder.rows(order, chunks, seqs, 0), Feeder.rows(order, chunks, seqs, 1), meta, cache)
+        k = latent.float() @ w_k
+        k = k * torch.rsqrt(k.square().mean(-1, keepdim=True) + 1e-6)  # the engine's k_norm
+        insert_index_keys(k, keys_cache, meta.entry_slots[:k.shape[0]], meta.entry_positions[:k.shape[0]])
+    for i, (kv, score) in enumerate(seqs):
+        latents, _ = oracle_entries(kv, score, None, weight, EPS, 2)
+        k = latents @ w_k.double()
+        k = k / torch.sqrt(k.square().mean(-1, keepdim=True) + 1e-6)
+        positions = torch.arange(k.shape[0]) * 2
+        expect = rotate_interleaved_tail(k, positions)
+        got = keys_cache.read(entry_slots(feeder, i)).double()
+        assert (got - expect).abs().max() <= 2.0**-3 * expect.abs().max()  # e4m3: 3 mantissa bits
+
+
+def test_v32_raw_token_keys_go_to_the_index_cache_at_the_raw_slots():
+    """V3.2: keys per raw token at the dsa slot mapping (pages of 64 raw tokens)."""
+    builder = StepBatchBuilder(16, 2, 200, kinds=("dsa",))
+    batch = builder.build([Request(70, 10, {"dsa": [3, 0]}), Request(5, 5, {"dsa": [1]})])
+    cache = IndexerKeyCache(4, "bf16")
+    cache.poison()
+    keys = torch.randn(15, 128)
+    insert_index_keys(keys, cache, batch.slot_mapping[:15])
+    slots = batch.entry_slots("dsa", batch.token_to_req[:15], batch.positions[:15])
+    assert torch.equal(cache.read(slots), keys.to(torch.bfloat16).float())
+    assert slots[:10].tolist() == [64 * 3 + 60 + j for j in range(4)] + list(range(6)) and slots[10] == 64
