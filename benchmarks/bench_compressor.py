@@ -162,16 +162,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, reference backend, no graphs")
 
 
+def make_env(args: argparse.Namespace, console: Console) -> Env[Sizes]:
+    """The run's environment: the GPU with the default backend (graphs unless --no-graphs), or --smoke's CPU."""
+    device, backend, graphs = (("cpu", "reference", False) if args.smoke else ("cuda", "auto", not args.no_graphs))
+    return Env(torch.device(device), backend, None, graphs, args.rep, 1, Sizes.of(args.smoke), args.seed, console)
+
+
 def run(args: argparse.Namespace) -> int:
-    console = Console(width=170)
-    start = time.perf_counter()
-
-    def make_env(args: argparse.Namespace, console: Console) -> Env[Sizes]:
-        if args.smoke:
-            return Env(torch.device("cpu"), "reference", None, False, args.rep, 1, Sizes.of(True), args.seed, console)
-        return Env(torch.device("cuda"), "auto", None, not args.no_graphs, args.rep, 1, Sizes.of(False), args.seed,
-                   console)
-
+    console, start = Console(width=170), time.perf_counter()
     env = prepare(args, console, "The compressor benchmark needs a CUDA GPU.", make_env)
     if env is None:
         return 2
