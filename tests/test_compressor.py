@@ -4,8 +4,12 @@ cache format written byte for byte as ``PagedCache.write`` writes the same entri
 pool and compress metadata, and bad input named."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+
+from test_benchmark_smoke import _args, load_script
 
 from compress_feed import (Feeder, coff, feed, make_params, make_sequences, oracle_entries, schedule_chunks,
                            schedule_prefill, schedule_tokens)
@@ -298,3 +302,12 @@ def test_v32_raw_token_keys_go_to_the_index_cache_at_the_raw_slots():
     slots = batch.entry_slots("dsa", batch.token_to_req[:15], batch.positions[:15])
     assert torch.equal(cache.read(slots), keys.to(torch.bfloat16).float())
     assert slots[:10].tolist() == [64 * 3 + 60 + j for j in range(4)] + list(range(6)) and slots[10] == 64
+
+
+def test_benchmark_smoke_writes_its_json(tmp_path, monkeypatch):
+    bench = load_script("bench_compressor", monkeypatch)
+    assert bench.run(_args(bench, ["--smoke", "--rep", "1", "--out", str(tmp_path)])) == 0
+    rows = json.loads((tmp_path / "bench_compressor.json").read_text())["rows"]
+    assert {(r["layer"], r["part"]) for r in rows} == {("c4a", "attention"), ("c4a", "indexer"),
+                                                         ("c128a", "attention")}
+    assert all(r["bytes"] > 0 and r["gpu_us"] > 0 for r in rows)
