@@ -33,6 +33,7 @@ from ._checks import check_tensor
 from .cache import PagedCache
 from .compress_metadata import CompressMetadata
 from .compress_state import OVERLAP_RATIO, CompressorStatePool
+from .formats import resolve_cache_once
 from .index_keys import insert_index_keys
 from .indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from .ops import quantize_and_insert
@@ -216,22 +217,29 @@ class KVCompressor:
         windows into the state. Returns the latents ``(T, dim)`` bf16 (before the rope), row ``t`` the entry
         token ``t`` completes, zeros elsewhere (a workspace reused by the next call)."""
         self._check(kv, score, meta, cache)
+        slots = meta.entry_slots[:kv.shape[0]]
         if resolve_backend(self.backend, kv.device) == "reference":
             latent, self.entries = compress_reference(kv, score, self.ape, self.norm_weight, self.eps, self.rope,
                                                       meta, self.layer, self.dim)
-            backend = "reference"
-        else:
-            from .ops.triton import compress as triton_compress
+            if isinstance(cache, PagedCache):
+                quantize_and_insert(self.entries, cache.data, slots, cache.fmt, backend="reference",
+                                    kv_scale=cache.kv_scale)
+            else:
+                insert_index_keys(self.entries, cache, slots, backend="reference")
+            return latent
+        # the kernels take arguments checked above (the entries and slots are this call's own buffers)
+        from .ops import triton_cache
+        from .ops.triton import compress as triton_compress
+        from .ops.triton import index_cache
 
-            latent, self.entries = self._workspace(kv.shape[0])
-            triton_compress.compress(kv, score, self.ape, self.norm_weight, self.eps, self.inv_freq, meta,
-                                     self.pool.layers[self.layer], latent, self.entries)
-            backend = "triton"
-        slots = meta.entry_slots[:kv.shape[0]]
+        latent, entries = self._workspace(kv.shape[0])
+        triton_compress.compress(kv, score, self.ape, self.norm_weight, self.eps, self.inv_freq, meta,
+                                 self.pool.layers[self.layer], latent, entries)
         if isinstance(cache, PagedCache):
-            quantize_and_insert(self.entries, cache.data, slots, cache.fmt, backend=backend, kv_scale=cache.kv_scale)
+            paged, fmt = resolve_cache_once(cache.data, cache.fmt)
+            triton_cache.quantize_and_insert(entries, paged, fmt, slots, cache.kv_scale)
         else:
-            insert_index_keys(self.entries, cache, slots, backend=backend)
+            index_cache.insert_index_keys(entries, cache.data, cache.fmt == "fp8", slots, None, None)
         return latent
 
     __call__ = forward

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ...compress_metadata import CompressMetadata
 from ...compress_state import OVERLAP_RATIO
+from ..launch import cached_launch
 
 
 @triton.jit
@@ -153,13 +154,16 @@ def compress(kv: torch.Tensor, score: torch.Tensor | None, ape: torch.Tensor | N
     batch = meta.batch
     ring_kv, ring_score = rings
     score_arg = kv if score is None else score
-    _compress_kernel[(rows,)](
-        kv, score_arg, kv.stride(0), weight if ape is None else ape, weight, inv_freq, float(eps),
+    overlap, has_score = ratio == OVERLAP_RATIO, score is not None
+    constexprs = (("R", ratio), ("D", dim), ("OVERLAP", overlap), ("HAS_APE", ape is not None),
+                  ("HAS_SCORE", has_score), ("RING", ring), ("BJ", block_slots(ratio, dim)),
+                  ("ROPE", 2 * inv_freq.shape[0]))
+    cached_launch(_compress_kernel, constexprs, (("num_warps", 4),))(
+        (rows,), kv, score_arg, kv.stride(0), weight if ape is None else ape, weight, inv_freq, float(eps),
         batch.positions, batch.token_to_req, meta.entry_positions, meta.prefix_lens, meta.state_slots,
-        ring_kv, ring_score, ring_kv.stride(0), max(ring_kv.stride(1), 1), latent, entries,
-        R=ratio, D=dim, OVERLAP=ratio == OVERLAP_RATIO, HAS_APE=ape is not None, HAS_SCORE=score is not None,
-        RING=ring, BJ=block_slots(ratio, dim), ROPE=2 * inv_freq.shape[0], num_warps=4)
+        ring_kv, ring_score, ring_kv.stride(0), max(ring_kv.stride(1), 1), latent, entries)
     if ring:
-        _state_kernel[(rows,)](kv, score_arg, kv.stride(0), batch.positions, batch.token_to_req, batch.seq_lens,
-                               meta.state_slots, ring_kv, ring_score, ring_kv.stride(0), ring_kv.stride(1),
-                               WIDTH=kv.shape[1], RING=ring, HAS_SCORE=score is not None, num_warps=4)
+        cached_launch(_state_kernel, (("WIDTH", kv.shape[1]), ("RING", ring), ("HAS_SCORE", has_score)),
+                      (("num_warps", 4),))(
+            (rows,), kv, score_arg, kv.stride(0), batch.positions, batch.token_to_req, batch.seq_lens,
+            meta.state_slots, ring_kv, ring_score, ring_kv.stride(0), ring_kv.stride(1))

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ...indexer_cache import INDEX_AMAX_FLOOR, INDEX_HEAD_DIM
+from ..launch import cached_launch
 from ..triton_attention import E4M3_NAN, UE8M0_BIAS, kernel_const
 from ..triton_cache import E4M3_MAX, _e4m3_bits
 from .compress import rope_tail, round_bf16
@@ -60,6 +61,7 @@ def insert_index_keys(keys: torch.Tensor, data: torch.Tensor, fp8: bool, slots: 
     if keys.stride(1) != 1:
         keys = keys.contiguous()
     rope = 0 if positions is None else 2 * inv_freq.shape[0]
-    _index_insert_kernel[(n,)](keys, keys.stride(0), slots, slots if positions is None else positions,
-                               keys if inv_freq is None else inv_freq, data, data.stride(0),
-                               data.shape[0] * data.shape[1], BS=data.shape[1], FP8=fp8, ROPE=rope, num_warps=1)
+    launch = cached_launch(_index_insert_kernel, (("BS", data.shape[1]), ("FP8", fp8), ("ROPE", rope)),
+                           (("num_warps", 1),))
+    launch((n,), keys, keys.stride(0), slots, slots if positions is None else positions,
+           keys if inv_freq is None else inv_freq, data, data.stride(0), data.shape[0] * data.shape[1])
