@@ -31,7 +31,8 @@ from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
 from sparse_mla.cache import PagedCache
 from sparse_mla.compress_metadata import build_compress_metadata
 from sparse_mla.compress_state import CompressorStatePool
-from sparse_mla.compressor import KVCompressor, window_slots
+from sparse_mla.compress_state import window_slots
+from sparse_mla.compressor import KVCompressor
 from sparse_mla.formats import get_format
 from sparse_mla.indexer_cache import FP8_ENTRY_BYTES, IndexerKeyCache
 
@@ -105,9 +106,17 @@ class LayerStep:
         self.entries = int((self.meta.entry_positions >= 0).sum())
 
     def call(self, part: int, backend: str):
+        """One call of part ``part``'s compressor, to be timed again and again: a step longer than
+        ``REPEATABLE_STEP_TOKENS`` a request runs once (its state writes overwrite positions it reads), so each
+        call first marks the step not run yet (the repeats' entries are not checked, their work is the same)."""
         _, _, comps, cache, kv, score = self.parts[part]
-        comp = comps[backend]
-        return lambda: comp.forward(kv, score, self.meta, cache)
+        comp, meta = comps[backend], self.meta
+
+        def run() -> None:
+            comp._last_step = meta.step - 1
+            comp.forward(kv, score, meta, cache)
+
+        return run
 
     def bytes_moved(self, part: int) -> int:
         """What one call must read and write (see the module docstring)."""

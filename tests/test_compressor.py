@@ -152,7 +152,7 @@ def test_indexer_compressor_writes_the_key_caches_writer_bytes(fmt):
 
 def test_state_pool_slots_and_positions_are_checked():
     pool = CompressorStatePool(4, 2)
-    assert state_tokens(4) == 8 and state_tokens(128) == 128 and state_tokens(2) == 2 and state_tokens(1) == 0
+    assert [state_tokens(r) for r in (4, 128, 2, 1)] == [8 + 7, 128 + 7, 2 + 7, 0]  # a window + repeatable steps
     a, b = pool.allocate(), pool.allocate()
     with pytest.raises(CacheFullError):
         pool.allocate()
@@ -311,3 +311,31 @@ def test_benchmark_smoke_writes_its_json(tmp_path, monkeypatch):
     assert {(r["layer"], r["part"]) for r in rows} == {("c4a", "attention"), ("c4a", "indexer"),
                                                          ("c128a", "attention")}
     assert all(r["bytes"] > 0 and r["gpu_us"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("ratio,dim", [(4, 512), (128, 512), (2, 512)])
+def test_a_decode_step_run_again_writes_the_same_bytes(ratio, dim):
+    """A step of at most REPEATABLE_STEP_TOKENS new tokens a request runs again with the same metadata (a CUDA
+    graph's warm-up, capture and replays) and writes the same bytes; a longer step, or an older one, is refused."""
+    first = [ratio * -(-14 // ratio) - 5, ratio + 9]  # prefills of more than 8 tokens; 5 short of a window end
+    lengths = [n + 9 for n in first]  # then steps of 1 and 8 tokens a request
+    feeder, comp, cache, _, _ = make(ratio, dim, lengths, "fp8_v4")
+    seqs = make_sequences(lengths, ratio, dim)
+    chunks = {0: (0, first[0]), 1: (0, first[1])}
+    order, _, prefill_meta = feeder.step([(0, first[0]), (1, first[1])])
+    prefill = (Feeder.rows(order, chunks, seqs, 0), Feeder.rows(order, chunks, seqs, 1))
+    comp.forward(*prefill, prefill_meta, cache)
+    with pytest.raises(ValueError, match="a step runs once"):
+        comp.forward(*prefill, prefill_meta, cache)
+    completed = 0
+    for size in (1, 8):  # decode steps of 1 and 8 tokens a request: a window of request 0 ends in the second
+        order, _, meta = feeder.step([(0, size), (1, size)])
+        completed += int(meta.entry_positions.ge(0).sum())
+        chunks = {i: (feeder.done[i] - size, size) for i in order}
+        rows = (Feeder.rows(order, chunks, seqs, 0), Feeder.rows(order, chunks, seqs, 1))
+        comp.forward(*rows, meta, cache)
+        once = cache.data.view(torch.uint8).clone(), [t.clone() for t in comp.pool.layers[comp.layer]]
+        comp.forward(*rows, meta, cache)
+        assert torch.equal(cache.data.view(torch.uint8), once[0])
+        assert all(torch.equal(a, b) for a, b in zip(comp.pool.layers[comp.layer], once[1]))
+    assert completed

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from .batch import StepBatch, slots_of
-from .compress_state import CompressorStatePool
+from .compress_state import REPEATABLE_STEP_TOKENS, CompressorStatePool
 from .config import COMPRESS_RATIO, COMPRESSED_KINDS
 
 KIND_OF_COMPRESS_RATIO = {COMPRESS_RATIO[k]: k for k in COMPRESSED_KINDS}  # 4 c4a, 128 c128a, 2 c2a, 1 c1a
@@ -35,6 +35,8 @@ class CompressMetadata:
     entry_positions ``(token_capacity,)`` int32: that entry's rope position ``w · r``, ``-1`` where none.
     prefix_lens ``(max_reqs,)`` int32: each request's first position this step (``seq_len - query_len``).
     state_slots ``(max_reqs,)`` int32: each request's slot in ``pool``.
+    step: the pool's step number of this metadata; repeatable: whether the step may run again
+    (no request adds more than ``REPEATABLE_STEP_TOKENS`` tokens), else a compressor runs it once.
     """
 
     batch: StepBatch
@@ -44,6 +46,8 @@ class CompressMetadata:
     entry_positions: torch.Tensor
     prefix_lens: torch.Tensor
     state_slots: torch.Tensor
+    step: int = 0
+    repeatable: bool = True
 
     @property
     def ratio(self) -> int:
@@ -95,6 +99,7 @@ def build_compress_metadata(batch: StepBatch, pool: CompressorStatePool, state_s
             batch.token_capacity or out.prefix_lens.shape[0] < batch.num_reqs or out.batch.builder is not batch.builder:
         raise ValueError("out must be CompressMetadata of the same pool and batch builder (allocate_compress_metadata)")
     pool.advance(state_slots, prefix_host, batch.seq_lens_host)
+    out.step, out.repeatable = pool.steps, max(batch.query_lens_host) <= REPEATABLE_STEP_TOKENS
     n, r = batch.num_reqs, pool.ratio
     out.batch, out.kind = batch, kind
     out.prefix_lens[:n].copy_(batch.seq_lens - batch.query_lens)

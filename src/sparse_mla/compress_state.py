@@ -2,8 +2,9 @@
 
 A compressed entry of ratio ``r`` pools ``r`` raw tokens (at ``r = 4``, the overlapping scheme, ``2r``: the last
 closed window's first halves too), and a window spans steps and prefill chunks. Rather than the open window's
-running sums, the state holds the *raw* projections of the request's last :func:`state_tokens` positions, the kv
-and the gate (``ape`` is added when a window is pooled), in a ring indexed by ``position mod S``: an entry is
+running sums, the state holds the *raw* projections of the request's last :func:`state_tokens` positions (a window
+and a few more: :data:`REPEATABLE_STEP_TOKENS`), the kv and the gate (``ape`` is added when a window is pooled), in
+a ring indexed by ``position mod S``: an entry is
 then pooled from the same values in the same order however its tokens were split into steps, so the three ways of
 feeding a sequence (one prefill, chunks, token by token) write the same bytes.
 
@@ -24,14 +25,23 @@ from .cache import CacheFullError
 
 OVERLAP_RATIO = 4  # V4's c4a compressor pools window w-1's first halves with window w's second halves
 STATE_DTYPES = (torch.bfloat16, torch.float32)
+# A step in which no request adds more tokens than this may run again with the same metadata and write the same
+# bytes (a CUDA graph's warm-up and capture, then its replays; benchmarks): its state writes land on ring slots
+# its reads do not use. Decode steps (1 + speculative tokens) are; a longer step must run once per compressor.
+REPEATABLE_STEP_TOKENS = 8
+
+
+def window_slots(ratio: int) -> int:
+    """Tokens pooled into one entry: ``2r`` at the overlapping ratio 4, else ``r``."""
+    return 2 * ratio if ratio == OVERLAP_RATIO else ratio
 
 
 def state_tokens(ratio: int) -> int:
-    """Raw positions a request's state keeps at ratio ``ratio``: ``2r`` for the overlapping ``r = 4`` (the last
-    closed window and the open one), ``r`` for the other pooled ratios (the open window), 0 at ``r = 1``."""
-    if ratio == 1:
-        return 0
-    return 2 * ratio if ratio == OVERLAP_RATIO else ratio
+    """Raw positions a request's state keeps at ratio ``ratio`` (its ring): an entry's window
+    (:func:`window_slots`: the open window, and at ratio 4 the last closed one too) plus
+    ``REPEATABLE_STEP_TOKENS - 1``, so that a step of that many new tokens a request overwrites no position it
+    reads; 0 at ratio 1 (nothing pooled: no state)."""
+    return 0 if ratio == 1 else window_slots(ratio) + REPEATABLE_STEP_TOKENS - 1
 
 
 class CompressorStatePool:
@@ -40,7 +50,8 @@ class CompressorStatePool:
     dtype: the projections' dtype (bf16 or float32); the compressors take kv and gate in this dtype, so a value
     read back from the state is the value the engine gave. ``layers[i]`` is layer ``i``'s ``(kv, score)`` rings,
     each ``(max_requests, S, width)`` (``S = state_tokens(ratio)``; a ``(max_requests, 0, width)`` empty tensor at
-    ratio 1). ``seen(slot)``: the tokens the request has fed so far (its next position).
+    ratio 1). ``seen(slot)``: the tokens the request has fed so far (its next position). ``steps``: the steps
+    recorded so far. Every compressor of the pool must run every step (its rings hold what its own calls stored).
     """
 
     def __init__(self, ratio: int, max_requests: int, device: torch.device | str = "cpu",
@@ -56,6 +67,7 @@ class CompressorStatePool:
         self.ring = state_tokens(self.ratio)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._seen: list[int | None] = [None] * self.max_requests  # None: a free slot
+        self.steps = 0  # steps recorded by advance (a CompressMetadata's step number)
         self._free = list(range(self.max_requests - 1, -1, -1))
 
     def add_layer(self, width: int) -> int:
@@ -107,3 +119,4 @@ class CompressorStatePool:
                                  f"compressor state (slot {slot}) holds {seen} tokens")
         for slot, end in zip(slots, seq_lens):
             self._seen[slot] = int(end)
+        self.steps += 1

@@ -32,7 +32,7 @@ import torch
 from ._checks import check_tensor
 from .cache import PagedCache
 from .compress_metadata import CompressMetadata
-from .compress_state import OVERLAP_RATIO, CompressorStatePool
+from .compress_state import OVERLAP_RATIO, REPEATABLE_STEP_TOKENS, CompressorStatePool, window_slots
 from .formats import resolve_cache_once
 from .index_keys import insert_index_keys
 from .indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
@@ -41,11 +41,6 @@ from .ops.dispatch import resolve_backend
 from .rope import V4_COMPRESS_ROPE, RopeSpec, rotate_interleaved_tail
 
 APE_RATIOS = (4, 128)  # V4's compressors add a learned position bias; V4.1's (2, 1) do not
-
-
-def window_slots(ratio: int) -> int:
-    """Tokens pooled into one entry: ``2r`` at the overlapping ratio 4, else ``r``."""
-    return 2 * ratio if ratio == OVERLAP_RATIO else ratio
 
 
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -172,6 +167,7 @@ class KVCompressor:
         self.inv_freq = rope.inv_freq(pool.device)
         self.entries: torch.Tensor | None = None
         self._latent: torch.Tensor | None = None
+        self._last_step = pool.steps  # the pool step this compressor last ran
 
     def _check(self, kv: torch.Tensor, score: torch.Tensor | None, meta: CompressMetadata, cache: object) -> None:
         dev = self.pool.device
@@ -180,6 +176,10 @@ class KVCompressor:
         if meta.pool is not self.pool:
             raise ValueError("meta was built for another CompressorStatePool than this compressor's")
         meta.check_current()
+        if meta.step < self._last_step or (meta.step == self._last_step and not meta.repeatable):
+            raise ValueError(f"meta is step {meta.step} of the pool and this compressor has run step "
+                             f"{self._last_step}: a step runs once (again only where no request adds more than "
+                             f"{REPEATABLE_STEP_TOKENS} tokens)")
         check_tensor("kv", kv, dtype=self.pool.dtype, shape=(None, self.width), device=dev)
         lo, hi = meta.batch.num_tokens, meta.batch.token_capacity
         if not lo <= kv.shape[0] <= hi:
@@ -217,6 +217,7 @@ class KVCompressor:
         windows into the state. Returns the latents ``(T, dim)`` bf16 (before the rope), row ``t`` the entry
         token ``t`` completes, zeros elsewhere (a workspace reused by the next call)."""
         self._check(kv, score, meta, cache)
+        self._last_step = meta.step
         slots = meta.entry_slots[:kv.shape[0]]
         if resolve_backend(self.backend, kv.device) == "reference":
             latent, self.entries = compress_reference(kv, score, self.ape, self.norm_weight, self.eps, self.rope,
