@@ -8,6 +8,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from test_benchmark_smoke import _args, load_script
 
@@ -339,3 +341,12 @@ def test_a_decode_step_run_again_writes_the_same_bytes(ratio, dim):
         assert torch.equal(cache.data.view(torch.uint8), once[0])
         assert all(torch.equal(a, b) for a, b in zip(comp.pool.layers[comp.layer], once[1]))
     assert completed
+
+
+@given(ratio=st.sampled_from([4, 2, 128]), lengths=st.lists(st.integers(1, 300), min_size=1, max_size=3),
+       sizes=st.lists(st.integers(1, 140), min_size=1, max_size=4), seed=st.integers(0, 99))
+def test_any_chunking_in_any_order_writes_the_prefill_s_bytes(ratio, lengths, sizes, seed):
+    whole, state = run_schedule(ratio, 128, lengths, schedule_prefill(lengths), "fp8")
+    data, other = run_schedule(ratio, 128, lengths, schedule_chunks(lengths, sizes, seed), "fp8")
+    assert torch.equal(data, whole)
+    assert all(torch.equal(a, b) for a, b in zip(state, other))
