@@ -11,10 +11,12 @@ Cases, per layer (``KVCompressor.forward``: the compressor kernel, the cache ins
 * prefill: one 4096-token chunk on a 8192-token prefix, the same layers.
 
 Columns: GPU µs per layer (CUDA-graph replays, ``do_bench``; eager with ``--no-graphs``), host µs per call (the
-Python launch path, GPU queue kept busy), the bytes the call must move (each completed entry's window read once —
-kv and gate of its slots —, the latent and entry rows written and read back by the insert, the cache records, the
-state rows) over the device-to-device copy rate measured in the same run (the floor a memory-bound kernel can
-reach), and the plain-PyTorch path (the reference backend on the same GPU tensors, eager).
+Python launch path, GPU queue kept busy), at decode the share of the layer's attention time (one V4-Flash c4a /
+c128a layer over the same batch, 64 heads, bench_step.py's step; goal: a step's compressors <= 10 %), the bytes
+the call must move (each completed entry's window read once — kv and gate of its slots —, the latent and entry rows
+written and read back by the insert, the cache records, the state rows) over the device-to-device copy rate measured
+in the same run (the floor a memory-bound kernel can reach), and the plain-PyTorch path (the reference backend on
+the same GPU tensors, eager).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from rich.table import Table
 
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
 from sparse_mla.cache import PagedCache
+from sparse_mla.config import get_config
 from sparse_mla.compress_metadata import build_compress_metadata
 from sparse_mla.compress_state import CompressorStatePool
 from sparse_mla.compress_state import window_slots
@@ -36,6 +39,7 @@ from sparse_mla.compressor import KVCompressor
 from sparse_mla.formats import get_format
 from sparse_mla.indexer_cache import FP8_ENTRY_BYTES, IndexerKeyCache
 
+import bench_step  # this script's folder is first on sys.path
 from harness import Env, main, positive_int, prepare, report, run_info, save_result
 from timing import graphed, host_us, timed
 
@@ -129,12 +133,31 @@ class LayerStep:
         return window + rows_out + self.entries * record + state
 
 
+def attention_us(env: Env[Sizes], contexts: list[int]) -> dict[str, float]:
+    """GPU µs of one V4-Flash c4a and one c128a attention layer over the same decode batch (2 tokens a request):
+    what the issue's goal compares the compressors with (bench_step.py's step, its layers and picks)."""
+    cfg = get_config("deepseek-v4-flash")
+    step = bench_step.make_step([(c, 2) for c in contexts], cfg, env.device, env.seed)
+    layers = bench_step.make_layers(cfg, env)
+    q = bench_step._queries(step, cfg.num_heads, env)
+    out = {}
+    for kind in ("c4a", "c128a"):
+        dest = torch.empty_like(q[kind])
+
+        def run(kind=kind, dest=dest) -> None:
+            layers[kind](q[kind], step.meta, step.caches, step.picks if kind == "c4a" else None, out=dest)
+
+        out[kind] = timed(graphed(run) if env.graphs else run, env.rep_ms)
+    return out
+
+
 def cases(env: Env[Sizes], rate: float) -> list[dict]:
     sizes, rows = env.sizes, []
     gen = torch.Generator().manual_seed(env.seed)
     shapes = [(f"decode B={b}", torch.randint(*sizes.context, (b,), generator=gen).tolist(), 2) for b in sizes.batches]
     shapes.append((f"prefill {sizes.chunk} on {sizes.prefix}", [sizes.prefix + sizes.chunk], sizes.chunk))
     for case, contexts, new in shapes:
+        attention = attention_us(env, contexts) if new == 2 else {}
         for kind, ratio, parts in LAYERS:
             step = LayerStep(ratio, parts, contexts, new, env.device, env.seed, env.backend)
             for i, (part, dim, *_) in enumerate(step.parts):
@@ -143,9 +166,11 @@ def cases(env: Env[Sizes], rate: float) -> list[dict]:
                 nbytes = step.bytes_moved(i)
                 row = dict(case=case, layer=kind, part=part, dim=dim, tokens=step.batch.num_tokens,
                            entries=step.entries, gpu_us=gpu_us, host_us=host_us(fast), bytes=nbytes,
-                           copy_floor_us=nbytes / rate * 1e6, reference_us=timed(plain, env.rep_ms))
+                           copy_floor_us=nbytes / rate * 1e6, reference_us=timed(plain, env.rep_ms),
+                           attention_us=attention.get(kind))
                 env.console.log(f"{case} {kind} {part}: {gpu_us:.1f} us (copy floor {row['copy_floor_us']:.1f} us, "
-                                f"plain PyTorch {row['reference_us']:.0f} us, host {row['host_us']:.0f} us)")
+                                f"plain PyTorch {row['reference_us']:.0f} us, host {row['host_us']:.0f} us, "
+                                f"the layer's attention {row['attention_us'] or 0:.0f} us)")
                 rows.append(row)
     return rows
 
@@ -153,13 +178,14 @@ def cases(env: Env[Sizes], rate: float) -> list[dict]:
 def results_table(result: dict) -> Table:
     t = Table(title=f"Compressors per layer on {result['device']} (copy rate {result['copy_gbps']:.0f} GB/s)")
     for col in ("case", "layer", "part", "tokens", "entries", "GPU µs", "host µs", "MB moved", "copy floor µs",
-                "× floor", "plain PyTorch µs", "speed-up"):
+                "× floor", "plain PyTorch µs", "speed-up", "% of attention"):
         t.add_column(col, justify="left" if col in ("case", "layer", "part") else "right")
     for r in result["rows"]:
         t.add_row(r["case"], r["layer"], r["part"], str(r["tokens"]), str(r["entries"]), f"{r['gpu_us']:.1f}",
                   f"{r['host_us']:.0f}", f"{r['bytes'] / 1e6:.2f}", f"{r['copy_floor_us']:.1f}",
                   f"{r['gpu_us'] / r['copy_floor_us']:.1f}", f"{r['reference_us']:.0f}",
-                  f"{r['reference_us'] / r['gpu_us']:.0f}x")
+                  f"{r['reference_us'] / r['gpu_us']:.0f}x",
+                  f"{100 * r['gpu_us'] / r['attention_us']:.1f}" if r["attention_us"] else "")
     return t
 
 

@@ -313,6 +313,7 @@ def test_benchmark_smoke_writes_its_json(tmp_path, monkeypatch):
     assert {(r["layer"], r["part"]) for r in rows} == {("c4a", "attention"), ("c4a", "indexer"),
                                                          ("c128a", "attention")}
     assert all(r["bytes"] > 0 and r["gpu_us"] > 0 for r in rows)
+    assert all(r["attention_us"] > 0 for r in rows if r["case"].startswith("decode"))
 
 
 @pytest.mark.parametrize("ratio,dim", [(4, 512), (128, 512), (2, 512)])
