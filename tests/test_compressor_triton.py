@@ -71,6 +71,20 @@ def test_kernel_entries_match_the_reference(ratio, dim, lengths, fmt):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("ratio,dim,lengths,fmt", [(4, 128, [9, 6], "fp8"), (2, 512, [5, 3], "fp4_v41")])
+def test_kernel_takes_bf16_projections(ratio, dim, lengths, fmt):
+    """bf16 projections and state (what engines pass): the same entries and state as the reference's, the cache
+    bytes the reference writer's (in the interpreter bit for bit: only loads of bf16 and exact bf16 stores)."""
+    schedule = schedule_chunks(lengths, [3, 1, 5])
+    ref = run(ratio, dim, lengths, schedule, fmt, "reference", torch.bfloat16)
+    tri = run(ratio, dim, lengths, schedule, fmt, "triton", torch.bfloat16)
+    for slot, expect in ref[2].items():
+        assert (tri[2][slot] - expect).abs().max() <= 2.0**-7 * expect.abs().max(), slot
+    assert torch.equal(tri[0], tri[1])
+    for a, b in zip(tri[4], ref[4]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("ratio,dim,lengths,fmt", [(4, 128, [9, 6], "fp8"), (2, 512, [5, 3], "fp8_v41")])
 def test_kernel_three_ways_of_feeding_write_the_same_bytes(ratio, dim, lengths, fmt):
     whole = run(ratio, dim, lengths, schedule_prefill(lengths), fmt, "triton")[0]
