@@ -210,3 +210,27 @@ def decode_steps_run(use_graph, decode_steps=9):
                 run_step()
         graph.replay()
     return [c.data.view(torch.uint8).cpu() for c in caches]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_kv_and_gate_as_views_of_one_fused_projection(backend):
+    """Engines often compute kv and the gate in one GEMM: the two halves of its output (row stride 2·width) are
+    taken as they are and give the bytes of contiguous copies."""
+    lengths = [9, 6]
+    results = []
+    for fused in (False, True):
+        feeder = Feeder(lengths, 4, device=DEVICE)
+        weight, ape = make_params(4, 128)
+        comp = KVCompressor(feeder.pool, 128, weight, EPS, ape=ape, backend=backend)
+        cache = IndexerKeyCache(feeder.num_blocks["c4a"], "fp8", DEVICE)
+        seqs = [(kv.to(DEVICE), s.to(DEVICE)) for kv, s in make_sequences(lengths, 4, 128)]
+        for step in schedule_chunks(lengths, [4, 1]):
+            order, _, meta = feeder.step(step)
+            chunks = {i: (feeder.done[i] - n, n) for i, n in step}
+            kv, score = Feeder.rows(order, chunks, seqs, 0), Feeder.rows(order, chunks, seqs, 1)
+            if fused:
+                both = torch.cat((kv, score), 1)
+                kv, score = both[:, :256], both[:, 256:]
+            comp.forward(kv, score, meta, cache)
+        results.append(cache.data.cpu())
+    assert torch.equal(results[0], results[1])
