@@ -49,4 +49,15 @@ def insert_index_keys(keys: torch.Tensor, cache: IndexerKeyCache, slots: torch.T
     from .ops.triton import index_cache
 
     index_cache.insert_index_keys(keys, cache.data, cache.fmt == "fp8", slots, positions,
-                                  None if positions is None else rope.inv_freq(cache.device))
+                                  None if positions is None else _inv_freq(rope, cache.device))
+
+
+_INV_FREQ: dict[tuple[RopeSpec, torch.device], torch.Tensor] = {}
+
+
+def _inv_freq(rope: RopeSpec, device: torch.device) -> torch.Tensor:
+    """``rope.inv_freq`` on ``device``, made once (a fixed buffer: CUDA graphs replay it)."""
+    key = (rope, device)
+    if key not in _INV_FREQ:
+        _INV_FREQ[key] = rope.inv_freq(device)
+    return _INV_FREQ[key]
