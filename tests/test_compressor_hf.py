@@ -13,13 +13,15 @@ import pytest
 import torch
 
 from compress_feed import Feeder, feed, oracle_entries
+from helpers import needs, optional_import
 from sparse_mla.cache import PagedCache
 from sparse_mla.compressor import KVCompressor
 from sparse_mla.indexer_cache import IndexerKeyCache
 from sparse_mla.rope import V4_COMPRESS_ROPE, rope_from_hf_config
 
-tf = pytest.importorskip("transformers")
-hf = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+tf = optional_import("transformers")
+hf = optional_import("transformers.models.deepseek_v4.modeling_deepseek_v4")
+pytestmark = needs("transformers")
 
 EPS = 1e-6
 

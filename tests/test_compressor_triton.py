@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import needs
 from compress_feed import Feeder, make_params, make_sequences, schedule_chunks, schedule_prefill, schedule_tokens
 from sparse_mla.cache import PagedCache
 from sparse_mla.compressor import KVCompressor
@@ -133,8 +134,7 @@ def test_index_key_insert_bad_input_is_named():
         insert_index_keys(keys, object(), torch.zeros(3, dtype=torch.int32, device=DEVICE))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs("gpu")
 @pytest.mark.parametrize("ratio,dim,fmt", [(4, 512, "fp8_v4"), (4, 128, "fp8"), (128, 512, "fp8_v4"),
                                            (2, 512, "fp8_v41"), (1, 512, "fp4_v41")])
 def test_gpu_bf16_projections_v4_flash_shapes(ratio, dim, fmt):
@@ -150,8 +150,7 @@ def test_gpu_bf16_projections_v4_flash_shapes(ratio, dim, fmt):
     assert torch.equal(whole, tri[0])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs("gpu")
 def test_gpu_decode_steps_replay_in_a_cuda_graph():
     """A c4a layer's decode step (its compressor and its indexer's) captured once and replayed for later steps
     writes the bytes eager steps write."""
