@@ -33,6 +33,11 @@ _EXPORTS: dict[str, str] = {
     "get_config": ".config",
     "KVFormat": ".formats",
     "get_format": ".formats",
+    "KVCompressor": ".compressor",
+    "CompressorStatePool": ".compress_state",
+    "CompressMetadata": ".compress_metadata",
+    "build_compress_metadata": ".compress_metadata",
+    "insert_index_keys": ".index_keys",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -72,9 +77,14 @@ if TYPE_CHECKING:  # static checkers and IDEs see the names directly ("X as X": 
     from .batch import StepBatch as StepBatch
     from .batch import StepBatchBuilder as StepBatchBuilder
     from .cache import PagedCache as PagedCache
+    from .compress_metadata import CompressMetadata as CompressMetadata
+    from .compress_metadata import build_compress_metadata as build_compress_metadata
+    from .compress_state import CompressorStatePool as CompressorStatePool
+    from .compressor import KVCompressor as KVCompressor
     from .config import get_config as get_config
     from .formats import KVFormat as KVFormat
     from .formats import get_format as get_format
+    from .index_keys import insert_index_keys as insert_index_keys
     from .layer import SparseMLAAttention as SparseMLAAttention
     from .metadata import MetadataSpec as MetadataSpec
     from .metadata import StepMetadata as StepMetadata

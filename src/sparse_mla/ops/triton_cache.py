@@ -14,6 +14,7 @@ import triton.language as tl
 
 from .. import formats
 from . import launch_configs, targets
+from .launch import cached_launch
 from .fp8 import e4m3_decode, e4m3_gain
 from .triton_attention import (E4M3_NAN, FMT_BF16, FMT_FP4_V41, FMT_FP4_V41_PLANAR, FMT_FP8_E4M3, FMT_FP8_V4,
                                FMT_FP8_V41, FMT_FP8_V41_PLANAR, ROPE_DIM, UE8M0_BIAS, UE8M0_NAN, V4_BODY_BYTES,
@@ -220,10 +221,10 @@ def quantize_and_insert(kv_new: torch.Tensor, cache: torch.Tensor, fmt: formats.
     n = kv_new.shape[0]
     if n == 0:
         return
-    stride0 = cache.stride(0)
-    _insert_kernel[(n,)](kv_new, kv_new.stride(0), slot_mapping, cache, stride0, cache.shape[0] * cache.shape[1],
-                         slot_mapping if kv_scale is None else kv_scale,
-                         FMT=fmt.code, BS=cache.shape[1], DIM=fmt.dim, DIM_P2=triton.next_power_of_2(fmt.dim))
+    launch = cached_launch(_insert_kernel, (("FMT", fmt.code), ("BS", cache.shape[1]), ("DIM", fmt.dim),
+                                            ("DIM_P2", triton.next_power_of_2(fmt.dim))))
+    launch((n,), kv_new, kv_new.stride(0), slot_mapping, cache, cache.stride(0), cache.shape[0] * cache.shape[1],
+           slot_mapping if kv_scale is None else kv_scale)
 
 
 def dequantize_and_gather(cache: torch.Tensor, fmt: formats.KVFormat, kv_scale: torch.Tensor | None,
