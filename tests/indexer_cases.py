@@ -21,11 +21,12 @@ class Case:
 
 
 def make_case(gen: torch.Generator, requests: list[tuple[int, int]], spec: IndexerSpec, fmt: str = "fp8",
-              device: torch.device | str = "cpu", padding: int = 2, spare_blocks: int = 3, bad_block: bool = False
-              ) -> Case:
+              device: torch.device | str = "cpu", padding: int = 2, spare_blocks: int = 3, bad_block: bool = False,
+              spread: float = 0.0) -> Case:
     """``requests``: ``(seq_len, query_len)`` each; their entries' keys in shuffled pages of a poisoned cache (unused
     slots NaN); ``padding`` padding token rows; ``bad_block``: the last request's table lists a block past the cache
-    after its own (never read: its entries are not visible)."""
+    after its own (never read: its entries are not visible); ``spread``: the keys' norms
+    log-normal with this sigma (heavy-tailed scores, as a trained indexer's; 0: norms in [0.5, 1.5))."""
     ratio = spec.ratio
     counts = [seq // ratio for seq, _ in requests]
     pages = [-(-n // 64) for n in counts]
@@ -40,7 +41,8 @@ def make_case(gen: torch.Generator, requests: list[tuple[int, int]], spec: Index
         blocks = order[used:used + p]
         used += p
         table[r, :p] = torch.tensor(blocks, dtype=torch.int32)
-        k = torch.randn(n, 128, generator=gen) * (0.5 + torch.rand(n, 1, generator=gen))
+        norms = (0.5 + torch.rand(n, 1, generator=gen)) * torch.exp(spread * torch.randn(n, 1, generator=gen))
+        k = torch.randn(n, 128, generator=gen) * norms
         slots = torch.tensor([blocks[e // 64] * 64 + e % 64 for e in range(n)], dtype=torch.int64)
         cache.write(k.to(device), slots.to(device))
         keys.append(k)
