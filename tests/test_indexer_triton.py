@@ -1,0 +1,226 @@
+"""The indexer's Triton kernels (Triton's interpreter on the CPU, natively on a GPU) against the reference: the same
+picks on NaN-poisoned caches (fp8 and bf16 keys, 8-64 heads, decode and prefill, blocks missing or past the cache),
+the layer's chunking to its workspace, V4.1's two-level selection on packed scores, a decode step captured in a CUDA
+graph (GPU), and the kernels compiled for every target of the portability matrix (on this CPU, no GPU).
+
+Run as a script (``python tests/test_indexer_triton.py TARGET``) it prints the compile rows of one target as JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import DEVICE, KERNEL_RUNS, ON_GPU, sized  # noqa: E402
+from indexer_cases import make_case  # noqa: E402
+from sparse_mla.indexer import IndexerSpec, StepTokens, index_topk_reference, top_blocks_reference  # noqa: E402
+from sparse_mla.indexer_cache import IndexerKeyCache  # noqa: E402
+from sparse_mla.indexer_layer import SparseMLAIndexer  # noqa: E402
+from sparse_mla.ops import targets  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+needs_kernels = pytest.mark.skipif(not KERNEL_RUNS, reason="needs a GPU or TRITON_INTERPRET=1")
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+def kernel_picks(case, topk: int, kept=None, select=False, rows=None):
+    """Picks through the kernels: packed scores of every token (``rows`` tokens per launch), then the select."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    dot = torch.bfloat16 if ON_GPU else torch.float32
+    native = targets.target_of(case.cache.device).native_fp8
+    step = case.step
+    most = max(int(p) + 1 for p in step.positions.tolist()) // step.ratio
+    cols = max(-(-most // 64) * 64, topk)
+    rows = rows or case.num_tokens
+    picks = torch.full((case.q.shape[0], topk), -1, dtype=torch.int32, device=DEVICE)
+    blocks = torch.full((case.q.shape[0], 2048), -1, dtype=torch.int32, device=DEVICE)
+    qsl = step.query_start_loc.tolist()
+    for t0 in range(0, case.num_tokens, rows):
+        t1 = min(case.num_tokens, t0 + rows)
+        longest = max(min(qsl[r + 1], t1) - max(qsl[r], t0) for r in range(len(qsl) - 1))
+        packed = torch.empty(t1 - t0, cols, dtype=torch.int64, device=DEVICE)
+        kernels.index_scores(case.q.to(dot), case.w, case.cache, step, packed, t0, t1, max(1, longest), dot, native)
+        if select:
+            blocks[t0:t1] = kernels.top_blocks_from_packed(packed, step.positions[t0:t1], step.ratio, 2048)
+            kernels.restrict_to_blocks(packed, blocks[t0:t1])
+        elif kept is not None:
+            kernels.restrict_to_blocks(packed, kept[t0:t1])
+        picks[t0:t1] = kernels.topk_from_packed(packed, topk)
+    return picks, blocks
+
+
+def same_sets(got: torch.Tensor, want: torch.Tensor, rows: int) -> None:
+    """Row for row the same picks (as sets: the two sum in other orders, so exact ties may list in either order)."""
+    got, want = got[:rows].sort(1).values.cpu(), want[:rows].sort(1).values.cpu()
+    bad = (got != want).any(1).nonzero().flatten().tolist()
+    assert not bad, f"rows {bad[:8]} differ"
+
+
+CASES = [  # (kind, heads, topk, key format, q format, requests (seq_len, query_len), decodes first)
+    ("c4a", 64, 64, "fp8", "fp8", [(1100, 2), (700, 2), (260, 1)]),
+    ("c4a", 12, 64, "bf16", "bf16", [(900, 1), (500, 7)]),
+    ("c2a", 32, 128, "fp8", "fp8", [(600, 2), (333, 9)]),
+    ("dsa", 8, 128, "fp8", "bf16", [(300, 1), (200, 13)]),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind,heads,topk,fmt,q_format,requests", CASES)
+def test_kernel_picks_equal_the_reference_on_poisoned_caches(kind, heads, topk, fmt, q_format, requests):
+    spec = IndexerSpec(num_heads=heads, topk=topk, kind=kind, q_format=q_format)
+    gen = torch.Generator().manual_seed(heads + topk)
+    scale = sized(1, 8)
+    case = make_case(gen, [(s * scale, q) for s, q in requests], spec, fmt, DEVICE, bad_block=True)
+    case.step.block_table[0, 1] = -1  # a missing page: its entries are not candidates, never read
+    ref = index_topk_reference(case.q, case.w, case.cache, case.step, topk)
+    got, _ = kernel_picks(case, topk)
+    same_sets(got, ref, case.num_tokens)
+    got, _ = kernel_picks(case, topk, rows=3)  # three tokens per launch: chunks that split requests
+    same_sets(got, ref, case.num_tokens)
+
+
+@needs_kernels
+def test_kernel_two_level_selection_equals_the_reference():
+    spec = IndexerSpec(num_heads=32, topk=64, kind="c2a")
+    gen = torch.Generator().manual_seed(11)
+    case = make_case(gen, [(sized(600, 40000), 2), (sized(300, 9000), 5)], spec, "fp8", DEVICE)
+    ref_kept = top_blocks_reference(case.q, case.w, case.cache, case.step)
+    ref = index_topk_reference(case.q, case.w, case.cache, case.step, 64, kept_blocks=ref_kept)
+    got, kept = kernel_picks(case, 64, select=True)
+    n = case.num_tokens
+    assert torch.equal(kept[:n, :1].cpu(), ref_kept[:n, :1].cpu()), "the pinned newest block"
+    same_sets(kept, ref_kept, n)
+    same_sets(got, ref, n)
+    later, _ = kernel_picks(case, 64, kept=ref_kept)  # a later source: only inside the kept blocks
+    same_sets(later, index_topk_reference(case.q, case.w, case.cache, case.step, 64, kept_blocks=ref_kept), n)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt):
+    from sparse_mla.scenario import make_scenario
+
+    lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 9)]
+    sc = make_scenario(lengths, window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,
+                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
+    batch = sc.batch
+    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, fmt, device=DEVICE)
+    cache.poison()
+    gen = torch.Generator().manual_seed(12)
+    for r, (seq, _) in enumerate(lengths):
+        entries = torch.arange(seq // 4, dtype=torch.int32, device=DEVICE)
+        cache.write(torch.randn(len(entries), 128, generator=gen).to(DEVICE), batch.entry_slots("c4a", r, entries))
+    q = torch.randn(batch.token_capacity, 16, 128, generator=gen).to(DEVICE)
+    w = torch.randn(batch.token_capacity, 16, generator=gen).to(DEVICE)
+    ref = SparseMLAIndexer("c4a", 16, 64, backend="reference")(sc.meta, q, w, cache).clone()
+    small = SparseMLAIndexer("c4a", 16, 64, backend="triton", workspace_bytes=3 * 8 * 64 * (lengths[0][0] // 256 + 1))
+    got = small(sc.meta, q, w, cache)
+    assert len(sc.meta.plan(("indexer", "c4a", 64, "triton", small.workspace_bytes, 64), lambda: None).chunks) > 1
+    same_sets(got, ref, batch.num_tokens)
+    assert (got[batch.num_tokens:] == -1).all()
+    (picks, kept) = SparseMLAIndexer("c4a", 16, 64, backend="triton")(sc.meta, q, w, cache, select_blocks=True)
+    assert kept.shape == (batch.token_capacity, 2048) and (kept[batch.num_tokens:] == -1).all()
+
+
+@needs_kernels
+def test_kernel_rejects_a_workspace_of_the_wrong_kind():
+    from sparse_mla.ops.triton import indexer as kernels
+
+    spec = IndexerSpec(num_heads=8, topk=64, kind="c4a")
+    case = make_case(torch.Generator().manual_seed(1), [(300, 1)], spec, "fp8", DEVICE)
+    with pytest.raises(ValueError, match="out must be int64"):
+        kernels.index_scores(case.q, case.w, case.cache, case.step, torch.empty(1, 128, device=DEVICE), 0, 1, 1,
+                             torch.float32, False)
+    odd = IndexerKeyCache(4, "fp8", device=DEVICE, block_size=32)
+    with pytest.raises(ValueError, match="cache.block_size must be 64"):
+        kernels.index_scores(case.q, case.w, odd, case.step, torch.empty(1, 128, dtype=torch.int64, device=DEVICE),
+                             0, 1, 1, torch.float32, False)
+
+
+@needs_gpu
+def test_a_decode_step_is_captured_in_a_cuda_graph_and_replays_the_same_picks():
+    from sparse_mla.scenario import make_scenario
+
+    lengths = [(8000 + 97 * r, 2) for r in range(16)]
+    sc = make_scenario(lengths, window=4, topk=512, fmt="bf16", decode_threshold=2,
+                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
+    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device=DEVICE)
+    gen = torch.Generator().manual_seed(13)
+    for r, (seq, _) in enumerate(lengths):
+        entries = torch.arange(seq // 4, dtype=torch.int32, device=DEVICE)
+        cache.write(torch.randn(len(entries), 128, generator=gen).to(DEVICE), sc.batch.entry_slots("c4a", r, entries))
+    cap = sc.batch.token_capacity
+    q = torch.randn(cap, 64, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    w = torch.randn(cap, 64, generator=gen).to(DEVICE)
+    layer = SparseMLAIndexer("c4a", 64, 512)
+    eager = layer(sc.meta, q, w, cache).clone()  # plans the step (outside the capture)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(sc.meta, q, w, cache)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        picks = layer(sc.meta, q, w, cache)
+    picks.fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(picks, eager)
+    ref = SparseMLAIndexer("c4a", 64, 512, backend="reference")(sc.meta, q, w, cache)
+    same_sets(picks, ref, sc.batch.num_tokens)
+
+
+# ---- every target of the portability matrix ------------------------------------------------------------------------
+
+
+def compile_rows(target_name: str) -> list[dict]:
+    """The indexer kernel's launches (fp8 and bf16 keys, decode 64 heads and prefill 32 heads) recorded on CPU tensors
+    and compiled for ``target_name`` (``scripts/portability_report.py``'s recorder and compile check)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dataclasses import asdict
+
+    from portability_report import compile_launch, recorded_launches
+
+    from sparse_mla.ops.triton import indexer as kernels
+
+    target = next(t for t in targets.MATRIX if t.name == target_name)
+    rows = []
+    for fmt, heads, qlen in (("fp8", 64, 2), ("bf16", 64, 2), ("fp8", 32, 512)):
+        cache = IndexerKeyCache(4, fmt)
+        step = StepTokens(torch.zeros(qlen, dtype=torch.int32), torch.zeros(qlen, dtype=torch.int32),
+                          torch.tensor([0, qlen], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 4)
+        q = torch.zeros(qlen, heads, 128, dtype=torch.bfloat16)
+        w = torch.zeros(qlen, heads)
+        with recorded_launches(target) as calls:
+            kernels.index_scores(q, w, cache, step, torch.empty(qlen, 512, dtype=torch.int64), 0, qlen, qlen,
+                                 torch.bfloat16, targets.target_of(cache.device).native_fp8)
+        rows += [asdict(compile_launch(target, f"indexer {fmt} H{heads} q{qlen}", c)) for c in calls]
+    return rows
+
+
+@pytest.mark.parametrize("target", [t.name for t in targets.MATRIX])
+def test_indexer_kernel_compiles_and_fits_on_every_target(target):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, __file__, target], env=env, capture_output=True, text=True, timeout=900)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 3, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    for r in rows:
+        print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "
+              f"in loop {r['loop_spills']} shared {r['shared']}/{r['shared_limit']}")
+    failed = [f"{r['variant']}: {r['error']}" for r in rows if r["status"] != "ok"]
+    assert not failed, f"{target}: " + "; ".join(failed)
+    if target in ("sm_80", "sm_86", "sm_89", "gfx942", "gfx950"):
+        assert all(not r["loop_spills"] for r in rows), "no spills inside the key loop"
+
+
+if __name__ == "__main__":
+    for row in compile_rows(sys.argv[1]):
+        print(json.dumps(row), flush=True)
