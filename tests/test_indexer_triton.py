@@ -224,3 +224,25 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
 if __name__ == "__main__":
     for row in compile_rows(sys.argv[1]):
         print(json.dumps(row), flush=True)
+
+
+@needs_kernels
+def test_benchmark_smoke_writes_the_expected_json(tmp_path, monkeypatch):
+    import argparse
+    import importlib.util
+
+    bench = ROOT / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("bench_indexer", bench / "bench_indexer.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_indexer", module)
+    spec.loader.exec_module(module)
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    args = parser.parse_args(["--smoke", "--rep", "1", "--cases", "v4-flash-b2", "v32-b2", "--out", str(tmp_path)])
+    assert module.run(args) == 0
+    result = json.loads((tmp_path / "bench_indexer.json").read_text())
+    assert [r["case"] for r in result["cases"]] == ["v4-flash-b2", "v32-b2"] and result["copy_gbs"] > 0
+    for r in result["cases"]:
+        assert r["rows_equal_reference"] == 1.0
+        assert all(r[k] > 0 for k in ("layer_us", "prep_us", "scores_us", "topk_us", "torch_us", "key_read_us"))
