@@ -142,14 +142,16 @@ def run_case(case: Case, env: Env, rate_gbs: float) -> dict:
                query_len=case.query_len, context=case.context, entries=entries, key_mb=key_bytes / 1e6,
                key_read_us=key_bytes / rate_gbs / 1e3, rows_equal_reference=same)
     del ref
-    plan = meta.plan(("indexer", case.kind, case.topk, env.backend, layer.workspace_bytes, cache.block_size),
-                     lambda: None)
+    plan = layer.step_plan(meta, "triton")
     dot = torch.float32 if interpreting() else torch.bfloat16
     q_dot = q_ready.to(dot)
     native = targets.target_of(dev).native_fp8
     (t0, t1, longest), = plan.chunks[:1] if len(plan.chunks) == 1 else [(0, 0, 0)]
+    angles = batch.positions.clamp_min(0).float()[:, None] * plan.inv_freq
+    cos, sin = angles.cos(), angles.sin()
     parts = {"layer_us": lambda: layer(meta, q, w, cache),
-             "prep_us": lambda: prepare_queries(q, w, batch.positions, layer.spec)}
+             "prep_us": lambda: kernels.prepare_queries(q, w, cos, sin, case.kind == "dsa", True,
+                                                        layer.spec.weight_scale, plan.q, plan.w)}
     if len(plan.chunks) == 1:  # the parts of a one-chunk call
         packed = plan.workspace[: t1 - t0]
         parts["scores_us"] = lambda: kernels.index_scores(q_dot, w_ready, cache, step, packed, t0, t1, longest, dot,

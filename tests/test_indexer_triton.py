@@ -87,6 +87,31 @@ def test_kernel_picks_equal_the_reference_on_poisoned_caches(kind, heads, topk, 
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind,heads,q_format", [("c4a", 64, "fp8"), ("c2a", 12, "fp8"), ("dsa", 8, "fp8"),
+                                                 ("c4a", 32, "bf16"), ("dsa", 5, "bf16")])
+def test_query_prep_kernel_equals_the_reference_bit_for_bit(kind, heads, q_format):
+    from sparse_mla.indexer import prepare_queries
+    from sparse_mla.ops.triton import indexer as kernels
+
+    spec = IndexerSpec(num_heads=heads, topk=64, kind=kind, q_format=q_format)
+    gen = torch.Generator().manual_seed(heads)
+    t = 37
+    q = (torch.randn(t, heads, 128, generator=gen) * torch.rand(t, heads, 1, generator=gen) * 30).to(DEVICE)
+    q[3, 0] = 0.0  # a zero head: the amax floor
+    q = q.to(torch.bfloat16)
+    w = torch.randn(t, heads, generator=gen).to(DEVICE)
+    positions = torch.randint(-1, 300000, (t,), generator=gen, dtype=torch.int32).to(DEVICE)
+    want_q, want_w = prepare_queries(q, w, positions, spec)
+    angles = positions.clamp_min(0).float()[:, None] * spec.rope_spec.inv_freq(DEVICE)
+    dot = torch.bfloat16 if ON_GPU else torch.float32
+    got_q = torch.empty(t, heads, 128, dtype=dot, device=DEVICE)
+    got_w = torch.empty(t, heads, device=DEVICE)
+    kernels.prepare_queries(q, w, angles.cos(), angles.sin(), kind == "dsa", q_format == "fp8", spec.weight_scale,
+                            got_q, got_w)
+    assert torch.equal(got_q.float(), want_q) and torch.equal(got_w, want_w)
+
+
+@needs_kernels
 def test_kernel_two_level_selection_equals_the_reference():
     spec = IndexerSpec(num_heads=32, topk=64, kind="c2a")
     gen = torch.Generator().manual_seed(11)
@@ -122,7 +147,7 @@ def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt):
     ref = SparseMLAIndexer("c4a", 16, 64, backend="reference")(sc.meta, q, w, cache).clone()
     small = SparseMLAIndexer("c4a", 16, 64, backend="triton", workspace_bytes=3 * 8 * 64 * (lengths[0][0] // 256 + 1))
     got = small(sc.meta, q, w, cache)
-    assert len(sc.meta.plan(("indexer", "c4a", 64, "triton", small.workspace_bytes, 64), lambda: None).chunks) > 1
+    assert len(small.step_plan(sc.meta, "triton").chunks) > 1
     same_sets(got, ref, batch.num_tokens)
     assert (got[batch.num_tokens:] == -1).all()
     (picks, kept) = SparseMLAIndexer("c4a", 16, 64, backend="triton")(sc.meta, q, w, cache, select_blocks=True)
@@ -181,8 +206,9 @@ def test_a_decode_step_is_captured_in_a_cuda_graph_and_replays_the_same_picks():
 
 
 def compile_rows(target_name: str) -> list[dict]:
-    """The indexer kernel's launches (fp8 and bf16 keys, decode 64 heads and prefill 32 heads) recorded on CPU tensors
-    and compiled for ``target_name`` (``scripts/portability_report.py``'s recorder and compile check)."""
+    """The indexer kernels' launches (scores: fp8 and bf16 keys, decode 64 heads and prefill 32 heads; the query prep,
+    V4 and V3.2) recorded on CPU tensors and compiled for ``target_name`` (``scripts/portability_report.py``'s
+    recorder and compile check)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from dataclasses import asdict
 
@@ -202,6 +228,14 @@ def compile_rows(target_name: str) -> list[dict]:
             kernels.index_scores(q, w, cache, step, torch.empty(qlen, 512, dtype=torch.int64), 0, qlen, qlen,
                                  torch.bfloat16, targets.target_of(cache.device).native_fp8)
         rows += [asdict(compile_launch(target, f"indexer {fmt} H{heads} q{qlen}", c)) for c in calls]
+    for half_split in (False, True):
+        q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
+        trig = torch.zeros(2, 32)
+        with recorded_launches(target) as calls:
+            kernels.prepare_queries(q, torch.zeros(2, 64), trig, trig, half_split, True, 0.01, q,
+                                    torch.zeros(2, 64))
+        rows += [asdict(compile_launch(target, f"indexer q prep {'V3.2' if half_split else 'V4'}", c))
+                 for c in calls]
     return rows
 
 
@@ -211,7 +245,7 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, __file__, target], env=env, capture_output=True, text=True, timeout=900)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 3, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert len(rows) == 5, f"exit {done.returncode}: {done.stderr[-2000:]}"
     for r in rows:
         print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "
               f"in loop {r['loop_spills']} shared {r['shared']}/{r['shared_limit']}")

@@ -41,6 +41,7 @@ Q_FORMATS = ("fp8", "bf16")
 BLOCK_ENTRIES = 8  # V4.1's two-level selection: entries per block
 KEPT_BLOCKS = 2048  # V4.1's two-level selection: blocks kept
 MIN_HEADS, MAX_HEADS = 1, 128
+ROPE_DIM = 64  # rotated dims of an indexer query (V4 / V4.1: the last 64, V3.2: the first 64)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class IndexerSpec:
             raise ValueError(f"q_format must be one of {Q_FORMATS}, got {self.q_format!r}")
         if self.rope is not None and not isinstance(self.rope, RopeSpec):
             raise TypeError(f"rope must be a RopeSpec or None, got {type(self.rope).__name__}")
+        if self.rope is not None and self.rope.dim != ROPE_DIM:
+            raise ValueError(f"rope.dim must be {ROPE_DIM} (the indexers rotate 64 of their 128 dims), "
+                             f"got {self.rope.dim}")
 
     @property
     def ratio(self) -> int:

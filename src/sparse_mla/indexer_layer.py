@@ -37,7 +37,9 @@ DEFAULT_INDEXER_WORKSPACE_BYTES = 256 << 20  # the packed scores (int64) of one 
 class IndexerPlan:
     """One step's indexer plan for one configuration: the token tensors, the column count of the packed scores
     (``num_cols``, a multiple of 64, at least topk), the token chunks ``[(t0, t1, max_query_len)]``, the workspace
-    ``(rows, num_cols)`` int64 and the output buffers ``picks (T_cap, topk)`` / ``kept (T_cap, 2048)`` int32."""
+    ``(rows, num_cols)`` int64, the output buffers ``picks (T_cap, topk)`` / ``kept (T_cap, 2048)`` int32, and (Triton)
+    the prepared queries ``q (T_cap, H, 128)`` in the dot dtype, weights ``w (T_cap, H)`` float32 and the rope's
+    ``inv_freq (32,)``."""
 
     step: StepTokens
     num_cols: int
@@ -45,6 +47,9 @@ class IndexerPlan:
     workspace: torch.Tensor | None
     picks: torch.Tensor
     kept: torch.Tensor
+    q: torch.Tensor | None = None
+    w: torch.Tensor | None = None
+    inv_freq: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,13 @@ class SparseMLAIndexer(torch.nn.Module):
         if meta.batch.device != cache.device:
             raise ValueError(f"cache must be on the step's device {meta.batch.device}, got {cache.device}")
 
+    def step_plan(self, meta: StepMetadata, backend: str) -> IndexerPlan:
+        """This step's :class:`IndexerPlan` for ``backend`` (``"reference"`` or ``"triton"``), made on first use and
+        shared by the indexers of this configuration (heads, top-k, kind, rope, workspace)."""
+        key = ("indexer", self.kind, self.topk, self.spec.num_heads, self.spec.rope_spec, backend,
+               self.workspace_bytes)
+        return meta.plan(key, lambda: self._plan(meta, backend))
+
     def _plan(self, meta: StepMetadata, backend: str) -> IndexerPlan:
         batch = meta.batch
         ratio = COMPRESS_RATIO[self.kind]
@@ -146,7 +158,10 @@ class SparseMLAIndexer(torch.nn.Module):
             longest = max(min(qsl[r + 1], t1) - max(qsl[r], t0) for r in range(batch.num_reqs))
             chunks.append((t0, t1, max(1, longest)))
         workspace = torch.empty(rows, num_cols, dtype=torch.int64, device=dev)
-        return IndexerPlan(step, num_cols, chunks, workspace, picks, kept)
+        heads = self.spec.num_heads
+        q = torch.empty(cap, heads, 128, dtype=torch.float32 if interpreting() else torch.bfloat16, device=dev)
+        w = torch.empty(cap, heads, dtype=torch.float32, device=dev)
+        return IndexerPlan(step, num_cols, chunks, workspace, picks, kept, q, w, self.spec.rope_spec.inv_freq(dev))
 
     def forward(self, meta: StepMetadata, q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, *,
                 kept_blocks: torch.Tensor | None = None, select_blocks: bool = False
@@ -166,29 +181,34 @@ class SparseMLAIndexer(torch.nn.Module):
             raise ValueError("select_blocks and kept_blocks exclude each other: select the blocks, or pick inside "
                              "given ones")
         backend = resolve_backend(self.backend, cache.device)
-        plan = meta.plan(("indexer", self.kind, self.topk, backend, self.workspace_bytes, cache.block_size),
-                         lambda: self._plan(meta, backend))
+        plan = self.step_plan(meta, backend)
         if kept_blocks is not None:
             check_tensor("kept_blocks", kept_blocks, dtype=torch.int32, shape=(plan.picks.shape[0], None),
                          device=cache.device)
-        q_ready, w_ready = prepare_queries(q, weights, meta.batch.positions, self.spec)
         if backend == "reference":
+            q_ready, w_ready = prepare_queries(q, weights, meta.batch.positions, self.spec)
             if select_blocks:
                 plan.kept.copy_(top_blocks_reference(q_ready, w_ready, cache, plan.step))
                 kept_blocks = plan.kept
             plan.picks.copy_(index_topk_reference(q_ready, w_ready, cache, plan.step, self.topk, kept_blocks))
         else:
-            self._triton(plan, q_ready, w_ready, cache, kept_blocks, select_blocks)
+            self._triton(plan, q, weights, cache, kept_blocks, select_blocks)
         return (plan.picks, plan.kept) if select_blocks else plan.picks
 
     def _triton(self, plan: IndexerPlan, q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache,
                 kept_blocks: torch.Tensor | None, select_blocks: bool) -> None:
         from .ops.triton import indexer as kernels  # Triton is imported only where it runs
 
+        check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, torch.float32))
+        check_tensor("weights", w, dtype=(torch.bfloat16, torch.float16, torch.float32))
+        angles = plan.step.positions.clamp_min(0).float()[:, None] * plan.inv_freq  # as RopeSpec.cos_sin
+        cos, sin = angles.cos(), angles.sin()
+        kernels.prepare_queries(q, w, cos, sin, self.kind == "dsa", self.spec.q_format == "fp8",
+                                self.spec.weight_scale, plan.q, plan.w)
+        q, w = plan.q, plan.w
         check_step_inputs(q, w, cache, plan.step, self.topk)
-        dot_dtype = torch.float32 if interpreting() else torch.bfloat16
+        dot_dtype = q.dtype
         native_fp8 = targets.target_of(cache.device).native_fp8
-        q = q.to(dot_dtype)  # exact: e4m3 values or bf16 values
         for t0, t1, longest in plan.chunks:
             packed = plan.workspace[: t1 - t0]
             kernels.index_scores(q, w, cache, plan.step, packed, t0, t1, longest, dot_dtype, native_fp8)

@@ -28,6 +28,7 @@ import triton.language as tl
 from ...indexer import BLOCK_ENTRIES, StepTokens
 from ...indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from ..fp8 import e4m3_decode, e4m3_gain
+from ..triton_cache import _round_half_even
 
 INT64_MIN = -(2 ** 63)  # the packed key of an entry that is not a candidate
 _LOW_MASK = 0xFFFFFFFF
@@ -93,6 +94,81 @@ def _index_scores_kernel(
         packed = tl.where(ok, packed, -9223372036854775808)
         tl.store(out_ptr + out_rows[:, None] + cols[None, :], packed,
                  mask=tok_ok[:, None] & (cols < num_cols)[None, :])
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """float32 -> the nearest bf16 value (ties to even) as float32, by integer operations (the interpreter's cast
+    truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """float32 ``y`` (|y| <= 448) -> the nearest e4m3 value (ties to even) as float32: a step of 2^(e-3) at binary
+    exponent e, 2^-9 below the normals."""
+    e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - e + 3) << 23).to(tl.float32, bitcast=True)
+    return _round_half_even(y * inv) * step  # both products exact: powers of two
+
+
+@triton.jit
+def _prepare_queries_kernel(
+    q_ptr, w_ptr, cos_ptr, sin_ptr, q_out_ptr, w_out_ptr, H, weight_scale,
+    HP: tl.constexpr, D: tl.constexpr, HALF_SPLIT: tl.constexpr, FP8_Q: tl.constexpr,
+):
+    """One token: rope (V4: dims 64..127 in pairs (2i, 2i+1); V3.2: dims 0..63, i with i + 32), the bf16 round,
+    then (fp8) per head the power-of-two scale and the e4m3 values; the weights times the scales."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HP)
+    d = tl.arange(0, D)
+    ok = (h < H)[:, None] & (d < D)[None, :]
+    offs = (t * H + h[:, None]) * D + d[None, :]
+    x = tl.load(q_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if HALF_SPLIT:
+        rotated = d < 64
+        pair = d % 32
+        partner_d = tl.where(d < 32, d + 32, d - 32)
+        first = d < 32
+    else:
+        rotated = d >= 64
+        pair = (d - 64) // 2
+        partner_d = d ^ 1
+        first = (d % 2) == 0
+    pair = tl.where(rotated, pair, 0)
+    partner = tl.load(q_ptr + (t * H + h[:, None]) * D + partner_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + t * 32 + pair)[None, :]
+    sin = tl.load(sin_ptr + t * 32 + pair)[None, :]
+    # the reference's operations, in its order (no FMA: the launch turns fp fusion off)
+    turned = tl.where(first[None, :], x * cos - partner * sin, x * cos + partner * sin)
+    x = _round_to_bf16(tl.where(rotated[None, :], turned, x))
+    w = tl.load(w_ptr + t * H + h, mask=h < H, other=0.0).to(tl.float32) * weight_scale
+    if FP8_Q:
+        amax = tl.max(tl.abs(x), 1)
+        ratio = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
+        bits = ratio.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2(ratio))
+        scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        x = _round_to_e4m3(x * inv[:, None])
+        w = w * scale
+    tl.store(q_out_ptr + offs, x.to(q_out_ptr.dtype.element_ty), mask=ok)
+    tl.store(w_out_ptr + t * H + h, w, mask=h < H)
+
+
+def prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half_split: bool,
+                    fp8_q: bool, weight_scale: float, q_out: torch.Tensor, w_out: torch.Tensor) -> None:
+    """:func:`sparse_mla.indexer.prepare_queries` in one launch, the same values: ``q (T, H, 128)``, ``weights (T, H)``
+    (checked by the caller), ``cos`` / ``sin`` ``(T, 32)`` float32 of the tokens' positions (the rope's angles, as
+    the reference computes them), into ``q_out (T, H, 128)`` (float32 or bf16: exact) and ``w_out (T, H)`` float32.
+    """
+    hp = _pow2_at_least(q.shape[1])
+    _prepare_queries_kernel[(q.shape[0],)](q, weights, cos, sin, q_out, w_out, q.shape[1], weight_scale, HP=hp,
+                                           D=INDEX_HEAD_DIM, HALF_SPLIT=half_split, FP8_Q=fp8_q, num_warps=4,
+                                           enable_fp_fusion=False)
 
 
 def _pow2_at_least(n: int) -> int:
