@@ -280,3 +280,53 @@ def test_benchmark_smoke_writes_the_expected_json(tmp_path, monkeypatch):
     for r in result["cases"]:
         assert r["rows_equal_reference"] == 1.0
         assert all(r[k] > 0 for k in ("layer_us", "prep_us", "scores_us", "topk_us", "torch_us", "key_read_us"))
+
+
+def test_the_plan_bounds_the_workspace_for_a_16k_chunk_on_a_1m_context():
+    """Planning only (no launch): the packed scores of each token chunk fit the layer's budget, and every token of
+    the step is in exactly one chunk, whatever the context."""
+    from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+    from sparse_mla.metadata import MetadataSpec, build_step_metadata
+
+    seq, chunk = 1 << 20, 16384
+    kinds = ("swa", "c4a")  # the indexer's step needs no c128a lists
+    builder = StepBatchBuilder(chunk + 2, 2, seq, kinds, decode_threshold=2)
+    batch = builder.build([Request(seq, q, {k: list(range(r * blocks_needed(seq, k), (r + 1) * blocks_needed(seq, k)))
+                                            for k in kinds}) for r, q in enumerate((2, chunk))])
+    meta = build_step_metadata(batch, MetadataSpec(128, 512))
+    layer = SparseMLAIndexer("c4a", 64, 512, workspace_bytes=256 << 20)
+    plan = layer.step_plan(meta, "triton")
+    assert plan.num_cols == seq // 4 and plan.workspace.numel() * 8 <= 256 << 20
+    covered = [t for t0, t1, _ in plan.chunks for t in range(t0, t1)]
+    assert covered == list(range(batch.num_tokens))
+    assert all(longest <= t1 - t0 for t0, t1, longest in plan.chunks)
+
+
+@needs_gpu
+@pytest.mark.parametrize("lengths", [[(1 << 20, 2), ((1 << 20) - 777, 2)], [(32768, 16384)]],
+                         ids=["decode-1m", "prefill-16k"])
+def test_a_1m_context_and_a_16k_prefill_chunk_run_and_match_the_reference(lengths):
+    from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+    from sparse_mla.metadata import MetadataSpec, build_step_metadata
+
+    kinds = ("swa", "c4a")  # the indexer's step needs no c128a lists
+    seq = max(s for s, _ in lengths)
+    builder = StepBatchBuilder(sum(q for _, q in lengths), len(lengths), seq, kinds, decode_threshold=2,
+                               device=DEVICE)
+    requests = [Request(s, q, {k: [r * blocks_needed(seq, k) + b for b in range(blocks_needed(s, k))] for k in kinds})
+                for r, (s, q) in enumerate(lengths)]
+    first = len(lengths) * blocks_needed(seq, "c4a")
+    batch = builder.build(requests)
+    meta = build_step_metadata(batch, MetadataSpec(128, 512))
+    cache = IndexerKeyCache(first, "fp8", device=DEVICE)
+    cache.poison()
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    for r, (s, _) in enumerate(lengths):
+        entries = torch.arange(s // 4, dtype=torch.int32, device=DEVICE)
+        cache.write(torch.randn(len(entries), 128, device=DEVICE, generator=gen), batch.entry_slots("c4a", r, entries))
+    cap = batch.token_capacity
+    q = torch.randn(cap, 64, 128, device=DEVICE, generator=gen).to(torch.bfloat16)
+    w = torch.randn(cap, 64, device=DEVICE, generator=gen)
+    got = SparseMLAIndexer("c4a", 64, 512, workspace_bytes=128 << 20)(meta, q, w, cache)
+    ref = SparseMLAIndexer("c4a", 64, 512, backend="reference")(meta, q, w, cache)
+    same_sets(got, ref, batch.num_tokens)
