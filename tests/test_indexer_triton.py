@@ -205,6 +205,9 @@ def test_a_decode_step_is_captured_in_a_cuda_graph_and_replays_the_same_picks():
 # ---- every target of the portability matrix ------------------------------------------------------------------------
 
 
+FAMILIES = ("sm_80", "sm_89", "sm_90", "sm_100", "gfx942")  # every variant compiled; elsewhere the two main ones
+
+
 def compile_rows(target_name: str) -> list[dict]:
     """The indexer kernels' launches (scores: fp8 and bf16 keys, decode 64 heads and prefill 32 heads; the query prep,
     V4 and V3.2) recorded on CPU tensors and compiled for ``target_name`` (``scripts/portability_report.py``'s
@@ -218,7 +221,8 @@ def compile_rows(target_name: str) -> list[dict]:
 
     target = next(t for t in targets.MATRIX if t.name == target_name)
     rows = []
-    for fmt, heads, qlen in (("fp8", 64, 2), ("bf16", 64, 2), ("fp8", 32, 512)):
+    every = target_name in FAMILIES
+    for fmt, heads, qlen in (("fp8", 64, 2), ("bf16", 64, 2), ("fp8", 32, 512))[: 3 if every else 1]:
         cache = IndexerKeyCache(4, fmt)
         step = StepTokens(torch.zeros(qlen, dtype=torch.int32), torch.zeros(qlen, dtype=torch.int32),
                           torch.tensor([0, qlen], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 4)
@@ -228,7 +232,7 @@ def compile_rows(target_name: str) -> list[dict]:
             kernels.index_scores(q, w, cache, step, torch.empty(qlen, 512, dtype=torch.int64), 0, qlen, qlen,
                                  torch.bfloat16, targets.target_of(cache.device).native_fp8)
         rows += [asdict(compile_launch(target, f"indexer {fmt} H{heads} q{qlen}", c)) for c in calls]
-    for half_split in (False, True):
+    for half_split in (False, True)[: 2 if every else 1]:
         q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
         trig = torch.zeros(2, 32)
         with recorded_launches(target) as calls:
@@ -245,7 +249,7 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, __file__, target], env=env, capture_output=True, text=True, timeout=900)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 5, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert len(rows) == (5 if target in FAMILIES else 2), f"exit {done.returncode}: {done.stderr[-2000:]}"
     for r in rows:
         print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "
               f"in loop {r['loop_spills']} shared {r['shared']}/{r['shared_limit']}")
