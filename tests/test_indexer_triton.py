@@ -128,8 +128,33 @@ def test_kernel_two_level_selection_equals_the_reference():
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
-def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt):
+@pytest.mark.parametrize("rows,cols,k,valid", [(5, 512, 64, 300), (3, 1024, 512, 1024), (4, 640, 512, 100),
+                                               (2, 2048, 128, 2048), (3, 256, 256, 256)])
+def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
+    from sparse_mla.ops.triton import indexer as kernels
+
+    gen = torch.Generator().manual_seed(cols + k)
+    scores = torch.randn(rows, cols, generator=gen)
+    scores[0, :50] = 0.5  # exact ties: the lowest entries win
+    scores[-1, : cols // 2] = 0.0
+    bits = scores.view(torch.int32).long()
+    packed = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) << 32) | (0xFFFFFFFF - torch.arange(cols))
+    packed[:, valid:] = kernels.INT64_MIN
+    packed = packed.to(DEVICE)
+    out = torch.full((rows, k), 7, dtype=torch.int32, device=DEVICE)
+    kernels.topk_rows(packed, k, out)
+    want = kernels.topk_from_packed(packed, k)
+    same_sets(out, want, rows)
+    got = out.cpu()
+    for r in range(rows):
+        chosen = [x for x in got[r].tolist() if x >= 0]
+        assert chosen == sorted(chosen) and len(chosen) == min(k, valid)  # entry order, then -1
+        assert (got[r, len(chosen):] == -1).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt,select", [("fp8", "triton"), ("bf16", "torch")])
+def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select):
     from sparse_mla.scenario import make_scenario
 
     lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 9)]
@@ -145,7 +170,8 @@ def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt):
     q = torch.randn(batch.token_capacity, 16, 128, generator=gen).to(DEVICE)
     w = torch.randn(batch.token_capacity, 16, generator=gen).to(DEVICE)
     ref = SparseMLAIndexer("c4a", 16, 64, backend="reference")(sc.meta, q, w, cache).clone()
-    small = SparseMLAIndexer("c4a", 16, 64, backend="triton", workspace_bytes=3 * 8 * 64 * (lengths[0][0] // 256 + 1))
+    small = SparseMLAIndexer("c4a", 16, 64, backend="triton", workspace_bytes=3 * 8 * 64 * (lengths[0][0] // 256 + 1),
+                             topk_select=select)
     got = small(sc.meta, q, w, cache)
     assert len(small.step_plan(sc.meta, "triton").chunks) > 1
     same_sets(got, ref, batch.num_tokens)
@@ -210,8 +236,8 @@ FAMILIES = ("sm_80", "sm_89", "sm_90", "sm_100", "gfx942")  # every variant comp
 
 def compile_rows(target_name: str) -> list[dict]:
     """The indexer kernels' launches (scores: fp8 and bf16 keys, decode 64 heads and prefill 32 heads; the query prep,
-    V4 and V3.2) recorded on CPU tensors and compiled for ``target_name`` (``scripts/portability_report.py``'s
-    recorder and compile check)."""
+    V4 and V3.2; the select) recorded on CPU tensors and compiled for ``target_name``
+    (``scripts/portability_report.py``'s recorder and compile check)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from dataclasses import asdict
 
@@ -240,6 +266,10 @@ def compile_rows(target_name: str) -> list[dict]:
                                     torch.zeros(2, 64))
         rows += [asdict(compile_launch(target, f"indexer q prep {'V3.2' if half_split else 'V4'}", c))
                  for c in calls]
+    packed = torch.zeros(4, 8192, dtype=torch.int64)
+    with recorded_launches(target) as calls:
+        kernels.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32))
+    rows += [asdict(compile_launch(target, "indexer select 512 of 8192", c)) for c in calls]
     return rows
 
 
@@ -249,7 +279,7 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, __file__, target], env=env, capture_output=True, text=True, timeout=900)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == (5 if target in FAMILIES else 2), f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert len(rows) == (6 if target in FAMILIES else 3), f"exit {done.returncode}: {done.stderr[-2000:]}"
     for r in rows:
         print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "
               f"in loop {r['loop_spills']} shared {r['shared']}/{r['shared_limit']}")
@@ -283,7 +313,8 @@ def test_benchmark_smoke_writes_the_expected_json(tmp_path, monkeypatch):
     assert [r["case"] for r in result["cases"]] == ["v4-flash-b2", "v32-b2"] and result["copy_gbs"] > 0
     for r in result["cases"]:
         assert r["rows_equal_reference"] == 1.0
-        assert all(r[k] > 0 for k in ("layer_us", "prep_us", "scores_us", "topk_us", "torch_us", "key_read_us"))
+        assert all(r[k] > 0 for k in ("layer_us", "prep_us", "scores_us", "topk_us", "topk_torch_us", "torch_us",
+                                      "key_read_us"))
 
 
 def test_the_plan_bounds_the_workspace_for_a_16k_chunk_on_a_1m_context():

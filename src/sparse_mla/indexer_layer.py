@@ -31,6 +31,7 @@ from .ops.dispatch import check_backend_name, interpreting, resolve_backend
 from .rope import RopeSpec
 
 DEFAULT_INDEXER_WORKSPACE_BYTES = 256 << 20  # the packed scores (int64) of one token chunk
+TOPK_SELECTS = ("auto", "triton", "torch")
 
 
 @dataclass
@@ -86,12 +87,14 @@ class SparseMLAIndexer(torch.nn.Module):
     its heads (H_I, 1-128: 64 V4 / V3.2, 32 V4.1); topk: picks per token; rope: its queries' rope (default: the
     kind's, see :class:`IndexerSpec`); q_format: ``"fp8"`` (per (token, head) power-of-two scales folded into the
     weights) or ``"bf16"``; key_format: if given, the key cache must hold it; backend: ``"auto"``, ``"reference"``
-    or ``"triton"``; workspace_bytes: the packed-score budget of one token chunk (int64 per token and entry).
+    or ``"triton"``; workspace_bytes: the packed-score budget of one token chunk (int64 per token and entry);
+    topk_select (Triton backend): ``"triton"`` (the select kernel, rows up to 16,384 entries; picks in entry order),
+    ``"torch"`` (``torch.topk`` over the packed rows; best first) or ``"auto"`` (the kernel where a row fits).
     """
 
     def __init__(self, kind: str, num_heads: int, topk: int, *, rope: RopeSpec | None = None, q_format: str = "fp8",
                  key_format: str | None = None, backend: str = "auto",
-                 workspace_bytes: int = DEFAULT_INDEXER_WORKSPACE_BYTES) -> None:
+                 workspace_bytes: int = DEFAULT_INDEXER_WORKSPACE_BYTES, topk_select: str = "auto") -> None:
         super().__init__()
         if kind not in PICKS_KINDS:
             raise ValueError(f"kind must be one of {PICKS_KINDS}, got {kind!r}")
@@ -102,6 +105,9 @@ class SparseMLAIndexer(torch.nn.Module):
         check_backend_name(backend)
         self.key_format, self.backend = key_format, backend
         self.workspace_bytes = check_positive_int("workspace_bytes", workspace_bytes)
+        if topk_select not in TOPK_SELECTS:
+            raise ValueError(f"topk_select must be one of {TOPK_SELECTS}, got {topk_select!r}")
+        self.topk_select = topk_select
 
     @property
     def kind(self) -> str:
@@ -166,9 +172,9 @@ class SparseMLAIndexer(torch.nn.Module):
     def forward(self, meta: StepMetadata, q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, *,
                 kept_blocks: torch.Tensor | None = None, select_blocks: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """This step's picks: ``(T_cap, topk)`` int32, each token's best visible entries (best first, ``-1`` fill;
-        padding rows all ``-1``), in this step's buffer (the next call of an indexer of the same configuration
-        overwrites it: hand it to the attention first).
+        """This step's picks: ``(T_cap, topk)`` int32, each token's best visible entries (best first; the Triton
+        select lists them in entry order), ``-1`` fill, padding rows all ``-1``, in this step's buffer: the next call
+        of an indexer of the same configuration overwrites it (hand it to the attention first).
 
         meta: the step's :class:`StepMetadata` (its batch has the ``kind`` block table the key cache shares);
         q: ``(T_cap, H, 128)`` the indexer's queries before rope (``W_q^I · qr``); weights: ``(T_cap, H)`` the raw
@@ -220,6 +226,11 @@ class SparseMLAIndexer(torch.nn.Module):
                 kernels.restrict_to_blocks(packed, plan.kept[t0:t1])
             elif kept_blocks is not None:
                 kernels.restrict_to_blocks(packed, kept_blocks[t0:t1])
-            plan.picks[t0:t1] = torch.where(real, kernels.topk_from_packed(packed, self.topk), -1)
+            if self.topk_select == "torch" or (self.topk_select == "auto"
+                                               and packed.shape[1] > kernels.MAX_TRITON_TOPK_COLS):
+                plan.picks[t0:t1] = kernels.topk_from_packed(packed, self.topk)
+            else:
+                kernels.topk_rows(packed, self.topk, plan.picks[t0:t1])
+            plan.picks[t0:t1].masked_fill_(~real, -1)
 
 

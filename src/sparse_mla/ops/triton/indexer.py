@@ -213,6 +213,50 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         DOT_DTYPE=dot, num_warps=4)
 
 
+MAX_TRITON_TOPK_COLS = 16384  # rows the Triton select holds in registers; longer rows go to torch.topk
+
+
+@triton.jit
+def _topk_rows_kernel(packed_ptr, out_ptr, stride, out_stride, num_cols, K: tl.constexpr, C: tl.constexpr):
+    """One row: the ``K`` largest packed keys' entries, in ascending entry order, ``-1`` fill. The K-th largest key
+    is found bit by bit from the top (the largest ``T`` with ``count(key >= T) >= K``, keys distinct), stopping as
+    soon as exactly K keys are at or above it; then the keys at or above it are compacted in column order."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, C)
+    key = tl.load(packed_ptr + row * stride + cols, mask=cols < num_cols, other=-9223372036854775808)
+    u = (key ^ -9223372036854775808).to(tl.uint64, bitcast=True)  # unsigned order = the keys' order; sentinel: 0
+    valid = u > 0
+    count = tl.sum(valid.to(tl.int32), 0)
+    thr = tl.full((), 1, tl.uint64)  # fewer than K candidates: every valid one
+    if count > K:
+        thr = tl.full((), 0, tl.uint64)
+        bit = 63
+        while (bit >= 0) & (count != K):
+            cand = thr | (tl.full((), 1, tl.uint64) << bit)
+            above = tl.sum((u >= cand).to(tl.int32), 0)
+            thr = tl.where(above >= K, cand, thr)
+            count = tl.where(above >= K, above, count)
+            bit -= 1
+    chosen = (u >= thr) & valid
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    entries = (4294967295 - (key & 4294967295)).to(tl.int32)
+    tl.store(out_ptr + row * out_stride + slot, entries, mask=chosen)
+    fill = tl.arange(0, K)
+    picked = tl.sum(chosen.to(tl.int32), 0)
+    tl.store(out_ptr + row * out_stride + fill, tl.full((K,), -1, tl.int32), mask=fill >= picked)
+
+
+def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    """The Triton select: ``out (rows, k)`` int32 := each row's top-``k`` entries of ``packed (rows, num_cols)``
+    (``num_cols <= MAX_TRITON_TOPK_COLS``), the same set as :func:`topk_from_packed`, listed in entry order."""
+    rows, cols = packed.shape
+    if cols > MAX_TRITON_TOPK_COLS:
+        raise ValueError(f"packed rows longer than {MAX_TRITON_TOPK_COLS} go to topk_from_packed, got {cols}")
+    width = _pow2_at_least(max(cols, k))
+    _topk_rows_kernel[(rows,)](packed, out, packed.stride(0), out.stride(0), cols, K=k, C=width,
+                               num_warps=max(4, min(16, width // 512)))
+
+
 def unpack_entries(packed: torch.Tensor) -> torch.Tensor:
     """Packed keys -> their entries, int32, ``-1`` for ``INT64_MIN`` (no candidate)."""
     entries = _LOW_MASK - (packed & _LOW_MASK)
