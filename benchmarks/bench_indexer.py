@@ -10,7 +10,7 @@ heads, ratio 2: 16,384 entries at 32K, top-k 512); V3.2 (raw keys: 32,768 at 32K
 
 Per case, after a correctness check (the picks of :class:`SparseMLAIndexer` against the reference's, as sets per
 token: the share of rows equal), CUDA-graph replays of: the whole layer call (``prep + scores + top-k``), the query
-prep alone, the score kernel alone, the top-k alone (the Triton select where a row fits, and ``torch.topk`` over the
+prep alone, the score kernel alone, the top-k alone (the Triton select, the layer's, and ``torch.topk`` over the
 packed rows), and a plain PyTorch path (the keys gathered and dequantised,
 one einsum, ReLU, the weighted head sum, the causal mask, ``torch.topk``; what an engine without kernels runs).
 Against (a) the time to read the case's key bytes at the copy rate measured in the same run (a device-to-device
@@ -157,8 +157,7 @@ def run_case(case: Case, env: Env, rate_gbs: float) -> dict:
         packed = plan.workspace[: t1 - t0]
         parts["scores_us"] = lambda: kernels.index_scores(q_dot, w_ready, cache, step, packed, t0, t1, longest, dot,
                                                           native)
-        if packed.shape[1] <= kernels.MAX_TRITON_TOPK_COLS:  # what the layer's "auto" select runs
-            parts["topk_us"] = lambda: kernels.topk_rows(packed, case.topk, plan.picks[t0:t1])
+        parts["topk_us"] = lambda: kernels.topk_rows(packed, case.topk, plan.picks[t0:t1])  # the layer's select
         parts["topk_torch_us"] = lambda: kernels.topk_from_packed(packed, case.topk)
     parts["torch_us"] = lambda: torch_path(q_ready, w_ready, cache, step, case)
     for name, fn in parts.items():

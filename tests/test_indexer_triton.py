@@ -129,14 +129,18 @@ def test_kernel_two_level_selection_equals_the_reference():
 
 @needs_kernels
 @pytest.mark.parametrize("rows,cols,k,valid", [(5, 512, 64, 300), (3, 1024, 512, 1024), (4, 640, 512, 100),
-                                               (2, 2048, 128, 2048), (3, 256, 256, 256)])
+                                               (2, 2048, 128, 2048), (3, 256, 256, 256), (2, 32768, 512, 30000),
+                                               (1, 16384 + 8192, 2048, 20000)])
 def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
+    """Rows in one program, and long rows by segments (two launches), against torch.topk's set."""
     from sparse_mla.ops.triton import indexer as kernels
 
     gen = torch.Generator().manual_seed(cols + k)
     scores = torch.randn(rows, cols, generator=gen)
     scores[0, :50] = 0.5  # exact ties: the lowest entries win
     scores[-1, : cols // 2] = 0.0
+    if cols > 16384:  # segments: the best entries crowd into one of them
+        scores[0, 9000:9000 + k] += 10.0
     bits = scores.view(torch.int32).long()
     packed = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) << 32) | (0xFFFFFFFF - torch.arange(cols))
     packed[:, valid:] = kernels.INT64_MIN
@@ -266,10 +270,10 @@ def compile_rows(target_name: str) -> list[dict]:
                                     torch.zeros(2, 64))
         rows += [asdict(compile_launch(target, f"indexer q prep {'V3.2' if half_split else 'V4'}", c))
                  for c in calls]
-    packed = torch.zeros(4, 8192, dtype=torch.int64)
+    packed = torch.zeros(4, 32768, dtype=torch.int64)  # four segments' keys, then the row's entries
     with recorded_launches(target) as calls:
         kernels.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32))
-    rows += [asdict(compile_launch(target, "indexer select 512 of 8192", c)) for c in calls]
+    rows += [asdict(compile_launch(target, f"indexer select 512 of {n}", c)) for n, c in zip((32768, 2048), calls)]
     return rows
 
 
@@ -279,7 +283,7 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, __file__, target], env=env, capture_output=True, text=True, timeout=900)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == (6 if target in FAMILIES else 3), f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert len(rows) == (7 if target in FAMILIES else 4), f"exit {done.returncode}: {done.stderr[-2000:]}"
     for r in rows:
         print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "
               f"in loop {r['loop_spills']} shared {r['shared']}/{r['shared_limit']}")

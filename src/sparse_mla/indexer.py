@@ -41,6 +41,9 @@ Q_FORMATS = ("fp8", "bf16")
 BLOCK_ENTRIES = 8  # V4.1's two-level selection: entries per block
 KEPT_BLOCKS = 2048  # V4.1's two-level selection: blocks kept
 MIN_HEADS, MAX_HEADS = 1, 128
+# the Triton select (ops/triton/indexer.py): a row of up to MAX_SELECT_COLS entries in one program's registers;
+# longer rows in segments of SELECT_SEGMENT entries, whose top k are the candidates (planning pads rows to segments)
+MAX_SELECT_COLS, SELECT_SEGMENT = 16384, 8192
 ROPE_DIM = 64  # rotated dims of an indexer query (V4 / V4.1: the last 64, V3.2: the first 64)
 
 

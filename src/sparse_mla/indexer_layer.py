@@ -22,8 +22,8 @@ import torch
 
 from ._checks import check_positive_int, check_tensor
 from .config import COMPRESS_RATIO, PICKS_KINDS, ModelConfig
-from .indexer import (KEPT_BLOCKS, IndexerSpec, StepTokens, check_step_inputs, index_topk_reference,
-                      prepare_queries, top_blocks_reference)
+from .indexer import (KEPT_BLOCKS, MAX_SELECT_COLS, SELECT_SEGMENT, IndexerSpec, StepTokens, check_step_inputs,
+                      index_topk_reference, prepare_queries, top_blocks_reference)
 from .indexer_cache import INDEX_FORMATS, IndexerKeyCache
 from .metadata import StepMetadata
 from .ops import targets
@@ -88,8 +88,8 @@ class SparseMLAIndexer(torch.nn.Module):
     kind's, see :class:`IndexerSpec`); q_format: ``"fp8"`` (per (token, head) power-of-two scales folded into the
     weights) or ``"bf16"``; key_format: if given, the key cache must hold it; backend: ``"auto"``, ``"reference"``
     or ``"triton"``; workspace_bytes: the packed-score budget of one token chunk (int64 per token and entry);
-    topk_select (Triton backend): ``"triton"`` (the select kernel, rows up to 16,384 entries; picks in entry order),
-    ``"torch"`` (``torch.topk`` over the packed rows; best first) or ``"auto"`` (the kernel where a row fits).
+    topk_select (Triton backend): ``"triton"`` (the select kernel; picks in entry order) or ``"torch"``
+    (``torch.topk`` over the packed rows; best first); ``"auto"``: the kernel.
     """
 
     def __init__(self, kind: str, num_heads: int, topk: int, *, rope: RopeSpec | None = None, q_format: str = "fp8",
@@ -150,6 +150,8 @@ class SparseMLAIndexer(torch.nn.Module):
         step = StepTokens.of(batch, self.kind)
         most = max((s // ratio for s in batch.seq_lens_host), default=0)
         num_cols = max(-(-most // 64) * 64, -(-self.topk // 64) * 64, 64)
+        if num_cols > MAX_SELECT_COLS:  # the Triton select's segments
+            num_cols = -(-num_cols // SELECT_SEGMENT) * SELECT_SEGMENT
         cap = batch.token_capacity
         dev = batch.device
         picks = torch.full((cap, self.topk), -1, dtype=torch.int32, device=dev)
@@ -226,8 +228,7 @@ class SparseMLAIndexer(torch.nn.Module):
                 kernels.restrict_to_blocks(packed, plan.kept[t0:t1])
             elif kept_blocks is not None:
                 kernels.restrict_to_blocks(packed, kept_blocks[t0:t1])
-            if self.topk_select == "torch" or (self.topk_select == "auto"
-                                               and packed.shape[1] > kernels.MAX_TRITON_TOPK_COLS):
+            if self.topk_select == "torch" or self.topk > SELECT_SEGMENT:
                 plan.picks[t0:t1] = kernels.topk_from_packed(packed, self.topk)
             else:
                 kernels.topk_rows(packed, self.topk, plan.picks[t0:t1])

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...indexer import BLOCK_ENTRIES, StepTokens
+from ...indexer import BLOCK_ENTRIES, MAX_SELECT_COLS, SELECT_SEGMENT, StepTokens
 from ...indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from ..fp8 import e4m3_decode, e4m3_gain
 from ..triton_cache import _round_half_even
@@ -213,12 +213,13 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         DOT_DTYPE=dot, num_warps=4)
 
 
-MAX_TRITON_TOPK_COLS = 16384  # rows the Triton select holds in registers; longer rows go to torch.topk
 
 
 @triton.jit
-def _topk_rows_kernel(packed_ptr, out_ptr, stride, out_stride, num_cols, K: tl.constexpr, C: tl.constexpr):
-    """One row: the ``K`` largest packed keys' entries, in ascending entry order, ``-1`` fill. The K-th largest key
+def _topk_rows_kernel(packed_ptr, out_ptr, stride, out_stride, num_cols, K: tl.constexpr, C: tl.constexpr,
+                      KEYS: tl.constexpr):
+    """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
+    ``-1`` fill (``KEYS``: ``INT64_MIN``). The K-th largest key
     is found bit by bit from the top (the largest ``T`` with ``count(key >= T) >= K``, keys distinct), stopping as
     soon as exactly K keys are at or above it; then the keys at or above it are compacted in column order."""
     row = tl.program_id(0).to(tl.int64)
@@ -239,22 +240,39 @@ def _topk_rows_kernel(packed_ptr, out_ptr, stride, out_stride, num_cols, K: tl.c
             bit -= 1
     chosen = (u >= thr) & valid
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
-    entries = (4294967295 - (key & 4294967295)).to(tl.int32)
-    tl.store(out_ptr + row * out_stride + slot, entries, mask=chosen)
     fill = tl.arange(0, K)
     picked = tl.sum(chosen.to(tl.int32), 0)
-    tl.store(out_ptr + row * out_stride + fill, tl.full((K,), -1, tl.int32), mask=fill >= picked)
+    if KEYS:
+        tl.store(out_ptr + row * out_stride + slot, key, mask=chosen)
+        tl.store(out_ptr + row * out_stride + fill, tl.full((K,), -9223372036854775808, tl.int64), mask=fill >= picked)
+    else:
+        tl.store(out_ptr + row * out_stride + slot, (4294967295 - (key & 4294967295)).to(tl.int32), mask=chosen)
+        tl.store(out_ptr + row * out_stride + fill, tl.full((K,), -1, tl.int32), mask=fill >= picked)
+
+
+def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool) -> None:
+    rows, cols = packed.shape
+    width = _pow2_at_least(max(cols, k))
+    _topk_rows_kernel[(rows,)](packed, out, packed.stride(0), out.stride(0), cols, K=k, C=width, KEYS=keys,
+                               num_warps=max(4, min(16, width // 512)))
 
 
 def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor) -> None:
-    """The Triton select: ``out (rows, k)`` int32 := each row's top-``k`` entries of ``packed (rows, num_cols)``
-    (``num_cols <= MAX_TRITON_TOPK_COLS``), the same set as :func:`topk_from_packed`, listed in entry order."""
+    """The Triton select: ``out (rows, k)`` int32 := each row's top-``k`` entries of ``packed (rows, num_cols)``,
+    the same set as :func:`topk_from_packed`, listed in entry order, ``-1`` fill. A row longer than
+    :data:`MAX_SELECT_COLS` (``num_cols`` then a multiple of :data:`SELECT_SEGMENT`, ``k`` at most a segment) is
+    selected in two launches or more: each segment's top ``k`` keys, then the top ``k`` of those (the row's top ``k``
+    are among them)."""
     rows, cols = packed.shape
-    if cols > MAX_TRITON_TOPK_COLS:
-        raise ValueError(f"packed rows longer than {MAX_TRITON_TOPK_COLS} go to topk_from_packed, got {cols}")
-    width = _pow2_at_least(max(cols, k))
-    _topk_rows_kernel[(rows,)](packed, out, packed.stride(0), out.stride(0), cols, K=k, C=width,
-                               num_warps=max(4, min(16, width // 512)))
+    while cols > MAX_SELECT_COLS:
+        if cols % SELECT_SEGMENT or k > SELECT_SEGMENT or not packed.is_contiguous():
+            raise ValueError(f"a packed row of {cols} columns must be contiguous, a multiple of {SELECT_SEGMENT} "
+                             f"columns, and k ({k}) at most {SELECT_SEGMENT}")
+        segments = packed.view(rows * (cols // SELECT_SEGMENT), SELECT_SEGMENT)
+        winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
+        _launch_select(segments, k, winners, True)
+        packed, cols = winners.view(rows, -1), winners.numel() // rows
+    _launch_select(packed, k, out, False)
 
 
 def unpack_entries(packed: torch.Tensor) -> torch.Tensor:
