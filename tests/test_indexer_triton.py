@@ -29,7 +29,7 @@ needs_kernels = pytest.mark.skipif(not KERNEL_RUNS, reason="needs a GPU or TRITO
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 
-def kernel_picks(case, topk: int, kept=None, select=False, rows=None):
+def kernel_picks(case, topk: int, kept=None, select=False, rows=None, num_kept=2048):
     """Picks through the kernels: packed scores of every token (``rows`` tokens per launch), then the select."""
     from sparse_mla.ops.triton import indexer as kernels
 
@@ -40,7 +40,7 @@ def kernel_picks(case, topk: int, kept=None, select=False, rows=None):
     cols = max(-(-most // 64) * 64, topk)
     rows = rows or case.num_tokens
     picks = torch.full((case.q.shape[0], topk), -1, dtype=torch.int32, device=DEVICE)
-    blocks = torch.full((case.q.shape[0], 2048), -1, dtype=torch.int32, device=DEVICE)
+    blocks = torch.full((case.q.shape[0], num_kept), -1, dtype=torch.int32, device=DEVICE)
     qsl = step.query_start_loc.tolist()
     for t0 in range(0, case.num_tokens, rows):
         t1 = min(case.num_tokens, t0 + rows)
@@ -48,7 +48,7 @@ def kernel_picks(case, topk: int, kept=None, select=False, rows=None):
         packed = torch.empty(t1 - t0, cols, dtype=torch.int64, device=DEVICE)
         kernels.index_scores(case.q.to(dot), case.w, case.cache, step, packed, t0, t1, max(1, longest), dot, native)
         if select:
-            blocks[t0:t1] = kernels.top_blocks_from_packed(packed, step.positions[t0:t1], step.ratio, 2048)
+            blocks[t0:t1] = kernels.top_blocks_from_packed(packed, step.positions[t0:t1], step.ratio, num_kept)
             kernels.restrict_to_blocks(packed, blocks[t0:t1])
         elif kept is not None:
             kernels.restrict_to_blocks(packed, kept[t0:t1])
@@ -116,9 +116,10 @@ def test_kernel_two_level_selection_equals_the_reference():
     spec = IndexerSpec(num_heads=32, topk=64, kind="c2a")
     gen = torch.Generator().manual_seed(11)
     case = make_case(gen, [(sized(600, 40000), 2), (sized(300, 9000), 5)], spec, "fp8", DEVICE)
-    ref_kept = top_blocks_reference(case.q, case.w, case.cache, case.step)
+    kept_count = sized(12, 2048)  # fewer than the blocks there are, so the selection binds
+    ref_kept = top_blocks_reference(case.q, case.w, case.cache, case.step, num_kept=kept_count)
     ref = index_topk_reference(case.q, case.w, case.cache, case.step, 64, kept_blocks=ref_kept)
-    got, kept = kernel_picks(case, 64, select=True)
+    got, kept = kernel_picks(case, 64, select=True, num_kept=kept_count)
     n = case.num_tokens
     assert torch.equal(kept[:n, :1].cpu(), ref_kept[:n, :1].cpu()), "the pinned newest block"
     same_sets(kept, ref_kept, n)
@@ -369,3 +370,58 @@ def test_a_1m_context_and_a_16k_prefill_chunk_run_and_match_the_reference(length
     got = SparseMLAIndexer("c4a", 64, 512, workspace_bytes=128 << 20)(meta, q, w, cache)
     ref = SparseMLAIndexer("c4a", 64, 512, backend="reference")(meta, q, w, cache)
     same_sets(got, ref, batch.num_tokens)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_kernels)])
+def test_v41_layers_20_to_27_select_blocks_once_and_pick_inside_them(backend):
+    """V4.1-Flash's layers 20-27 (c1a): 20 is the last kv source (its keys, its blocks), 24 an index source that
+    rescores 20's keys with its own queries inside 20's blocks, the others reuse the latest picks."""
+    from sparse_mla.config import V41_KINDS, get_config
+    from sparse_mla.indexer_layer import indexer_role
+    from sparse_mla.scenario import make_scenario
+
+    cfg = get_config("deepseek-v4.1-flash")
+    lengths = [(sized(3000, 40000), 2), (sized(1500, 20000), 3)]
+    sc = make_scenario(lengths, window=4, topk=32, fmt="bf16", decode_threshold=2, kinds=V41_KINDS,
+                       block_sizes={"swa": 64, "c2a": 64, "c1a": 64}, device=DEVICE)
+    batch = sc.batch
+    keys = IndexerKeyCache(sc.caches["c1a"].num_blocks, "fp8", device=DEVICE)
+    keys.poison()
+    gen = torch.Generator().manual_seed(21)
+    for r, (seq, _) in enumerate(lengths):
+        entries = torch.arange(seq, dtype=torch.int32, device=DEVICE)
+        keys.write(torch.randn(seq, 128, generator=gen).to(DEVICE), batch.entry_slots("c1a", r, entries))
+    indexer = SparseMLAIndexer("c1a", 32, 32, backend=backend)
+    cap = batch.token_capacity
+    picks, kept, used = {}, None, {}
+    for layer in range(20, 28):
+        role = indexer_role(cfg, layer)
+        assert role.kv_source == 20
+        if not role.runs:
+            picks[layer] = picks[role.index_source]
+            continue
+        q = torch.randn(cap, 32, 128, generator=gen).to(DEVICE)
+        w = torch.randn(cap, 32, generator=gen).to(DEVICE)
+        used[layer] = (q, w)
+        if role.two_level == "select":
+            got, kept = indexer(sc.meta, q, w, keys, select_blocks=True)
+            kept = kept.clone()
+        else:
+            got = indexer(sc.meta, q, w, keys, kept_blocks=kept)
+        picks[layer] = got.clone()
+    assert set(used) == {20, 24} and all(torch.equal(picks[i], picks[20]) for i in (21, 22, 23))
+    step = StepTokens.of(batch, "c1a")
+    for layer, (q, w) in used.items():
+        spec = indexer.spec
+        from sparse_mla.indexer import prepare_queries
+
+        q_ready, w_ready = prepare_queries(q, w, batch.positions, spec)
+        want_kept = top_blocks_reference(q_ready, w_ready, keys, step) if layer == 20 else None
+        if layer == 20:
+            same_sets(kept, want_kept, batch.num_tokens)
+        want = index_topk_reference(q_ready, w_ready, keys, step, 32, kept_blocks=kept)
+        same_sets(picks[layer], want, batch.num_tokens)
+        for t in range(batch.num_tokens):  # every pick inside the kept blocks, the newest block kept
+            inside = set(kept[t].tolist()) - {-1}
+            assert {int(x) // 8 for x in picks[layer][t].tolist() if x >= 0} <= inside
+            assert (int(batch.positions[t])) // 8 in inside
