@@ -19,7 +19,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import DEVICE, KERNEL_RUNS, ON_GPU, sized  # noqa: E402
 from indexer_cases import make_case  # noqa: E402
-from sparse_mla.indexer import IndexerSpec, StepTokens, index_topk_reference, top_blocks_reference  # noqa: E402
+from sparse_mla.indexer import (IndexerSpec, StepTokens, index_topk_reference, prepare_queries,  # noqa: E402
+                                top_blocks_reference)
 from sparse_mla.indexer_cache import IndexerKeyCache  # noqa: E402
 from sparse_mla.indexer_layer import SparseMLAIndexer  # noqa: E402
 from sparse_mla.ops import targets  # noqa: E402
@@ -90,7 +91,6 @@ def test_kernel_picks_equal_the_reference_on_poisoned_caches(kind, heads, topk, 
 @pytest.mark.parametrize("kind,heads,q_format", [("c4a", 64, "fp8"), ("c2a", 12, "fp8"), ("dsa", 8, "fp8"),
                                                  ("c4a", 32, "bf16"), ("dsa", 5, "bf16")])
 def test_query_prep_kernel_equals_the_reference_bit_for_bit(kind, heads, q_format):
-    from sparse_mla.indexer import prepare_queries
     from sparse_mla.ops.triton import indexer as kernels
 
     spec = IndexerSpec(num_heads=heads, topk=64, kind=kind, q_format=q_format)
@@ -412,10 +412,7 @@ def test_v41_layers_20_to_27_select_blocks_once_and_pick_inside_them(backend):
     assert set(used) == {20, 24} and all(torch.equal(picks[i], picks[20]) for i in (21, 22, 23))
     step = StepTokens.of(batch, "c1a")
     for layer, (q, w) in used.items():
-        spec = indexer.spec
-        from sparse_mla.indexer import prepare_queries
-
-        q_ready, w_ready = prepare_queries(q, w, batch.positions, spec)
+        q_ready, w_ready = prepare_queries(q, w, batch.positions, indexer.spec)
         want_kept = top_blocks_reference(q_ready, w_ready, keys, step) if layer == 20 else None
         if layer == 20:
             same_sets(kept, want_kept, batch.num_tokens)

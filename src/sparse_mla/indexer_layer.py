@@ -209,6 +209,7 @@ class SparseMLAIndexer(torch.nn.Module):
 
         check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, torch.float32))
         check_tensor("weights", w, dtype=(torch.bfloat16, torch.float16, torch.float32))
+        q, w = q.contiguous(), w.contiguous()  # the prep kernel reads rows of H · 128 and H values
         angles = plan.step.positions.clamp_min(0).float()[:, None] * plan.inv_freq  # as RopeSpec.cos_sin
         cos, sin = angles.cos(), angles.sin()
         kernels.prepare_queries(q, w, cos, sin, self.kind == "dsa", self.spec.q_format == "fp8",

@@ -162,7 +162,7 @@ def _prepare_queries_kernel(
 def prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half_split: bool,
                     fp8_q: bool, weight_scale: float, q_out: torch.Tensor, w_out: torch.Tensor) -> None:
     """:func:`sparse_mla.indexer.prepare_queries` in one launch, the same values: ``q (T, H, 128)``, ``weights (T, H)``
-    (checked by the caller), ``cos`` / ``sin`` ``(T, 32)`` float32 of the tokens' positions (the rope's angles, as
+    (contiguous, checked by the caller), ``cos`` / ``sin`` ``(T, 32)`` float32 of the tokens' positions (the rope's angles, as
     the reference computes them), into ``q_out (T, H, 128)`` (float32 or bf16: exact) and ``w_out (T, H)`` float32.
     """
     hp = _pow2_at_least(q.shape[1])
@@ -196,8 +196,11 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     ``torch.bfloat16``; native_fp8: the target converts e4m3 with instructions."""
     if cache.block_size != 64:
         raise ValueError(f"cache.block_size must be 64 for the Triton indexer, got {cache.block_size}")
-    if out.dtype != torch.int64 or out.dim() != 2 or out.shape[0] < t1 - t0:
-        raise ValueError(f"out must be int64 (>= {t1 - t0}, num_cols), got {out.dtype} {tuple(out.shape)}")
+    if out.dtype != torch.int64 or out.dim() != 2 or out.shape[0] < t1 - t0 or out.stride(1) != 1:
+        raise ValueError(f"out must be int64 (>= {t1 - t0}, num_cols) with unit column stride, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if not (q.is_contiguous() and weights.is_contiguous()):
+        raise ValueError("q and weights must be contiguous (the kernel reads rows of H · 128 and of H)")
     num_reqs = step.query_start_loc.shape[0] - 1
     num_cols = out.shape[1]
     hp, qt, per_program = launch_shape(q.shape[1], max_query_len, num_reqs, num_cols)
