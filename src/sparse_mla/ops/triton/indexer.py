@@ -162,8 +162,9 @@ def _prepare_queries_kernel(
 def prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half_split: bool,
                     fp8_q: bool, weight_scale: float, q_out: torch.Tensor, w_out: torch.Tensor) -> None:
     """:func:`sparse_mla.indexer.prepare_queries` in one launch, the same values: ``q (T, H, 128)``, ``weights (T, H)``
-    (contiguous, checked by the caller), ``cos`` / ``sin`` ``(T, 32)`` float32 of the tokens' positions (the rope's angles, as
-    the reference computes them), into ``q_out (T, H, 128)`` (float32 or bf16: exact) and ``w_out (T, H)`` float32.
+    (contiguous, checked by the caller), ``cos`` / ``sin`` ``(T, 32)`` float32 of the tokens' positions (the rope's
+    angles, as the reference computes them), into ``q_out (T, H, 128)`` (float32 or bf16: exact) and ``w_out (T, H)``
+    float32.
     """
     hp = _pow2_at_least(q.shape[1])
     _prepare_queries_kernel[(q.shape[0],)](q, weights, cos, sin, q_out, w_out, q.shape[1], weight_scale, HP=hp,
