@@ -148,10 +148,8 @@ def run_case(case: Case, env: Env, rate_gbs: float) -> dict:
     q_dot = q_ready.to(dot)
     native = targets.target_of(dev).native_fp8
     (t0, t1, longest), = plan.chunks[:1] if len(plan.chunks) == 1 else [(0, 0, 0)]
-    angles = batch.positions.clamp_min(0).float()[:, None] * plan.inv_freq
-    cos, sin = angles.cos(), angles.sin()
     parts = {"layer_us": lambda: layer(meta, q, w, cache),
-             "prep_us": lambda: kernels.prepare_queries(q, w, cos, sin, case.kind == "dsa", True,
+             "prep_us": lambda: kernels.prepare_queries(q, w, plan.cos, plan.sin, case.kind == "dsa", True,
                                                         layer.spec.weight_scale, plan.q, plan.w)}
     if len(plan.chunks) == 1:  # the parts of a one-chunk call
         packed = plan.workspace[: t1 - t0]

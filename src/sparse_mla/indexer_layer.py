@@ -40,7 +40,7 @@ class IndexerPlan:
     (``num_cols``, a multiple of 64, at least topk), the token chunks ``[(t0, t1, max_query_len)]``, the workspace
     ``(rows, num_cols)`` int64, the output buffers ``picks (T_cap, topk)`` / ``kept (T_cap, 2048)`` int32, and (Triton)
     the prepared queries ``q (T_cap, H, 128)`` in the dot dtype, weights ``w (T_cap, H)`` float32 and the rope's
-    ``inv_freq (32,)``."""
+    ``cos`` / ``sin`` ``(T_cap, 32)`` at the step's positions (once per step, for every layer)."""
 
     step: StepTokens
     num_cols: int
@@ -50,7 +50,8 @@ class IndexerPlan:
     kept: torch.Tensor
     q: torch.Tensor | None = None
     w: torch.Tensor | None = None
-    inv_freq: torch.Tensor | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,8 @@ class SparseMLAIndexer(torch.nn.Module):
         heads = self.spec.num_heads
         q = torch.empty(cap, heads, 128, dtype=torch.float32 if interpreting() else torch.bfloat16, device=dev)
         w = torch.empty(cap, heads, dtype=torch.float32, device=dev)
-        return IndexerPlan(step, num_cols, chunks, workspace, picks, kept, q, w, self.spec.rope_spec.inv_freq(dev))
+        angles = step.positions.clamp_min(0).float()[:, None] * self.spec.rope_spec.inv_freq(dev)  # as cos_sin
+        return IndexerPlan(step, num_cols, chunks, workspace, picks, kept, q, w, angles.cos(), angles.sin())
 
     def forward(self, meta: StepMetadata, q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, *,
                 kept_blocks: torch.Tensor | None = None, select_blocks: bool = False
@@ -210,9 +212,7 @@ class SparseMLAIndexer(torch.nn.Module):
         check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, torch.float32))
         check_tensor("weights", w, dtype=(torch.bfloat16, torch.float16, torch.float32))
         q, w = q.contiguous(), w.contiguous()  # the prep kernel reads rows of H · 128 and H values
-        angles = plan.step.positions.clamp_min(0).float()[:, None] * plan.inv_freq  # as RopeSpec.cos_sin
-        cos, sin = angles.cos(), angles.sin()
-        kernels.prepare_queries(q, w, cos, sin, self.kind == "dsa", self.spec.q_format == "fp8",
+        kernels.prepare_queries(q, w, plan.cos, plan.sin, self.kind == "dsa", self.spec.q_format == "fp8",
                                 self.spec.weight_scale, plan.q, plan.w)
         q, w = plan.q, plan.w
         check_step_inputs(q, w, cache, plan.step, self.topk)
