@@ -221,11 +221,10 @@ class SparseMLAIndexer(torch.nn.Module):
         for t0, t1, longest in plan.chunks:
             packed = plan.workspace[: t1 - t0]
             kernels.index_scores(q, w, cache, plan.step, packed, t0, t1, longest, dot_dtype, native_fp8)
-            real = plan.step.positions[t0:t1, None] >= 0
+            # the chunks cover the step's real tokens [0, num_tokens); padding rows keep the plan's -1
             if select_blocks:
-                blocks = kernels.top_blocks_from_packed(packed, plan.step.positions[t0:t1], plan.step.ratio,
-                                                        KEPT_BLOCKS)
-                plan.kept[t0:t1] = torch.where(real, blocks, -1)
+                plan.kept[t0:t1] = kernels.top_blocks_from_packed(packed, plan.step.positions[t0:t1],
+                                                                  plan.step.ratio, KEPT_BLOCKS)
                 kernels.restrict_to_blocks(packed, plan.kept[t0:t1])
             elif kept_blocks is not None:
                 kernels.restrict_to_blocks(packed, kept_blocks[t0:t1])
@@ -233,6 +232,5 @@ class SparseMLAIndexer(torch.nn.Module):
                 plan.picks[t0:t1] = kernels.topk_from_packed(packed, self.topk)
             else:
                 kernels.topk_rows(packed, self.topk, plan.picks[t0:t1])
-            plan.picks[t0:t1].masked_fill_(~real, -1)
 
 
