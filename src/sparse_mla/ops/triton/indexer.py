@@ -1,4 +1,5 @@
-"""The lightning indexer's Triton kernels: scores over the paged key cache, packed for a deterministic top-k.
+"""The lightning indexer's Triton kernels: the query prep, the scores over the paged key cache packed for a
+deterministic top-k, and the select.
 
 Reference and formulas: :mod:`sparse_mla.indexer`. One program takes a tile of ``QT`` query tokens of one request —
 all their heads, ``M = QT · HP`` rows (``HP`` = the heads padded to a power of two, the padding weighted 0) — and
@@ -10,9 +11,12 @@ tokens and heads.
 Each score is stored *packed* into an int64 with its entry: ``(order-preserving bits of the float32 score) << 32 |
 (2^32 - 1 - entry)``, so every key of a row is distinct, larger means a higher score and, among equal scores, a lower
 entry; an entry the token may not see (``(w + 1)·r > p + 1``, a block number ``-1`` or past the cache) stores
-``INT64_MIN``. The top-k is then ``torch.topk`` over int64 keys (:func:`topk_from_packed`): a unique answer, ties to
-the lowest entry, whatever the select's order of work, and CUDA-graph capturable. -0.0 is stored as +0.0 (ReLU
-zeros weighted by a negative weight), so the order is the float order.
+``INT64_MIN``. The top-k of a row is then a unique set, ties to the lowest entry, whatever the select's order of
+work: the Triton select (:func:`topk_rows`) or ``torch.topk`` over the int64 keys (:func:`topk_from_packed`), both
+CUDA-graph capturable. -0.0 is stored as +0.0 (ReLU zeros weighted by a negative weight), so the order is the float
+order.
+
+The query prep (:func:`prepare_queries`) is one launch per layer, bit for bit the reference's.
 
 The workspace is ``(rows, num_cols)`` int64 with ``num_cols`` ≥ the step's longest request's entries (a multiple of
 64, at least ``topk``): the layer sizes the row chunk to its workspace budget (:mod:`sparse_mla.indexer_layer`).
