@@ -14,8 +14,9 @@ prep alone, the score kernel alone, the top-k alone (the Triton select, the laye
 packed rows), and a plain PyTorch path (the keys gathered and dequantised,
 one einsum, ReLU, the weighted head sum, the causal mask, ``torch.topk``; what an engine without kernels runs).
 Against (a) the time to read the case's key bytes at the copy rate measured in the same run (a device-to-device
-copy of 1 GiB: bytes read + written over time) and (b) the PyTorch path. JSON to ``--out/bench_indexer.json``; the
-table printed last.
+copy of 1 GiB: bytes read + written over time; the decode goal: at most 2×), the q·k flops at the bf16 matmul rate of
+the same run (the prefill's tensor-core ceiling; goal: within 2×) and (b) the PyTorch path. JSON to
+``--out/bench_indexer.json``; the table printed last.
 """
 from __future__ import annotations
 
@@ -122,7 +123,16 @@ def copy_gbs(device: torch.device, rep_ms: int) -> float:
     return 2 * n / us / 1e3
 
 
-def run_case(case: Case, env: Env, rate_gbs: float) -> dict:
+def matmul_tflops(device: torch.device, rep_ms: int) -> float:
+    """The bf16 tensor-core rate of a large matmul, TFLOP/s (the prefill's ceiling)."""
+    n = 8192 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    us = timed(lambda: a @ b, rep_ms)
+    return 2 * n ** 3 / us / 1e6
+
+
+def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
     from sparse_mla.ops.triton import indexer as kernels
 
     dev = env.device
@@ -139,9 +149,12 @@ def run_case(case: Case, env: Env, rate_gbs: float) -> dict:
     same = (picks.sort(1).values == ref.sort(1).values).all(1)[: batch.num_tokens].float().mean().item()
     entries = case.context // COMPRESS_RATIO[case.kind]
     key_bytes = case.batch * entries * KEY_BYTES[cache.fmt]
+    flops = 2 * 128 * case.heads * case.batch * sum(  # q·k over each token's visible entries
+        (case.context - case.query_len + i + 1) // COMPRESS_RATIO[case.kind] for i in range(case.query_len))
     row = dict(case=case.name, kind=case.kind, heads=case.heads, topk=case.topk, batch=case.batch,
                query_len=case.query_len, context=case.context, entries=entries, key_mb=key_bytes / 1e6,
-               key_read_us=key_bytes / rate_gbs / 1e3, rows_equal_reference=same)
+               key_read_us=key_bytes / rate_gbs / 1e3, tensor_core_us=flops / tflops / 1e6,
+               rows_equal_reference=same)
     del ref
     plan = layer.step_plan(meta, "triton")
     dot = torch.float32 if interpreting() else torch.bfloat16
@@ -168,6 +181,7 @@ def run_case(case: Case, env: Env, rate_gbs: float) -> dict:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     row["layer_over_key_read"] = row["layer_us"] / row["key_read_us"]
+    row["layer_over_tensor_core"] = row["layer_us"] / row["tensor_core_us"]
     select_us = row.get("topk_us") or row.get("topk_torch_us")
     if row.get("scores_us") and select_us:
         row["topk_share_of_scores"] = select_us / row["scores_us"]
@@ -179,8 +193,10 @@ def run_case(case: Case, env: Env, rate_gbs: float) -> dict:
 def results_table(result: dict) -> Table:
     table = Table(title=f"Lightning indexer per layer (prep + scores + top-k) — {result['device']}",
                   caption=f"µs, CUDA-graph replays; key read = the keys' bytes at the copy rate "
-                          f"({result['copy_gbs']:.0f} GB/s, same run); = ref: rows whose picks equal the reference's")
-    for col in ("case", "keys MB", "key read", "layer", "× key read", "prep", "scores", "top-k", "torch.topk",
+                          f"({result['copy_gbs']:.0f} GB/s, same run); TC = the q·k flops at the bf16 matmul rate "
+                          f"({result['matmul_tflops']:.0f} TFLOP/s, same run); = ref: rows whose picks equal the "
+                          f"reference's")
+    for col in ("case", "keys MB", "key read", "layer", "× key read", "× TC", "prep", "scores", "top-k", "torch.topk",
                 "top-k / scores", "PyTorch", "speed-up", "= ref"):
         table.add_column(col, justify="left" if col == "case" else "right")
 
@@ -189,9 +205,10 @@ def results_table(result: dict) -> Table:
 
     for r in result["cases"]:
         table.add_row(r["case"], f(r["key_mb"]), f(r["key_read_us"]), f(r["layer_us"]),
-                      f(r["layer_over_key_read"], ".2f"), f(r.get("prep_us")), f(r.get("scores_us")),
-                      f(r.get("topk_us")), f(r.get("topk_torch_us")), f(r.get("topk_share_of_scores"), ".0%"),
-                      f(r.get("torch_us")), f(r.get("speedup_vs_torch"), ".1f"), f(r["rows_equal_reference"], ".3f"))
+                      f(r["layer_over_key_read"], ".2f"), f(r["layer_over_tensor_core"], ".2f"),
+                      f(r.get("prep_us")), f(r.get("scores_us")), f(r.get("topk_us")), f(r.get("topk_torch_us")),
+                      f(r.get("topk_share_of_scores"), ".0%"), f(r.get("torch_us")),
+                      f(r.get("speedup_vs_torch"), ".1f"), f(r["rows_equal_reference"], ".3f"))
     return table
 
 
@@ -219,12 +236,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     chosen = [c for c in cases(args.smoke) if not args.cases or c.name in args.cases]
     result = dict(run_info(env), smoke=args.smoke, graphs=env.graphs, copy_gbs=copy_gbs(env.device, env.rep_ms),
-                  cases=[])
+                  matmul_tflops=matmul_tflops(env.device, env.rep_ms), cases=[])
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_indexer.json")
     for case in chosen:
         console.log(f"{case.name}: building the step")
-        result["cases"].append(run_case(case, env, result["copy_gbs"]))
+        result["cases"].append(run_case(case, env, result["copy_gbs"], result["matmul_tflops"]))
         save_result(path, result, start)
     return report(console, path, result, [results_table(result)])
 
