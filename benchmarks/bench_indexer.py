@@ -157,7 +157,7 @@ def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
                rows_equal_reference=same)
     del ref
     plan = layer.step_plan(meta, "triton")
-    dot = torch.float32 if interpreting() else torch.bfloat16
+    dot = plan.q.dtype  # the layer's dot operands (e4m3 where the target has fp8 tensor cores)
     q_dot = q_ready.to(dot)
     native = targets.target_of(dev).native_fp8
     (t0, t1, longest), = plan.chunks[:1] if len(plan.chunks) == 1 else [(0, 0, 0)]

@@ -18,6 +18,7 @@ class Case:
     q: torch.Tensor  # (T_cap, H, 128) float32, prepared
     w: torch.Tensor  # (T_cap, H) float32, prepared
     num_tokens: int
+    spec: IndexerSpec
 
 
 def make_case(gen: torch.Generator, requests: list[tuple[int, int]], spec: IndexerSpec, fmt: str = "fp8",
@@ -62,4 +63,29 @@ def make_case(gen: torch.Generator, requests: list[tuple[int, int]], spec: Index
     q_raw = torch.randn(cap, spec.num_heads, 128, generator=gen)
     w_raw = torch.randn(cap, spec.num_heads, generator=gen)
     q, w = prepare_queries(q_raw.to(device), w_raw.to(device), step.positions, spec)
-    return Case(cache, step, keys, q, w, num_tokens)
+    return Case(cache, step, keys, q, w, num_tokens, spec)
+
+
+def check_picks(got: torch.Tensor, want: torch.Tensor, q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache,
+                step: StepTokens, rows: int, rel: float = 2e-3) -> None:
+    """Row for row the same picks as sets, except entries whose scores (float64 from the prepared ``q``, ``w`` and
+    the cache's keys) lie within ``rel`` of the row's largest score from the reference's k-th: near-ties that an
+    e4m3 tensor-core dot (whose accumulation is narrower than float32) may order either way."""
+    got, want = got[:rows].cpu(), want[:rows].cpu()
+    bs = cache.block_size
+    for t in range(rows):
+        a, b = set(got[t].tolist()) - {-1}, set(want[t].tolist()) - {-1}
+        if a == b:
+            continue
+        assert len(a) == len(b), f"row {t}: {len(a)} picks, the reference {len(b)}"
+        r = int(step.token_to_req[t])
+        entries = sorted(a | b)
+        table = step.block_table[r].long().cpu()
+        slots = torch.tensor([int(table[e // bs]) * bs + e % bs for e in entries], device=cache.device)
+        keys = cache.read(slots).double()
+        s = (w[t].double()[:, None] * torch.relu(q[t].double() @ keys.T)).sum(0).cpu()
+        score = dict(zip(entries, s.tolist()))
+        kth = min(score[e] for e in b)
+        scale = max(abs(x) for x in score.values())
+        far = [e for e in a ^ b if abs(score[e] - kth) > rel * scale]
+        assert not far, f"row {t}: picks {sorted(a - b)[:5]} / reference {sorted(b - a)[:5]} differ beyond near-ties"

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import DEVICE, KERNEL_RUNS, ON_GPU, sized  # noqa: E402
-from indexer_cases import make_case  # noqa: E402
+from indexer_cases import check_picks, make_case  # noqa: E402
 from sparse_mla.indexer import (IndexerSpec, StepTokens, index_topk_reference, prepare_queries,  # noqa: E402
                                 top_blocks_reference)
 from sparse_mla.indexer_cache import IndexerKeyCache  # noqa: E402
@@ -34,8 +34,9 @@ def kernel_picks(case, topk: int, kept=None, select=False, rows=None, num_kept=2
     """Picks through the kernels: packed scores of every token (``rows`` tokens per launch), then the select."""
     from sparse_mla.ops.triton import indexer as kernels
 
-    dot = torch.bfloat16 if ON_GPU else torch.float32
-    native = targets.target_of(case.cache.device).native_fp8
+    target = targets.target_of(case.cache.device)
+    native = target.native_fp8
+    dot = kernels.dot_dtype_for(target, case.cache.fmt, case.spec.q_format)
     step = case.step
     most = max(int(p) + 1 for p in step.positions.tolist()) // step.ratio
     cols = max(-(-most // 64) * 64, topk)
@@ -82,9 +83,9 @@ def test_kernel_picks_equal_the_reference_on_poisoned_caches(kind, heads, topk, 
     case.step.block_table[0, 1] = -1  # a missing page: its entries are not candidates, never read
     ref = index_topk_reference(case.q, case.w, case.cache, case.step, topk)
     got, _ = kernel_picks(case, topk)
-    same_sets(got, ref, case.num_tokens)
+    check_picks(got, ref, case.q, case.w, case.cache, case.step, case.num_tokens)
     got, _ = kernel_picks(case, topk, rows=3)  # three tokens per launch: chunks that split requests
-    same_sets(got, ref, case.num_tokens)
+    check_picks(got, ref, case.q, case.w, case.cache, case.step, case.num_tokens)
 
 
 @needs_kernels
@@ -113,7 +114,7 @@ def test_query_prep_kernel_equals_the_reference_bit_for_bit(kind, heads, q_forma
 
 @needs_kernels
 def test_kernel_two_level_selection_equals_the_reference():
-    spec = IndexerSpec(num_heads=32, topk=64, kind="c2a")
+    spec = IndexerSpec(num_heads=32, topk=64, kind="c2a", q_format="bf16")  # a bf16 dot: exact, so exact sets
     gen = torch.Generator().manual_seed(11)
     case = make_case(gen, [(sized(600, 40000), 2), (sized(300, 9000), 5)], spec, "fp8", DEVICE)
     kept_count = sized(12, 2048)  # fewer than the blocks there are, so the selection binds
@@ -178,8 +179,9 @@ def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select)
     small = SparseMLAIndexer("c4a", 16, 64, backend="triton", workspace_bytes=3 * 8 * 64 * (lengths[0][0] // 256 + 1),
                              topk_select=select)
     got = small(sc.meta, q, w, cache)
-    assert len(small.step_plan(sc.meta, "triton").chunks) > 1
-    same_sets(got, ref, batch.num_tokens)
+    assert len(small.step_plan(sc.meta, "triton", fmt).chunks) > 1
+    q_ready, w_ready = prepare_queries(q, w, batch.positions, small.spec)
+    check_picks(got, ref, q_ready, w_ready, cache, StepTokens.of(batch, "c4a"), batch.num_tokens)
     assert (got[batch.num_tokens:] == -1).all()
     (picks, kept) = SparseMLAIndexer("c4a", 16, 64, backend="triton")(sc.meta, q, w, cache, select_blocks=True)
     assert kept.shape == (batch.token_capacity, 2048) and (kept[batch.num_tokens:] == -1).all()
@@ -230,7 +232,8 @@ def test_a_decode_step_is_captured_in_a_cuda_graph_and_replays_the_same_picks():
     torch.cuda.synchronize()
     assert torch.equal(picks, eager)
     ref = SparseMLAIndexer("c4a", 64, 512, backend="reference")(sc.meta, q, w, cache)
-    same_sets(picks, ref, sc.batch.num_tokens)
+    q_ready, w_ready = prepare_queries(q, w, sc.batch.positions, layer.spec)
+    check_picks(picks, ref, q_ready, w_ready, cache, StepTokens.of(sc.batch, "c4a"), sc.batch.num_tokens)
 
 
 # ---- every target of the portability matrix ------------------------------------------------------------------------
@@ -263,6 +266,14 @@ def compile_rows(target_name: str) -> list[dict]:
             kernels.index_scores(q, w, cache, step, torch.empty(qlen, 512, dtype=torch.int64), 0, qlen, qlen,
                                  torch.bfloat16, targets.target_of(cache.device).native_fp8)
         rows += [asdict(compile_launch(target, f"indexer {fmt} H{heads} q{qlen}", c)) for c in calls]
+    if target.native_fp8:  # e4m3 q against the fp8 codes on the tensor cores, the layer's choice there
+        cache = IndexerKeyCache(4, "fp8")
+        step = StepTokens(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                          torch.tensor([0, 2], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 4)
+        with recorded_launches(target) as calls:
+            kernels.index_scores(torch.zeros(2, 64, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 64), cache, step,
+                                 torch.empty(2, 512, dtype=torch.int64), 0, 2, 2, torch.float8_e4m3fn, True)
+        rows += [asdict(compile_launch(target, "indexer fp8 dot H64 q2", c)) for c in calls]
     for half_split in (False, True)[: 2 if every else 1]:
         q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
         trig = torch.zeros(2, 32)
@@ -284,7 +295,8 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, __file__, target], env=env, capture_output=True, text=True, timeout=900)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == (7 if target in FAMILIES else 4), f"exit {done.returncode}: {done.stderr[-2000:]}"
+    native = next(t for t in targets.MATRIX if t.name == target).native_fp8
+    assert len(rows) == (7 if target in FAMILIES else 4) + native, f"exit {done.returncode}: {done.stderr[-2000:]}"
     for r in rows:
         print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "
               f"in loop {r['loop_spills']} shared {r['shared']}/{r['shared_limit']}")
@@ -367,9 +379,11 @@ def test_a_1m_context_and_a_16k_prefill_chunk_run_and_match_the_reference(length
     cap = batch.token_capacity
     q = torch.randn(cap, 64, 128, device=DEVICE, generator=gen).to(torch.bfloat16)
     w = torch.randn(cap, 64, device=DEVICE, generator=gen)
-    got = SparseMLAIndexer("c4a", 64, 512, workspace_bytes=128 << 20)(meta, q, w, cache)
+    layer = SparseMLAIndexer("c4a", 64, 512, workspace_bytes=128 << 20)
+    got = layer(meta, q, w, cache)
     ref = SparseMLAIndexer("c4a", 64, 512, backend="reference")(meta, q, w, cache)
-    same_sets(got, ref, batch.num_tokens)
+    q_ready, w_ready = prepare_queries(q, w, batch.positions, layer.spec)
+    check_picks(got, ref, q_ready, w_ready, cache, StepTokens.of(batch, "c4a"), batch.num_tokens)
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_kernels)])
@@ -391,7 +405,7 @@ def test_v41_layers_20_to_27_select_blocks_once_and_pick_inside_them(backend):
     for r, (seq, _) in enumerate(lengths):
         entries = torch.arange(seq, dtype=torch.int32, device=DEVICE)
         keys.write(torch.randn(seq, 128, generator=gen).to(DEVICE), batch.entry_slots("c1a", r, entries))
-    indexer = SparseMLAIndexer("c1a", 32, 32, backend=backend)
+    indexer = SparseMLAIndexer("c1a", 32, 32, q_format="bf16", backend=backend)  # a bf16 dot: exact sets
     cap = batch.token_capacity
     picks, kept, used = {}, None, {}
     for layer in range(20, 28):

@@ -27,7 +27,7 @@ from .indexer import (KEPT_BLOCKS, MAX_SELECT_COLS, SELECT_SEGMENT, IndexerSpec,
 from .indexer_cache import INDEX_FORMATS, IndexerKeyCache
 from .metadata import StepMetadata
 from .ops import targets
-from .ops.dispatch import check_backend_name, interpreting, resolve_backend
+from .ops.dispatch import check_backend_name, resolve_backend
 from .rope import RopeSpec
 
 DEFAULT_INDEXER_WORKSPACE_BYTES = 256 << 20  # the packed scores (int64) of one token chunk
@@ -138,14 +138,15 @@ class SparseMLAIndexer(torch.nn.Module):
         if meta.batch.device != cache.device:
             raise ValueError(f"cache must be on the step's device {meta.batch.device}, got {cache.device}")
 
-    def step_plan(self, meta: StepMetadata, backend: str) -> IndexerPlan:
-        """This step's :class:`IndexerPlan` for ``backend`` (``"reference"`` or ``"triton"``), made on first use and
-        shared by the indexers of this configuration (heads, top-k, kind, rope, workspace)."""
-        key = ("indexer", self.kind, self.topk, self.spec.num_heads, self.spec.rope_spec, backend,
-               self.workspace_bytes)
-        return meta.plan(key, lambda: self._plan(meta, backend))
+    def step_plan(self, meta: StepMetadata, backend: str, key_format: str = "fp8") -> IndexerPlan:
+        """This step's :class:`IndexerPlan` for ``backend`` (``"reference"`` or ``"triton"``) and keys in
+        ``key_format``, made on first use and shared by the indexers of this configuration (heads, top-k, kind, rope,
+        query format, workspace)."""
+        key = ("indexer", self.kind, self.topk, self.spec.num_heads, self.spec.rope_spec, self.spec.q_format, backend,
+               self.workspace_bytes, key_format)
+        return meta.plan(key, lambda: self._plan(meta, backend, key_format))
 
-    def _plan(self, meta: StepMetadata, backend: str) -> IndexerPlan:
+    def _plan(self, meta: StepMetadata, backend: str, key_format: str) -> IndexerPlan:
         batch = meta.batch
         ratio = COMPRESS_RATIO[self.kind]
         step = StepTokens.of(batch, self.kind)
@@ -167,8 +168,11 @@ class SparseMLAIndexer(torch.nn.Module):
             longest = max(min(qsl[r + 1], t1) - max(qsl[r], t0) for r in range(batch.num_reqs))
             chunks.append((t0, t1, max(1, longest)))
         workspace = torch.empty(rows, num_cols, dtype=torch.int64, device=dev)
+        from .ops.triton import indexer as kernels  # Triton is imported only where it runs
+
         heads = self.spec.num_heads
-        q = torch.empty(cap, heads, 128, dtype=torch.float32 if interpreting() else torch.bfloat16, device=dev)
+        dot = kernels.dot_dtype_for(targets.target_of(dev), key_format, self.spec.q_format)
+        q = torch.empty(cap, heads, 128, dtype=dot, device=dev)
         w = torch.empty(cap, heads, dtype=torch.float32, device=dev)
         angles = step.positions.clamp_min(0).float()[:, None] * self.spec.rope_spec.inv_freq(dev)  # as cos_sin
         return IndexerPlan(step, num_cols, chunks, workspace, picks, kept, q, w, angles.cos(), angles.sin())
@@ -191,7 +195,7 @@ class SparseMLAIndexer(torch.nn.Module):
             raise ValueError("select_blocks and kept_blocks exclude each other: select the blocks, or pick inside "
                              "given ones")
         backend = resolve_backend(self.backend, cache.device)
-        plan = self.step_plan(meta, backend)
+        plan = self.step_plan(meta, backend, cache.fmt)
         if kept_blocks is not None:
             check_tensor("kept_blocks", kept_blocks, dtype=torch.int32, shape=(plan.picks.shape[0], None),
                          device=cache.device)

@@ -31,6 +31,8 @@ import triton.language as tl
 
 from ...indexer import BLOCK_ENTRIES, MAX_SELECT_COLS, SELECT_SEGMENT, StepTokens
 from ...indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
+from .. import targets
+from ..dispatch import interpreting
 from ..fp8 import e4m3_decode, e4m3_gain
 from ..triton_cache import _round_half_even
 
@@ -46,7 +48,7 @@ def _index_scores_kernel(
     q_ptr, w_ptr, data_ptr, scale_ptr, positions_ptr, qsl_ptr, table_ptr, out_ptr,
     t0, t1, H, ratio, num_blocks, table_stride, max_pages, out_stride, num_cols,
     HP: tl.constexpr, QT: tl.constexpr, PAGES: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
-    FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
     req = tl.program_id(0)
     tile = tl.program_id(1)
@@ -77,16 +79,22 @@ def _index_scores_kernel(
         block_ok = in_table & (block >= 0) & (block < num_blocks)
         base = tl.where(block_ok, block, 0).to(tl.int64) * (PAGE * D)
         key_ok = e + tl.where(block_ok, 0, PAGE) < PAGE  # the block's validity as a (PAGE,) mask
-        if FP8:  # page: [PAGE × 128 codes][PAGE × float32 scales], data as bytes, scales as float32 words
-            raw = tl.load(data_ptr + base * (D + 4) // D + e[:, None] * D + d[None, :], mask=key_ok[:, None], other=0)
-            keys = e4m3_decode(raw, NATIVE_FP8)
-            col_scale = tl.load(scale_ptr + base * (D + 4) // (4 * D) + PAGE * D // 4 + e, mask=key_ok,
-                                other=0.0) * e4m3_gain(NATIVE_FP8)
+        code_base = base * (D + 4) // D  # fp8 page: [PAGE × 128 codes][PAGE × float32 scales]
+        if FP8_DOT:  # e4m3 q against the codes as they are: the keys loaded (128, PAGE), dims contiguous
+            codes = tl.load(data_ptr + code_base + e[None, :] * D + d[:, None], mask=key_ok[None, :], other=0)
+            col_scale = tl.load(scale_ptr + code_base // 4 + PAGE * D // 4 + e, mask=key_ok, other=0.0)
+            logits = tl.dot(q, codes.to(tl.float8e4nv, bitcast=True), out_dtype=tl.float32)  # (M, PAGE)
         else:
-            keys = tl.load(data_ptr + base + e[:, None] * D + d[None, :], mask=key_ok[:, None], other=0.0)
-            keys = keys.to(tl.float32)
-            col_scale = tl.full((PAGE,), 1.0, tl.float32)
-        logits = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), out_dtype=tl.float32)  # (M, PAGE)
+            if FP8:
+                raw = tl.load(data_ptr + code_base + e[:, None] * D + d[None, :], mask=key_ok[:, None], other=0)
+                keys = e4m3_decode(raw, NATIVE_FP8)
+                col_scale = tl.load(scale_ptr + code_base // 4 + PAGE * D // 4 + e, mask=key_ok,
+                                    other=0.0) * e4m3_gain(NATIVE_FP8)
+            else:
+                keys = tl.load(data_ptr + base + e[:, None] * D + d[None, :], mask=key_ok[:, None], other=0.0)
+                keys = keys.to(tl.float32)
+                col_scale = tl.full((PAGE,), 1.0, tl.float32)
+            logits = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), out_dtype=tl.float32)  # (M, PAGE)
         weighted = tl.maximum(logits * col_scale[None, :], 0.0) * w[:, None]
         score = tl.sum(tl.reshape(weighted, (QT, HP, PAGE)), axis=1)  # (QT, PAGE)
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: the packed order is the float order
@@ -197,8 +205,9 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     """Packed scores of tokens ``[t0, t1)`` into ``out[: t1 - t0]`` (``(rows, num_cols)`` int64; rows of padding
     tokens are not written). q ``(T_cap, H, 128)`` (float32 or bf16: the prepared queries), weights ``(T_cap, H)``
     float32, checked by the caller (:func:`sparse_mla.indexer.check_step_inputs`); max_query_len: an upper bound on
-    any request's tokens in ``[t0, t1)`` (host int: the grid). dot_dtype: ``torch.float32`` (the interpreter) or
-    ``torch.bfloat16``; native_fp8: the target converts e4m3 with instructions."""
+    any request's tokens in ``[t0, t1)`` (host int: the grid). dot_dtype: ``torch.float32`` (the interpreter),
+    ``torch.bfloat16``, or ``torch.float8_e4m3fn`` (fp8 keys and e4m3 q on a target with fp8 tensor cores: the codes
+    straight into the dot; :func:`dot_dtype_for`); native_fp8: the target converts e4m3 with instructions."""
     if cache.block_size != 64:
         raise ValueError(f"cache.block_size must be 64 for the Triton indexer, got {cache.block_size}")
     if out.dtype != torch.int64 or out.dim() != 2 or out.shape[0] < t1 - t0 or out.stride(1) != 1:
@@ -212,13 +221,16 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     fp8 = cache.fmt == "fp8"
     scale_view = cache.data.view(torch.float32) if fp8 else cache.data
     grid = (num_reqs, -(-max_query_len // qt), -(-num_cols // (64 * per_program)))
-    dot = tl.float32 if dot_dtype == torch.float32 else tl.bfloat16
+    fp8_dot = dot_dtype == torch.float8_e4m3fn
+    if fp8_dot and (not fp8 or q.dtype != torch.float8_e4m3fn):
+        raise ValueError(f"the fp8 dot needs an fp8 key cache and float8_e4m3fn q, got {cache.fmt} keys, {q.dtype} q")
+    dot = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float8_e4m3fn: tl.float8e4nv}[dot_dtype]
     _index_scores_kernel[grid](
         q, weights, cache.data, scale_view, step.positions, step.query_start_loc, step.block_table, out,
         t0, t1, q.shape[1], step.ratio, cache.num_blocks, step.block_table.stride(0), step.block_table.shape[1],
         out.stride(0), num_cols,
         HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
-        DOT_DTYPE=dot, num_warps=4)
+        DOT_DTYPE=dot, FP8_DOT=fp8_dot, num_warps=4)
 
 
 
@@ -281,6 +293,18 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor) -> None:
         _launch_select(segments, k, winners, True)
         packed, cols = winners.view(rows, -1), winners.numel() // rows
     _launch_select(packed, k, out, False)
+
+
+def dot_dtype_for(target: targets.Target, key_format: str, q_format: str) -> torch.dtype:
+    """The score kernel's dot operands: float32 in the interpreter (its bf16 dot is wrong), e4m3 where the keys and q
+    are fp8 and the target has e4m3 tensor-core ops (the targets that convert e4m3 natively: sm_89 and later, gfx950;
+    twice bf16's rate: a decode of 64 heads is otherwise bound by the bf16 dot, not the key reads), else bf16. Every
+    choice is exact on the operands (e4m3 and bf16 values)."""
+    if interpreting():
+        return torch.float32
+    if key_format == "fp8" and q_format == "fp8" and target.native_fp8:
+        return torch.float8_e4m3fn
+    return torch.bfloat16
 
 
 def unpack_entries(packed: torch.Tensor) -> torch.Tensor:
