@@ -110,6 +110,11 @@ def test_query_prep_kernel_equals_the_reference_bit_for_bit(kind, heads, q_forma
     kernels.prepare_queries(q, w, angles.cos(), angles.sin(), kind == "dsa", q_format == "fp8", spec.weight_scale,
                             got_q, got_w)
     assert torch.equal(got_q.float(), want_q) and torch.equal(got_w, want_w)
+    if q_format == "fp8" and ON_GPU and targets.target_of(DEVICE).native_fp8:  # the e4m3 dot's buffer
+        got_q = torch.empty(t, heads, 128, dtype=torch.float8_e4m3fn, device=DEVICE)
+        kernels.prepare_queries(q, w, angles.cos(), angles.sin(), kind == "dsa", True, spec.weight_scale, got_q,
+                                got_w)
+        assert torch.equal(got_q.float(), want_q)
 
 
 @needs_kernels
