@@ -15,6 +15,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import DEVICE, KERNEL_RUNS, ON_GPU, sized  # noqa: E402
@@ -441,3 +443,19 @@ def test_v41_layers_20_to_27_select_blocks_once_and_pick_inside_them(backend):
             inside = set(kept[t].tolist()) - {-1}
             assert {int(x) // 8 for x in picks[layer][t].tolist() if x >= 0} <= inside
             assert (int(batch.positions[t])) // 8 in inside
+
+
+@needs_kernels
+@given(kind=st.sampled_from(["c4a", "c2a", "c1a", "dsa"]), heads=st.integers(1, 20),
+       fmt=st.sampled_from(["fp8", "bf16"]),
+       q_format=st.sampled_from(["fp8", "bf16"]), topk=st.sampled_from([8, 64, 128]),
+       requests=st.lists(st.tuples(st.integers(1, 700), st.integers(1, 9)), min_size=1, max_size=4),
+       seed=st.integers(0, 2**31 - 1))
+def test_kernels_equal_the_reference_on_random_steps(kind, heads, fmt, q_format, topk, requests, seed):
+    """Any head count, top-k, kind, key and query format, decodes and prefills (query_len <= seq_len) mixed."""
+    spec = IndexerSpec(num_heads=heads, topk=topk, kind=kind, q_format=q_format)
+    requests = [(max(s, q), q) for s, q in requests]
+    case = make_case(torch.Generator().manual_seed(seed), requests, spec, fmt, DEVICE)
+    ref = index_topk_reference(case.q, case.w, case.cache, case.step, topk)
+    got, _ = kernel_picks(case, topk, rows=1 + seed % 7)
+    check_picks(got, ref, case.q, case.w, case.cache, case.step, case.num_tokens)
