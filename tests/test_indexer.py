@@ -1,7 +1,7 @@
 """The lightning indexer's reference and layer (DESIGN §6): picks against a float64 oracle written from the formulas
 (exact key sets where the scores are separated beyond the quantisation bound, recall with fp8 keys), against
-transformers' DeepseekV4Indexer on the same inputs, V4.1's two-level selection, the bounded-memory chunking, the
-layer feeding SparseMLAAttention unchanged, and bad input."""
+transformers' DeepseekV4Indexer and DeepseekV32Indexer on the same inputs, V4.1's two-level selection, the
+bounded-memory chunking, the layer feeding SparseMLAAttention unchanged, and bad input."""
 from __future__ import annotations
 
 import math
@@ -294,5 +294,46 @@ def test_picks_match_transformers_deepseek_v4_indexer():
     assert want.shape[-1] == min(topk, n)
     assert (got[:, want.shape[-1]:] == -1).all()
     differ = sum(len({x for x in got[t].tolist() if x >= 0} ^ {x for x in want[t].tolist() if x >= 0})
+                 for t in range(seq))
+    assert differ == 0, f"{differ} picks differ"
+
+
+def test_picks_match_transformers_deepseek_v32_indexer():
+    hf = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")
+    from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
+
+    from sparse_mla.rope import rope_from_hf_config
+
+    heads, seq, topk = 8, 300, 32
+    cfg = DeepseekV32Config(hidden_size=64, q_lora_rank=32, index_n_heads=heads, index_head_dim=128,
+                            index_topk=topk, num_hidden_layers=1, num_attention_heads=4)
+    torch.manual_seed(10)
+    indexer = hf.DeepseekV32Indexer(cfg, 0).to(torch.bfloat16).eval()
+    for p in indexer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    hidden = torch.randn(1, seq, 64).to(torch.bfloat16)
+    q_resid = torch.randn(1, seq, 32).to(torch.bfloat16)
+    positions = torch.arange(seq)[None]
+    cos, sin = hf.DeepseekV32RotaryEmbedding(cfg)(hidden, positions)  # float32 inv_freq, bf16 cos / sin
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()[None]
+    with torch.no_grad():
+        want = indexer(hidden, q_resid, (cos, sin), causal, positions, None)[0]  # (seq, topk) int32
+        q_pre = indexer.wq_b(q_resid).view(1, seq, heads, 128)
+        k = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)
+        q_rot, k_rot = hf.apply_rotary_pos_emb(q_pre[..., :64], k[..., :64], cos, sin, unsqueeze_dim=2)
+        hf_q = torch.cat((q_rot, q_pre[..., 64:]), -1)[0].float()  # HF's roped q and keys, as its forward makes them
+        keys = torch.cat((k_rot, k[..., 64:]), -1)[0, :, 0]
+        raw_w = indexer.weights_proj(hidden)[0]
+    cache = IndexerKeyCache(-(-seq // 64), "bf16")
+    cache.write(keys, torch.arange(seq))
+    spec = IndexerSpec(heads, topk, "dsa", rope=rope_from_hf_config(cfg), q_format="bf16")
+    q, w = prepare_queries(q_pre[0], raw_w, positions[0], spec)
+    assert (q - hf_q).abs().max() <= 0.02 * hf_q.abs().max()  # our half-split rope against HF's
+    one_request = torch.tensor([0, seq], dtype=torch.int32)
+    step = StepTokens(positions[0].int(), torch.zeros(seq, dtype=torch.int32), one_request,
+                      torch.arange(cache.num_blocks, dtype=torch.int32)[None], 1)
+    got = index_topk_reference(hf_q, w, cache, step, topk)
+    # HF fills a row with fewer than topk visible positions with masked future ones: only positions <= t count
+    differ = sum(len({x for x in got[t].tolist() if x >= 0} ^ {x for x in want[t].tolist() if x <= t})
                  for t in range(seq))
     assert differ == 0, f"{differ} picks differ"
