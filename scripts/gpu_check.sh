@@ -1,22 +1,59 @@
 #!/usr/bin/env bash
-# Everything a GPU session checks, in one call (device tool: carry .whl; run from the repo root):
-#   bash scripts/gpu_check.sh [bench args...]          BENCH=v32 bash scripts/gpu_check.sh --parts decode
-# Installs the carried FlashMLA wheel, runs the GPU tests, then one benchmark: benchmarks/bench_$BENCH.py
-# (the step benchmark by default) with the given args. Logs and JSON go to $OUT (default results/); the
-# benchmark's table prints last.
-# GPU_TESTS defaults to the subset every session runs (5-6.5 min on an H100, mostly kernel compiles): the plan /
-# CUDA-graph step, batch invariance on both kernels, the dsa layer (Gluon's 576-d path), FlashMLA against our
-# FlashMLA API (and its remembered calls) and caches, the direct launcher and bound launches, per-request lens, the
-# Gluon kernel's persistent programs (V4 fp8: several rounds, and split rows), tail splits (V3.2 fp8) and narrow
-# items (at most 16 heads, both fp8 formats).
-# Beside it runs the essentials of tests/test_lowerings.py (every kernel over every format, every layer kind with MTP
-# and padding rows) with the kernels lowered as for sm_80 and sm_89 (one process each: SPARSE_MLA_LOWERING).
-# GPU_TESTS=all adds the kernel, layer, cache, index and order files (more than one 10-minute call: split them over
-# two). GPU_TESTS=lowerings runs all of tests/test_lowerings.py under the sm_80, sm_86 and sm_89 lowerings (and
-# nothing else; with BENCH=none, one 10-minute call). GPU_TESTS=cp (a host with 2 GPUs: the device tool's
-# nvidia-h100-x2) runs the 2-GPU context-parallel test (NCCL, eager and a CUDA graph) and, unless BENCH=none, the
-# context-parallel benchmark instead (~3 min). BENCH=none skips the benchmark.
+# The GPU tests, the demo and a benchmark, in one device call (device tool: carry .whl; run from the repo root).
+#   bash scripts/gpu_check.sh [bench args...]           the every-session subset, the demo, then the step benchmark
+#   GPU_TESTS=<subset> bash scripts/gpu_check.sh         one subset of scripts/gpu_subsets.txt (listed below)
+#   GPU_TESTS="tests/test_x.py ..." bash scripts/gpu_check.sh   these tests, the demo and the step benchmark
+#   bash scripts/gpu_check.sh --help                     this text and every subset's tests
+# Every subset fits one 10-minute call on an H200; in turn they run every GPU test (docs/checks.md, "GPU tests"):
+#   bash scripts/gpu_check.sh; then GPU_TESTS=more, layers, v41, v41gluon, misc, guards, hf, lowerings (each
+#   BENCH=none by default); then GPU_TESTS=cp on 2 GPUs (nvidia-h200-x2). GPU_TESTS=all runs the single-GPU
+#   subsets one after another: several calls' worth, for a machine without the device tool's limit.
+# Environment:
+#   GPU_TESTS   a subset's name (default: default) or test paths
+#   BENCH       benchmarks/bench_$BENCH.py after the tests, with the given args (default: step for the default
+#               subset and for test paths, none for the other subsets); BENCH=none: no benchmark
+#   SPARSE_MLA_EXPECT_MISSING  comma-separated software this call accepts as missing (flash_mla, gluon, transformers,
+#               compute-sanitizer): otherwise a test whose dependency is missing on the GPU box fails, naming it
+#   OUT         where logs and JSON go (default: results/); the benchmark's table prints last
+# How the subsets run:
+#   default     beside it, the essentials of tests/test_lowerings.py (every kernel over every format, every layer
+#               kind with MTP and padding rows) lowered as for sm_80 and sm_89 (one process each, on the host's
+#               other cores: ~2 min saved); ~6.5 min on an H100 / H200 with the benchmark's ~1 min after it
+#   lowerings   the whole file under SPARSE_MLA_LOWERING=sm80, sm86 and sm89 (one process each)
+#   guards      under compute-sanitizer --tool memcheck (PYTORCH_NO_CUDA_MEMORY_CACHING=1: every tensor its own
+#               allocation, so a read past one is caught), each test on the Triton and (Hopper) Gluon kernels.
+#               compute-sanitizer from PATH, /usr/local/cuda*/bin, or a carried wheel
+#               (pip download --no-deps nvidia-cuda-sanitizer-api==13.*, which ships the binary)
+#   hf          needs transformers 5.23.0 (the box has 5.17): carry in .whl/ the wheels of
+#               pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#                   transformers==5.23.0 "huggingface-hub>=1.31,<3" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" \
+#                   "regex>=2025.10.22" typer
+#               (transformers 5.23.0's Requires-Dist newer than the box may have); the call prints any unmet
+#   cp          2 GPUs: the context-parallel test (NCCL, eager and a CUDA graph) and, unless BENCH=none, the
+#               context-parallel benchmark instead of the step one (~3 min)
 set -uo pipefail
+SUBSETS=scripts/gpu_subsets.txt
+SINGLE_GPU="default more layers v41 v41gluon misc guards hf lowerings"  # GPU_TESTS=all, in this order
+
+subset_tests() {  # subset_tests NAME: the subset's lines, as written (globs unexpanded)
+    awk -v s="$1" '!/^#/ && $1 == s { print $2 }' "$SUBSETS"
+}
+
+list_subsets() {  # every subset: its description (the comment above its first line) and its tests
+    awk '/^[[:space:]]*$/ { desc = ""; next }
+         /^#/ { desc = desc "    " substr($0, 3) "\n"; next }
+         { if (!($1 in text)) { order[++n] = $1; text[$1] = desc }
+           text[$1] = text[$1] "      " $2 "\n"; desc = "" }
+         END { for (i = 1; i <= n; i++) printf "GPU_TESTS=%s\n%s", order[i], text[order[i]] }' "$SUBSETS"
+}
+
+if [ "${1:-}" = --help ] || [ "${1:-}" = -h ]; then
+    sed -n '2,/^set /p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+    echo
+    list_subsets
+    exit 0
+fi
+
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -27,48 +64,123 @@ fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-EVERY_SESSION="tests/test_step_plan.py tests/test_batch_invariance.py tests/test_dsa.py tests/test_flash_mla_api_gpu.py
-    tests/test_flashmla_interop.py tests/test_layer_forms.py tests/test_flash_mla_memo.py tests/test_launch.py
-    tests/test_ops_memo.py
-    tests/test_triton_attention.py::test_lens_shared_by_consecutive_tokens_read_like_expanded_ones
-    tests/test_triton_attention.py::test_persistent_programs_compute_the_same_bits[300-1-fp8_v4-512]
-    tests/test_triton_attention.py::test_persistent_programs_compute_the_same_bits[170-3-fp8_v4-512]
-    tests/test_triton_attention.py::test_tail_splits_cut_only_the_last_tokens_lists[7-3-False-fp8_v32-576]
-    tests/test_triton_attention.py::test_tail_splits_cut_only_the_last_tokens_lists[150-18-True-fp8_v32-576]
-    tests/test_triton_attention.py::test_narrow_items_match_the_reference[16-16-fp8_v32-576]
-    tests/test_triton_attention.py::test_narrow_items_match_the_reference[11-16-fp8_v4-512]"
-MORE="tests/test_triton_attention.py tests/test_layer.py tests/test_triton_cache.py tests/test_triton_index.py
-    tests/test_order.py tests/test_checks.py
-    tests/test_launch_configs.py::test_every_target_s_row_computes_the_reference_on_this_gpu"
-lowered() {  # lowered ARCH [pytest args...]: tests/test_lowerings.py with the kernels lowered as for ARCH
+status=0
+
+tests_of() {  # tests_of NAME: the subset's tests, its globs expanded
+    local t
+    while read -r t; do
+        if [[ $t == *'*'* ]]; then compgen -G "$t" || true; else echo "$t"; fi
+    done < <(subset_tests "$1")
+}
+
+expected_missing() {  # expected_missing NAME: whether SPARSE_MLA_EXPECT_MISSING lists NAME
+    [[ ",${SPARSE_MLA_EXPECT_MISSING:-}," == *",$1,"* ]]
+}
+
+pytest_run() {  # pytest_run LOG [pytest args...]: the tests (log: $OUT/LOG; $RUNNER before python3, if set); a
+    local log=$1  # failure makes this call's status 1
+    shift
+    ${RUNNER:-} python3 -m pytest -q -p no:cacheprovider --durations=10 "$@" 2>&1 | tee "$OUT/$log" | tail -n 25
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+
+lowered() {  # lowered ARCH [pytest args...]: the tests with the kernels lowered as for ARCH; returns pytest's status
     local arch=$1
     shift
     echo "== lowered as $arch"
-    SPARSE_MLA_LOWERING=$arch python3 -m pytest -q -s -p no:cacheprovider tests/test_lowerings.py "$@" 2>&1 \
+    SPARSE_MLA_LOWERING=$arch python3 -m pytest -q -s -p no:cacheprovider "$@" 2>&1 \
         | tee "$OUT/gpu_tests_$arch.log" | grep -E "registers|passed|failed|Error" | tail -n 15
+    return "${PIPESTATUS[0]}"
 }
-TESTS=${GPU_TESTS:-$EVERY_SESSION}
-[ "$TESTS" = all ] && TESTS="$EVERY_SESSION $MORE"
-if [ "$TESTS" = cp ]; then
-    python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel_gpu.py 2>&1 | tee "$OUT/gpu_tests_cp.log" \
-        | tail -n 5
-    [ "${BENCH:-}" = none ] && exit 0
-    python3 benchmarks/bench_context_parallel.py --out "$OUT" 2>&1 | tee "$OUT/bench_context_parallel.log" \
-        | grep -v '^{'
-    exit 0
-elif [ "$TESTS" = lowerings ]; then
-    for arch in sm80 sm86 sm89; do lowered $arch; done
-else
-    if [ -z "${GPU_TESTS:-}" ]; then  # beside the main run (mostly compiles, on the host's other cores): ~2 min saved
-        (for arch in sm80 sm89; do lowered $arch -k "plans_for or kernels_match or layers_match"; done) \
-            > "$OUT/gpu_tests_lowered.log" 2>&1 &
-    fi
+
+sanitizer() {  # the compute-sanitizer executable, or nothing
+    local found
+    found=$(command -v compute-sanitizer || compgen -G "/usr/local/cuda*/bin/compute-sanitizer" \
+        || compgen -G "/tmp/site/nvidia/*/compute-sanitizer/compute-sanitizer")
+    echo "${found%%$'\n'*}"
+}
+
+hf_requirements() {  # transformers' own requirements the installed packages do not meet, named
+    python3 - <<'EOF'
+import importlib.metadata as md
+
+from packaging.requirements import Requirement
+
+try:
+    requires = md.requires("transformers") or []
+    print("transformers", md.version("transformers"))
+except md.PackageNotFoundError:
+    requires = []
+    print("transformers: not installed")
+for line in requires:
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    try:
+        found = md.version(req.name)
+    except md.PackageNotFoundError:
+        found = None
+    if found is None or not req.specifier.contains(found, prereleases=True):
+        print(f"  unmet: {req} (found {found})")
+EOF
+}
+
+run_subset() {  # run_subset NAME
+    local name=$1 tests lowering arch pid path
+    mapfile -t tests < <(tests_of "$name")
+    echo "== GPU_TESTS=$name: ${tests[*]}"
+    case $name in
+    default)
+        mapfile -t lowering < <(tests_of lowerings)
+        (rc=0; for arch in sm80 sm89; do
+             lowered $arch "${lowering[@]}" -k "plans_for or kernels_match or layers_match" || rc=1
+         done; exit $rc) > "$OUT/gpu_tests_lowered.log" 2>&1 &
+        pid=$!
+        pytest_run gpu_tests.log "${tests[@]}"
+        wait $pid || status=1
+        cat "$OUT/gpu_tests_lowered.log";;
+    lowerings)
+        for arch in sm80 sm86 sm89; do lowered $arch "${tests[@]}" || status=1; done;;
+    guards)
+        path=$(sanitizer)
+        if [ -n "$path" ]; then
+            echo "== under $path --tool memcheck"
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 RUNNER="$path --tool memcheck --error-exitcode 86 --print-limit 20" \
+                pytest_run gpu_tests_guards.log "${tests[@]}"
+        elif expected_missing compute-sanitizer; then
+            echo "== compute-sanitizer missing (expected): the guard tests without it"
+            pytest_run gpu_tests_guards.log "${tests[@]}"
+        else
+            echo "FAILED: compute-sanitizer not found (PATH, /usr/local/cuda*/bin, a carried" \
+                 "nvidia-cuda-sanitizer-api wheel); SPARSE_MLA_EXPECT_MISSING=compute-sanitizer runs the guard" \
+                 "tests without it"
+            status=1
+        fi;;
+    hf)
+        hf_requirements
+        pytest_run gpu_tests_hf.log "${tests[@]}";;
+    *)
+        pytest_run "gpu_tests_$name.log" "${tests[@]}";;
+    esac
+}
+
+TESTS=${GPU_TESTS:-default}
+if [ "$TESTS" = all ]; then
+    for name in $SINGLE_GPU; do run_subset "$name"; done
+    BENCH=${BENCH:-none}
+elif [ -n "$(subset_tests "$TESTS")" ]; then
+    run_subset "$TESTS"
+    case $TESTS in default) BENCH=${BENCH:-step};; cp) BENCH=${BENCH:-context_parallel};; *) BENCH=${BENCH:-none};; esac
+else  # test paths
     # shellcheck disable=SC2086
-    python3 -m pytest -q -p no:cacheprovider --durations=10 $TESTS 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
-    wait
-    [ -f "$OUT/gpu_tests_lowered.log" ] && cat "$OUT/gpu_tests_lowered.log"
+    pytest_run gpu_tests.log $TESTS
+    BENCH=${BENCH:-step}
 fi
-python3 -m sparse_mla.cli demo 2>&1 | tee "$OUT/demo.log"
-BENCH=${BENCH:-step}
-[ "$BENCH" = none ] && exit 0
-python3 "benchmarks/bench_$BENCH.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_$BENCH.log" | grep -v '^{'
+if [ "$TESTS" != cp ]; then
+    python3 -m sparse_mla.cli demo 2>&1 | tee "$OUT/demo.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ "$BENCH" != none ]; then
+    python3 "benchmarks/bench_$BENCH.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_$BENCH.log" | grep -v '^{'
+fi
+exit $status

@@ -7,10 +7,12 @@ not hand-written: the library's own host code (the attention plan made for the t
 index builders, the token order) runs on CPU tensors with Triton's launch replaced by a recorder, so each compile is
 exactly a launch the library would make on that GPU — its kernel, constexprs, launch options and argument types.
 
-Per variant it prints registers (CUDA: ptxas ``-v``; AMD: the amdgcn ``.vgpr_count``), spills (CUDA: spill
-store / load bytes; AMD: spilled VGPRs / SGPRs), shared memory (LDS) against the target's limit, and on sm_100 the
-tensor-memory columns used (Triton's ``metadata.tmem_size``, the PTX's ``tcgen05.alloc``) and whether the body is a
-``trap``. A case the target cannot run is listed with the ``ValueError`` a user gets
+Per variant it prints registers (CUDA: ptxas ``-v`` of Triton's own compile, compiled every time so that a warm
+Triton cache gives a cold one's numbers; AMD: the amdgcn ``.vgpr_count``, arguments specialised by ROCm's backend,
+``tt.pointer_range 32`` included), spills (CUDA: spill store / load bytes; AMD: spilled VGPRs / SGPRs), shared
+memory (LDS) against the target's limit, and on sm_100 the tensor-memory columns used (Triton's
+``metadata.tmem_size``, the PTX's ``tcgen05.alloc``) and whether the body is a ``trap``. A case the target cannot
+run is listed with the ``ValueError`` a user gets
 (:func:`sparse_mla.ops.launch_configs.unsupported`).
 ``--json`` prints one JSON object per row instead (``tests/test_portability.py`` reads them); ``--support`` prints
 the README support table (:func:`sparse_mla.verify.support_markdown`).
@@ -34,12 +36,9 @@ import contextlib
 import io
 import json
 import os
-import pathlib
 import re
 import resource
-import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 
 os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels (before any kernel module is imported)
@@ -48,7 +47,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.6's default, 
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.backends.compiler import BaseBackend  # noqa: E402
+from triton.compiler.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, native_specialize_impl  # noqa: E402
 
 from sass_loops import key_loops, sass_of  # noqa: E402  (this script's folder is first on sys.path)
@@ -108,10 +107,13 @@ def recorded_launches(target: targets.Target):
         JITFunction.run, targets.target_of = original, target_of
 
 
-def _source(launched: Launched) -> tuple[ASTSource, dict]:
+def _source(launched: Launched, target: targets.Target) -> tuple[ASTSource, dict]:
     """The ``ASTSource`` and options of a recorded launch, each runtime argument specialised as Triton's JIT does
-    (its own ``native_specialize_impl``: typed pointers, ints equal to 1 as constants, 16-divisibility), the
-    constexprs as given (their declared defaults where not)."""
+    on ``target``'s backend (its own ``native_specialize_impl`` and the backend's attributes: typed pointers, ints
+    equal to 1 as constants, 16-divisibility; on AMD also ``tt.pointer_range 32`` for a tensor under 2 GiB, as every
+    test-sized tensor is, which lets ROCm's compiler use buffer loads), the constexprs as given (their declared
+    defaults where not)."""
+    backend = type(make_backend(target.gpu_target()))
     kernel = launched.kernel
     options = {k: v for k, v in launched.kwargs.items() if k in _OPTIONS}
     values = dict(zip(kernel.arg_names, launched.args))
@@ -122,12 +124,12 @@ def _source(launched: Launched) -> tuple[ASTSource, dict]:
         if p.is_constexpr:
             signature[p.name], constexprs[(i,)] = "constexpr", value
             continue
-        kind, key = native_specialize_impl(BaseBackend, value, p.is_const, not p.do_not_specialize, True)
+        kind, key = native_specialize_impl(backend, value, p.is_const, not p.do_not_specialize, True)
         signature[p.name] = kind
         if kind == "constexpr":
             constexprs[(i,)] = key
-        elif key == "D":
-            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(key, str) and backend.parse_attr(key):
+            attrs[(i,)] = backend.parse_attr(key)
     return ASTSource(kernel, signature, constexprs, attrs), options
 
 
@@ -136,18 +138,6 @@ def _ptxas_numbers(log: str) -> tuple[int | None, int | None, int | None]:
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return (int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None,
             int(spill.group(2)) if spill else None)
-
-
-def _ptxas_log(ptx: str, target: targets.Target) -> str:
-    """ptxas ``-v`` on ``ptx`` for ``target`` (where Triton's compile came from its cache and printed nothing)."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = pathlib.Path(tmp) / "k.ptx"
-        path.write_text(ptx)
-        arch = int(target.arch)
-        return subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", str(path),
-                               "-o", str(path.with_suffix(".cubin"))], capture_output=True, text=True).stderr
 
 
 def _amd_number(asm: str, key: str) -> int | None:
@@ -177,11 +167,15 @@ def compile_launch(target: targets.Target, variant: str, launched: Launched) -> 
     """Compile one recorded launch for ``target`` and check it fits: its :class:`Row`."""
     row = Row(target.name, variant, launched.kernel.__name__, "ok", shared_limit=target.shared_bytes)
     start = _cpu_time()
-    source, options = _source(launched)
+    source, options = _source(launched, target)
     log = io.StringIO()
     try:
+        # compiled every time, never taken from Triton's cache: ptxas' log (registers, spills) is then always the
+        # real compile's, with Triton's own ptxas options (3.9: --regAllocOptLevel=2), and a warm cache gives the
+        # numbers a cold one does (a re-run of ptxas with other options did not: issue 47)
         with contextlib.redirect_stdout(log):
             triton.knobs.nvidia.dump_ptxas_log = True
+            triton.knobs.compilation.always_compile = True
             compiled = triton.compile(source, target=target.gpu_target(), options=options)
     except Exception as error:  # a compile error is the cell's result
         row.status, row.error = "failed", f"{type(error).__name__}: {_message(error)}"
@@ -189,18 +183,17 @@ def compile_launch(target: targets.Target, variant: str, launched: Launched) -> 
         return row
     finally:
         triton.knobs.nvidia.dump_ptxas_log = False
+        triton.knobs.compilation.always_compile = False
     row.shared = compiled.metadata.shared
     problems = []
     if row.shared > target.shared_bytes:
         problems.append(f"shared memory {row.shared} B > {target.shared_bytes} B")
     if target.backend == "cuda":
         ptx = compiled.asm["ptx"]
-        text = log.getvalue()
-        if "registers" not in text:
-            text = _ptxas_log(ptx, target)
-        row.registers, row.spill_stores, row.spill_loads = _ptxas_numbers(text)
-        # from the cubin itself (the ptxas log above may be a re-run's, where Triton's cache skipped ptxas): a spill
-        # inside the key loop costs every key block
+        row.registers, row.spill_stores, row.spill_loads = _ptxas_numbers(log.getvalue())
+        if row.registers is None:
+            problems.append("no ptxas log from the compile")
+        # a spill inside the key loop costs every key block
         row.loop_spills = sum(ops["STL"] + ops["LDL"] for ops in key_loops(sass_of(compiled.asm["cubin"])))
         # tensor-memory columns: Triton's count (metadata.tmem_size, Triton 3.9) and the PTX's allocations
         tmem = [int(n) for n in re.findall(r"tcgen05\.alloc[^;]*?,\s*(\d+);", ptx)]

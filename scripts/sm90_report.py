@@ -4,8 +4,8 @@
                                    [--kernel triton|gluon] [--persistent] [--tail] [--narrow]
                                    [--warps 8] [--stages 1] [--dump DIR]
 
-Triton compiles for a GPUTarget without a device; ptxas then gives the register count and spill
-bytes an H100 would see, and the SASS gives the instruction count of one key block (the body of
+Triton compiles for a GPUTarget without a device (every time, not from its cache); its own ptxas run, with
+Triton's options, gives the register count and spill bytes an H100 would see, and the SASS gives the instruction count of one key block (the body of
 the first key loop) by opcode. ``--dump`` writes the TTGIR, PTX, SASS and ptxas log for reading.
 For the Gluon kernel the registers are the launch's (the warpgroups then re-allocate: see
 ``sparse_mla.ops.gluon.LOGITS_REGS`` / ``VALUES_REGS``) and the key loop is math warpgroup 0's loop over one
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import io
 import os
 import pathlib
 import re
-import subprocess
-import tempfile
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
@@ -33,7 +33,6 @@ from sparse_mla.formats import FORMAT_CODES  # noqa: E402
 from sparse_mla.ops import launch_configs, targets  # noqa: E402
 from sparse_mla.ops import triton_attention as ta  # noqa: E402
 
-PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"  # the ptxas whose PTX version Triton targets
 
 
 def _signature(kernel, constexprs: dict, cache_type: str) -> tuple[dict, dict]:
@@ -111,14 +110,16 @@ def main() -> None:
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     sig, attrs = _signature(kernel, constexprs, "*bf16" if args.fmt == "bf16" else "*u8")
     src = source_type(kernel, sig, {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": args.warps, "num_stages": args.stages})
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = pathlib.Path(tmp) / "k.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        log = subprocess.run([str(PTXAS), "-v", "-arch=sm_90a", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
-                             capture_output=True, text=True).stderr
-        sass = sass_of(ptx.with_suffix(".cubin").read_bytes())
+    # ptxas' log of Triton's own compile (its options: 3.9 adds --regAllocOptLevel=2, which changes the spills), so
+    # compiled every time: a cached compile runs no ptxas
+    triton.knobs.nvidia.dump_ptxas_log = True
+    triton.knobs.compilation.always_compile = True
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": args.warps, "num_stages": args.stages})
+    log = printed.getvalue()
+    sass = sass_of(compiled.asm["cubin"])
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     print(f"registers {regs.group(1) if regs else '?'}  spill stores {spill.group(1) if spill else '?'} B  "

@@ -2,10 +2,14 @@
 
 The variable must be set before any module defining a ``@triton.jit`` kernel is imported.
 
-Hypothesis profiles, chosen by ``HYPOTHESIS_PROFILE``: ``ci`` (the default: few examples, so ``make test``
-stays under two minutes on two cores) and ``thorough`` (many examples; before a release, or after
-changing a kernel: ``HYPOTHESIS_PROFILE=thorough make test``). Property tests take their example
-counts from the profile, not from their own ``@settings``.
+Hypothesis profiles, chosen by ``HYPOTHESIS_PROFILE``: ``ci`` (the default: few examples, for CI's two cores) and
+``thorough`` (many examples; nightly, before a release, or after changing a kernel: ``HYPOTHESIS_PROFILE=thorough
+make test``). Property tests take their example counts from the profile; one that needs more than the profile's
+count scales it (``helpers.examples(n)``).
+
+``@needs("gpu" | "hopper" | "gluon" | "flash_mla" | "transformers")`` (helpers.py): what a test needs. Missing
+hardware skips it; missing software on a machine with a CUDA GPU fails it, naming what is missing, unless
+``SPARSE_MLA_EXPECT_MISSING`` lists it (``helpers.requirement`` decides).
 
 ``SPARSE_MLA_LOWERING=sm80`` (or sm86, sm89; on an NVIDIA GPU): every kernel of the session is lowered as for that
 target and assembled for the real GPU (``targets.lower_as``), and the library plans for that target — how
@@ -43,3 +47,24 @@ def _interpreter_setting_kept(request):
     yield
     after = os.environ.get("TRITON_INTERPRET")
     assert after == before, f"{request.node.nodeid} changed TRITON_INTERPRET {before!r} -> {after!r}"
+
+
+def pytest_collection_modifyitems(items):
+    """A test whose ``needs`` cannot be met here and may be skipped gets a skip mark (so that a collection sees it:
+    tests/test_gpu_subsets.py); one that must fail fails at its set-up."""
+    from helpers import requirement  # after the interpreter's setting above: helpers imports the kernels
+
+    for item in items:
+        for mark in item.iter_markers("needs"):
+            verdict = requirement(*mark.args)
+            if verdict is not None and verdict[0] == "skip":
+                item.add_marker(pytest.mark.skip(reason=verdict[1]))
+
+
+def pytest_runtest_setup(item):
+    from helpers import requirement
+
+    for mark in item.iter_markers("needs"):
+        verdict = requirement(*mark.args)
+        if verdict is not None and verdict[0] == "fail":
+            pytest.fail(f"missing: {verdict[1]}", pytrace=False)

@@ -1,9 +1,12 @@
-"""Helpers shared by the test files: the device the tests run on, size tables, error measures, random inputs."""
+"""Helpers shared by the test files: the device the tests run on, size tables, error measures, random inputs, what a
+test needs beyond the CPU (``needs``), property tests' example counts (``examples``)."""
 from __future__ import annotations
 
+import importlib
 import os
 from typing import TypeVar
 
+import pytest
 import torch
 
 from sparse_mla import verify
@@ -44,3 +47,104 @@ def check_close(got, ref) -> None:
     assert torch.equal(torch.isinf(lse) & (lse > 0), ~finite), "+inf LSE exactly on the rows with no key"
     assert torch.allclose(lse[finite], ref_lse[finite], atol=2e-3, rtol=1e-3)
     assert (out[~finite] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a test needs beyond the CPU (the ``needs`` mark, ``@needs("gluon")``; tests/conftest.py applies it). Missing
+# hardware is a skip: a subset of scripts/gpu_check.sh runs the test on a machine that has it. Missing software on a
+# machine with a CUDA GPU is a failure naming it, so that a GPU run cannot go green without having tested it, unless
+# the run lists it in SPARSE_MLA_EXPECT_MISSING (comma-separated names, e.g. ``flash_mla,gluon``); on a CPU, a skip.
+HARDWARE = ("gpu", "hopper")  # the others (gluon, flash_mla, transformers: _MISSING's keys) are software
+TRANSFORMERS_VERSION = "5.23.0"  # the version the integration supports (sparse_mla.integrations.transformers)
+
+
+def _hopper_missing() -> str | None:
+    if not ON_GPU or torch.version.hip is not None:
+        return "needs an NVIDIA Hopper GPU (sm_90)"
+    major, minor = torch.cuda.get_device_capability()
+    return None if major == 9 else f"needs an NVIDIA Hopper GPU (sm_90), found sm_{major}{minor}"
+
+
+def _gluon_missing() -> str | None:
+    import triton
+
+    from sparse_mla.ops import gluon
+
+    if gluon.gluon is None:
+        return f"the Gluon kernel: Triton {triton.__version__} has no Gluon"
+    if not gluon.enabled():
+        return (f"the Gluon kernel: off (Triton {triton.__version__}, validated {gluon.VALIDATED_TRITON}, "
+                f"SPARSE_MLA_GLUON={os.environ.get('SPARSE_MLA_GLUON', '')!r})")
+    return None
+
+
+def _flash_mla_missing() -> str | None:
+    try:
+        import flash_mla  # noqa: F401
+    except ImportError as e:
+        return f"the FlashMLA wheel (flash_mla) does not import: {e}"
+    return None
+
+
+def _transformers_missing() -> str | None:
+    try:
+        import transformers
+    except ImportError as e:
+        return f"transformers does not import: {e}"
+    if transformers.__version__ != TRANSFORMERS_VERSION:
+        return f"transformers {TRANSFORMERS_VERSION} (found {transformers.__version__})"
+    return None
+
+
+_MISSING = {"gpu": lambda: None if ON_GPU else "needs a CUDA GPU", "hopper": _hopper_missing,
+            "gluon": lambda: _hopper_missing() or _gluon_missing(), "flash_mla": _flash_mla_missing,
+            "transformers": _transformers_missing}
+
+
+def expected_missing() -> frozenset[str]:
+    """The software this run accepts as missing: ``SPARSE_MLA_EXPECT_MISSING``'s names."""
+    return frozenset(n.strip() for n in os.environ.get("SPARSE_MLA_EXPECT_MISSING", "").split(",") if n.strip())
+
+
+def _check_names(deps: tuple[str, ...]) -> None:
+    unknown = set(deps) - set(_MISSING)
+    if unknown:
+        raise ValueError(f"needs: unknown dependencies {sorted(unknown)}; known: {sorted(_MISSING)}")
+
+
+def requirement(*deps: str) -> tuple[str, str] | None:
+    """What becomes of a test needing ``deps`` (keys of ``_MISSING``) here: None (it runs), or ``("skip" | "fail",
+    why)`` for the first one missing."""
+    _check_names(deps)
+    for dep in deps:
+        why = _MISSING[dep]()
+        if why is None:
+            continue
+        if dep in HARDWARE or not ON_GPU:
+            return "skip", f"{why} (a subset of scripts/gpu_check.sh runs it)"
+        if dep in expected_missing():
+            return "skip", f"{why} (this run expects it: SPARSE_MLA_EXPECT_MISSING)"
+        return "fail", f"{why}; a GPU run needs it (or lists {dep!r} in SPARSE_MLA_EXPECT_MISSING)"
+    return None
+
+
+def needs(*deps: str) -> pytest.MarkDecorator:
+    """The mark of a test (or, as ``pytestmark``, a module) that needs ``deps``; see :func:`requirement`."""
+    _check_names(deps)
+    return pytest.mark.needs(*deps)
+
+
+def optional_import(name: str):
+    """Module ``name``, or None where it does not import (a test module's top: the ``needs`` mark reports why)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def examples(n: int) -> int:
+    """A property test's example count: ``n`` under the ``ci`` profile, scaled as the loaded Hypothesis profile
+    scales ``ci``'s count (tests/conftest.py), so that ``thorough`` runs each test that many times more."""
+    from hypothesis import settings
+
+    return max(1, round(n * settings.default.max_examples / settings.get_profile("ci").max_examples))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import needs
 from sparse_mla.cache import PagedCache
 from sparse_mla.ops import sparse_attention_decode, attention_plan
 from sparse_mla.ops.validate import decode_args
@@ -31,7 +32,7 @@ def scopes(num_tokens, gen, fmt):
     return swa, comp, i0, i1, torch.full((num_tokens,), 128, dtype=torch.int32).to(DEVICE), l1.to(DEVICE)
 
 
-KERNELS = [0, 1] if ON_GPU and torch.cuda.get_device_capability()[0] == 9 else [0]
+KERNELS = [0, pytest.param(1, marks=needs("gluon"))]  # the Triton kernel; the Gluon one (Hopper)
 
 
 @pytest.mark.parametrize("gluon", KERNELS)

@@ -7,9 +7,9 @@ import json
 import os
 import sys
 
-import pytest
+from helpers import needs
 
-pytest.importorskip("transformers")
+pytestmark = needs("transformers")
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 

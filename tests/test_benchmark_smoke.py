@@ -12,8 +12,6 @@ import sys
 import pytest
 import torch
 
-from sparse_mla.config import LAYER_KINDS
-
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 
 
@@ -64,7 +62,6 @@ def test_model_layers_follow_the_presets(monkeypatch):
     assert len(pro) == 61 and (pro.count("swa"), pro.count("c4a"), pro.count("c128a")) == (0, 30, 31)
 
 
-@pytest.mark.skipif("dsa" not in LAYER_KINDS, reason="the dsa layer kind has not landed")
 def test_v32_benchmark_smoke_writes_the_expected_json(tmp_path, monkeypatch):
     bench_v32 = load_script("bench_v32", monkeypatch)
     assert bench_v32.run(_args(bench_v32, ["--smoke", "--out", str(tmp_path)])) == 0

@@ -190,3 +190,4 @@ def test_verify_passes_on_this_machine(capsys):
     shown = capsys.readouterr()
     assert "FAIL" not in shown.out and shown.out.count("OK") >= 8 + 2 + 6  # kernels, prefill + order, oracle
     assert ("skipped" in shown.out) == (not ON_GPU or importlib.util.find_spec("flash_mla") is None)  # FlashMLA
+    assert "torch / Triton: GPU-tested: torch " in shown.out  # the support statement for this torch / Triton

@@ -17,6 +17,7 @@ from sparse_mla.config import get_config
 from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.scenario import make_scenario
+from helpers import examples
 from strategies import step_lengths
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,7 +31,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=step_lengths(max_context=300, prefixes=st.sampled_from([0, 5, 70, 200])),
        fmt=st.sampled_from(["bf16", "fp8_v32"]), mode=st.sampled_from(["paged", "workspace", "mixed"]),
        padding=st.integers(0, 3), slack=st.integers(0, 40), seed=st.integers(0, 2**31 - 1),

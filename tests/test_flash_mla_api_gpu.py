@@ -3,19 +3,19 @@
 Same calls, one import apart: outputs within bf16 tolerance, lse in the same layout, the same values
 (finite entries) and the same infinities. Each FlashMLA call gets its own scheduler object (FlashMLA's
 caches the first call's topk_length schedule); ours uses one for everything.
-Skipped where CUDA or the ``flash_mla`` package is missing.
+Needs CUDA and the ``flash_mla`` package (on a GPU without it: a failure unless SPARSE_MLA_EXPECT_MISSING=flash_mla).
 """
 from __future__ import annotations
-
 
 import pytest
 import torch
 
+from helpers import needs, optional_import
 from sparse_mla import flash_mla as ours
 from sparse_mla.formats import quantize_blocks
 
-flash_mla = pytest.importorskip("flash_mla") if torch.cuda.is_available() else None
-pytestmark = pytest.mark.skipif(flash_mla is None, reason="needs CUDA and flash_mla")
+flash_mla = optional_import("flash_mla")
+pytestmark = needs("gpu", "flash_mla")
 
 OUR_SCHED, _ = ours.get_mla_metadata()  # one for every call: it holds nothing
 

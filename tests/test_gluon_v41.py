@@ -1,6 +1,6 @@
 """The Hopper (Gluon) kernel over DeepSeek-V4.1's caches (fp8_v41 and fp4_v41, token-interleaved and page-planar, the
 two scopes in one format or fp8 beside fp4; issue 36) against the reference op, on an sm_90 GPU with the Triton the
-kernel is validated on (elsewhere: skipped).
+kernel is validated on (elsewhere skipped; on a Hopper GPU whose Triton lacks it, a failure: helpers.requirement).
 
 Every launch form the kernel has: 64-head items (one head block, two, a partial one), narrow items (at most 16
 heads) and 64-head items forced for them, persistent programs, split key lists (whole and ``TAIL``), over
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import DEVICE, ON_GPU, check_close, random_sink
+from helpers import DEVICE, check_close, needs, random_sink
 from sparse_mla.cache import PagedCache
 from test_v41_kernels import padded_scope
-from sparse_mla.ops import attention_plan, dispatch, gluon, sparse_attention_decode
+from sparse_mla.ops import attention_plan, dispatch, sparse_attention_decode
 from sparse_mla.ops.validate import decode_args
 
 # (window scope, compressed scope): one format, or V4.1-Flash's fp8 window beside an fp4 compressed cache
@@ -23,12 +23,7 @@ PAIRS = [("fp8_v41", "fp8_v41"), ("fp8_v41_planar", "fp8_v41_planar"), ("fp4_v41
 PAIR_IDS = ["+".join(p) for p in PAIRS]
 
 
-def hopper_gluon() -> bool:
-    """Whether the Gluon kernel runs here: an NVIDIA sm_90 GPU and a validated Triton."""
-    return ON_GPU and torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9 and gluon.enabled()
-
-
-needs_gluon = pytest.mark.skipif(not hopper_gluon(), reason="the Gluon kernel needs an NVIDIA Hopper GPU")
+needs_gluon = needs("gluon")  # an NVIDIA sm_90 GPU and a Triton with the validated Gluon kernel
 
 
 def v41_call(fmts: tuple[str, str], seed: int, num_tokens: int, num_heads: int, width: int):

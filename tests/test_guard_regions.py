@@ -10,15 +10,16 @@ bitwise untouched, that no NaN reached an output (no guard was read), and that t
 docs/checks.md says the fast path makes of such values (the reference on the values clamped as documented).
 
 The kernels run without the value checks (``check_ranges=False``: what the GPU path does without
-``SPARSE_MLA_DEBUG=1``); on the CPU in Triton's interpreter, on a GPU the same tests run the GPU kernels (the Gluon
-one where it applies). For ``compute-sanitizer`` on the H100, run this file under it.
+``SPARSE_MLA_DEBUG=1``); on the CPU in Triton's interpreter, on a GPU the same tests run the GPU kernels: the padded
+attention cases on the portable Triton kernel and on the Gluon one (a Hopper GPU; elsewhere skipped). On the GPU box
+``GPU_TESTS=guards bash scripts/gpu_check.sh`` runs this file under ``compute-sanitizer --tool memcheck``.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import DEVICE, KERNEL_RUNS, random_scope, random_sink, rel_err
+from helpers import DEVICE, KERNEL_RUNS, needs, random_scope, random_sink, rel_err
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
 from sparse_mla.index_forms import _ragged_torch, _ragged_triton
 from sparse_mla.metadata import _compressed_picks_torch
@@ -31,6 +32,8 @@ pytestmark = pytest.mark.skipif(not KERNEL_RUNS, reason="the Triton kernels need
 GUARD = 64  # elements each side: 64 bytes or more, so views keep the 16-byte alignment the GPU kernels want
 I32 = dict(dtype=torch.int32, device=DEVICE)
 HUGE = [2**30, 2**31 - 1, -(2**31), -2]  # out of range whatever the tensor
+# the attention kernel of a padded call (``gluon=`` of attention_plan.plan_for): the portable one, the Hopper one
+KERNELS = [pytest.param(0, id="triton"), pytest.param(1, id="gluon", marks=needs("gluon"))]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -93,14 +96,16 @@ def adversarial_scope(fmt: str, dim: int, width: int, lens: list[int], seed: int
     return cache, Guarded(idx, trap), Guarded(lens, 1), clean(idx, num_slots), clean_lens
 
 
-def run_attention(q, sink, scale, cache, indices, lens=None, splits=1, **decode):
-    """The attention kernels without value checks (``decode``: more of ``sparse_attention_decode``'s arguments) on
-    guarded ``out`` / ``lse`` (zeros inside): ``(out Guarded, lse Guarded)``."""
+def run_attention(q, sink, scale, cache, indices, lens=None, splits=1, gluon=0, **decode):
+    """The attention kernels without value checks (``decode``: more of ``sparse_attention_decode``'s arguments; the
+    Gluon kernel with ``gluon=1``, else the Triton one) on guarded ``out`` / ``lse`` (zeros inside):
+    ``(out Guarded, lse Guarded)``."""
     num_tokens, heads, _ = q.t.shape
     out = Guarded(torch.zeros(num_tokens, heads, 512, dtype=torch.bfloat16, device=DEVICE), float("nan"))
     lse = Guarded(torch.zeros(num_tokens, heads, dtype=torch.float32, device=DEVICE), float("nan"))
     args = decode_args(q.t, cache, indices, lens, sink=sink.t, scale=scale, check_ranges=False, out=out.t, **decode)
-    plan = attention_plan.plan_for(args, splits=splits)
+    plan = attention_plan.plan_for(args, splits=splits, gluon=gluon)
+    assert plan.kernel == ("gluon" if gluon else "triton")
     plan(args.q, out.t, lse.t, args.sink, args.scale, tuple(s.cache for s in args.scopes),
          tuple(s.indices for s in args.scopes),
          tuple(s.lens if s.indptr is None else s.indptr for s in args.scopes), args.order)
@@ -123,15 +128,16 @@ def guarded_q_sink(gen, num_tokens, heads, dim):
 
 # with split lists the combine kernel merges the missed tokens' partials, never written (whatever memory held)
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("gluon", KERNELS)
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("fmt,dim", [("fp8_v4", 512), ("bf16", 512), ("fp8_v32", 576)])
-def test_attention_with_a_bad_order(fmt, dim, splits):
+def test_attention_with_a_bad_order(fmt, dim, splits, gluon):
     """Padded scope, bad indices and lens, and an order that names tokens twice, out of range and not at all."""
     num_tokens, width = 6, 20
     cache, idx, lens, clean_idx, clean_lens = adversarial_scope(fmt, dim, width, [25, -3, 2**30, 5, 0, 2**31 - 1], 1)
     q, sink = guarded_q_sink(torch.Generator().manual_seed(2), num_tokens, 3, dim)
     order = Guarded(torch.tensor([0, 0, 2**30, -5, 4, 2], **I32), 3)  # clamped: 0, 0, 5, 0, 4, 2
-    out, lse = run_attention(q, sink, 0.07, cache.t, idx.t, lens.t, splits, order=order.t)
+    out, lse = run_attention(q, sink, 0.07, cache.t, idx.t, lens.t, splits, gluon, order=order.t)
     assert all(g.intact() for g in (out, lse, q, sink, cache, idx, lens, order))
     ref_out, ref_lse = sparse_attention_decode(q.t, cache.t, clean_idx, clean_lens, sink=sink.t, scale=0.07,
                                                backend="reference")
@@ -141,12 +147,14 @@ def test_attention_with_a_bad_order(fmt, dim, splits):
         assert (out.t[[1, 3]] == 0).all() and (lse.t[[1, 3]] == 0).all()
 
 
-def test_attention_two_scopes_split():
+@pytest.mark.parametrize("gluon", KERNELS)
+def test_attention_two_scopes_split(gluon):
     num_tokens = 6
     c0, i0, l0, clean0, lens0 = adversarial_scope("fp8_v4", 512, 20, [25, -3, 2**30, 5, 0, 2**31 - 1], 3)
     c1, i1, l1, clean1, lens1 = adversarial_scope("fp8_v4", 512, 12, [3, 21, -1, 2**31 - 1, 8, 0], 4)
     q, sink = guarded_q_sink(torch.Generator().manual_seed(5), num_tokens, 2, 512)
-    out, lse = run_attention(q, sink, 0.05, c0.t, i0.t, l0.t, 2, extra_cache=c1.t, extra_indices=i1.t, extra_lens=l1.t)
+    out, lse = run_attention(q, sink, 0.05, c0.t, i0.t, l0.t, 2, gluon, extra_cache=c1.t, extra_indices=i1.t,
+                             extra_lens=l1.t)
     assert all(g.intact() for g in (out, lse, q, sink, c0, i0, l0, c1, i1, l1))
     ref = sparse_attention_decode(q.t, c0.t, clean0, lens0, c1.t, clean1, lens1, sink.t, 0.05, backend="reference")
     assert_rows_match(out, lse, *ref, list(range(num_tokens)))

@@ -1,5 +1,6 @@
 """DeepSeek-V3.2 attention: transformers' DeepseekV32Attention (eager, tiny random config, CPU) against
-sparse-mla's ``dsa`` layer fed HF's own absorbed queries, latents and indexer picks.
+sparse-mla's ``dsa`` layer fed HF's own absorbed queries, latents and indexer picks (the reference backend on a CPU,
+the GPU kernels on a GPU: ``GPU_TESTS=hf bash scripts/gpu_check.sh``).
 
 Steps through HF's own cache: a prefill, a chunk on the cached prefix, then decode steps. Per step,
 HF's per-head attention output (the input of ``o_proj``, i.e. after ``W_UV``) must match
@@ -12,15 +13,14 @@ padding never count; a repeated pick counts once.
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-if transformers.__version__ != "5.23.0":
-    pytest.skip(f"tested with transformers 5.23.0, found {transformers.__version__}", allow_module_level=True)
+from helpers import DEVICE, ON_GPU, needs, optional_import
+from sparse_mla.absorption import Absorption
+from sparse_mla.oracle import masked_attention
+from sparse_mla.scenario import dequantized
 
-from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf  # noqa: E402
-
-from sparse_mla.absorption import Absorption  # noqa: E402
-from sparse_mla.oracle import masked_attention  # noqa: E402
-from sparse_mla.scenario import dequantized  # noqa: E402
+transformers = optional_import("transformers")
+hf = optional_import("transformers.models.deepseek_v32.modeling_deepseek_v32")
+pytestmark = needs("transformers")
 
 TOPK, HEADS, NOPE, V = 8, 4, 16, 16
 STEPS = [(0, 40), (40, 25), (65, 1), (66, 1), (67, 1)]  # (cached prefix, new tokens): prefill, chunk, decodes
@@ -102,24 +102,25 @@ def _ours(attn, steps, kv_format):
     from sparse_mla.metadata import MetadataSpec, build_step_metadata
 
     total = steps[-1]["prefix"] + steps[-1]["n"]
-    cache = PagedCache(blocks_needed(total, "dsa") + 1, 64, kv_format, dim=576)
+    cache = PagedCache(blocks_needed(total, "dsa") + 1, 64, kv_format, dim=576, device=DEVICE)
     blocks = list(range(1, cache.num_blocks))  # block 0 unused: slots are not positions
-    layer = SparseMLAAttention("dsa", HEADS, head_dim=576, topk=TOPK, scale=attn.scaling, backend="reference")
+    layer = SparseMLAAttention("dsa", HEADS, head_dim=576, topk=TOPK, scale=attn.scaling,
+                               backend="triton" if ON_GPU else "reference").to(DEVICE)
     ab = Absorption.from_kv_b_proj(attn.kv_b_proj.weight, HEADS, NOPE, V, 512)
     errs = []
     for st in steps:
         seq = st["prefix"] + st["n"]
-        builder = StepBatchBuilder(st["n"] + 3, 1, total, kinds=("dsa",), decode_threshold=1)
+        builder = StepBatchBuilder(st["n"] + 3, 1, total, kinds=("dsa",), decode_threshold=1, device=DEVICE)
         batch = builder.build([Request(seq, st["n"], {"dsa": blocks})])
         latents = torch.zeros(batch.token_capacity, 576, dtype=torch.bfloat16)
         latents[: st["n"]] = st["latents"][st["prefix"]:]
-        cache.write(latents, batch.slot_mapping)
+        cache.write(latents.to(DEVICE), batch.slot_mapping)
         meta = build_step_metadata(batch, MetadataSpec(topk=TOPK))
         q = torch.zeros(batch.token_capacity, HEADS, 576, dtype=torch.bfloat16)
         q[: st["n"]] = ab.absorb_query(st["q_nope"], st["q_pe"])
         picks = torch.full((batch.token_capacity, TOPK), -1, dtype=torch.int32)
         picks[: st["n"], : st["picks"].shape[1]] = st["picks"]
-        out = layer(q, meta, {"dsa": cache}, topk_indices=picks)
+        out = layer(q.to(DEVICE), meta, {"dsa": cache}, topk_indices=picks.to(DEVICE)).cpu()
         assert (out[st["n"]:] == 0).all()
         ours = ab.expand_output(out[: st["n"]].float())
         errs.append(rel(ours, st["out"]))

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+from helpers import examples
 from strategies import step_lengths
 from sparse_mla.metadata import MetadataSpec, build_step_metadata, compact_rows, convert_picks
 from sparse_mla.workspace import plan_prefill_workspace, workspace_indices, workspace_plan
@@ -50,7 +51,7 @@ def steps(draw):
     return lengths, threshold, draw(st.integers(0, 4)), draw(st.integers(1, 12)), draw(st.integers(0, 99))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(case=steps())
 def test_swa_and_c128a_lists_match_a_loop_over_tokens(case):
     lengths, threshold, padding, window, seed = case
@@ -74,7 +75,7 @@ def test_swa_and_c128a_lists_match_a_loop_over_tokens(case):
         assert t.dtype == torch.int32
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(case=steps(), topk=st.integers(1, 10))
 def test_c4a_picks_become_a_valid_prefix_of_visible_global_slots(case, topk):
     lengths, threshold, padding, window, seed = case
@@ -203,7 +204,7 @@ def test_picks_out_of_any_range_are_an_error_in_debug_mode(monkeypatch):
 
 # ----------------------------------------------------------------------------------- workspace plan
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(case=steps(), kind=st.sampled_from(["swa", "c4a", "c128a"]), budget_rows=st.integers(0, 200))
 def test_workspace_plan_covers_every_prefill_token_with_the_same_keys(case, kind, budget_rows):
     lengths, threshold, padding, window, seed = case
@@ -268,7 +269,7 @@ def test_repeated_picks_are_an_error_in_debug_mode(monkeypatch):
         dsa.dsa_indices(torch.tensor([[1, 2, -1], [9, 4, 9]], dtype=torch.int32))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(case=steps(), topk=st.integers(1, 10))
 def test_v41_picks_of_ratios_2_and_1_become_valid_prefixes_of_visible_global_slots(case, topk):
     """V4.1's c2a and c1a picks through the general per-kind method; the bound of every picks layer's count is at the

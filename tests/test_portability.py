@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from sparse_mla.formats import get_format
-from sparse_mla.ops import attention_plan, launch_configs, targets
+from sparse_mla.ops import attention_plan, gluon, launch_configs, targets
 from sparse_mla.verify import SUPPORT_FORMATS, support_markdown
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -91,6 +91,32 @@ def test_every_launched_variant_compiles_and_fits(target, tmp_path, monkeypatch)
         assert {"decode fp8_v41+fp4_v41 d512", "decode fp8_v41_planar d512", "decode fp4_v41_planar d512"} <= v41
 
 
+# the Gluon kernel's four partition sets: V4 / V3.2 rows' copy warpgroup (fp8_v4, persistent programs, a TAIL split),
+# V4.1's run-by-run copy (an fp8 window beside an fp4 compressed scope), bf16's paired math warpgroups (576-d) and the
+# narrow items (fp8_v32, 16 heads)
+GLUON_VARIANTS = {"fp8_v4 persistent tail": ["--fmt", "fp8_v4", "--persistent", "--tail"],
+                  "fp8_v41+fp4_v41": ["--fmt", "fp8_v41", "--extra-fmt", "fp4_v41"],
+                  "bf16 d576": ["--fmt", "bf16", "--dim", "576"],
+                  "fp8_v32 narrow": ["--fmt", "fp8_v32", "--narrow"]}
+
+
+@pytest.mark.skipif(gluon.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("variant", list(GLUON_VARIANTS))
+def test_the_gluon_kernel_compiles_for_sm90_with_this_triton(variant):
+    """The Hopper kernel builds with the installed Triton (3.6 to 3.9: ``ops/gluon/compat.py`` spells the builtins
+    they renamed), whether or not the kernel is enabled on it: Triton compiles it for sm_90a, ptxas assembles it
+    (``scripts/sm90_report.py``) and its shared memory fits sm_90's."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(ROOT / "scripts" / "sm90_report.py"), "--kernel", "gluon", *GLUON_VARIANTS[variant]]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    found = re.search(r"registers (\d+) .* shared (\d+) B", done.stdout)
+    assert done.returncode == 0 and found, f"{variant}: {done.stdout[-500:]} {done.stderr[-2000:]}"
+    print(f"\n{variant}: {done.stdout.splitlines()[0]}")
+    sm90 = targets.target_for("cuda", 90)
+    assert 0 < int(found.group(1)) <= sm90.registers and int(found.group(2)) <= sm90.shared_bytes
+
+
 @pytest.mark.parametrize("target", [t.name for t in targets.MATRIX])
 def test_a_case_a_target_cannot_run_is_a_value_error_naming_it(target):
     """Each cell the support table lists as unsupported is, for a user, the ValueError of that sentence (raised
@@ -114,4 +140,8 @@ def test_a_case_a_target_cannot_run_is_a_value_error_naming_it(target):
 def test_readme_support_table_is_the_code_s():
     """README's support table is :func:`sparse_mla.verify.support_markdown`'s (regenerate it with
     ``python scripts/portability_report.py --support``)."""
-    assert support_markdown() in (ROOT / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert support_markdown() in readme
+    # and its torch / Triton statement names every pair the GPU suite passed on (the list verify prints)
+    assert all(f"torch {torch_version} + Triton {triton_version}" in readme
+               for torch_version, triton_version in gluon.VALIDATED_STACKS)

@@ -170,3 +170,42 @@ def test_verify_prints_the_support_row_of_its_gpu(fake_gpu):
     assert line.startswith("GPU: MI300X, MI325X (gfx942)")
     row = support_row(targets.target_for("hip", "gfx942"))
     assert all(row[fmt] in line for fmt, _ in SUPPORT_FORMATS)
+
+
+@pytest.mark.skipif(ON_GPU, reason="fakes the GPU")
+def test_a_hopper_with_an_unvalidated_triton_runs_the_portable_kernel_and_says_so_once(fake_gpu, monkeypatch):
+    """Issue 47: on a Triton the Gluon kernel did not pass the GPU tests on, a Hopper GPU gets the portable kernel
+    and one warning per process (none where the user turned Gluon off, none on another GPU); ``sparse-mla verify``'s
+    support statement says the same."""
+    import warnings
+
+    from sparse_mla.ops.gluon import host
+    from sparse_mla.verify import stack_line
+
+    fp8_v4 = frozenset({"fp8_v4"})
+    monkeypatch.delenv("SPARSE_MLA_GLUON", raising=False)
+    monkeypatch.setattr(host, "_warned", False)
+    monkeypatch.setattr(host.triton, "__version__", "9.9.0")
+    fake_gpu((8, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.attention_kernel(GPU, 512, fp8_v4, True) == "triton"  # not a Hopper: nothing to say
+    fake_gpu((9, 0))
+    monkeypatch.setenv("SPARSE_MLA_GLUON", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.attention_kernel(GPU, 512, fp8_v4, True) == "triton"  # the user's choice: no warning
+    monkeypatch.delenv("SPARSE_MLA_GLUON")
+    with pytest.warns(RuntimeWarning, match=r"Triton 9\.9\.0 .*Triton 3\.6 only.*runs the portable Triton kernel"):
+        assert dispatch.attention_kernel(GPU, 512, fp8_v4, True) == "triton"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.attention_kernel(GPU, 512, frozenset({"bf16"}), True) == "triton"  # once per process
+    assert "torch 2.11 + Triton 3.6" in stack_line() and "Hopper GPUs run the portable Triton kernel" in stack_line()
+    if host.gluon is not None:  # a validated Triton: the Gluon kernel, no warning
+        monkeypatch.setattr(host.triton, "__version__", "3.6.0")
+        monkeypatch.setattr(host, "_warned", False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert dispatch.attention_kernel(GPU, 512, fp8_v4, True) == "gluon"
+        assert "Hopper GPUs run the Gluon kernel" in stack_line()

@@ -1,4 +1,5 @@
-"""sparse-mla inside transformers' DeepseekV4 / DeepseekV32 models: generate() against HF eager, on the CPU.
+"""sparse-mla inside transformers' DeepseekV4 / DeepseekV32 models: generate() against HF eager, on the CPU (the
+reference ops) and, on a GPU, the GPU kernels (``GPU_TESTS=hf bash scripts/gpu_check.sh``).
 
 Tiny random configs; prompts long enough that the window (16) and the indexer's top-k bind and a
 c128a entry exists. The c4a layer comes first: an indexer's top-k is discontinuous, so behind other
@@ -8,12 +9,11 @@ logits error at that step), which says nothing about the attention itself.
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-if transformers.__version__ != "5.23.0":
-    pytest.skip(f"the integration supports transformers 5.23.0, found {transformers.__version__}",
-                allow_module_level=True)
+from helpers import DEVICE, needs, optional_import
+from sparse_mla.integrations.transformers import check_transformers_version, enable_sparse_mla
 
-from sparse_mla.integrations.transformers import check_transformers_version, enable_sparse_mla  # noqa: E402
+transformers = optional_import("transformers")
+pytestmark = needs("transformers")
 
 PROMPT, PADS, STEPS = 150, 13, 8
 
@@ -31,14 +31,14 @@ def _v4_model():
         for name in ("sinks", "position_bias"):
             if isinstance(getattr(module, name, None), torch.nn.Parameter):
                 torch.nn.init.normal_(getattr(module, name))
-    return model
+    return model.to(DEVICE)
 
 
 def _inputs():
     ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :PADS] = 0  # row 1: a shorter prompt, left-padded as generate() expects
-    return ids, mask
+    return ids.to(DEVICE), mask.to(DEVICE)
 
 
 def _generate(model, ids, mask):
@@ -130,7 +130,7 @@ def test_errors(v4):
             with pytest.raises(ValueError, match="0 only on left padding"):
                 model(ids, attention_mask=right, position_ids=(right.cumsum(-1) - 1).clamp_min(0))
             with pytest.raises(ValueError, match="position_ids must count the real tokens"):
-                model(ids, attention_mask=mask, position_ids=torch.arange(PROMPT)[None].expand(2, -1))
+                model(ids, attention_mask=mask, position_ids=torch.arange(PROMPT, device=DEVICE)[None].expand(2, -1))
             with pytest.raises(ValueError, match="never saw"):
                 cache = transformers.DynamicCache(config=model.config)
                 integration.remove()
@@ -190,8 +190,8 @@ def test_v32_generate_matches_eager(kv_format, num_layers, tol):
     from test_hf_v32_parity import v32_config
 
     torch.manual_seed(0)
-    model = transformers.DeepseekV32ForCausalLM(v32_config(num_layers)).eval()
-    ids = torch.randint(1, 64, (2, 40), generator=torch.Generator().manual_seed(2))
+    model = transformers.DeepseekV32ForCausalLM(v32_config(num_layers)).eval().to(DEVICE)
+    ids = torch.randint(1, 64, (2, 40), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :10] = 0
     ref = _generate(model, ids, mask)

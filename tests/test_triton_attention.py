@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import DEVICE, ON_GPU, check_close, random_scope, random_sink, rel_err, sized
+from helpers import DEVICE, ON_GPU, check_close, needs, random_scope, random_sink, rel_err, sized
 from sparse_mla.cache import PagedCache
 from sparse_mla.ops import sparse_attention_decode, sparse_attention_prefill
 
@@ -252,15 +252,13 @@ def test_triton_kernel_where_gluon_is_the_default(fmt, dim, splits):
     check_close(*decode_both(q, scopes, random_sink(gen, 72), splits=splits, gluon=0))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel needs a CUDA GPU")
+@needs("gluon")
 @pytest.mark.parametrize("fmt,dim", FORMATS)
 def test_the_default_kernel_on_hopper_is_gluon_for_every_one_format_call(fmt, dim):
     """Where the Gluon kernel is enabled on a Hopper GPU it is what ``backend="auto"`` runs for V4 and V3.2 scopes
     of one format (so the GPU runs of this file's tests check it), and the Triton kernel for mixed formats."""
-    from sparse_mla.ops import attention_kernel, dispatch, gluon as gluon_attention
+    from sparse_mla.ops import attention_kernel, dispatch
 
-    if not gluon_attention.enabled() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("not a Hopper GPU with the validated Triton")
     gen = torch.Generator().manual_seed(3)
     cache, _, _ = random_scope(gen, fmt, dim, 2, 8, 2, 64)
     q = torch.zeros(2, 16, dim, dtype=torch.bfloat16, device=DEVICE)
@@ -501,13 +499,9 @@ def test_the_combine_of_a_tail_split_merges_those_tokens_rows_only(ordered):
 
 
 def gluon_decode_case(fmt: str, dim: int, num_tokens: int, heads: int, seed: int):
-    """For the Gluon kernel's tests (skipped where it does not run): q ``(num_tokens, heads, dim)``, two random
-    scopes of ``fmt`` (128 and 700 wide) as ``(cache, indices, lens)``, and the keyword arguments that pass the
-    second scope and a sink."""
-    from sparse_mla.ops import dispatch
-
-    if not dispatch.gluon_fits(torch.device(DEVICE), dim, frozenset({fmt}), True):
-        pytest.skip("no Hopper GPU with a validated Gluon here")
+    """For the Gluon kernel's tests (``needs("gluon")``): q ``(num_tokens, heads, dim)``, two random scopes of
+    ``fmt`` (128 and 700 wide) as ``(cache, indices, lens)``, and the keyword arguments that pass the second scope
+    and a sink."""
     gen = torch.Generator().manual_seed(seed)
     (c0, i0, l0), (c1, i1, l1) = (random_scope(gen, fmt, dim, num_tokens, 128, 8, 64),
                                   random_scope(gen, fmt, dim, num_tokens, 700, 16, 64))
@@ -516,7 +510,7 @@ def gluon_decode_case(fmt: str, dim: int, num_tokens: int, heads: int, seed: int
                                                sink=random_sink(gen, heads))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on Hopper GPUs only")
+@needs("gluon")
 @pytest.mark.parametrize("fmt,dim", [("fp8_v32", 576), ("bf16", 576), ("fp8_v4", 512)])  # both warpgroup layouts
 @pytest.mark.parametrize("num_tokens,tail,ordered", [(7, 3, False), (150, 18, True)])
 def test_tail_splits_cut_only_the_last_tokens_lists(fmt, dim, num_tokens, tail, ordered):
@@ -546,7 +540,7 @@ def test_tail_splits_cut_only_the_last_tokens_lists(fmt, dim, num_tokens, tail, 
         assert torch.equal(persistent[0], out) and torch.equal(persistent[1], lse)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on Hopper GPUs only")
+@needs("gluon")
 @pytest.mark.parametrize("fmt,dim", FORMATS)
 @pytest.mark.parametrize("num_tokens,splits", [(5, 1), (300, 1), (170, 3)])
 def test_persistent_programs_compute_the_same_bits(fmt, dim, num_tokens, splits):
@@ -565,7 +559,7 @@ def test_persistent_programs_compute_the_same_bits(fmt, dim, num_tokens, splits)
     check_close(persistent, sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on Hopper GPUs only")
+@needs("gluon")
 @pytest.mark.parametrize("fmt,dim", [("fp8_v32", 576), ("fp8_v4", 512)])
 @pytest.mark.parametrize("num_heads,heads_n", [(1, 16), (11, 16), (16, 16), (17, 0)])
 def test_narrow_items_match_the_reference(fmt, dim, num_heads, heads_n):

@@ -16,13 +16,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import DEVICE, rel_err
+from helpers import DEVICE, examples, rel_err
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
 from sparse_mla.cache import PagedCache
 from sparse_mla.config import V41_KINDS
 from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import MetadataSpec, build_step_metadata
-from sparse_mla.ops import launch_configs, targets
 from sparse_mla.scenario import make_scenario, random_picks
 from engine import Engine
 from strategies import step_lengths
@@ -34,16 +33,6 @@ PICKS = ("c2a", "c1a")
 # (window cache format, compressed caches' format): V4.1's own, in both page layouts, and fp4 beside fp8
 V41_PAIRS = [("fp8_v41", "fp8_v41"), ("fp8_v41", "fp4_v41"), ("fp8_v41_planar", "fp8_v41_planar"),
              ("fp4_v41", "fp4_v41")]
-
-
-def backend_or_skip(backend: str, formats) -> str:
-    """``backend``, or a skip where the Triton kernels cannot read ``formats`` on this device yet (the reason is
-    ``launch_configs.unsupported``'s: the day the V4.1 kernels land it is None and the case runs)."""
-    if backend == "triton":
-        why = launch_configs.unsupported(targets.target_of(torch.device(DEVICE)), 512, frozenset(formats), False)
-        if why:
-            pytest.skip(why)
-    return backend
 
 
 def run_layer(sc, kind, window, topk, backend, mode="paged", sink=None, picks=None, seed=0, workspace_rows=4096):
@@ -60,7 +49,7 @@ def run_layer(sc, kind, window, topk, backend, mode="paged", sink=None, picks=No
     return q, out, layer
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=step_lengths(prefixes=st.sampled_from([0, 3, 7, 130, 260])), kind=st.sampled_from(V41_KINDS),
        fmt=st.sampled_from(["bf16", "fp8_v4"]), mode=st.sampled_from(["paged", "workspace"]),
        window=st.sampled_from([4, 8, 16]), padding=st.integers(0, 3), slack=st.integers(0, 40),
@@ -87,7 +76,6 @@ def test_v41_kinds_in_v4_formats_match_the_dense_oracle_on_every_backend(case, k
 def test_v41_formats_match_the_dense_oracle(kind, fmt, comp_fmt, backend):
     """V4.1's own formats: both page layouts, an fp4 compressed cache beside an fp8 window cache; two MTP decodes,
     a chunked prefill after a prefix longer than the window, a fresh prefill, padding rows."""
-    backend = backend_or_skip(backend, {fmt} if kind == "swa" else {fmt, comp_fmt})
     lengths = [(300, 2), (41, 1), (150, 20), (13, 13)]
     sc = make_scenario(lengths, window=8, topk=12, fmt=fmt, compressed_fmt=comp_fmt, decode_threshold=2, padding=3,
                        seed=7, block_sizes=SIZES, device=DEVICE, kinds=V41_KINDS)

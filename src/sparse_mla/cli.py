@@ -30,7 +30,7 @@ from .ops import BACKENDS, attention_kernel
 from .ops.validate import D_V
 from .scenario import make_scenario
 from .verify import (TOLERANCE, kernel_checks, kernel_checks_in_subprocess, flashmla_checks, oracle_checks,
-                     run_layer_against_oracle, support_line)
+                     run_layer_against_oracle, stack_line, support_line)
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
 DEVICES = ("cpu", "cuda")
@@ -270,6 +270,7 @@ def verify(args: argparse.Namespace) -> int:
         table.add_row(c.group, c.name, c.detail, result)
     Console(highlight=False).print(table)
     Console(highlight=False).print(f"support on this GPU: {support_line(device)}")
+    Console(highlight=False).print(f"torch / Triton: {stack_line()}")
     return 1 if any(c.ok is False for c in checks) else 0
 
 

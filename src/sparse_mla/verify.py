@@ -8,7 +8,8 @@
 * ``flashmla``: FlashMLA reads our fp8_v4 caches and agrees with our kernels (CUDA and ``flash_mla`` only).
 
 It also says what this GPU supports: :func:`support_row`, the row of the support table (README's, made by
-:func:`support_markdown`) for the GPU's :class:`~sparse_mla.ops.targets.Target`.
+:func:`support_markdown`) for the GPU's :class:`~sparse_mla.ops.targets.Target`; and what this torch / Triton pair
+gets (:func:`stack_line`).
 
 ``python -m sparse_mla.verify`` prints the kernel checks as JSON lines (what the subprocess runs).
 """
@@ -79,6 +80,32 @@ def support_line(device: torch.device) -> str:
         return "no GPU: the reference ops run here (and the Triton kernels in Triton's CPU interpreter)"
     row = support_row(targets.target_of(device))
     return "; ".join(f"{k}: {v}" for k, v in row.items())
+
+
+def stack_line() -> str:
+    """The support statement for this machine's torch / Triton (``sparse-mla verify`` prints it, README's Support says
+    the same): the pairs the GPU suite passed on (``ops.gluon.VALIDATED_STACKS``), then what this pair gets: which
+    attention kernel a Hopper GPU runs (and why not the Gluon kernel, ``ops.gluon.off_reason``) and whether kernels
+    are launched directly (``ops.launch.FAST_TRITON``) or through Triton's JIT, some 5-8x the host time per call."""
+    from .ops import gluon
+    from .ops.dispatch import HAVE_TRITON
+
+    tested = ", ".join(f"torch {torch_version} + Triton {triton_version}"
+                       for torch_version, triton_version in gluon.VALIDATED_STACKS)
+    statement = (f"GPU-tested: {tested} (the Gluon kernel on Hopper GPUs, the portable Triton kernel on every other "
+                 f"GPU); here torch {torch.__version__}")
+    if not HAVE_TRITON:
+        return f"{statement}, no Triton: the reference ops only"
+    import triton
+
+    from .ops import launch
+
+    reason = gluon.off_reason()
+    hopper = ("Hopper GPUs run the Gluon kernel" if reason is None
+              else f"Hopper GPUs run the portable Triton kernel ({reason})")
+    launches = ("kernels launched directly" if launch.fast_path_enabled()
+                else "kernels launched through Triton's JIT (more host time per call)")
+    return f"{statement}, Triton {triton.__version__}: {hopper}; {launches}"
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,11 @@ def attention_kernel(device: torch.device, dim: int, formats: frozenset[str], pa
 
     fits = gluon_fits(device, dim, formats, pages_16_byte_aligned, padded, q_fp8)
     if gluon is None:
-        return "gluon" if fits and gluon_kernel.enabled() else "triton"
+        if fits and gluon_kernel.enabled():
+            return "gluon"
+        if device.type == "cuda" and targets.target_of(device).hopper:
+            gluon_kernel.warn_portable_once()  # a Triton the Gluon kernel is not validated on (or does not build with)
+        return "triton"
     if gluon and not fits:
         readable = "512-d: every scope fp8_v4 or bf16, or V4.1 formats; 576-d: every scope fp8_v32 or bf16"
         raise ValueError(f"gluon=1 needs a Hopper GPU, bf16 q, scopes of one format ({readable}) with padded index "

@@ -11,11 +11,12 @@ is computed by a function generated once per *type pattern* of the arguments (:f
 a call reads only each tensor's dtype and pointer and each int's value, with no per-argument type test.
 
 The direct call uses the compiled kernel's launchers (the Python ``run(grid…, stream, function,
-packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``, and under it the C ``launch``, which also takes
-the launch flags and scratch buffers: called straight when the kernel needs no scratch), read on the Triton versions
-in :data:`FAST_TRITON` and exercised by every GPU test after a kernel's first launch. Elsewhere, under the
-CPU interpreter, with launch hooks installed (profilers) or with ``SPARSE_MLA_FAST_LAUNCH=0``, a :class:`Launch`
-makes the ordinary JIT call.
+packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``, the same on every version and backend, and under
+it CUDA's C ``launch``, which also takes the launch flags and scratch buffers: called straight when the kernel needs
+no scratch, in the form of the installed Triton, :func:`_direct_call`), read on the Triton versions in
+:data:`FAST_TRITON` and exercised by every GPU test after a kernel's first launch. Elsewhere, under the CPU
+interpreter, with launch hooks installed (profilers) or with ``SPARSE_MLA_FAST_LAUNCH=0``, a :class:`Launch` makes
+the ordinary JIT call — on Triton 3.9 some 5-8 times the host time of a direct call (issue 47).
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ import triton
 
 from .targets import override_arch
 
-FAST_TRITON = ("3.6.",)  # launcher interfaces read (triton/backends/nvidia/driver.py) and run on an H100
+# Triton versions whose launcher interfaces were read (triton/backends/{nvidia,amd}/driver.py, compiler.py's
+# CompiledKernel): 3.6's generated C launcher per signature (run on H100 / H200), 3.7-3.9's one generic C launcher
+FAST_TRITON = ("3.6.", "3.7.", "3.8.", "3.9.")
 
 try:
     from triton import knobs as _knobs
@@ -126,10 +129,14 @@ class Launch:
             binary = self.kernel[grid](*args, **self.kwargs)  # compiles (or finds) and launches
             binaries[key] = _direct_call(binary)
             return binary
-        launch, leading = direct
+        launch, leading, packed = direct
         stream = torch._C._cuda_getCurrentRawStream(device)
-        launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, *leading, *args,
-               *self.constexpr_values)
+        if packed:
+            launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, *leading,
+                   (*args, *self.constexpr_values))
+        else:
+            launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, *leading, *args,
+                   *self.constexpr_values)
         return None
 
 
@@ -151,11 +158,12 @@ class Launch:
 
 
 @functools.lru_cache(maxsize=256)
-def bound_caller(varying: tuple[bool, ...]) -> Callable:
+def bound_caller(varying: tuple[bool, ...], packed_from: int | None = None) -> Callable:
     """The call of a :class:`BoundLaunch` whose launcher arguments after the stream are ``varying`` (True: a tensor each
     call passes, as its data pointer; False: a value bound once), as one generated function ``call(launch, values,
-    stream, tensors)``: the grid from ``values``, the stream, then the other arguments in order. Made once per such
-    pattern (generating it per binding cost more than the calls saved: a step's plans bind anew each step)."""
+    stream, tensors)``: the grid from ``values``, the stream, then the other arguments in order, those from position
+    ``packed_from`` on as one tuple (the kernel's arguments, for a launcher that takes them so; None: none). Made once
+    per such pattern (generating it per binding cost more than the calls saved: a step's plans bind anew each step)."""
     terms, k, v = [], 0, 3
     for is_tensor in varying:
         if is_tensor:
@@ -164,6 +172,8 @@ def bound_caller(varying: tuple[bool, ...]) -> Callable:
         else:
             terms.append(f"values[{v}]")
             v += 1
+    if packed_from is not None:
+        terms[packed_from:] = [f"({''.join(f'{term}, ' for term in terms[packed_from:])})"]
     unpack = f"    {', '.join(f't{i}' for i in range(k))}, = tensors\n" if k else ""
     source = (f"def call(launch, values, stream, tensors):\n{unpack}"
               f"    launch(values[0], values[1], values[2], stream, {', '.join(terms)})\n")
@@ -183,9 +193,9 @@ class BoundLaunch:
     device, as its checks of the first call established. The call is :func:`bound_caller`'s function for the
     arguments' pattern, with the bound values in one tuple (no per-argument loop)."""
 
-    def __init__(self, direct: tuple[Callable, tuple], grid: tuple[int, int, int], args: tuple, constexprs: tuple,
-                 device: int, fixed: frozenset[int] = frozenset()) -> None:
-        self._launch, leading = direct
+    def __init__(self, direct: tuple[Callable, tuple, bool], grid: tuple[int, int, int], args: tuple,
+                 constexprs: tuple, device: int, fixed: frozenset[int] = frozenset()) -> None:
+        self._launch, leading, packed = direct
         self._device = device
         # the fixed tensors are held (their pointers are bound); the binding call's other tensors are not: each call
         # passes its own, and holding them would keep them alive
@@ -193,7 +203,8 @@ class BoundLaunch:
         varying = [isinstance(a, torch.Tensor) and i not in fixed for i, a in enumerate(args)]
         self._values = (*grid, *leading, *[a.data_ptr() if isinstance(a, torch.Tensor) else a
                                            for a, v in zip(args, varying) if not v], *constexprs)
-        self._call = bound_caller((False,) * len(leading) + tuple(varying) + (False,) * len(constexprs))
+        self._call = bound_caller((False,) * len(leading) + tuple(varying) + (False,) * len(constexprs),
+                                  len(leading) if packed else None)
 
     def __call__(self, tensors: list[torch.Tensor]) -> bool:
         if torch._C._cuda_getDevice() != self._device or _launch_hooks_installed():
@@ -227,15 +238,27 @@ class BindOnce:
             self.bound, self.key = bind() or False, key
 
 
-def _direct_call(binary) -> tuple[Callable, tuple]:
-    """How to launch a compiled kernel without the JIT call: a function and the arguments that go between the grid and
-    stream and the kernel's own. The C launcher itself when the kernel needs no scratch memory (Triton's Python
-    launcher then only passes two ``None`` scratch buffers on), else that Python launcher."""
+def _direct_call(binary) -> tuple[Callable, tuple, bool]:
+    """How to launch a compiled kernel without the JIT call: a function, the arguments that go between the grid and
+    stream and the kernel's own, and whether the kernel's arguments (runtime ones, then constexprs) go as one tuple.
+
+    CUDA's C launcher itself where the kernel needs no scratch memory (Triton's Python launcher then only passes two
+    ``None`` scratch buffers on; with no hooks and no launch metadata: None each), in the installed Triton's form:
+    3.7-3.9's one generic launcher takes ``(…, function, cooperative, pdl, packed_metadata, launch_metadata,
+    enter_hook, exit_hook, global_scratch, profile_scratch, arg_annotations, kernel_signature, kernel_args)``,
+    3.6's launcher generated per signature ``(…, function, cooperative, pdl, global_scratch, profile_scratch,
+    packed_metadata, launch_metadata, enter_hook, exit_hook, *kernel_args)``. Otherwise (scratch memory, 3.9's
+    sanitizer, AMD's launchers, whose C forms differ again) the Python launcher, whose form every version and backend
+    shares."""
     launcher = binary.run
-    if launcher.global_scratch_size == 0 and launcher.profile_scratch_size == 0:
-        return launcher.launch, (binary.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
-                                 binary.packed_metadata, None, None, None)
-    return launcher, (binary.function, binary.packed_metadata, None, None, None)
+    if (type(launcher).__name__ == "CudaLauncher" and launcher.global_scratch_size == 0
+            and launcher.profile_scratch_size == 0 and not getattr(launcher, "gsan_enabled", False)):
+        flags = (binary.function, launcher.launch_cooperative_grid, launcher.launch_pdl)
+        if hasattr(launcher, "kernel_signature"):
+            return launcher.launch, (*flags, binary.packed_metadata, None, None, None, None, None,
+                                     launcher.arg_annotations, launcher.kernel_signature), True
+        return launcher.launch, (*flags, None, None, binary.packed_metadata, None, None, None), False
+    return launcher, (binary.function, binary.packed_metadata, None, None, None), False
 
 
 _LAUNCHES: dict[tuple, Launch] = {}

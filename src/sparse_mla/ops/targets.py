@@ -92,8 +92,10 @@ MATRIX: tuple[Target, ...] = (
                   "bf16); 512-d fp8 and 576-d bf16 in 32-key tiles (99 KB)"),
     Target("cuda", 90, 32, 227 * _KB, gpus="H100, H200, H20, H800",
            verified="runs natively on the H100; compiles, fits",
-           limits="the Gluon kernel where every scope is fp8_v4, fp8_v32 or bf16, or V4.1's formats (16-byte "
-                  "aligned pages); the portable kernel elsewhere, 1.96x FlashMLA on the V4-Flash B 128 step"),
+           limits="with a Triton the Gluon kernel passed the GPU tests on (`sparse-mla verify` names them), the "
+                  "Gluon kernel where every scope is fp8_v4, fp8_v32 or bf16, or V4.1's formats (16-byte aligned "
+                  "pages); the portable kernel elsewhere and with other Tritons, 1.96x FlashMLA on the V4-Flash B 128 "
+                  "step"),
     Target("cuda", 100, 32, 227 * _KB, tmem_columns=512, gpus="B200, B300, GB200",
            limits="not run on silicon; the portable kernel on mma.sync (no tcgen05 / tensor memory)"),
     Target("cuda", 120, 32, 99 * _KB, gpus="RTX 5090, RTX PRO 6000",
@@ -102,13 +104,14 @@ MATRIX: tuple[Target, ...] = (
                   "spill-free rows were 1.4-1.6x slower under the sm86 lowering)"),
     Target("hip", "gfx90a", 64, 64 * _KB, registers=512, gpus="MI210, MI250",
            limits="not run on silicon; fp8 decoded by integer operations; 32 heads per program (fp8 caches) or "
-                  "16 (bf16)"),
+                  "16 (bf16); V4.1's decodes spill 78-206 SGPRs (tensors under 2 GiB, buffer loads)"),
     Target("hip", "gfx942", 64, 64 * _KB, registers=512, gpus="MI300X, MI325X",
            limits="not run on silicon; fp8 decoded by integer operations; 32 heads per program (fp8 caches) or "
-                  "16 (bf16)"),
+                  "16 (bf16); V4.1's decodes spill 80-227 SGPRs (tensors under 2 GiB, buffer loads)"),
     Target("hip", "gfx950", 64, 160 * _KB, registers=512, gpus="MI350X, MI355X",
            limits="not run on silicon; fp8 by its OCP conversion instructions; 32 heads per program (fp8 "
-                  "caches) or 16 (bf16)"),
+                  "caches) or 16 (bf16); V4.1's fp4 decodes spill 176-358 SGPRs (tensors under 2 GiB, buffer "
+                  "loads)"),
     Target("hip", "gfx1100", 32, 64 * _KB, gpus="RX 7900",
            limits="not run on silicon; the attention kernel spills 1,000-2,700 VGPRs (slow: a value-dim split is "
                   "planned)"),

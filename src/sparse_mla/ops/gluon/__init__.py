@@ -24,17 +24,18 @@ V3.2 (``D_QK = 576``): the shared rows hold the 512 V dims as V4's do; the 64 ro
 logits as one more wgmma per block. The split merge and the sink of split rows are ``triton_attention``'s combine
 kernel.
 
-Modules: :mod:`.host` (import guard, shapes, register budgets, launch choices: imports without Gluon),
+Modules: :mod:`.host` (import guard, the validated Tritons, shapes, register budgets, launch choices: imports without
+Gluon), :mod:`.compat` (the builtins Triton renamed between 3.6 and 3.9, bound to the installed one's names),
 :mod:`.common` (constants, argument bundles, barrier waits, work items, q loads, output stores),
 :mod:`.fp8_rows` (fp8 and fp4 gathers and dequantisation), the three variants, and :mod:`.kernel` (the entry kernel).
 """
 from .host import (HEADS_PER_PROGRAM, KEYS_PER_BLOCK, LOGITS_REGS, NARROW_COPY_REGS, NARROW_HEADS, NARROW_MATH_REGS,
-                   PAIRED_REGS, PARTITION_WARPS, VALIDATED_TRITON, VALUES_REGS, enabled, gluon, narrow_heads,
-                   persistent)
+                   PAIRED_REGS, PARTITION_WARPS, VALIDATED_STACKS, VALIDATED_TRITON, VALUES_REGS, enabled, gluon,
+                   narrow_heads, off_reason, persistent, warn_portable_once)
 
 __all__ = ["HEADS_PER_PROGRAM", "KEYS_PER_BLOCK", "LOGITS_REGS", "NARROW_COPY_REGS", "NARROW_HEADS",
-           "NARROW_MATH_REGS", "PAIRED_REGS", "PARTITION_WARPS", "VALIDATED_TRITON", "VALUES_REGS", "enabled", "gluon",
-           "narrow_heads", "persistent"]
+           "NARROW_MATH_REGS", "PAIRED_REGS", "PARTITION_WARPS", "VALIDATED_STACKS", "VALIDATED_TRITON", "VALUES_REGS",
+           "enabled", "gluon", "narrow_heads", "off_reason", "persistent", "warn_portable_once"]
 
 if gluon is not None:
     from .kernel import _attention_kernel  # noqa: F401

@@ -11,13 +11,13 @@ would become tensors); captures a partition does not read are dropped. A runtime
 # values)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.language.core import _aggregate as aggregate
 
 from ...formats import (FMT_BF16, FMT_FP4_V41, FMT_FP4_V41_PLANAR, FMT_FP8_V4, FMT_FP8_V32, FMT_FP8_V41,
                         FMT_FP8_V41_PLANAR, PAGE_TABLE as PAGE_ROWS, ROPE_DIM, V4_DIM, V4_NOPE_DIM, V32_DIM)
 from ..validate import D_V
+from .compat import async_load, thread_barrier
 from .host import HEADS_PER_PROGRAM, KEYS_PER_BLOCK, PARTITION_WARPS
 
 H_BLOCK = gl.constexpr(HEADS_PER_PROGRAM)
@@ -418,7 +418,7 @@ def _copy_rope(dst, rows, ok, START: gl.constexpr):
     col = gl.arange(0, ROPE, layout=gl.SliceLayout(0, rope_layout))
     row = gl.convert_layout(rows, gl.SliceLayout(1, rope_layout)).to(gl.pointer_type(gl.bfloat16))
     okr = gl.convert_layout(ok, gl.SliceLayout(1, rope_layout))
-    async_copy.async_copy_global_to_shared(dst, (row + START)[:, None] + col[None, :], mask=okr[:, None])
+    async_load(dst, (row + START)[:, None] + col[None, :], mask=okr[:, None])
 
 
 @gluon.jit
@@ -447,7 +447,7 @@ def _load_query(q_smem, q_free, r, q_tok, stride_qh, hb, num_heads):
     the buffer is free: it holds the previous item's output on its way out (``_store_rows``) until warpgroup 1
     arrives on ``q_free`` (and this warpgroup's own, until the barrier)."""
     _wait_free(q_free, r)
-    gl.thread_barrier()
+    thread_barrier()
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     heads_q = hb * H_BLOCK + gl.arange(0, q_smem.shape[1], layout=gl.SliceLayout(1, q_layout))
     for SIDE in gl.static_range(2):
@@ -456,7 +456,7 @@ def _load_query(q_smem, q_free, r, q_tok, stride_qh, hb, num_heads):
                     other=0.0)
         q_smem.index(0).slice(SIDE * HALF, HALF, dim=1).store(q)
     fence_async_shared()
-    gl.thread_barrier()
+    thread_barrier()
 
 
 @gluon.jit
@@ -528,7 +528,7 @@ def _staged_store(vals, stage, dst, heads, col0, num_heads):
     through ``stage`` (shared memory of their shape, dead by now) so that each thread stores 16 consecutive
     bytes."""
     stage.store(vals)
-    gl.thread_barrier()
+    thread_barrier()
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
     vals_s = stage.load(store_layout)
     heads_s = gl.convert_layout(heads, gl.SliceLayout(1, store_layout))

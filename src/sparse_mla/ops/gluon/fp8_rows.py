@@ -15,6 +15,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from ...formats import UE8M0_BIAS, V4_TILE, V32_ROPE_OFFSET, V32_TILE, V41_FP8_TILE
+from .compat import reinterpret, thread_barrier
 from .common import BLOCK_N, DIM, FP8_V4, FP8_V32, HALF, NOPE, _copy_rope, _wait_free, is_fp4, is_v41, rope_copied
 from .host import PARTITION_WARPS
 
@@ -236,18 +237,18 @@ def _store_half(ring, raw, scales, rows, ok, j, BUF: gl.constexpr, SIDE: gl.cons
     _wait_free(ring.free.index(bar), j)
     if not DEQUANT_FIRST:
         vals = _dequant(raw, scales, FMT)
-    words = ring.k_smem.index(BUF)._reinterpret(gl.int32, [BLOCK_N, DIM // 2], WORDS_SMEM)  # bf16 pairs
+    words = reinterpret(ring.k_smem.index(BUF), gl.int32, [BLOCK_N, DIM // 2], WORDS_SMEM)  # bf16 pairs
     words.slice(SIDE * HALF // 2, HALF // 2, dim=1).store(gl.reshape(vals, [BLOCK_N, HALF // 2]))
     if (SIDE == 1) and rope_copied(FMT):  # the bf16 rope dims (V4.1's rows have none)
         if FMT == FP8_V4:
             # the rope tile was just written too (zero words times the pad byte's factor: zeros, or NaN for a
             # 0xFF pad byte): every thread's stores land before any rope copy starts, and the copy overwrites
             # them
-            gl.thread_barrier()
+            thread_barrier()
             _copy_rope(ring.k_smem.index(BUF).slice(NOPE, DIM - NOPE, dim=1), rows, ok, NOPE // 2)
         else:  # (issued before the dequantisation instead, it measured no faster on the H100)
             _copy_rope(ring.r_smem.index(BUF), rows, ok, V32_ROPE // 2)
         async_copy.mbarrier_arrive(ring.ready.index(bar), increment_count=False)
     fence_async_shared()
-    gl.thread_barrier()
+    thread_barrier()
     mbarrier.arrive(ring.ready.index(bar))

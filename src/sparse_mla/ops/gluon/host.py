@@ -3,15 +3,21 @@ register budgets the launch and the kernel modules share, and the launch's choic
 :func:`narrow_heads`). Imports without Triton or without Gluon (``gluon`` is then None), so that the token order
 (``ops/order.py``) can count key blocks on any platform.
 
-Gluon's API is experimental: the kernel is used with the Triton versions it was validated on
-(``VALIDATED_TRITON``) unless ``SPARSE_MLA_GLUON=1`` asks for it anyway (``=0`` turns it off).
+Gluon's API is experimental: the kernel builds on Triton 3.6-3.9 (:mod:`.compat` spells the builtins Triton renamed)
+and is used with the Triton versions it passed the GPU suite on (:data:`VALIDATED_STACKS`) unless
+``SPARSE_MLA_GLUON=1`` asks for it anyway (``=0`` turns it off); elsewhere a Hopper GPU runs the portable kernel, and
+the first plan made for one says so once (:func:`warn_portable_once`).
 """
 from __future__ import annotations
 
 import os
+import warnings
 
-try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any mismatch disables this path
+try:
     import triton
+except ImportError:  # pragma: no cover - no Triton on this platform
+    triton = None
+try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any mismatch disables this path
     from triton.experimental import gluon
     # what the kernel modules use, imported here to check it is there
     from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: F401
@@ -22,6 +28,8 @@ try:  # Gluon ships with Triton >= 3.5; its API is experimental, so any mismatch
         warpgroup_mma_wait,
     )
     from triton.language.core import _aggregate  # noqa: F401  (Triton 3.6 has no public gl.aggregate)
+
+    from . import compat  # noqa: F401  (the builtins Triton renamed: ImportError where it knows neither name)
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -47,7 +55,12 @@ PAIRED_REGS = 216
 # math warpgroup per 16 heads (four warpgroups of 128 registers) 8-9 % slower (docs/history.md, version 17)
 NARROW_HEADS = 16
 NARROW_COPY_REGS, NARROW_MATH_REGS = 168, 160
-VALIDATED_TRITON = ("3.6.",)  # checked on an H100 against the reference ops (tests/test_triton_attention.py)
+# The torch / Triton pairs the GPU suite (``GPU_TESTS=all bash scripts/gpu_check.sh``: the Gluon kernel against the
+# reference ops, tests/test_triton_attention.py, test_gluon_v41.py) passed on, an H100 / H200: the one list to extend
+# after a pass on another pair. The Gluon kernel is enabled by default with these Triton versions (beside any torch);
+# the support statement (``sparse_mla.verify.stack_line``) prints the pairs
+VALIDATED_STACKS = (("2.11", "3.6"),)
+VALIDATED_TRITON = tuple(f"{version}." for _, version in VALIDATED_STACKS)  # prefixes of triton.__version__
 
 
 # Persistent programs (one per SM, each taking work items in turn: an item's q load and output store then overlap the
@@ -71,9 +84,40 @@ def narrow_heads(formats: frozenset[str], num_heads: int) -> int:
     return NARROW_HEADS if len(formats) == 1 and "bf16" not in formats and num_heads <= NARROW_HEADS else 0
 
 
+TURNED_OFF = "SPARSE_MLA_GLUON=0"
+
+
+def off_reason() -> str | None:
+    """Why the Gluon path is off on this machine — :data:`TURNED_OFF`, or a sentence about the installed Triton —
+    or None where it may be used: Gluon builds here and the Triton is validated (``VALIDATED_TRITON``) or
+    ``SPARSE_MLA_GLUON=1`` forces it."""
+    choice = os.environ.get("SPARSE_MLA_GLUON", "")
+    if choice == "0":
+        return TURNED_OFF
+    if gluon is None:
+        return "the Gluon kernel does not build with this Triton" + (f" ({triton.__version__})" if triton else "")
+    if choice != "1" and not triton.__version__.startswith(VALIDATED_TRITON):
+        tested = ", ".join(version for _, version in VALIDATED_STACKS)
+        return (f"the Gluon kernel builds with Triton {triton.__version__} but passed the GPU tests on Triton "
+                f"{tested} only: SPARSE_MLA_GLUON=1 uses it anyway")
+    return None
+
+
 def enabled() -> bool:
     """Whether the Gluon path may be used at all: Gluon importable and a validated Triton (or forced)."""
-    choice = os.environ.get("SPARSE_MLA_GLUON", "")
-    if gluon is None or choice == "0":
-        return False
-    return choice == "1" or triton.__version__.startswith(VALIDATED_TRITON)
+    return off_reason() is None
+
+
+_warned = False
+
+
+def warn_portable_once() -> None:
+    """On a Hopper GPU whose Triton leaves the Gluon kernel off (:func:`off_reason`; not when the user turned it
+    off): a warning, once per process, that the portable kernel runs instead."""
+    global _warned
+    reason = off_reason()
+    if _warned or reason is None or reason == TURNED_OFF:
+        return
+    _warned = True
+    warnings.warn(f"sparse-mla: {reason}; this Hopper GPU runs the portable Triton kernel, slower than the Gluon "
+                  "kernel (README, Support)", RuntimeWarning, stacklevel=2)

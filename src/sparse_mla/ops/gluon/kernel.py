@@ -5,6 +5,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
+from .compat import thread_barrier
 from .common import (BF16, BLOCK_N, DIM, FP8_V4, FP8_V32, H_BLOCK, QK_V32, ROPE, WARPS, Caches, KeyRing, Outputs,
                      Query, WorkItems, is_fp4, is_v41, rope_copied)
 from .host import LOGITS_REGS, NARROW_COPY_REGS, NARROW_MATH_REGS, PAIRED_REGS, VALUES_REGS
@@ -90,7 +91,7 @@ def _attention_kernel(
     mbarrier.init(l_bar, count=2 if PAIRED else 1)
     mbarrier.init(q_free, count=1)
     mbarrier.init(q_ready, count=1)
-    gl.thread_barrier()
+    thread_barrier()
 
     ring = KeyRing(k_smem, r_smem, ready, free)
     q = Query(q_ptr, stride_qt, stride_qh)

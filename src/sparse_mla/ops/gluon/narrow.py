@@ -15,6 +15,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from triton.language.core import _aggregate as aggregate
 
+from .compat import thread_barrier
 from .common import (BLOCK_N, DIM, QK_V32, ROPE, WARPS, _block_keys_valid, _load_query, _opaque,
                      _phase, _store_rows)
 from .fp8_rows import _gather_half, _store_half, rows_layout
@@ -113,7 +114,7 @@ def _narrow_partition(ring, ex, q, outs, caches, items, qk_scale, HEADS_N: gl.co
             qr_smem.store(gl.load(q_tok + heads_r[:, None] * q.stride_qh + cols_r[None, :],
                                   mask=(heads_r < items.num_heads)[:, None], other=0.0))
             fence_async_shared()
-            gl.thread_barrier()
+            thread_barrier()
         m_i = gl.full([HEADS_N], float("-inf"), gl.float32, layout=heads_layout)
         # each thread's share of the sums of P, reduced over the keys (across the warps) once per item
         l_parts = gl.zeros([BLOCK_N, HEADS_N], gl.float32, layout=nt_layout)
@@ -144,14 +145,14 @@ def _narrow_partition(ring, ex, q, outs, caches, items, qk_scale, HEADS_N: gl.co
                 m_i = m_new
                 p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
                 fence_async_shared()
-                gl.thread_barrier()
+                thread_barrier()
                 acc = acc * alpha[None, :]
                 acc = warpgroup_mma(k_blk.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                gl.thread_barrier()
+                thread_barrier()
                 mbarrier.arrive(ring.free.index(2 * BUF))
                 mbarrier.arrive(ring.free.index(2 * BUF + 1))
         g += pairs
         _store_rows(acc, m_i, gl.sum(l_parts, 0), q_smem, outs, items, item, -1)
-        gl.thread_barrier()
+        thread_barrier()
         mbarrier.arrive(ex.q_free)  # (its own: the next item's q overwrites the staged output)

@@ -20,6 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from triton.language.core import _aggregate as aggregate
 
+from .compat import async_load, thread_barrier
 from .common import (DIM, HALF, KEYS_LAYOUT, O_ROWS, P_OPERAND, QK_V32, ROWS_LAYOUT, WARPS, _block_keys_valid,
                      _copy_rope, _load_query, _opaque, _phase, _rope_query, _softmax_start, _store_rows,
                      _wait_free)
@@ -61,7 +62,7 @@ def _copy_half(ring, row, valid, cols, j, BUF: gl.constexpr, SIDE: gl.constexpr,
     the half's ``ready`` barrier as they land."""
     bar: gl.constexpr = 2 * BUF + SIDE
     _wait_free(ring.free.index(bar), j)
-    async_copy.async_copy_global_to_shared(ring.k_smem.index(BUF).slice(SIDE * HALF, HALF, dim=1),
+    async_load(ring.k_smem.index(BUF).slice(SIDE * HALF, HALF, dim=1),
                                            row[:, None] + (SIDE * HALF + cols)[None, :], mask=valid[:, None])
     if (SIDE == 1) & (D_QK == QK_V32):
         _copy_rope(ring.r_smem.index(BUF), row, valid, DIM)
@@ -156,7 +157,7 @@ def _paired_partition(ring, ex, q, outs, caches, items, qk_scale, WG: gl.constex
             m_new = gl.maximum(m_prev, gl.max(s, 1))
             if WG == 0:  # hand its maximum to warpgroup 1, take back the pair's
                 m_smem.index(0).store(m_new)
-                gl.thread_barrier()
+                thread_barrier()
                 mbarrier.arrive(ex.m_bar.index(0))
                 mbarrier.wait(ex.m_bar.index(1), phase)
                 m_new = m_smem.index(1).load(ROWS_LAYOUT)
@@ -168,18 +169,18 @@ def _paired_partition(ring, ex, q, outs, caches, items, qk_scale, WG: gl.constex
             l_i += gl.sum(p, 1)
             if WG == 1:
                 m_smem.index(1).store(m_new)
-                gl.thread_barrier()
+                thread_barrier()
                 mbarrier.arrive(ex.m_bar.index(1))
             p16 = p.to(gl.bfloat16)
             acc = warpgroup_mma(gl.convert_layout(p16, P_OPERAND), k_own.slice(WG * HALF, HALF, dim=1), acc,
                                 is_async=True)
             if WG == 0:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                gl.thread_barrier()
+                thread_barrier()
                 mbarrier.arrive(ring.free.index(0))  # half 0L: its last reader was this PV
             ex.p_smem.index(WG).store(p16)
             fence_async_shared()
-            gl.thread_barrier()
+            thread_barrier()
             mbarrier.arrive(ex.p_bar.index(WG))
             # the other block's half: its rows (cp.async) were fenced for the async proxy by the warpgroup that
             # owns the block, before it published its P
@@ -187,19 +188,19 @@ def _paired_partition(ring, ex, q, outs, caches, items, qk_scale, WG: gl.constex
             acc = warpgroup_mma(ex.p_smem.index(OTHER + zero), k_other.slice(WG * HALF, HALF, dim=1), acc,
                                 is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            gl.thread_barrier()
+            thread_barrier()
             mbarrier.arrive(ring.free.index(2 * OTHER + WG))  # this warpgroup's half of the other block
             if WG == 1:
                 mbarrier.arrive(ring.free.index(2 * WG + WG))  # half 1R, read by this warpgroup alone
 
         # both sums are relative to the pair's common maximum; add them up
         ex.l_smem.index(WG).store(l_i)
-        gl.thread_barrier()
+        thread_barrier()
         mbarrier.arrive(ex.l_bar)
         mbarrier.wait(ex.l_bar, _phase(r))
         l_all = ex.l_smem.index(0).load(ROWS_LAYOUT) + ex.l_smem.index(1).load(ROWS_LAYOUT)
         _store_rows(acc, m_i, l_all, q_smem, outs, items, item, WG)
         g += pairs
         if WG == 1:
-            gl.thread_barrier()
+            thread_barrier()
             mbarrier.arrive(ex.q_free)

@@ -23,6 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from triton.language.core import _aggregate as aggregate
 
+from .compat import thread_barrier
 from .common import (HALF, KEYS_LAYOUT, O_LAYOUT, O_ROWS, P_OPERAND, QK_V32, H_BLOCK, _block_keys_valid,
                      _load_query, _opaque, _rope_query, _softmax_start, _phase, _store_rows, _wait_free)
 from .fp8_rows import _gather_half, _store_half, rows_layout
@@ -208,20 +209,20 @@ def _logits_partition(ring, ex, q, outs, caches, items, qk_scale):
                 p_smem.index(zero).store(p16)
                 ex.a_smem.store(alpha)
                 fence_async_shared()
-                gl.thread_barrier()
+                thread_barrier()
                 mbarrier.arrive(ex.p_bar)
                 acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
                 acc = warpgroup_mma(gl.convert_layout(p16, P_OPERAND), k_blk.slice(0, HALF, dim=1), acc,
                                     is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                gl.thread_barrier()
+                thread_barrier()
                 mbarrier.arrive(ring.free.index(2 * BUF))  # half 0: its last reader was this P·V
         g += pairs
 
         # (warpgroup 1 read the last item's m and l before it freed q's buffer)
         ex.m_smem.store(m_i)
         ex.l_smem.store(l_i)
-        gl.thread_barrier()
+        thread_barrier()
         mbarrier.arrive(ex.l_bar)
         _store_rows(acc, m_i, l_i, q_smem, outs, items, item, 0)
 
@@ -245,7 +246,7 @@ def _values_partition(ring, ex, outs, items):
                 acc = warpgroup_mma(ex.p_smem.index(zero), ring.k_smem.index(BUF + zero).slice(HALF, HALF, dim=1),
                                     acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                gl.thread_barrier()
+                thread_barrier()
                 mbarrier.arrive(ring.free.index(2 * BUF + 1))  # half 1: its last reader was this P·V
                 mbarrier.arrive(ex.p_free)
         g += pairs
@@ -253,5 +254,5 @@ def _values_partition(ring, ex, outs, items):
         mbarrier.wait(ex.l_bar, _phase(r))
         _store_rows(acc, ex.m_smem.load(O_ROWS), ex.l_smem.load(O_ROWS), ex.q_smem, outs, items,
                     item, 1)
-        gl.thread_barrier()
+        thread_barrier()
         mbarrier.arrive(ex.q_free)
