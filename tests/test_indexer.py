@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from helpers import DEVICE
+from helpers import DEVICE, needs
 from indexer_cases import make_case
 from sparse_mla.config import get_config
 from sparse_mla.indexer import IndexerSpec, StepTokens, index_topk_reference, prepare_queries, top_blocks_reference
@@ -254,8 +254,9 @@ def test_layer_rejects_bad_input_by_name():
 # ---- transformers' indexer on the same inputs ----------------------------------------------------------------------
 
 
+@needs("transformers")
 def test_picks_match_transformers_deepseek_v4_indexer():
-    hf = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
     from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
     from sparse_mla.rope import rope_from_hf_config
@@ -298,8 +299,9 @@ def test_picks_match_transformers_deepseek_v4_indexer():
     assert differ == 0, f"{differ} picks differ"
 
 
+@needs("transformers")
 def test_picks_match_transformers_deepseek_v32_indexer():
-    hf = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf
     from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
 
     from sparse_mla.rope import rope_from_hf_config

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import DEVICE, KERNEL_RUNS, ON_GPU, sized  # noqa: E402
+from helpers import DEVICE, KERNEL_RUNS, ON_GPU, needs, sized  # noqa: E402
 from indexer_cases import check_picks, make_case  # noqa: E402
 from sparse_mla.indexer import (IndexerSpec, StepTokens, index_topk_reference, prepare_queries,  # noqa: E402
                                 top_blocks_reference)
@@ -29,7 +29,7 @@ from sparse_mla.ops import targets  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 needs_kernels = pytest.mark.skipif(not KERNEL_RUNS, reason="needs a GPU or TRITON_INTERPRET=1")
-needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+needs_gpu = needs("gpu")
 
 
 def kernel_picks(case, topk: int, kept=None, select=False, rows=None, num_kept=2048):
