@@ -5,7 +5,7 @@
 #   GPU_TESTS="tests/test_x.py ..." bash scripts/gpu_check.sh   these tests, the demo and the step benchmark
 #   bash scripts/gpu_check.sh --help                     this text and every subset's tests
 # Every subset fits one 10-minute call on an H200; in turn they run every GPU test (docs/checks.md, "GPU tests"):
-#   bash scripts/gpu_check.sh; then GPU_TESTS=more, layers, v41, v41gluon, misc, guards, hf, lowerings (each
+#   bash scripts/gpu_check.sh; then GPU_TESTS=more, layers, v41, v41gluon, misc, pipeline, guards, hf, lowerings (each
 #   BENCH=none by default); then GPU_TESTS=cp on 2 GPUs (nvidia-h200-x2). GPU_TESTS=all runs the single-GPU
 #   subsets one after another: several calls' worth, for a machine without the device tool's limit.
 # Environment:
@@ -33,7 +33,7 @@
 #               context-parallel benchmark instead of the step one (~3 min)
 set -uo pipefail
 SUBSETS=scripts/gpu_subsets.txt
-SINGLE_GPU="default more layers v41 v41gluon misc guards hf lowerings"  # GPU_TESTS=all, in this order
+SINGLE_GPU="default more layers v41 v41gluon misc pipeline guards hf lowerings"  # GPU_TESTS=all, in this order
 
 subset_tests() {  # subset_tests NAME: the subset's lines, as written (globs unexpanded)
     awk -v s="$1" '!/^#/ && $1 == s { print $2 }' "$SUBSETS"

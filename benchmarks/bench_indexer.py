@@ -1,0 +1,250 @@
+"""The lightning indexer per layer (issue 50): query prep + scores + top-k against the key bytes at the copy rate.
+
+    python benchmarks/bench_indexer.py --out results/                # on a CUDA GPU (~2 min on an H200)
+    python benchmarks/bench_indexer.py --smoke --out /tmp/smoke      # tiny sizes on the CPU (Triton's interpreter)
+
+Cases (``--cases`` picks some): V4-Flash decode B 32 and 128 × 2 tokens (1 + 1 MTP) at 32K-token contexts (8,192
+c4a entries, 64 heads, top-k 512, fp8 keys: 132 B each), B 8 × 2 at 512K; V4-Pro's top-k 1024; V4.1-Flash (32
+heads, ratio 2: 16,384 entries at 32K, top-k 512); V3.2 (raw keys: 32,768 at 32K, 64 heads, top-k 2048); a
+4096-token prefill chunk on a 32K prefix (V4-Flash).
+
+Per case, after a correctness check (the picks of :class:`SparseMLAIndexer` against the reference's, as sets per
+token: the share of rows equal), CUDA-graph replays of: the whole layer call (``prep + scores + top-k``), the query
+prep alone, the score kernel alone, the top-k alone (the Triton select, the layer's, and ``torch.topk`` over the
+packed rows), and a plain PyTorch path (the keys gathered and dequantised,
+one einsum, ReLU, the weighted head sum, the causal mask, ``torch.topk``; what an engine without kernels runs).
+Against (a) the time to read the case's key bytes at the copy rate measured in the same run (a device-to-device
+copy of 1 GiB: bytes read + written over time; the decode goal: at most 2×), the q·k flops at the bf16 matmul rate of
+the same run (the prefill's tensor-core ceiling; goal: within 2×) and (b) the PyTorch path. JSON to
+``--out/bench_indexer.json``; the table printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+from sparse_mla.config import COMPRESS_RATIO, V4_KINDS, V41_KINDS
+from sparse_mla.indexer import StepTokens, index_topk_reference, prepare_queries
+from sparse_mla.indexer_cache import IndexerKeyCache
+from sparse_mla.indexer_layer import SparseMLAIndexer
+from sparse_mla.metadata import MetadataSpec, build_step_metadata
+from sparse_mla.ops import targets
+from sparse_mla.ops.dispatch import interpreting
+
+from harness import Env, main, positive_int, prepare, report, run_info, save_result
+from timing import graphed, timed
+
+KEY_BYTES = {"fp8": 132, "bf16": 256}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str
+    heads: int
+    topk: int
+    batch: int
+    query_len: int
+    context: int  # tokens cached after the step, per request
+
+
+def cases(smoke: bool) -> list[Case]:
+    if smoke:
+        return [Case("v4-flash-b2", "c4a", 8, 64, 2, 2, 1024), Case("v41-flash-b2", "c2a", 8, 64, 2, 2, 512),
+                Case("v32-b2", "dsa", 8, 128, 2, 2, 300), Case("prefill-v4-flash", "c4a", 8, 64, 1, 24, 700)]
+    k32 = 32768
+    return [Case("v4-flash-b32", "c4a", 64, 512, 32, 2, k32), Case("v4-flash-b128", "c4a", 64, 512, 128, 2, k32),
+            Case("v4-flash-b8-512k", "c4a", 64, 512, 8, 2, 512 * 1024),
+            Case("v4-pro-b32-top1024", "c4a", 64, 1024, 32, 2, k32),
+            Case("v41-flash-b32", "c2a", 32, 512, 32, 2, k32), Case("v41-flash-b128", "c2a", 32, 512, 128, 2, k32),
+            Case("v32-b32", "dsa", 64, 2048, 32, 2, k32),
+            Case("prefill-4k-on-32k", "c4a", 64, 512, 1, 4096, k32 + 4096)]
+
+
+def make_step(case: Case, device: torch.device):
+    """The case's batch and metadata (every request alike, its blocks numbered in order) and its key cache (random
+    e4m3 codes with power-of-two scales: 132 B per entry)."""
+    kinds = ("dsa",) if case.kind == "dsa" else V41_KINDS if case.kind in ("c2a", "c1a") else V4_KINDS
+    need = {k: blocks_needed(case.context, k) for k in kinds}
+    requests = [Request(case.context, case.query_len, {k: list(range(r * n, (r + 1) * n)) for k, n in need.items()})
+                for r in range(case.batch)]
+    builder = StepBatchBuilder(case.batch * case.query_len, case.batch, case.context, kinds,
+                               decode_threshold=max(2, 1 if case.query_len > 2 else case.query_len), device=device)
+    batch = builder.build(requests)
+    meta = build_step_metadata(batch, MetadataSpec(window=128, topk=case.topk))
+    cache = IndexerKeyCache(case.batch * need[case.kind], "fp8", device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    codes = cache.codes()
+    for b0 in range(0, cache.num_blocks, 1024):  # valid e4m3 codes (no NaN: 0x7F / 0xFF), random signs
+        chunk = codes[b0:b0 + 1024]
+        raw = torch.randint(0, 0x7E, chunk.shape, dtype=torch.uint8, device=device, generator=gen)
+        chunk.copy_(raw | (torch.randint(0, 2, chunk.shape, dtype=torch.uint8, device=device, generator=gen) << 7))
+    cache.scales().copy_(torch.exp2(torch.randint(-12, -6, cache.scales().shape, device=device,
+                                                  generator=gen).float()))
+    return batch, meta, cache
+
+
+def torch_path(q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache, step: StepTokens, case: Case,
+               token_chunk: int = 512) -> torch.Tensor:
+    """Plain PyTorch, every request alike (``case``): keys gathered through the block table and dequantised, one
+    einsum per request group / token chunk, ReLU, the head sum, the mask, ``torch.topk``; ``(T, topk)`` int64."""
+    ratio, entries = step.ratio, case.context // step.ratio
+    pages = -(-entries // cache.block_size)
+    blocks = step.block_table[:, :pages].long()  # (R, P)
+    keys = (cache.codes()[blocks].view(torch.float8_e4m3fn).float() * cache.scales()[blocks][..., None])
+    keys = keys.flatten(1, 2)[:, :entries]  # (R, E, 128)
+    q = q.view(case.batch, case.query_len, case.heads, 128)
+    w = w.view(case.batch, case.query_len, case.heads)
+    pos = step.positions[: case.batch * case.query_len].view(case.batch, case.query_len).long()
+    cols = torch.arange(entries, device=q.device)
+    out = []
+    for t0 in range(0, case.query_len, token_chunk):
+        t1 = min(case.query_len, t0 + token_chunk)
+        scores = torch.einsum("rthd,red->rthe", q[:, t0:t1], keys).relu_()
+        scores = torch.einsum("rthe,rth->rte", scores, w[:, t0:t1])
+        scores = scores.masked_fill(cols >= ((pos[:, t0:t1, None] + 1) // ratio), float("-inf"))
+        out.append(scores.topk(min(case.topk, entries), dim=-1).indices)
+    return torch.cat(out, 1).flatten(0, 1)
+
+
+def copy_gbs(device: torch.device, rep_ms: int) -> float:
+    """The device-to-device copy rate, GB/s (bytes read + written)."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = timed(lambda: dst.copy_(src), rep_ms)
+    return 2 * n / us / 1e3
+
+
+def matmul_tflops(device: torch.device, rep_ms: int) -> float:
+    """The bf16 tensor-core rate of a large matmul, TFLOP/s (the prefill's ceiling)."""
+    n = 8192 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    us = timed(lambda: a @ b, rep_ms)
+    return 2 * n ** 3 / us / 1e6
+
+
+def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
+    from sparse_mla.ops.triton import indexer as kernels
+
+    dev = env.device
+    batch, meta, cache = make_step(case, dev)
+    cap = batch.token_capacity
+    gen = torch.Generator().manual_seed(env.seed)
+    q = torch.randn(cap, case.heads, 128, generator=gen).to(dev, torch.bfloat16)
+    w = torch.randn(cap, case.heads, generator=gen).to(dev)
+    layer = SparseMLAIndexer(case.kind, case.heads, case.topk, backend=env.backend)
+    picks = layer(meta, q, w, cache).clone()
+    step = StepTokens.of(batch, case.kind)
+    q_ready, w_ready = prepare_queries(q, w, batch.positions, layer.spec)
+    ref = index_topk_reference(q_ready, w_ready, cache, step, case.topk)
+    same = (picks.sort(1).values == ref.sort(1).values).all(1)[: batch.num_tokens].float().mean().item()
+    entries = case.context // COMPRESS_RATIO[case.kind]
+    key_bytes = case.batch * entries * KEY_BYTES[cache.fmt]
+    flops = 2 * 128 * case.heads * case.batch * sum(  # q·k over each token's visible entries
+        (case.context - case.query_len + i + 1) // COMPRESS_RATIO[case.kind] for i in range(case.query_len))
+    row = dict(case=case.name, kind=case.kind, heads=case.heads, topk=case.topk, batch=case.batch,
+               query_len=case.query_len, context=case.context, entries=entries, key_mb=key_bytes / 1e6,
+               key_read_us=key_bytes / rate_gbs / 1e3, tensor_core_us=flops / tflops / 1e6,
+               rows_equal_reference=same)
+    del ref
+    plan = layer.step_plan(meta, "triton")
+    dot = plan.q.dtype  # the layer's dot operands (e4m3 where the target has fp8 tensor cores)
+    q_dot = q_ready.to(dot)
+    native = targets.target_of(dev).native_fp8
+    (t0, t1, longest), = plan.chunks[:1] if len(plan.chunks) == 1 else [(0, 0, 0)]
+    parts = {"layer_us": lambda: layer(meta, q, w, cache),
+             "prep_us": lambda: kernels.prepare_queries(q, w, plan.cos, plan.sin, case.kind == "dsa", True,
+                                                        layer.spec.weight_scale, plan.q, plan.w)}
+    if len(plan.chunks) == 1:  # the parts of a one-chunk call
+        packed = plan.workspace[: t1 - t0]
+        parts["scores_us"] = lambda: kernels.index_scores(q_dot, w_ready, cache, step, packed, t0, t1, longest, dot,
+                                                          native)
+        parts["topk_us"] = lambda: kernels.topk_rows(packed, case.topk, plan.picks[t0:t1])  # the layer's select
+        parts["topk_torch_us"] = lambda: kernels.topk_from_packed(packed, case.topk)
+    parts["torch_us"] = lambda: torch_path(q_ready, w_ready, cache, step, case)
+    for name, fn in parts.items():
+        env.console.log(f"{case.name}: {name}")
+        try:
+            run = graphed(fn) if env.graphs else fn
+            row[name] = timed(run, env.rep_ms)
+        except torch.OutOfMemoryError:
+            row[name] = None
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    row["layer_over_key_read"] = row["layer_us"] / row["key_read_us"]
+    row["layer_over_tensor_core"] = row["layer_us"] / row["tensor_core_us"]
+    select_us = row.get("topk_us") or row.get("topk_torch_us")
+    if row.get("scores_us") and select_us:
+        row["topk_share_of_scores"] = select_us / row["scores_us"]
+    if row.get("torch_us"):
+        row["speedup_vs_torch"] = row["torch_us"] / row["layer_us"]
+    return row
+
+
+def results_table(result: dict) -> Table:
+    table = Table(title=f"Lightning indexer per layer (prep + scores + top-k) — {result['device']}",
+                  caption=f"µs, CUDA-graph replays; key read = the keys' bytes at the copy rate "
+                          f"({result['copy_gbs']:.0f} GB/s, same run); TC = the q·k flops at the bf16 matmul rate "
+                          f"({result['matmul_tflops']:.0f} TFLOP/s, same run); = ref: rows whose picks equal the "
+                          f"reference's")
+    for col in ("case", "keys MB", "key read", "layer", "× key read", "× TC", "prep", "scores", "top-k", "torch.topk",
+                "top-k / scores", "PyTorch", "speed-up", "= ref"):
+        table.add_column(col, justify="left" if col == "case" else "right")
+
+    def f(v, spec=".1f"):
+        return "—" if v is None else format(v, spec)
+
+    for r in result["cases"]:
+        table.add_row(r["case"], f(r["key_mb"]), f(r["key_read_us"]), f(r["layer_us"]),
+                      f(r["layer_over_key_read"], ".2f"), f(r["layer_over_tensor_core"], ".2f"),
+                      f(r.get("prep_us")), f(r.get("scores_us")), f(r.get("topk_us")), f(r.get("topk_torch_us")),
+                      f(r.get("topk_share_of_scores"), ".0%"), f(r.get("torch_us")),
+                      f(r.get("speedup_vs_torch"), ".1f"), f(r["rows_equal_reference"], ".3f"))
+    return table
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=os.environ.get("OUT", "results"), help="folder for bench_indexer.json")
+    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
+    parser.add_argument("--rep", type=positive_int, default=50, help="do_bench repetition time per timing, ms")
+    parser.add_argument("--no-graphs", action="store_true", help="eager timings only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (Triton's interpreter), no graphs")
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(width=170)
+    start = time.perf_counter()
+
+    def make_env(args: argparse.Namespace, console: Console) -> Env:
+        if args.smoke:
+            backend = "triton" if interpreting() else "reference"
+            return Env(torch.device("cpu"), backend, None, False, args.rep, 1, None, args.seed, console)
+        return Env(torch.device("cuda"), "auto", None, not args.no_graphs, args.rep, 1, None, args.seed, console)
+
+    env = prepare(args, console, "The indexer benchmark needs a CUDA GPU.", make_env)
+    if env is None:
+        return 2
+    chosen = [c for c in cases(args.smoke) if not args.cases or c.name in args.cases]
+    result = dict(run_info(env), smoke=args.smoke, graphs=env.graphs, copy_gbs=copy_gbs(env.device, env.rep_ms),
+                  matmul_tflops=matmul_tflops(env.device, env.rep_ms), cases=[])
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_indexer.json")
+    for case in chosen:
+        console.log(f"{case.name}: building the step")
+        result["cases"].append(run_case(case, env, result["copy_gbs"], result["matmul_tflops"]))
+        save_result(path, result, start)
+    return report(console, path, result, [results_table(result)])
+
+
+if __name__ == "__main__":
+    main(__doc__, add_arguments, run)

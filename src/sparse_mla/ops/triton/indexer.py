@@ -1,0 +1,347 @@
+"""The lightning indexer's Triton kernels: the query prep, the scores over the paged key cache packed for a
+deterministic top-k, and the select.
+
+Reference and formulas: :mod:`sparse_mla.indexer`. One program takes a tile of ``QT`` query tokens of one request —
+all their heads, ``M = QT · HP`` rows (``HP`` = the heads padded to a power of two, the padding weighted 0) — and
+``PAGES`` key pages of 64 entries: per page one ``tl.dot`` of ``q (M, 128)`` against the page's keys ``(128, 64)``
+(fp8 codes, their float32 scale applied per column after the dot, DeepGEMM's ``ReLU(q·k·sf)``; or bf16 keys),
+ReLU, the head weights, the sum over each token's heads. So a decode request's keys are read once for all its
+tokens and heads.
+
+Each score is stored *packed* into an int64 with its entry: ``(order-preserving bits of the float32 score) << 32 |
+(2^32 - 1 - entry)``, so every key of a row is distinct, larger means a higher score and, among equal scores, a lower
+entry; an entry the token may not see (``(w + 1)·r > p + 1``, a block number ``-1`` or past the cache) stores
+``INT64_MIN``. The top-k of a row is then a unique set, ties to the lowest entry, whatever the select's order of
+work: the Triton select (:func:`topk_rows`) or ``torch.topk`` over the int64 keys (:func:`topk_from_packed`), both
+CUDA-graph capturable. -0.0 is stored as +0.0 (ReLU zeros weighted by a negative weight), so the order is the float
+order.
+
+The query prep (:func:`prepare_queries`) is one launch per layer, bit for bit the reference's.
+
+The workspace is ``(rows, num_cols)`` int64 with ``num_cols`` ≥ the step's longest request's entries (a multiple of
+64, at least ``topk``): the layer sizes the row chunk to its workspace budget (:mod:`sparse_mla.indexer_layer`).
+V4.1's two-level selection works on the same packed rows (:func:`top_blocks_from_packed`,
+:func:`restrict_to_blocks`).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...indexer import BLOCK_ENTRIES, MAX_SELECT_COLS, SELECT_SEGMENT, StepTokens
+from ...indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
+from .. import targets
+from ..dispatch import interpreting
+from ..fp8 import e4m3_decode, e4m3_gain
+from ..triton_cache import _round_half_even
+
+INT64_MIN = -(2 ** 63)  # the packed key of an entry that is not a candidate
+_LOW_MASK = 0xFFFFFFFF
+ROWS_PER_TILE = 128  # M: query rows (tokens × padded heads) per program's dot
+MAX_PAGES_PER_PROGRAM = 16
+TARGET_PROGRAMS = 1024  # grid size the pages-per-program choice aims at (several waves on a 132-SM GPU)
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr, w_ptr, data_ptr, scale_ptr, positions_ptr, qsl_ptr, table_ptr, out_ptr,
+    t0, t1, H, ratio, num_blocks, table_stride, max_pages, out_stride, num_cols,
+    HP: tl.constexpr, QT: tl.constexpr, PAGES: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+    FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr,
+):
+    req = tl.program_id(0)
+    tile = tl.program_id(1)
+    group = tl.program_id(2)
+    lo = tl.maximum(tl.load(qsl_ptr + req), t0)
+    hi = tl.minimum(tl.load(qsl_ptr + req + 1), t1)
+    tok0 = lo + tile * QT
+    if tok0 >= hi:  # this request has no tokens in this tile
+        return
+    M: tl.constexpr = QT * HP
+    rows = tl.arange(0, M)
+    d = tl.arange(0, D)
+    row_tok = tok0 + rows // HP
+    head = rows % HP
+    row_ok = (row_tok < hi) & (head < H)
+    q_off = (row_tok.to(tl.int64) * H + head) * D
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+    w = tl.load(w_ptr + row_tok.to(tl.int64) * H + head, mask=row_ok, other=0.0)
+    toks = tok0 + tl.arange(0, QT)
+    tok_ok = toks < hi
+    visible = (tl.load(positions_ptr + toks, mask=tok_ok, other=-1) + 1) // ratio  # entries each token sees
+    e = tl.arange(0, PAGE)
+    out_rows = (toks - t0).to(tl.int64) * out_stride
+    for j in range(PAGES):
+        page = group * PAGES + j
+        in_table = page < max_pages
+        block = tl.load(table_ptr + req.to(tl.int64) * table_stride + page, mask=in_table, other=-1)
+        block_ok = in_table & (block >= 0) & (block < num_blocks)
+        base = tl.where(block_ok, block, 0).to(tl.int64) * (PAGE * D)
+        key_ok = e + tl.where(block_ok, 0, PAGE) < PAGE  # the block's validity as a (PAGE,) mask
+        code_base = base * (D + 4) // D  # fp8 page: [PAGE × 128 codes][PAGE × float32 scales]
+        if FP8_DOT:  # e4m3 q against the codes as they are: the keys loaded (128, PAGE), dims contiguous
+            codes = tl.load(data_ptr + code_base + e[None, :] * D + d[:, None], mask=key_ok[None, :], other=0)
+            col_scale = tl.load(scale_ptr + code_base // 4 + PAGE * D // 4 + e, mask=key_ok, other=0.0)
+            logits = tl.dot(q, codes.to(tl.float8e4nv, bitcast=True), out_dtype=tl.float32)  # (M, PAGE)
+        else:
+            if FP8:
+                raw = tl.load(data_ptr + code_base + e[:, None] * D + d[None, :], mask=key_ok[:, None], other=0)
+                keys = e4m3_decode(raw, NATIVE_FP8)
+                col_scale = tl.load(scale_ptr + code_base // 4 + PAGE * D // 4 + e, mask=key_ok,
+                                    other=0.0) * e4m3_gain(NATIVE_FP8)
+            else:
+                keys = tl.load(data_ptr + base + e[:, None] * D + d[None, :], mask=key_ok[:, None], other=0.0)
+                keys = keys.to(tl.float32)
+                col_scale = tl.full((PAGE,), 1.0, tl.float32)
+            logits = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), out_dtype=tl.float32)  # (M, PAGE)
+        weighted = tl.maximum(logits * col_scale[None, :], 0.0) * w[:, None]
+        score = tl.sum(tl.reshape(weighted, (QT, HP, PAGE)), axis=1)  # (QT, PAGE)
+        score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: the packed order is the float order
+        cols = page * PAGE + e
+        ok = key_ok[None, :] & (cols[None, :] < visible[:, None])
+        bits = score.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order = float order
+        packed = (ordered.to(tl.int64) << 32) | (4294967295 - cols.to(tl.int64))[None, :]
+        packed = tl.where(ok, packed, -9223372036854775808)
+        tl.store(out_ptr + out_rows[:, None] + cols[None, :], packed,
+                 mask=tok_ok[:, None] & (cols < num_cols)[None, :])
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """float32 -> the nearest bf16 value (ties to even) as float32, by integer operations (the interpreter's cast
+    truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """float32 ``y`` (|y| <= 448) -> the nearest e4m3 value (ties to even) as float32: a step of 2^(e-3) at binary
+    exponent e, 2^-9 below the normals."""
+    e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - e + 3) << 23).to(tl.float32, bitcast=True)
+    return _round_half_even(y * inv) * step  # both products exact: powers of two
+
+
+@triton.jit
+def _prepare_queries_kernel(
+    q_ptr, w_ptr, cos_ptr, sin_ptr, q_out_ptr, w_out_ptr, H, weight_scale,
+    HP: tl.constexpr, D: tl.constexpr, HALF_SPLIT: tl.constexpr, FP8_Q: tl.constexpr,
+):
+    """One token: rope (V4: dims 64..127 in pairs (2i, 2i+1); V3.2: dims 0..63, i with i + 32), the bf16 round,
+    then (fp8) per head the power-of-two scale and the e4m3 values; the weights times the scales."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HP)
+    d = tl.arange(0, D)
+    ok = (h < H)[:, None] & (d < D)[None, :]
+    offs = (t * H + h[:, None]) * D + d[None, :]
+    x = tl.load(q_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if HALF_SPLIT:
+        rotated = d < 64
+        pair = d % 32
+        partner_d = tl.where(d < 32, d + 32, d - 32)
+        first = d < 32
+    else:
+        rotated = d >= 64
+        pair = (d - 64) // 2
+        partner_d = d ^ 1
+        first = (d % 2) == 0
+    pair = tl.where(rotated, pair, 0)
+    partner = tl.load(q_ptr + (t * H + h[:, None]) * D + partner_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + t * 32 + pair)[None, :]
+    sin = tl.load(sin_ptr + t * 32 + pair)[None, :]
+    # the reference's operations, in its order (no FMA: the launch turns fp fusion off)
+    turned = tl.where(first[None, :], x * cos - partner * sin, x * cos + partner * sin)
+    x = _round_to_bf16(tl.where(rotated[None, :], turned, x))
+    w = tl.load(w_ptr + t * H + h, mask=h < H, other=0.0).to(tl.float32) * weight_scale
+    if FP8_Q:
+        amax = tl.max(tl.abs(x), 1)
+        ratio = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
+        bits = ratio.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2(ratio))
+        scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        x = _round_to_e4m3(x * inv[:, None])
+        w = w * scale
+    tl.store(q_out_ptr + offs, x.to(q_out_ptr.dtype.element_ty), mask=ok)
+    tl.store(w_out_ptr + t * H + h, w, mask=h < H)
+
+
+def prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half_split: bool,
+                    fp8_q: bool, weight_scale: float, q_out: torch.Tensor, w_out: torch.Tensor) -> None:
+    """:func:`sparse_mla.indexer.prepare_queries` in one launch, the same values: ``q (T, H, 128)``, ``weights (T, H)``
+    (contiguous, checked by the caller), ``cos`` / ``sin`` ``(T, 32)`` float32 of the tokens' positions (the rope's
+    angles, as the reference computes them), into ``q_out (T, H, 128)`` (float32 or bf16: exact) and ``w_out (T, H)``
+    float32.
+    """
+    hp = _pow2_at_least(q.shape[1])
+    _prepare_queries_kernel[(q.shape[0],)](q, weights, cos, sin, q_out, w_out, q.shape[1], weight_scale, HP=hp,
+                                           D=INDEX_HEAD_DIM, HALF_SPLIT=half_split, FP8_Q=fp8_q, num_warps=4,
+                                           enable_fp_fusion=False)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: int) -> tuple[int, int, int]:
+    """``(HP, QT, PAGES)``: padded heads, tokens per tile, pages per program for one launch."""
+    hp = _pow2_at_least(num_heads)
+    qt = max(max(1, 16 // hp), min(max(1, ROWS_PER_TILE // hp), _pow2_at_least(max_query_len)))
+    pages = -(-num_cols // 64)
+    work = num_reqs * -(-max_query_len // qt) * pages
+    per_program = 1
+    while per_program < MAX_PAGES_PER_PROGRAM and work // (2 * per_program) >= TARGET_PROGRAMS:
+        per_program *= 2
+    return hp, qt, per_program
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, step: StepTokens, out: torch.Tensor,
+                 t0: int, t1: int, max_query_len: int, dot_dtype: torch.dtype, native_fp8: bool) -> None:
+    """Packed scores of tokens ``[t0, t1)`` into ``out[: t1 - t0]`` (``(rows, num_cols)`` int64; rows of padding
+    tokens are not written). q ``(T_cap, H, 128)`` (float32 or bf16: the prepared queries), weights ``(T_cap, H)``
+    float32, checked by the caller (:func:`sparse_mla.indexer.check_step_inputs`); max_query_len: an upper bound on
+    any request's tokens in ``[t0, t1)`` (host int: the grid). dot_dtype: ``torch.float32`` (the interpreter),
+    ``torch.bfloat16``, or ``torch.float8_e4m3fn`` (fp8 keys and e4m3 q on a target with fp8 tensor cores: the codes
+    straight into the dot; :func:`dot_dtype_for`); native_fp8: the target converts e4m3 with instructions."""
+    if cache.block_size != 64:
+        raise ValueError(f"cache.block_size must be 64 for the Triton indexer, got {cache.block_size}")
+    if out.dtype != torch.int64 or out.dim() != 2 or out.shape[0] < t1 - t0 or out.stride(1) != 1:
+        raise ValueError(f"out must be int64 (>= {t1 - t0}, num_cols) with unit column stride, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if not (q.is_contiguous() and weights.is_contiguous()):
+        raise ValueError("q and weights must be contiguous (the kernel reads rows of H · 128 and of H)")
+    num_reqs = step.query_start_loc.shape[0] - 1
+    num_cols = out.shape[1]
+    hp, qt, per_program = launch_shape(q.shape[1], max_query_len, num_reqs, num_cols)
+    fp8 = cache.fmt == "fp8"
+    scale_view = cache.data.view(torch.float32) if fp8 else cache.data
+    grid = (num_reqs, -(-max_query_len // qt), -(-num_cols // (64 * per_program)))
+    fp8_dot = dot_dtype == torch.float8_e4m3fn
+    if fp8_dot and (not fp8 or q.dtype != torch.float8_e4m3fn):
+        raise ValueError(f"the fp8 dot needs an fp8 key cache and float8_e4m3fn q, got {cache.fmt} keys, {q.dtype} q")
+    dot = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float8_e4m3fn: tl.float8e4nv}[dot_dtype]
+    _index_scores_kernel[grid](
+        q, weights, cache.data, scale_view, step.positions, step.query_start_loc, step.block_table, out,
+        t0, t1, q.shape[1], step.ratio, cache.num_blocks, step.block_table.stride(0), step.block_table.shape[1],
+        out.stride(0), num_cols,
+        HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
+        DOT_DTYPE=dot, FP8_DOT=fp8_dot, num_warps=4)
+
+
+
+
+@triton.jit
+def _topk_rows_kernel(packed_ptr, out_ptr, stride, out_stride, num_cols, K: tl.constexpr, C: tl.constexpr,
+                      KEYS: tl.constexpr):
+    """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
+    ``-1`` fill (``KEYS``: ``INT64_MIN``). The K-th largest key
+    is found bit by bit from the top (the largest ``T`` with ``count(key >= T) >= K``, keys distinct), stopping as
+    soon as exactly K keys are at or above it; then the keys at or above it are compacted in column order."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, C)
+    key = tl.load(packed_ptr + row * stride + cols, mask=cols < num_cols, other=-9223372036854775808)
+    u = (key ^ -9223372036854775808).to(tl.uint64, bitcast=True)  # unsigned order = the keys' order; sentinel: 0
+    valid = u > 0
+    count = tl.sum(valid.to(tl.int32), 0)
+    thr = tl.full((), 1, tl.uint64)  # fewer than K candidates: every valid one
+    if count > K:
+        thr = tl.full((), 0, tl.uint64)
+        bit = 63
+        while (bit >= 0) & (count != K):
+            cand = thr | (tl.full((), 1, tl.uint64) << bit)
+            above = tl.sum((u >= cand).to(tl.int32), 0)
+            thr = tl.where(above >= K, cand, thr)
+            count = tl.where(above >= K, above, count)
+            bit -= 1
+    chosen = (u >= thr) & valid
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    fill = tl.arange(0, K)
+    picked = tl.sum(chosen.to(tl.int32), 0)
+    if KEYS:
+        tl.store(out_ptr + row * out_stride + slot, key, mask=chosen)
+        tl.store(out_ptr + row * out_stride + fill, tl.full((K,), -9223372036854775808, tl.int64), mask=fill >= picked)
+    else:
+        tl.store(out_ptr + row * out_stride + slot, (4294967295 - (key & 4294967295)).to(tl.int32), mask=chosen)
+        tl.store(out_ptr + row * out_stride + fill, tl.full((K,), -1, tl.int32), mask=fill >= picked)
+
+
+def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool) -> None:
+    rows, cols = packed.shape
+    width = _pow2_at_least(max(cols, k))
+    _topk_rows_kernel[(rows,)](packed, out, packed.stride(0), out.stride(0), cols, K=k, C=width, KEYS=keys,
+                               num_warps=max(4, min(16, width // 512)))
+
+
+def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    """The Triton select: ``out (rows, k)`` int32 := each row's top-``k`` entries of ``packed (rows, num_cols)``,
+    the same set as :func:`topk_from_packed`, listed in entry order, ``-1`` fill. A row longer than
+    :data:`MAX_SELECT_COLS` (``num_cols`` then a multiple of :data:`SELECT_SEGMENT`, ``k`` at most a segment) is
+    selected in two launches or more: each segment's top ``k`` keys, then the top ``k`` of those (the row's top ``k``
+    are among them)."""
+    rows, cols = packed.shape
+    while cols > MAX_SELECT_COLS:
+        if cols % SELECT_SEGMENT or k > SELECT_SEGMENT or not packed.is_contiguous():
+            raise ValueError(f"a packed row of {cols} columns must be contiguous, a multiple of {SELECT_SEGMENT} "
+                             f"columns, and k ({k}) at most {SELECT_SEGMENT}")
+        segments = packed.view(rows * (cols // SELECT_SEGMENT), SELECT_SEGMENT)
+        winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
+        _launch_select(segments, k, winners, True)
+        packed, cols = winners.view(rows, -1), winners.numel() // rows
+    _launch_select(packed, k, out, False)
+
+
+def dot_dtype_for(target: targets.Target, key_format: str, q_format: str) -> torch.dtype:
+    """The score kernel's dot operands: float32 in the interpreter (its bf16 dot is wrong), e4m3 where the keys and q
+    are fp8 and the target has e4m3 tensor-core ops (the targets that convert e4m3 natively: sm_89 and later, gfx950;
+    twice bf16's rate: a decode of 64 heads is otherwise bound by the bf16 dot, not the key reads), else bf16. Every
+    choice is exact on the operands (e4m3 and bf16 values)."""
+    if interpreting():
+        return torch.float32
+    if key_format == "fp8" and q_format == "fp8" and target.native_fp8:
+        return torch.float8_e4m3fn
+    return torch.bfloat16
+
+
+def unpack_entries(packed: torch.Tensor) -> torch.Tensor:
+    """Packed keys -> their entries, int32, ``-1`` for ``INT64_MIN`` (no candidate)."""
+    entries = _LOW_MASK - (packed & _LOW_MASK)
+    return torch.where(packed == INT64_MIN, -1, entries).to(torch.int32)
+
+
+def topk_from_packed(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """``(rows, num_cols)`` packed scores -> ``(rows, k)`` int32 entries, best first, ``-1`` where a row has fewer
+    than ``k`` candidates (``k <= num_cols``)."""
+    return unpack_entries(torch.topk(packed, k, dim=1, sorted=True).values)
+
+
+def top_blocks_from_packed(packed: torch.Tensor, positions: torch.Tensor, ratio: int, num_kept: int) -> torch.Tensor:
+    """V4.1's first level on packed rows: ``(rows, num_cols)`` (num_cols a multiple of 8) and the rows' positions
+    ``(rows,)`` -> ``(rows, num_kept)`` int32 blocks of 8 entries, best block score (its max) first, the block of the
+    newest visible entry pinned first, ties to the lower block (the packed max carries its entry), ``-1`` fill."""
+    rows, cols = packed.shape
+    block_max = packed.view(rows, cols // BLOCK_ENTRIES, BLOCK_ENTRIES).amax(-1)
+    newest = ((positions.long() + 1).clamp_min(0) // ratio - 1) // BLOCK_ENTRIES  # -1: nothing visible
+    pinned = torch.arange(block_max.shape[1], device=packed.device)[None, :] == newest[:, None]
+    block_max = torch.where(pinned & (block_max != INT64_MIN), torch.iinfo(torch.int64).max, block_max)
+    kept = min(num_kept, block_max.shape[1])
+    top = torch.topk(block_max, kept, dim=1, sorted=True)
+    blocks = torch.where(top.values == INT64_MIN, -1, top.indices).to(torch.int32)
+    if kept < num_kept:
+        blocks = torch.nn.functional.pad(blocks, (0, num_kept - kept), value=-1)
+    return blocks
+
+
+def restrict_to_blocks(packed: torch.Tensor, kept_blocks: torch.Tensor) -> None:
+    """In place: every entry of ``packed (rows, num_cols)`` outside its row's ``kept_blocks (rows, n)`` (blocks of 8
+    entries, ``-1`` none) becomes ``INT64_MIN``."""
+    rows, cols = packed.shape
+    nb = cols // BLOCK_ENTRIES
+    allowed = torch.zeros(rows, nb + 1, dtype=torch.bool, device=packed.device)
+    allowed.scatter_(1, torch.where((kept_blocks >= 0) & (kept_blocks < nb), kept_blocks, nb).long(), True)
+    blocks = packed.view(rows, nb, BLOCK_ENTRIES)
+    blocks.masked_fill_(~allowed[:, :nb, None], INT64_MIN)

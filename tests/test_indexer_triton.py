@@ -1,0 +1,461 @@
+"""The indexer's Triton kernels (Triton's interpreter on the CPU, natively on a GPU) against the reference: the same
+picks on NaN-poisoned caches (fp8 and bf16 keys, 8-64 heads, decode and prefill, blocks missing or past the cache),
+the layer's chunking to its workspace, V4.1's two-level selection on packed scores, a decode step captured in a CUDA
+graph (GPU), and the kernels compiled for every target of the portability matrix (on this CPU, no GPU).
+
+Run as a script (``python tests/test_indexer_triton.py TARGET``) it prints the compile rows of one target as JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import DEVICE, KERNEL_RUNS, ON_GPU, needs, sized  # noqa: E402
+from indexer_cases import check_picks, make_case  # noqa: E402
+from sparse_mla.indexer import (IndexerSpec, StepTokens, index_topk_reference, prepare_queries,  # noqa: E402
+                                top_blocks_reference)
+from sparse_mla.indexer_cache import IndexerKeyCache  # noqa: E402
+from sparse_mla.indexer_layer import SparseMLAIndexer  # noqa: E402
+from sparse_mla.ops import targets  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+needs_kernels = pytest.mark.skipif(not KERNEL_RUNS, reason="needs a GPU or TRITON_INTERPRET=1")
+needs_gpu = needs("gpu")
+
+
+def kernel_picks(case, topk: int, kept=None, select=False, rows=None, num_kept=2048):
+    """Picks through the kernels: packed scores of every token (``rows`` tokens per launch), then the select."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    target = targets.target_of(case.cache.device)
+    native = target.native_fp8
+    dot = kernels.dot_dtype_for(target, case.cache.fmt, case.spec.q_format)
+    step = case.step
+    most = max(int(p) + 1 for p in step.positions.tolist()) // step.ratio
+    cols = max(-(-most // 64) * 64, topk)
+    rows = rows or case.num_tokens
+    picks = torch.full((case.q.shape[0], topk), -1, dtype=torch.int32, device=DEVICE)
+    blocks = torch.full((case.q.shape[0], num_kept), -1, dtype=torch.int32, device=DEVICE)
+    qsl = step.query_start_loc.tolist()
+    for t0 in range(0, case.num_tokens, rows):
+        t1 = min(case.num_tokens, t0 + rows)
+        longest = max(min(qsl[r + 1], t1) - max(qsl[r], t0) for r in range(len(qsl) - 1))
+        packed = torch.empty(t1 - t0, cols, dtype=torch.int64, device=DEVICE)
+        kernels.index_scores(case.q.to(dot), case.w, case.cache, step, packed, t0, t1, max(1, longest), dot, native)
+        if select:
+            blocks[t0:t1] = kernels.top_blocks_from_packed(packed, step.positions[t0:t1], step.ratio, num_kept)
+            kernels.restrict_to_blocks(packed, blocks[t0:t1])
+        elif kept is not None:
+            kernels.restrict_to_blocks(packed, kept[t0:t1])
+        picks[t0:t1] = kernels.topk_from_packed(packed, topk)
+    return picks, blocks
+
+
+def same_sets(got: torch.Tensor, want: torch.Tensor, rows: int) -> None:
+    """Row for row the same picks (as sets: the two sum in other orders, so exact ties may list in either order)."""
+    got, want = got[:rows].sort(1).values.cpu(), want[:rows].sort(1).values.cpu()
+    bad = (got != want).any(1).nonzero().flatten().tolist()
+    assert not bad, f"rows {bad[:8]} differ"
+
+
+CASES = [  # (kind, heads, topk, key format, q format, requests (seq_len, query_len), decodes first)
+    ("c4a", 64, 64, "fp8", "fp8", [(1100, 2), (700, 2), (260, 1)]),
+    ("c4a", 12, 64, "bf16", "bf16", [(900, 1), (500, 7)]),
+    ("c2a", 32, 128, "fp8", "fp8", [(600, 2), (333, 9)]),
+    ("dsa", 8, 128, "fp8", "bf16", [(300, 1), (200, 13)]),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind,heads,topk,fmt,q_format,requests", CASES)
+def test_kernel_picks_equal_the_reference_on_poisoned_caches(kind, heads, topk, fmt, q_format, requests):
+    spec = IndexerSpec(num_heads=heads, topk=topk, kind=kind, q_format=q_format)
+    gen = torch.Generator().manual_seed(heads + topk)
+    scale = sized(1, 8)
+    case = make_case(gen, [(s * scale, q) for s, q in requests], spec, fmt, DEVICE, bad_block=True)
+    case.step.block_table[0, 1] = -1  # a missing page: its entries are not candidates, never read
+    ref = index_topk_reference(case.q, case.w, case.cache, case.step, topk)
+    got, _ = kernel_picks(case, topk)
+    check_picks(got, ref, case.q, case.w, case.cache, case.step, case.num_tokens)
+    got, _ = kernel_picks(case, topk, rows=3)  # three tokens per launch: chunks that split requests
+    check_picks(got, ref, case.q, case.w, case.cache, case.step, case.num_tokens)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind,heads,q_format", [("c4a", 64, "fp8"), ("c2a", 12, "fp8"), ("dsa", 8, "fp8"),
+                                                 ("c4a", 32, "bf16"), ("dsa", 5, "bf16")])
+def test_query_prep_kernel_equals_the_reference_bit_for_bit(kind, heads, q_format):
+    from sparse_mla.ops.triton import indexer as kernels
+
+    spec = IndexerSpec(num_heads=heads, topk=64, kind=kind, q_format=q_format)
+    gen = torch.Generator().manual_seed(heads)
+    t = 37
+    q = (torch.randn(t, heads, 128, generator=gen) * torch.rand(t, heads, 1, generator=gen) * 30).to(DEVICE)
+    q[3, 0] = 0.0  # a zero head: the amax floor
+    q = q.to(torch.bfloat16)
+    w = torch.randn(t, heads, generator=gen).to(DEVICE)
+    positions = torch.randint(-1, 300000, (t,), generator=gen, dtype=torch.int32).to(DEVICE)
+    want_q, want_w = prepare_queries(q, w, positions, spec)
+    angles = positions.clamp_min(0).float()[:, None] * spec.rope_spec.inv_freq(DEVICE)
+    dot = torch.bfloat16 if ON_GPU else torch.float32
+    got_q = torch.empty(t, heads, 128, dtype=dot, device=DEVICE)
+    got_w = torch.empty(t, heads, device=DEVICE)
+    kernels.prepare_queries(q, w, angles.cos(), angles.sin(), kind == "dsa", q_format == "fp8", spec.weight_scale,
+                            got_q, got_w)
+    assert torch.equal(got_q.float(), want_q) and torch.equal(got_w, want_w)
+    if q_format == "fp8" and ON_GPU and targets.target_of(DEVICE).native_fp8:  # the e4m3 dot's buffer
+        got_q = torch.empty(t, heads, 128, dtype=torch.float8_e4m3fn, device=DEVICE)
+        kernels.prepare_queries(q, w, angles.cos(), angles.sin(), kind == "dsa", True, spec.weight_scale, got_q,
+                                got_w)
+        assert torch.equal(got_q.float(), want_q)
+
+
+@needs_kernels
+def test_kernel_two_level_selection_equals_the_reference():
+    spec = IndexerSpec(num_heads=32, topk=64, kind="c2a", q_format="bf16")  # a bf16 dot: exact, so exact sets
+    gen = torch.Generator().manual_seed(11)
+    case = make_case(gen, [(sized(600, 40000), 2), (sized(300, 9000), 5)], spec, "fp8", DEVICE)
+    kept_count = sized(12, 2048)  # fewer than the blocks there are, so the selection binds
+    ref_kept = top_blocks_reference(case.q, case.w, case.cache, case.step, num_kept=kept_count)
+    ref = index_topk_reference(case.q, case.w, case.cache, case.step, 64, kept_blocks=ref_kept)
+    got, kept = kernel_picks(case, 64, select=True, num_kept=kept_count)
+    n = case.num_tokens
+    assert torch.equal(kept[:n, :1].cpu(), ref_kept[:n, :1].cpu()), "the pinned newest block"
+    same_sets(kept, ref_kept, n)
+    same_sets(got, ref, n)
+    later, _ = kernel_picks(case, 64, kept=ref_kept)  # a later source: only inside the kept blocks
+    same_sets(later, index_topk_reference(case.q, case.w, case.cache, case.step, 64, kept_blocks=ref_kept), n)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,cols,k,valid", [(5, 512, 64, 300), (3, 1024, 512, 1024), (4, 640, 512, 100),
+                                               (2, 2048, 128, 2048), (3, 256, 256, 256), (2, 32768, 512, 30000),
+                                               (1, 16384 + 8192, 2048, 20000)])
+def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
+    """Rows in one program, and long rows by segments (two launches), against torch.topk's set."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    gen = torch.Generator().manual_seed(cols + k)
+    scores = torch.randn(rows, cols, generator=gen)
+    scores[0, :50] = 0.5  # exact ties: the lowest entries win
+    scores[-1, : cols // 2] = 0.0
+    if cols > 16384:  # segments: the best entries crowd into one of them
+        scores[0, 9000:9000 + k] += 10.0
+    bits = scores.view(torch.int32).long()
+    packed = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) << 32) | (0xFFFFFFFF - torch.arange(cols))
+    packed[:, valid:] = kernels.INT64_MIN
+    packed = packed.to(DEVICE)
+    out = torch.full((rows, k), 7, dtype=torch.int32, device=DEVICE)
+    kernels.topk_rows(packed, k, out)
+    want = kernels.topk_from_packed(packed, k)
+    same_sets(out, want, rows)
+    got = out.cpu()
+    for r in range(rows):
+        chosen = [x for x in got[r].tolist() if x >= 0]
+        assert chosen == sorted(chosen) and len(chosen) == min(k, valid)  # entry order, then -1
+        assert (got[r, len(chosen):] == -1).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt,select", [("fp8", "triton"), ("bf16", "torch")])
+def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select):
+    from sparse_mla.scenario import make_scenario
+
+    lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 9)]
+    sc = make_scenario(lengths, window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,
+                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
+    batch = sc.batch
+    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, fmt, device=DEVICE)
+    cache.poison()
+    gen = torch.Generator().manual_seed(12)
+    for r, (seq, _) in enumerate(lengths):
+        entries = torch.arange(seq // 4, dtype=torch.int32, device=DEVICE)
+        cache.write(torch.randn(len(entries), 128, generator=gen).to(DEVICE), batch.entry_slots("c4a", r, entries))
+    q = torch.randn(batch.token_capacity, 16, 128, generator=gen).to(DEVICE)
+    w = torch.randn(batch.token_capacity, 16, generator=gen).to(DEVICE)
+    ref = SparseMLAIndexer("c4a", 16, 64, backend="reference")(sc.meta, q, w, cache).clone()
+    small = SparseMLAIndexer("c4a", 16, 64, backend="triton", workspace_bytes=3 * 8 * 64 * (lengths[0][0] // 256 + 1),
+                             topk_select=select)
+    got = small(sc.meta, q, w, cache)
+    assert len(small.step_plan(sc.meta, "triton", fmt).chunks) > 1
+    q_ready, w_ready = prepare_queries(q, w, batch.positions, small.spec)
+    check_picks(got, ref, q_ready, w_ready, cache, StepTokens.of(batch, "c4a"), batch.num_tokens)
+    assert (got[batch.num_tokens:] == -1).all()
+    (picks, kept) = SparseMLAIndexer("c4a", 16, 64, backend="triton")(sc.meta, q, w, cache, select_blocks=True)
+    assert kept.shape == (batch.token_capacity, 2048) and (kept[batch.num_tokens:] == -1).all()
+
+
+@needs_kernels
+def test_kernel_rejects_a_workspace_of_the_wrong_kind():
+    from sparse_mla.ops.triton import indexer as kernels
+
+    spec = IndexerSpec(num_heads=8, topk=64, kind="c4a")
+    case = make_case(torch.Generator().manual_seed(1), [(300, 1)], spec, "fp8", DEVICE)
+    with pytest.raises(ValueError, match="out must be int64"):
+        kernels.index_scores(case.q, case.w, case.cache, case.step, torch.empty(1, 128, device=DEVICE), 0, 1, 1,
+                             torch.float32, False)
+    odd = IndexerKeyCache(4, "fp8", device=DEVICE, block_size=32)
+    with pytest.raises(ValueError, match="cache.block_size must be 64"):
+        kernels.index_scores(case.q, case.w, odd, case.step, torch.empty(1, 128, dtype=torch.int64, device=DEVICE),
+                             0, 1, 1, torch.float32, False)
+
+
+@needs_gpu
+def test_a_decode_step_is_captured_in_a_cuda_graph_and_replays_the_same_picks():
+    from sparse_mla.scenario import make_scenario
+
+    lengths = [(8000 + 97 * r, 2) for r in range(16)]
+    sc = make_scenario(lengths, window=4, topk=512, fmt="bf16", decode_threshold=2,
+                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
+    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device=DEVICE)
+    gen = torch.Generator().manual_seed(13)
+    for r, (seq, _) in enumerate(lengths):
+        entries = torch.arange(seq // 4, dtype=torch.int32, device=DEVICE)
+        cache.write(torch.randn(len(entries), 128, generator=gen).to(DEVICE), sc.batch.entry_slots("c4a", r, entries))
+    cap = sc.batch.token_capacity
+    q = torch.randn(cap, 64, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    w = torch.randn(cap, 64, generator=gen).to(DEVICE)
+    layer = SparseMLAIndexer("c4a", 64, 512)
+    eager = layer(sc.meta, q, w, cache).clone()  # plans the step (outside the capture)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(sc.meta, q, w, cache)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        picks = layer(sc.meta, q, w, cache)
+    picks.fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(picks, eager)
+    ref = SparseMLAIndexer("c4a", 64, 512, backend="reference")(sc.meta, q, w, cache)
+    q_ready, w_ready = prepare_queries(q, w, sc.batch.positions, layer.spec)
+    check_picks(picks, ref, q_ready, w_ready, cache, StepTokens.of(sc.batch, "c4a"), sc.batch.num_tokens)
+
+
+# ---- every target of the portability matrix ------------------------------------------------------------------------
+
+
+FAMILIES = ("sm_80", "sm_89", "sm_90", "sm_100", "gfx942")  # every variant compiled; elsewhere the two main ones
+
+
+def compile_rows(target_name: str) -> list[dict]:
+    """The indexer kernels' launches (scores: fp8 and bf16 keys, decode 64 heads and prefill 32 heads; the query prep,
+    V4 and V3.2; the select) recorded on CPU tensors and compiled for ``target_name``
+    (``scripts/portability_report.py``'s recorder and compile check)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dataclasses import asdict
+
+    from portability_report import compile_launch, recorded_launches
+
+    from sparse_mla.ops.triton import indexer as kernels
+
+    target = next(t for t in targets.MATRIX if t.name == target_name)
+    rows = []
+    every = target_name in FAMILIES
+    for fmt, heads, qlen in (("fp8", 64, 2), ("bf16", 64, 2), ("fp8", 32, 512))[: 3 if every else 1]:
+        cache = IndexerKeyCache(4, fmt)
+        step = StepTokens(torch.zeros(qlen, dtype=torch.int32), torch.zeros(qlen, dtype=torch.int32),
+                          torch.tensor([0, qlen], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 4)
+        q = torch.zeros(qlen, heads, 128, dtype=torch.bfloat16)
+        w = torch.zeros(qlen, heads)
+        with recorded_launches(target) as calls:
+            kernels.index_scores(q, w, cache, step, torch.empty(qlen, 512, dtype=torch.int64), 0, qlen, qlen,
+                                 torch.bfloat16, targets.target_of(cache.device).native_fp8)
+        rows += [asdict(compile_launch(target, f"indexer {fmt} H{heads} q{qlen}", c)) for c in calls]
+    if target.native_fp8:  # e4m3 q against the fp8 codes on the tensor cores, the layer's choice there
+        cache = IndexerKeyCache(4, "fp8")
+        step = StepTokens(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                          torch.tensor([0, 2], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 4)
+        with recorded_launches(target) as calls:
+            kernels.index_scores(torch.zeros(2, 64, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 64), cache, step,
+                                 torch.empty(2, 512, dtype=torch.int64), 0, 2, 2, torch.float8_e4m3fn, True)
+        rows += [asdict(compile_launch(target, "indexer fp8 dot H64 q2", c)) for c in calls]
+    for half_split in (False, True)[: 2 if every else 1]:
+        q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
+        trig = torch.zeros(2, 32)
+        with recorded_launches(target) as calls:
+            kernels.prepare_queries(q, torch.zeros(2, 64), trig, trig, half_split, True, 0.01, q,
+                                    torch.zeros(2, 64))
+        rows += [asdict(compile_launch(target, f"indexer q prep {'V3.2' if half_split else 'V4'}", c))
+                 for c in calls]
+    packed = torch.zeros(4, 32768, dtype=torch.int64)  # four segments' keys, then the row's entries
+    with recorded_launches(target) as calls:
+        kernels.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32))
+    rows += [asdict(compile_launch(target, f"indexer select 512 of {n}", c)) for n, c in zip((32768, 2048), calls)]
+    return rows
+
+
+@pytest.mark.parametrize("target", [t.name for t in targets.MATRIX])
+def test_indexer_kernel_compiles_and_fits_on_every_target(target):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, __file__, target], env=env, capture_output=True, text=True, timeout=900)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    native = next(t for t in targets.MATRIX if t.name == target).native_fp8
+    assert len(rows) == (7 if target in FAMILIES else 4) + native, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    for r in rows:
+        print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "
+              f"in loop {r['loop_spills']} shared {r['shared']}/{r['shared_limit']}")
+    failed = [f"{r['variant']}: {r['error']}" for r in rows if r["status"] != "ok"]
+    assert not failed, f"{target}: " + "; ".join(failed)
+    if target in ("sm_80", "sm_86", "sm_89", "gfx942", "gfx950"):
+        assert all(not r["loop_spills"] for r in rows), "no spills inside the key loop"
+
+
+if __name__ == "__main__":
+    for row in compile_rows(sys.argv[1]):
+        print(json.dumps(row), flush=True)
+
+
+@needs_kernels
+def test_benchmark_smoke_writes_the_expected_json(tmp_path, monkeypatch):
+    import argparse
+    import importlib.util
+
+    bench = ROOT / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("bench_indexer", bench / "bench_indexer.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_indexer", module)
+    spec.loader.exec_module(module)
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    args = parser.parse_args(["--smoke", "--rep", "1", "--cases", "v4-flash-b2", "v32-b2", "--out", str(tmp_path)])
+    assert module.run(args) == 0
+    result = json.loads((tmp_path / "bench_indexer.json").read_text())
+    assert [r["case"] for r in result["cases"]] == ["v4-flash-b2", "v32-b2"] and result["copy_gbs"] > 0
+    for r in result["cases"]:
+        assert r["rows_equal_reference"] == 1.0
+        assert all(r[k] > 0 for k in ("layer_us", "prep_us", "scores_us", "topk_us", "topk_torch_us", "torch_us",
+                                      "key_read_us"))
+
+
+def test_the_plan_bounds_the_workspace_for_a_16k_chunk_on_a_1m_context():
+    """Planning only (no launch): the packed scores of each token chunk fit the layer's budget, and every token of
+    the step is in exactly one chunk, whatever the context."""
+    from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+    from sparse_mla.metadata import MetadataSpec, build_step_metadata
+
+    seq, chunk = 1 << 20, 16384
+    kinds = ("swa", "c4a")  # the indexer's step needs no c128a lists
+    builder = StepBatchBuilder(chunk + 2, 2, seq, kinds, decode_threshold=2)
+    batch = builder.build([Request(seq, q, {k: list(range(r * blocks_needed(seq, k), (r + 1) * blocks_needed(seq, k)))
+                                            for k in kinds}) for r, q in enumerate((2, chunk))])
+    meta = build_step_metadata(batch, MetadataSpec(128, 512))
+    layer = SparseMLAIndexer("c4a", 64, 512, workspace_bytes=256 << 20)
+    plan = layer.step_plan(meta, "triton")
+    assert plan.num_cols == seq // 4 and plan.workspace.numel() * 8 <= 256 << 20
+    covered = [t for t0, t1, _ in plan.chunks for t in range(t0, t1)]
+    assert covered == list(range(batch.num_tokens))
+    assert all(longest <= t1 - t0 for t0, t1, longest in plan.chunks)
+
+
+@needs_gpu
+@pytest.mark.parametrize("lengths", [[(1 << 20, 2), ((1 << 20) - 777, 2)], [(32768, 16384)]],
+                         ids=["decode-1m", "prefill-16k"])
+def test_a_1m_context_and_a_16k_prefill_chunk_run_and_match_the_reference(lengths):
+    from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+    from sparse_mla.metadata import MetadataSpec, build_step_metadata
+
+    kinds = ("swa", "c4a")  # the indexer's step needs no c128a lists
+    seq = max(s for s, _ in lengths)
+    builder = StepBatchBuilder(sum(q for _, q in lengths), len(lengths), seq, kinds, decode_threshold=2,
+                               device=DEVICE)
+    requests = [Request(s, q, {k: [r * blocks_needed(seq, k) + b for b in range(blocks_needed(s, k))] for k in kinds})
+                for r, (s, q) in enumerate(lengths)]
+    first = len(lengths) * blocks_needed(seq, "c4a")
+    batch = builder.build(requests)
+    meta = build_step_metadata(batch, MetadataSpec(128, 512))
+    cache = IndexerKeyCache(first, "fp8", device=DEVICE)
+    cache.poison()
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    for r, (s, _) in enumerate(lengths):
+        entries = torch.arange(s // 4, dtype=torch.int32, device=DEVICE)
+        cache.write(torch.randn(len(entries), 128, device=DEVICE, generator=gen), batch.entry_slots("c4a", r, entries))
+    cap = batch.token_capacity
+    q = torch.randn(cap, 64, 128, device=DEVICE, generator=gen).to(torch.bfloat16)
+    w = torch.randn(cap, 64, device=DEVICE, generator=gen)
+    layer = SparseMLAIndexer("c4a", 64, 512, workspace_bytes=128 << 20)
+    got = layer(meta, q, w, cache)
+    ref = SparseMLAIndexer("c4a", 64, 512, backend="reference")(meta, q, w, cache)
+    q_ready, w_ready = prepare_queries(q, w, batch.positions, layer.spec)
+    check_picks(got, ref, q_ready, w_ready, cache, StepTokens.of(batch, "c4a"), batch.num_tokens)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_kernels)])
+def test_v41_layers_20_to_27_select_blocks_once_and_pick_inside_them(backend):
+    """V4.1-Flash's layers 20-27 (c1a): 20 is the last kv source (its keys, its blocks), 24 an index source that
+    rescores 20's keys with its own queries inside 20's blocks, the others reuse the latest picks."""
+    from sparse_mla.config import V41_KINDS, get_config
+    from sparse_mla.indexer_layer import indexer_role
+    from sparse_mla.scenario import make_scenario
+
+    cfg = get_config("deepseek-v4.1-flash")
+    lengths = [(sized(3000, 40000), 2), (sized(1500, 20000), 3)]
+    sc = make_scenario(lengths, window=4, topk=32, fmt="bf16", decode_threshold=2, kinds=V41_KINDS,
+                       block_sizes={"swa": 64, "c2a": 64, "c1a": 64}, device=DEVICE)
+    batch = sc.batch
+    keys = IndexerKeyCache(sc.caches["c1a"].num_blocks, "fp8", device=DEVICE)
+    keys.poison()
+    gen = torch.Generator().manual_seed(21)
+    for r, (seq, _) in enumerate(lengths):
+        entries = torch.arange(seq, dtype=torch.int32, device=DEVICE)
+        keys.write(torch.randn(seq, 128, generator=gen).to(DEVICE), batch.entry_slots("c1a", r, entries))
+    indexer = SparseMLAIndexer("c1a", 32, 32, q_format="bf16", backend=backend)  # a bf16 dot: exact sets
+    cap = batch.token_capacity
+    picks, kept, used = {}, None, {}
+    for layer in range(20, 28):
+        role = indexer_role(cfg, layer)
+        assert role.kv_source == 20
+        if not role.runs:
+            picks[layer] = picks[role.index_source]
+            continue
+        q = torch.randn(cap, 32, 128, generator=gen).to(DEVICE)
+        w = torch.randn(cap, 32, generator=gen).to(DEVICE)
+        used[layer] = (q, w)
+        if role.two_level == "select":
+            got, kept = indexer(sc.meta, q, w, keys, select_blocks=True)
+            kept = kept.clone()
+        else:
+            got = indexer(sc.meta, q, w, keys, kept_blocks=kept)
+        picks[layer] = got.clone()
+    assert set(used) == {20, 24} and all(torch.equal(picks[i], picks[20]) for i in (21, 22, 23))
+    step = StepTokens.of(batch, "c1a")
+    for layer, (q, w) in used.items():
+        q_ready, w_ready = prepare_queries(q, w, batch.positions, indexer.spec)
+        want_kept = top_blocks_reference(q_ready, w_ready, keys, step) if layer == 20 else None
+        if layer == 20:
+            same_sets(kept, want_kept, batch.num_tokens)
+        want = index_topk_reference(q_ready, w_ready, keys, step, 32, kept_blocks=kept)
+        same_sets(picks[layer], want, batch.num_tokens)
+        for t in range(batch.num_tokens):  # every pick inside the kept blocks, the newest block kept
+            inside = set(kept[t].tolist()) - {-1}
+            assert {int(x) // 8 for x in picks[layer][t].tolist() if x >= 0} <= inside
+            assert (int(batch.positions[t])) // 8 in inside
+
+
+@needs_kernels
+@given(kind=st.sampled_from(["c4a", "c2a", "c1a", "dsa"]), heads=st.integers(1, 20),
+       fmt=st.sampled_from(["fp8", "bf16"]),
+       q_format=st.sampled_from(["fp8", "bf16"]), topk=st.sampled_from([8, 64, 128]),
+       requests=st.lists(st.tuples(st.integers(1, 700), st.integers(1, 9)), min_size=1, max_size=4),
+       seed=st.integers(0, 2**31 - 1))
+def test_kernels_equal_the_reference_on_random_steps(kind, heads, fmt, q_format, topk, requests, seed):
+    """Any head count, top-k, kind, key and query format, decodes and prefills (query_len <= seq_len) mixed."""
+    spec = IndexerSpec(num_heads=heads, topk=topk, kind=kind, q_format=q_format)
+    requests = [(max(s, q), q) for s, q in requests]
+    case = make_case(torch.Generator().manual_seed(seed), requests, spec, fmt, DEVICE)
+    ref = index_topk_reference(case.q, case.w, case.cache, case.step, topk)
+    got, _ = kernel_picks(case, topk, rows=1 + seed % 7)
+    check_picks(got, ref, case.q, case.w, case.cache, case.step, case.num_tokens)
