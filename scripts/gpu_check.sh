@@ -15,6 +15,8 @@
 #   SPARSE_MLA_EXPECT_MISSING  comma-separated software this call accepts as missing (flash_mla, gluon, transformers,
 #               compute-sanitizer): otherwise a test whose dependency is missing on the GPU box fails, naming it
 #   OUT         where logs and JSON go (default: results/); the benchmark's table prints last
+#   GPU_WORKERS pytest-xdist workers for the tests (default 1; the box has 16 cores and the tests are mostly kernel
+#               compiles: GPU_WORKERS=6 runs a subset in about half the time; never under compute-sanitizer)
 # How the subsets run:
 #   default     beside it, the essentials of tests/test_lowerings.py (every kernel over every format, every layer
 #               kind with MTP and padding rows) lowered as for sm_80 and sm_89 (one process each, on the host's
@@ -80,7 +82,10 @@ expected_missing() {  # expected_missing NAME: whether SPARSE_MLA_EXPECT_MISSING
 pytest_run() {  # pytest_run LOG [pytest args...]: the tests (log: $OUT/LOG; $RUNNER before python3, if set); a
     local log=$1  # failure makes this call's status 1
     shift
-    ${RUNNER:-} python3 -m pytest -q -p no:cacheprovider --durations=10 "$@" 2>&1 | tee "$OUT/$log" | tail -n 25
+    local workers=()  # pytest-xdist workers: kernel compiles run on the host's cores (not under compute-sanitizer)
+    [ -z "${RUNNER:-}" ] && [ "${GPU_WORKERS:-1}" -gt 1 ] && workers=(-n "$GPU_WORKERS")
+    ${RUNNER:-} python3 -m pytest -q -p no:cacheprovider --durations=10 "${workers[@]}" "$@" 2>&1 | tee "$OUT/$log" \
+        | tail -n 25
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
