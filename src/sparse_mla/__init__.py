@@ -38,6 +38,9 @@ _EXPORTS: dict[str, str] = {
     "CompressMetadata": ".compress_metadata",
     "build_compress_metadata": ".compress_metadata",
     "insert_index_keys": ".index_keys",
+    "IndexerKeyCache": ".indexer_cache",
+    "SparseMLAIndexer": ".indexer_layer",
+    "RopeSpec": ".rope",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -85,9 +88,12 @@ if TYPE_CHECKING:  # static checkers and IDEs see the names directly ("X as X": 
     from .formats import KVFormat as KVFormat
     from .formats import get_format as get_format
     from .index_keys import insert_index_keys as insert_index_keys
+    from .indexer_cache import IndexerKeyCache as IndexerKeyCache
+    from .indexer_layer import SparseMLAIndexer as SparseMLAIndexer
     from .layer import SparseMLAAttention as SparseMLAAttention
     from .metadata import MetadataSpec as MetadataSpec
     from .metadata import StepMetadata as StepMetadata
+    from .rope import RopeSpec as RopeSpec
     from .metadata import build_step_metadata as build_step_metadata
     from .ops import dequantize_and_gather as dequantize_and_gather
     from .ops import longest_first as longest_first
