@@ -23,7 +23,7 @@ from sparse_mla.scenario import make_scenario
 
 def oracle_rope(q: torch.Tensor, positions: torch.Tensor, spec: IndexerSpec) -> torch.Tensor:
     """``q (T, H, 128)`` float64 roped: V4 the last 64 dims in pairs (2i, 2i+1), V3.2 the first 64 half-split."""
-    inv = spec.rope_spec.inv_freq().double()
+    inv = spec.rope_spec.inv_freq(positions.device).double()
     ang = positions.clamp_min(0).double()[:, None, None] * inv  # (T, 1, 32)
     cos, sin = ang.cos(), ang.sin()
     q = q.double().clone()

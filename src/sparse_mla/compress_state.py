@@ -62,7 +62,7 @@ class CompressorStatePool:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
         self.ratio = int(ratio)
         self.max_requests = check_positive_int("max_requests", max_requests)
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0": compared with tensors' devices
         self.dtype = dtype
         self.ring = state_tokens(self.ratio)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []

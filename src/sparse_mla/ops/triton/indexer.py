@@ -200,14 +200,20 @@ def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: in
     return hp, qt, per_program
 
 
+SCORE_WARPS, SCORE_STAGES = 4, 3  # the score kernel's launch (benchmarks/probe_indexer_launch.py sweeps them)
+
+
 def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, step: StepTokens, out: torch.Tensor,
-                 t0: int, t1: int, max_query_len: int, dot_dtype: torch.dtype, native_fp8: bool) -> None:
+                 t0: int, t1: int, max_query_len: int, dot_dtype: torch.dtype, native_fp8: bool,
+                 launch: tuple[int, int, int] | None = None) -> None:
     """Packed scores of tokens ``[t0, t1)`` into ``out[: t1 - t0]`` (``(rows, num_cols)`` int64; rows of padding
     tokens are not written). q ``(T_cap, H, 128)`` (float32 or bf16: the prepared queries), weights ``(T_cap, H)``
     float32, checked by the caller (:func:`sparse_mla.indexer.check_step_inputs`); max_query_len: an upper bound on
     any request's tokens in ``[t0, t1)`` (host int: the grid). dot_dtype: ``torch.float32`` (the interpreter),
     ``torch.bfloat16``, or ``torch.float8_e4m3fn`` (fp8 keys and e4m3 q on a target with fp8 tensor cores: the codes
-    straight into the dot; :func:`dot_dtype_for`); native_fp8: the target converts e4m3 with instructions."""
+    straight into the dot; :func:`dot_dtype_for`); native_fp8: the target converts e4m3 with instructions.
+    launch: ``(pages per program, warps, stages)`` in place of :func:`launch_shape`'s pages and the defaults (a
+    probe's sweep)."""
     if cache.block_size != 64:
         raise ValueError(f"cache.block_size must be 64 for the Triton indexer, got {cache.block_size}")
     if out.dtype != torch.int64 or out.dim() != 2 or out.shape[0] < t1 - t0 or out.stride(1) != 1:
@@ -218,6 +224,9 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     num_reqs = step.query_start_loc.shape[0] - 1
     num_cols = out.shape[1]
     hp, qt, per_program = launch_shape(q.shape[1], max_query_len, num_reqs, num_cols)
+    warps, stages = SCORE_WARPS, SCORE_STAGES
+    if launch is not None:
+        per_program, warps, stages = launch
     fp8 = cache.fmt == "fp8"
     scale_view = cache.data.view(torch.float32) if fp8 else cache.data
     grid = (num_reqs, -(-max_query_len // qt), -(-num_cols // (64 * per_program)))
@@ -230,7 +239,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         t0, t1, q.shape[1], step.ratio, cache.num_blocks, step.block_table.stride(0), step.block_table.shape[1],
         out.stride(0), num_cols,
         HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
-        DOT_DTYPE=dot, FP8_DOT=fp8_dot, num_warps=4)
+        DOT_DTYPE=dot, FP8_DOT=fp8_dot, num_warps=warps, num_stages=stages)
 
 
 
