@@ -58,10 +58,11 @@ def oracle_check(case, q_raw, w_raw, spec, topk, got, rel):
     hits = size = 0
     mass = [0.0, 0.0]
     qsl = case.step.query_start_loc.tolist()
+    positions = case.step.positions.cpu()  # the oracle runs on the CPU, in float64
     for r in range(len(qsl) - 1):
-        keys = case.keys[r]
+        keys = case.keys[r].cpu()
         for t in range(qsl[r], qsl[r + 1]):
-            p = int(case.step.positions[t])
+            p = int(positions[t])
             n = (p + 1) // spec.ratio
             picks = got[t].tolist()
             k = min(topk, n)
@@ -70,7 +71,7 @@ def oracle_check(case, q_raw, w_raw, spec, topk, got, rel):
             assert -1 not in mine and len(mine) == k and all(0 <= x < n for x in mine)
             if n == 0:
                 continue
-            s = oracle_scores(q_raw[t], w_raw[t], case.step.positions[t], keys[:n], spec)
+            s = oracle_scores(q_raw[t], w_raw[t], positions[t], keys[:n], spec)
             b = oracle_bound(q_raw[t], w_raw[t], keys[:n], spec, rel)
             order = torch.sort(s, descending=True, stable=True).indices
             top, rest = order[:k], order[k:]
