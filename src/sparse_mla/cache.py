@@ -56,7 +56,29 @@ class BlockAllocator:
         self._free.sort(reverse=True)
 
 
-class PagedCache:
+class PagePool:
+    """What every paged pool shares (:class:`PagedCache`, the indexer's
+    :class:`~sparse_mla.indexer_cache.IndexerKeyCache`): ``data`` ``(num_blocks, block_size, ...)``, the
+    ``block_size`` entries a page holds and the pool's :class:`BlockAllocator`."""
+
+    data: torch.Tensor
+    block_size: int
+    allocator: BlockAllocator
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+
+class PagedCache(PagePool):
     """A pool of ``num_blocks`` blocks of ``block_size`` tokens in one :class:`KVFormat`.
 
     ``data`` is the cache tensor the ops take: ``(num_blocks, block_size, token_bytes)``.
@@ -75,18 +97,6 @@ class PagedCache:
             raise ValueError(f"kv_scale is only for fp8_e4m3 caches, got a {self.fmt.name} cache")
         self.kv_scale = (check_kv_scale(1.0 if kv_scale is None else kv_scale, self.data.device)
                          if self.fmt.per_tensor else None)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
 
     def poison(self) -> None:
         """Fill every byte with 0xFF (NaN in bf16, e4m3 and ue8m0), so unwritten slots read as NaN."""

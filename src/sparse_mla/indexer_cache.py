@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_index_range, check_positive_int, check_tensor
-from .cache import BlockAllocator
+from .cache import BlockAllocator, PagePool
 from .formats import E4M3_MAX, E4M3_NAN, ceil_pow2
 
 INDEX_HEAD_DIM = 128  # width of an indexer key (V4, V4.1, V3.2)
@@ -53,7 +53,7 @@ def dequantize_index_keys(codes: torch.Tensor, scales: torch.Tensor) -> torch.Te
     return codes.view(torch.float8_e4m3fn).float() * scales[..., None]
 
 
-class IndexerKeyCache:
+class IndexerKeyCache(PagePool):
     """A pool of ``num_blocks`` pages of ``block_size`` indexer keys in format ``fmt`` (``"fp8"`` or ``"bf16"``).
 
     ``data`` is the tensor the indexer kernels read (layout in the module docstring); :meth:`codes` and
@@ -72,18 +72,6 @@ class IndexerKeyCache:
             self.data = torch.zeros(num_blocks, block_size, FP8_ENTRY_BYTES, dtype=torch.uint8, device=device)
         else:
             self.data = torch.zeros(num_blocks, block_size, INDEX_HEAD_DIM, dtype=torch.bfloat16, device=device)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
 
     def codes(self) -> torch.Tensor:
         """fp8 only: ``(num_blocks, block_size, 128)`` uint8 view of each page's code plane."""
