@@ -22,7 +22,8 @@ What HF does, read in transformers 5.23.0 (``models/deepseek_v4/modeling_deepsee
   (V3.2 l. 460) call ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)``; we
   register ours there. HF builds masks only for implementations registered in
   ``AttentionMaskInterface`` (``masking_utils.py`` l. 733, 841) and V3.2's indexer needs one (l. 439),
-  so ``"sparse_mla"`` is registered there too, with eager's additive mask; our layer never reads it.
+  so ``"sparse_mla"`` is registered there too: eager's additive mask for V3.2, none for V4 (our layer never
+  reads it; HF's V4 attention takes ``None``).
   V4 hands the function ``q (B, H, S, 512)`` and ``kv`` = ``[the sliding-window cache's keys + the new
   ones | every compressed entry so far]`` (l. 836-843) with a dense mask; the compressed entries come
   from ``DeepseekV4{CSA,HCA}Compressor.forward`` and the picks from ``DeepseekV4Indexer.forward``, which
@@ -183,11 +184,11 @@ class SparseMLAIntegration:
                 if hasattr(attn.compressor, "indexer"):
                     self._hooks.append(attn.compressor.indexer.register_forward_hook(self._capture_picks(i)))
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+        from transformers.masking_utils import AttentionMaskInterface
 
         AttentionInterface.register(ATTENTION_NAME, _attention)
         # HF builds masks only for implementations with a mask function; V3.2's indexer needs one
-        AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+        AttentionMaskInterface.register(ATTENTION_NAME, _mask)
         model.set_attn_implementation(ATTENTION_NAME)
 
     def remove(self) -> None:
@@ -451,6 +452,17 @@ def _pad_picks(picks: torch.Tensor, topk: int) -> torch.Tensor:
     if picks.shape[1] > topk:
         raise ValueError(f"the indexer returned {picks.shape[1]} picks per token, more than index_topk={topk}")
     return torch.nn.functional.pad(picks, (0, topk - picks.shape[1]), value=-1)
+
+
+def _mask(*args, config: object = None, **kwargs) -> torch.Tensor | None:
+    """The mask function registered as ``"sparse_mla"``: none for V4 (our layer never reads one, and HF's eager mask
+    is a dense ``(B, 1, S, S)`` tensor: 64 GiB at a 128K-token prompt); eager's for V3.2 (its attention slices it for
+    the indexer)."""
+    if getattr(config, "model_type", None) == "deepseek_v4":
+        return None
+    from transformers.masking_utils import eager_mask
+
+    return eager_mask(*args, config=config, **kwargs)
 
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
