@@ -227,8 +227,22 @@ def _no_dense_paths(monkeypatch, family):
         monkeypatch.setattr(getattr(mod, name), "forward", refuse)
 
 
-def _agreement(ref, out):
-    return (ref == out).float().mean().item()
+def _pipeline_agreement(model, ids, mask, ref, family, index_format):
+    """generate() with pipeline=True (HF's dense paths refusing to run): the fraction of its greedy tokens equal to
+    ``ref``'s; checks remove() gave the replaced modules their class forwards back."""
+    replaced = [m for layer in model.model.layers
+                for m in ((layer.self_attn.indexer,) if family == "v32" else (layer.self_attn.compressor,)) if m]
+    integration = enable_sparse_mla(model, pipeline=True, index_format=index_format)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            _no_dense_paths(patch, family)
+            out = _generate(model, ids, mask).sequences[:, -STEPS:]
+    finally:
+        integration.remove()
+    assert all("forward" not in m.__dict__ for m in replaced)
+    agreement = (ref == out).float().mean().item()
+    print(f"{family} pipeline, {index_format} keys: {agreement:.3f} of the greedy tokens equal eager's")
+    return agreement
 
 
 @pytest.fixture(scope="module")
@@ -247,22 +261,11 @@ def v4_pipeline():
 
 
 @pytest.mark.parametrize("index_format, least", [("bf16", 1.0), ("fp8", 0.75)])
-def test_v4_pipeline_generate_matches_eager(v4_pipeline, monkeypatch, index_format, least):
+def test_v4_pipeline_generate_matches_eager(v4_pipeline, index_format, least):
     """generate() with the library's compressors and indexer: greedy tokens equal eager's with bf16 keys;
     fp8 keys measured 16 of 16 tokens equal on the CPU (asserted >= 75 %)."""
     model, ids, mask, ref = v4_pipeline
-    compressors = [layer.self_attn.compressor for layer in model.model.layers if layer.self_attn.compressor]
-    integration = enable_sparse_mla(model, pipeline=True, index_format=index_format)
-    try:
-        with monkeypatch.context() as patch:
-            _no_dense_paths(patch, "v4")
-            out = _generate(model, ids, mask).sequences[:, -STEPS:]
-    finally:
-        integration.remove()
-    assert all("forward" not in c.__dict__ for c in compressors)  # remove() gave HF its forwards back
-    agreement = _agreement(ref, out)
-    print(f"V4 pipeline, {index_format} keys: {agreement:.3f} of the greedy tokens equal eager's")
-    assert agreement >= least, (ref.tolist(), out.tolist())
+    assert _pipeline_agreement(model, ids, mask, ref, "v4", index_format) >= least
 
 
 def test_pipeline_errors(v4):
@@ -274,7 +277,7 @@ def test_pipeline_errors(v4):
 
 
 @pytest.mark.parametrize("index_format, least", [("bf16", 1.0), ("fp8", 0.6)])
-def test_v32_pipeline_generate_matches_eager(monkeypatch, index_format, least):
+def test_v32_pipeline_generate_matches_eager(index_format, least):
     """V3.2 with the library's indexer (keys per raw token in its key cache): a left-padded batch (V3.2's eager
     masks pads, so its padded batch is the reference), 8 greedy steps. 16 indexer heads: with 2, many scores tie at
     exactly 0 (ReLU) and HF's and our tie order differ. fp8 keys measured 12 of 16 tokens equal (a pick flips at
@@ -289,17 +292,7 @@ def test_v32_pipeline_generate_matches_eager(monkeypatch, index_format, least):
     mask = torch.ones_like(ids)
     mask[1, :10] = 0
     ref = _generate(model, ids, mask).sequences[:, -STEPS:]
-    integration = enable_sparse_mla(model, pipeline=True, index_format=index_format)
-    try:
-        with monkeypatch.context() as patch:
-            _no_dense_paths(patch, "v32")
-            out = _generate(model, ids, mask).sequences[:, -STEPS:]
-    finally:
-        integration.remove()
-    assert all("forward" not in layer.self_attn.indexer.__dict__ for layer in model.model.layers)
-    agreement = _agreement(ref, out)
-    print(f"V3.2 pipeline, {index_format} keys: {agreement:.3f} of the greedy tokens equal eager's")
-    assert agreement >= least, (ref.tolist(), out.tolist())
+    assert _pipeline_agreement(model, ids, mask, ref, "v32", index_format) >= least
 
 
 
