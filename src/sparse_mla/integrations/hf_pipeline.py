@@ -53,13 +53,14 @@ class Pipeline:
 
     def __init__(self, config: object, family: str, attentions: list[torch.nn.Module], kinds: list[str],
                  num_rows: int, device: torch.device, dtype: torch.dtype, index_format: str, backend: str) -> None:
-        self.family, self.device, self.index_format = family, device, index_format
+        self.device, self.index_format = device, index_format
         self.pools: dict[int, CompressorStatePool] = {}
         self.compressors: dict[int, dict[str, KVCompressor]] = {}  # layer -> "kv" / "index" -> its compressor
         self.index_caches: dict[int, IndexerKeyCache] = {}  # layer -> its key cache (grown with its block table)
         self.indexers: dict[int, SparseMLAIndexer] = {}
-        self.rope: RopeSpec = rope_from_hf_config(config, "compress" if family == "v4" else "rope")
-        dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        # V4: the compress rope (compressors and indexer); V3.2: its one rope (no nested rope types)
+        self.rope: RopeSpec = rope_from_hf_config(config, "compress" if family == "v4" else "main")
+        dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32  # the pools' dtypes
         for i, (attn, kind) in enumerate(zip(attentions, kinds)):
             if kind in ("c4a", "c128a"):
                 comp = attn.compressor
@@ -82,9 +83,8 @@ class Pipeline:
 
     def _compressor(self, pool: CompressorStatePool, dim: int, module: torch.nn.Module, backend: str
                     ) -> KVCompressor:
-        rope = self.rope
         return KVCompressor(pool, dim, module.kv_norm.weight.detach(), module.kv_norm.variance_epsilon,
-                            ape=module.position_bias.detach(), rope=rope, backend=backend)
+                            ape=module.position_bias.detach(), rope=self.rope, backend=backend)
 
     def grow(self, layer: int, num_blocks: int) -> None:
         """Layer ``layer``'s key cache enlarged to ``num_blocks`` pages (contents kept), as its block table grew."""
