@@ -22,7 +22,8 @@ What HF does, read in transformers 5.23.0 (``models/deepseek_v4/modeling_deepsee
   (V3.2 l. 460) call ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)``; we
   register ours there. HF builds masks only for implementations registered in
   ``AttentionMaskInterface`` (``masking_utils.py`` l. 733, 841) and V3.2's indexer needs one (l. 439),
-  so ``"sparse_mla"`` is registered there too, with eager's additive mask; our layer never reads it.
+  so ``"sparse_mla"`` is registered there too: eager's additive mask for V3.2, none for V4 (our layer never
+  reads it; HF's V4 attention takes ``None``).
   V4 hands the function ``q (B, H, S, 512)`` and ``kv`` = ``[the sliding-window cache's keys + the new
   ones | every compressed entry so far]`` (l. 836-843) with a dense mask; the compressed entries come
   from ``DeepseekV4{CSA,HCA}Compressor.forward`` and the picks from ``DeepseekV4Indexer.forward``, which
@@ -74,6 +75,7 @@ from ..cache import PagedCache
 from ..config import DEFAULT_BLOCK_SIZE
 from ..layer import SparseMLAAttention
 from ..metadata import MetadataSpec, StepMetadata, build_step_metadata
+from .hf_pipeline import INDEX_KEY_FORMATS, Pipeline, check_pipeline_config
 
 # the releases whose DeepSeek V4 / V3.2 code this module was read against and is tested with (CI runs the tests on each)
 SUPPORTED_TRANSFORMERS = ("5.23.0", "5.24.0")
@@ -117,6 +119,7 @@ class _Session:
     tables: list[dict[str, list[int]]]
     caches: dict[int, dict[str, PagedCache]] = field(default_factory=dict)  # layer index -> kind -> cache
     next_block: dict[str, int] = field(default_factory=dict)
+    pipeline: Pipeline | None = None  # pipeline=True: the library's compressors and indexers of this generation
 
 
 @dataclass
@@ -130,14 +133,14 @@ class _Step:
     req_rows: list[int]  # the HF batch row of each request
     pads: torch.Tensor  # (B,) int64: left pads of each HF row (tokens before its first real one)
     captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> compressor / latent output
-    picks: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> V4 indexer picks (B, S, k)
+    picks: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> HF's V4 picks (B, S, k) / ours (T, k)
 
 
 class SparseMLAIntegration:
     """What :func:`enable_sparse_mla` set up on a model; :meth:`remove` undoes it."""
 
     def __init__(self, model: torch.nn.Module, kv_format: str, device: torch.device | str | None,
-                 backend: str) -> None:
+                 backend: str, pipeline: bool = False, index_format: str = "bf16") -> None:
         check_transformers_version()
         name = type(model).__name__
         if name in ("DeepseekV4ForCausalLM", "DeepseekV4Model"):
@@ -149,8 +152,13 @@ class SparseMLAIntegration:
                              f"got {name}")
         if kv_format not in KV_FORMATS[self.family]:
             raise ValueError(f"kv_format must be one of {KV_FORMATS[self.family]} for {name}, got {kv_format!r}")
+        if index_format not in INDEX_KEY_FORMATS:
+            raise ValueError(f"index_format must be one of {INDEX_KEY_FORMATS}, got {index_format!r}")
         self.model, self.kv_format, self.backend = model, kv_format, backend
+        self.pipeline, self.index_format = bool(pipeline), index_format
         self.config = model.config
+        if self.pipeline:
+            check_pipeline_config(self.config)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         base = model.model if hasattr(model, "model") else model
         self.attentions = [layer.self_attn for layer in base.layers]
@@ -164,26 +172,32 @@ class SparseMLAIntegration:
         self._previous_impl = self.config._attn_implementation
         self._hooks = [base.register_forward_pre_hook(self._begin_step, with_kwargs=True),
                        base.register_forward_hook(self._end_step, with_kwargs=True)]
+        self._replaced: list[torch.nn.Module] = []  # modules whose forward pipeline=True replaced
         for i, attn in enumerate(self.attentions):
             _ATTACHED[attn] = (self, self.layers[i])
+            if self.pipeline:
+                self._replace_forwards(i, attn)
             if self.family == "v32":
                 self._hooks.append(attn.kv_a_layernorm.register_forward_hook(self._capture(i)))
-            elif attn.compressor is not None:
+            elif attn.compressor is not None and not self.pipeline:
                 self._hooks.append(attn.compressor.register_forward_hook(self._capture(i)))
                 if hasattr(attn.compressor, "indexer"):
                     self._hooks.append(attn.compressor.indexer.register_forward_hook(self._capture_picks(i)))
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+        from transformers.masking_utils import AttentionMaskInterface
 
         AttentionInterface.register(ATTENTION_NAME, _attention)
         # HF builds masks only for implementations with a mask function; V3.2's indexer needs one
-        AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+        AttentionMaskInterface.register(ATTENTION_NAME, _mask)
         model.set_attn_implementation(ATTENTION_NAME)
 
     def remove(self) -> None:
         """Give the model back its previous attention implementation and drop the hooks."""
         for hook in self._hooks:
             hook.remove()
+        for module in self._replaced:
+            module.__dict__.pop("forward", None)  # the class's forward again
+        self._replaced = []
         for attn in self.attentions:
             _ATTACHED.pop(attn, None)
         self.model.set_attn_implementation(self._previous_impl)
@@ -219,6 +233,21 @@ class SparseMLAIntegration:
         sink = attn.sinks.detach().to(self.device, torch.float32, copy=True)
         return SparseMLAAttention(kind, attn.num_heads, 512, self.window, topk=self.topk if kind == "c4a" else None,
                                   scale=attn.scaling, sink=sink, backend=self.backend, kv_format=self.kv_format)
+
+    def _replace_forwards(self, layer: int, attn: torch.nn.Module) -> None:
+        """pipeline=True: the layer's compressor (V4) / indexer (V3.2) forward runs the library instead of HF."""
+        module = attn.indexer if self.family == "v32" else attn.compressor
+        if module is None:
+            return
+        if self.family == "v32":
+            def forward(hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
+                        past_key_values=None, **kwargs):
+                return self._index_v32(layer, module, hidden_states, q_resid)
+        else:
+            def forward(hidden_states, q_residual, position_ids, past_key_values, layer_idx):
+                return self._compress_v4(layer, module, hidden_states, q_residual)
+        module.forward = forward
+        self._replaced.append(module)
 
     def _capture(self, layer: int):
         def hook(module, args, output):
@@ -267,6 +296,10 @@ class SparseMLAIntegration:
                 raise ValueError("the model's cache (cache / past_key_values) holds tokens sparse-mla's caches never "
                                  "saw: enable sparse-mla before the first forward of a generation")
             session = _Session([{k: [] for k in self.kinds} for _ in range(num_rows)])
+            if self.pipeline:
+                dtype = next(self.model.parameters()).dtype
+                session.pipeline = Pipeline(self.config, self.family, self.attentions, [la.kind for la in self.layers],
+                                            num_rows, self.device, dtype, self.index_format, self.backend)
         self._step = self._build_step(session, mask, seq)
 
     def _end_step(self, module, args, kwargs, output) -> None:
@@ -294,6 +327,8 @@ class SparseMLAIntegration:
         meta = build_step_metadata(batch, MetadataSpec(window=self.window, topk=self.topk))
         rows = torch.cat([b * seq + torch.arange(seq - query_lens[b], seq) for b in order]).to(self.device)
         pads = (mask.shape[1] - mask.sum(1)).to(self.device)
+        if session.pipeline is not None:
+            session.pipeline.begin_step(batch, order)
         return _Step(session, batch, meta, rows, order, pads)
 
     def _grow(self, session: _Session, row: int, kind: str, blocks: int) -> None:
@@ -318,6 +353,9 @@ class SparseMLAIntegration:
                 if old is not None:
                     new.data[: old.num_blocks].copy_(old.data)
                 caches[kind] = new
+            if session.pipeline is not None and self.layers[layer].kind in ("c4a", "dsa"):
+                # the layer's indexer keys share its c4a / dsa block table
+                session.pipeline.grow(layer, caches[self.layers[layer].kind].num_blocks)
 
     def _layer_kinds(self, layer: int) -> tuple[str, ...]:
         kind = self.layers[layer].kind
@@ -333,14 +371,11 @@ class SparseMLAIntegration:
             raise RuntimeError("the sparse_mla attention ran outside a forward of the model it was enabled on")
         idx = module.layer_idx
         num_rows, heads, seq, _ = query.shape
-        batch, cap = step.batch, step.batch.token_capacity
+        batch = step.batch
         caches = step.session.caches[idx]
 
-        def tokens(x: torch.Tensor) -> torch.Tensor:  # (B, S, ...) -> (token_capacity, ...), padding rows 0
-            flat = x.reshape(num_rows * seq, *x.shape[2:]).to(self.device)
-            out = flat.new_zeros(cap, *flat.shape[1:])
-            out[: batch.num_tokens] = flat[step.rows]
-            return out
+        def tokens(x: torch.Tensor) -> torch.Tensor:
+            return self._tokens(step, x)
 
         q = tokens(query.transpose(1, 2))  # (T, H, d)
         if self.family == "v32":
@@ -348,9 +383,12 @@ class SparseMLAIntegration:
             q = self.absorption[idx].absorb_query(q[..., :nope], q[..., nope:])
             latents = torch.cat([step.captured[idx], key[:, 0, -seq:, nope:]], dim=-1)
             caches["dsa"].write(tokens(latents).to(torch.bfloat16), batch.slot_mapping)
-            local = indices - step.pads[:, None, None].to(indices.device)  # padded key axis -> request-local
-            local = torch.where((indices >= 0) & (local >= 0), local, -1)
-            picks = _pad_picks(tokens(local.to(torch.int32)), self.topk)
+            if self.pipeline:  # the library's indexer ran: its picks are request-local already
+                picks = step.picks[idx]
+            else:
+                local = indices - step.pads[:, None, None].to(indices.device)  # padded key axis -> request-local
+                local = torch.where((indices >= 0) & (local >= 0), local, -1)
+                picks = _pad_picks(tokens(local.to(torch.int32)), self.topk)
             out = layer(q, step.meta, caches, topk_indices=picks)
             out = self.absorption[idx].expand_output(out.float())
         else:
@@ -358,17 +396,55 @@ class SparseMLAIntegration:
             swa_new = key[:, 0, key.shape[2] - n_comp - seq: key.shape[2] - n_comp]
             caches["swa"].write(tokens(swa_new).to(torch.bfloat16), batch.slot_mapping)
             picks = None
-            if layer.kind != "swa":
+            if layer.kind != "swa" and not self.pipeline:  # (pipeline: the library's compressor wrote them)
                 req, entry, slots = batch.new_entries(layer.kind)
                 hf_row = torch.tensor(step.req_rows, device=self.device)[req.long()]
                 entries = step.captured[idx][:, 0].to(self.device)[hf_row, entry.long()]
                 caches[layer.kind].write(entries.to(torch.bfloat16), slots)
             if layer.kind == "c4a":
-                picks = _pad_picks(tokens(step.picks[idx].to(torch.int32)), self.topk)
+                picks = step.picks[idx] if self.pipeline else _pad_picks(tokens(step.picks[idx].to(torch.int32)),
+                                                                         self.topk)
             out = layer(q.to(torch.bfloat16), step.meta, caches, topk_indices=picks)
         full = out.new_zeros(num_rows * seq, heads, out.shape[-1])
         full[step.rows] = out[: batch.num_tokens]
         return full.view(num_rows, seq, heads, -1).to(query.device, query.dtype)
+
+    def _tokens(self, step: _Step, x: torch.Tensor) -> torch.Tensor:
+        """``x (B, S, ...)`` of the HF batch -> ``(token_capacity, ...)`` on our device: the step's real tokens in
+        request order, padding rows 0."""
+        flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).to(self.device)
+        out = flat.new_zeros(step.batch.token_capacity, *flat.shape[1:])
+        out[: step.batch.num_tokens] = flat[step.rows]
+        return out
+
+    def _current_step(self) -> _Step:
+        if self._step is None:
+            raise RuntimeError("a sparse-mla compressor / indexer ran outside a forward of the model it was enabled on")
+        return self._step
+
+    def _compress_v4(self, layer: int, module: torch.nn.Module, hidden_states: torch.Tensor,
+                     q_residual: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The replaced ``DeepseekV4{CSA,HCA}Compressor.forward``: the library writes the layer's entries (and c4a's
+        picks); HF's attention gets no compressed entries to concatenate (ours attends over the paged caches)."""
+        step = self._current_step()
+        with torch.no_grad():
+            picks = step.session.pipeline.compress_v4(
+                layer, module, self._tokens(step, hidden_states), self._tokens(step, q_residual),
+                step.session.caches[layer], step.meta)
+        if picks is not None:
+            step.picks[layer] = picks
+        batch = hidden_states.shape[0]
+        return hidden_states.new_zeros(batch, 1, 0, self.attentions[layer].head_dim), None
+
+    def _index_v32(self, layer: int, module: torch.nn.Module, hidden_states: torch.Tensor,
+                   q_resid: torch.Tensor) -> torch.Tensor:
+        """The replaced ``DeepseekV32Indexer.forward``: keys into the library's key cache and its picks; HF's
+        attention passes on an empty ``(B, S, 0)`` indices tensor (ours reads the picks of the step)."""
+        step = self._current_step()
+        with torch.no_grad():
+            step.picks[layer] = step.session.pipeline.index_v32(
+                layer, module, self._tokens(step, hidden_states), self._tokens(step, q_resid), step.meta)
+        return torch.zeros(*hidden_states.shape[:2], 0, dtype=torch.int32, device=hidden_states.device)
 
 
 def _pad_picks(picks: torch.Tensor, topk: int) -> torch.Tensor:
@@ -376,6 +452,17 @@ def _pad_picks(picks: torch.Tensor, topk: int) -> torch.Tensor:
     if picks.shape[1] > topk:
         raise ValueError(f"the indexer returned {picks.shape[1]} picks per token, more than index_topk={topk}")
     return torch.nn.functional.pad(picks, (0, topk - picks.shape[1]), value=-1)
+
+
+def _mask(*args, config: object = None, **kwargs) -> torch.Tensor | None:
+    """The mask function registered as ``"sparse_mla"``: none for V4 (our layer never reads one, and HF's eager mask
+    is a dense ``(B, 1, S, S)`` tensor: 64 GiB at a 128K-token prompt); eager's for V3.2 (its attention slices it for
+    the indexer)."""
+    if getattr(config, "model_type", None) == "deepseek_v4":
+        return None
+    from transformers.masking_utils import eager_mask
+
+    return eager_mask(*args, config=config, **kwargs)
 
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -391,14 +478,18 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def enable_sparse_mla(model: torch.nn.Module, kv_format: str = "bf16", device: torch.device | str | None = None,
-                      backend: str = "auto") -> SparseMLAIntegration:
+                      backend: str = "auto", pipeline: bool = False, index_format: str = "bf16"
+                      ) -> SparseMLAIntegration:
     """Make a ``DeepseekV4ForCausalLM`` / ``DeepseekV32ForCausalLM`` attend through sparse-mla (transformers 5.23.0 or
     5.24.0; another version: ``RuntimeError`` naming those).
 
     kv_format: the paged caches' format, ``"bf16"`` or ``"fp8_v4"`` (V4) / ``"fp8_v32"`` (V3.2).
     device: where the caches live and the layer runs (default: the model's); ``backend`` as for
     :class:`SparseMLAAttention` (``"auto"``: the CUDA kernels on a GPU, the reference elsewhere).
+    pipeline: also run the model's compressors and indexers through the library (:mod:`.hf_pipeline`: keys in
+    the library's caches, scores and top-k by :class:`SparseMLAIndexer`; HF's own compressor / indexer forwards do
+    not run); index_format: its indexer key caches' format, ``"bf16"`` or ``"fp8"``.
     Call it after the weights are loaded (the sinks and ``kv_b_proj`` are read here). Returns the
-    integration; its ``remove()`` restores the model's previous attention.
+    integration; its ``remove()`` restores the model's previous attention and modules.
     """
-    return SparseMLAIntegration(model, kv_format, device, backend)
+    return SparseMLAIntegration(model, kv_format, device, backend, pipeline, index_format)
