@@ -298,7 +298,7 @@ def test_v41_picks_of_ratios_2_and_1_become_valid_prefixes_of_visible_global_slo
 def test_v41_picks_conversion_kernel_matches_its_torch_twin():
     """The Triton picks conversion (the CUDA builders; here in the interpreter) at ratios 2 and 1."""
     from sparse_mla.metadata import _compressed_picks_torch
-    from sparse_mla.ops import triton_index
+    from sparse_mla.ops.triton import index as triton_index
 
     batch, _ = make_batch([(37, 1), (20, 3), (9, 9)], threshold=3, padding=2, sizes=V41_SIZES)
     gen = torch.Generator().manual_seed(0)

@@ -10,7 +10,7 @@ from helpers import DEVICE
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
 from sparse_mla.metadata import (MetadataSpec, _compressed_picks_torch, _step_lists_torch, _step_lists_triton,
                                  allocate_metadata)
-from sparse_mla.ops.triton_index import compressed_picks
+from sparse_mla.ops.triton.index import compressed_picks
 
 SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
 

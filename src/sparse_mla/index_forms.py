@@ -23,17 +23,11 @@ import torch
 
 from ._checks import check_tensor, is_int
 from .metadata import PicksConverter, StepMetadata, _compressed_picks_torch, check_picks_kind
-from .ops import triton_index
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton: the torch builders still work
-    triton = None
+from .ops.triton import index as triton_index
 
 
 def _on_triton(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda" and triton is not None and triton_index is not None
+    return t.device.type == "cuda"
 
 
 def _check_padded(indices: torch.Tensor, lens: torch.Tensor, prefix: str = "") -> tuple[int, int]:
@@ -44,34 +38,6 @@ def _check_padded(indices: torch.Tensor, lens: torch.Tensor, prefix: str = "") -
 
 # ----------------------------------------------------------------------------------------------------------------
 # ragged
-
-if triton is not None:
-    @triton.jit
-    def _ragged_kernel(idx_ptr, idx_stride, len_ptr, indptr_ptr, flat_ptr, num_rows, width, capacity,
-                       ROWS_BLOCK: tl.constexpr, COLS_BLOCK: tl.constexpr):
-        """Row ``t`` of the padded list into ``flat[indptr[t] : indptr[t+1]]``; ``indptr[t+1]`` = the sum of the
-        clamped lens of rows ``0 … t`` (summed by each program: no second launch); program ``t`` also fills its
-        share of the flat tail past the last row with ``-1``."""
-        t = tl.program_id(0)
-        start = t * 0
-        for r0 in range(0, t, ROWS_BLOCK):
-            r = r0 + tl.arange(0, ROWS_BLOCK)
-            n = tl.load(len_ptr + r, mask=r < t, other=0)
-            start += tl.sum(tl.minimum(tl.maximum(n, 0), width), 0)
-        n_t = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), width)
-        if t == 0:
-            tl.store(indptr_ptr, 0)
-        tl.store(indptr_ptr + t + 1, start + n_t)
-        row = idx_ptr + t.to(tl.int64) * idx_stride
-        for c0 in range(0, n_t, COLS_BLOCK):
-            j = c0 + tl.arange(0, COLS_BLOCK)
-            keep = (j < n_t) & (start + j < capacity)
-            tl.store(flat_ptr + start + j, tl.load(row + j, mask=keep, other=-1), mask=keep)
-        if t == num_rows - 1:  # the last row knows the total: it clears the tail
-            for c0 in range(start + n_t, capacity, COLS_BLOCK):
-                j = c0 + tl.arange(0, COLS_BLOCK)
-                tl.store(flat_ptr + j, tl.full((COLS_BLOCK,), -1, tl.int32), mask=j < capacity)
-
 
 def ragged_from_padded(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor,
                        out_flat: torch.Tensor) -> None:
@@ -100,20 +66,12 @@ def ragged_from_padded(indices: torch.Tensor, lens: torch.Tensor, out_indptr: to
 
 def _ragged_fill(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor, out_flat: torch.Tensor) -> None:
     """:func:`ragged_from_padded` on checked arguments (at least one row; unit-stride rows, contiguous lens)."""
-    (_ragged_triton if _on_triton(indices) else _ragged_torch)(indices, lens, out_indptr, out_flat)
-
-
-def _ragged_triton(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor, out_flat: torch.Tensor) -> None:
-    """:func:`ragged_from_padded` in one launch (arguments checked there, at least one row)."""
-    from .ops.launch import cached_launch
-
-    num_tokens, width = indices.shape
-    cached_launch(_ragged_kernel, (("ROWS_BLOCK", 1024), ("COLS_BLOCK", 256)))(
-        (num_tokens,), indices, indices.stride(0), lens, out_indptr, out_flat, num_tokens, width, out_flat.shape[0])
+    (triton_index.ragged_from_padded if _on_triton(indices) else _ragged_torch)(indices, lens, out_indptr, out_flat)
 
 
 def _ragged_torch(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor, out_flat: torch.Tensor) -> None:
-    """Torch twin of :func:`_ragged_triton` (same arguments): a cumulative sum and one scatter."""
+    """Torch twin of :func:`sparse_mla.ops.triton.index.ragged_from_padded` (same arguments): a cumulative sum and
+    one scatter."""
     width, capacity = indices.shape[1], out_flat.shape[0]
     n = lens.clamp(0, width)
     out_indptr[0] = 0

@@ -37,7 +37,7 @@ import torch
 from ._checks import check_index_range, check_tensor, is_int
 from .batch import StepBatch, entries_needed, slots_of
 from .config import COMPRESS_RATIO, COMPRESSED_KINDS, PICKS_KINDS, complete_entries
-from .ops import triton_index
+from .ops.triton import index as triton_index
 from .ops.dispatch import builders_use_triton
 from .ops.order import fill_longest_first
 from .ops.validate import debug_checks_enabled
@@ -257,7 +257,7 @@ def check_picks(meta: StepMetadata, local: torch.Tensor, kind: str) -> None:
 def _compressed_picks_torch(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor,
                             block_size: int, ratio: int, local: torch.Tensor, out_indices: torch.Tensor,
                             out_lens: torch.Tensor, out_kept: torch.Tensor) -> None:
-    """Torch twin of :func:`sparse_mla.ops.triton_index.compressed_picks` (same arguments)."""
+    """Torch twin of :func:`sparse_mla.ops.triton.index.compressed_picks` (same arguments)."""
     visible = torch.where(positions >= 0, complete_entries(positions + 1, ratio), 0)[:, None]
     kept = torch.where((local >= 0) & (local < visible), local, -1)
     _, lens = compact_rows(kept, out=out_kept)
@@ -305,7 +305,7 @@ def _check_reusable(out: StepMetadata, batch: StepBatch, spec: MetadataSpec) -> 
 
 
 def _window_indices_torch(batch: StepBatch, kind: str, indices: torch.Tensor, lens: torch.Tensor) -> None:
-    """Torch twin of the window rows of :func:`sparse_mla.ops.triton_index.step_lists`. SWA: slots of positions
+    """Torch twin of the window rows of :func:`sparse_mla.ops.triton.index.step_lists`. SWA: slots of positions
     ``max(0, p-W+1) … p`` (W = the width of ``indices``); c128a: every complete entry ``0 … (p+1)//128 - 1``.
     Written into ``indices`` / ``lens`` as valid prefixes."""
     pos, width = batch.positions, indices.shape[1]

@@ -4,7 +4,7 @@
   device, or on the CPU under ``TRITON_INTERPRET=1``) — :func:`resolve_backend`, used by every public op,
   the layer, the step-metadata builders and the token order.
 * The attention kernel inside the Triton family: ``"gluon"`` (the Hopper kernel of
-  :mod:`.gluon`) or ``"triton"`` (:mod:`.triton_attention`) — :func:`attention_kernel`. Which GPU a
+  :mod:`.gluon`) or ``"triton"`` (:mod:`.triton.attention`) — :func:`attention_kernel`. Which GPU a
   device is comes from :mod:`.targets` (the vendor first: ROCm reports AMD GPUs as capability 9.x); the portable
   kernel's per-target launch configuration from :mod:`.launch_configs`.
 """

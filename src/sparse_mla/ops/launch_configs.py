@@ -1,4 +1,4 @@
-"""Per-target launch configurations of the portable attention kernel (:mod:`.triton_attention`): the one table.
+"""Per-target launch configurations of the portable attention kernel (:mod:`.triton.attention`): the one table.
 
 Each row says which key-block size, heads per program, warps and pipeline depth the kernel is compiled with on a
 :class:`~.targets.Target`, and why (the reason is kept in :class:`AttentionConfig` so reports and tests can print it).
@@ -54,7 +54,7 @@ def attention_config(target: Target, dim: int, formats: frozenset[str], num_head
     blocks keep the tests fast).
 
     The constexprs: ``H_BLOCK`` heads and ``BLOCK_N`` keys per step, ``NATIVE_FP8`` (:mod:`.fp8`), ``Q_IN_LOOP``,
-    ``Q_ROPE_SCALAR`` and ``DECODE_FENCE`` (:func:`.triton_attention._scope_pass`). Each row was chosen by
+    ``Q_ROPE_SCALAR`` and ``DECODE_FENCE`` (:func:`.triton.attention._scope_pass`). Each row was chosen by
     cross-compiling the candidates for its targets (registers, spills in the key loop, shared memory;
     ``tests/test_portability.py`` prints the chosen rows') and, for the NVIDIA rows, timing them on an H100 under
     each target's lowering.
