@@ -27,9 +27,9 @@ import torch.distributed as dist
 from ._checks import check_positive_int, check_tensor, is_int
 from .batch import StepBatch, StepBatchBuilder, blocks_needed
 from .config import DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS
-from .metadata import (ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata,
-                       compact_rows, convert_picks)
+from .metadata import ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata
 from .ops.merge import PARTIAL_DTYPES, merge_partials
+from .picks import compact_rows, convert_picks
 from .ops.validate import D_V
 
 # torch 2.13 renames all_gather_into_tensor (same arguments); older torch (the GPU box's) has only the old name
@@ -177,7 +177,7 @@ class RankStepMetadata:
     def plan(self, key: tuple, make):
         """The step-scoped plan stored under ``key``, made by ``make()`` on first use (as :meth:`StepMetadata.plan`;
         each build starts anew). The conversion of a kind's picks, stored under ``("picks", kind)`` (where
-        :func:`~sparse_mla.metadata.convert_picks` and :mod:`~sparse_mla.index_forms` look it up), is this rank's
+        :func:`~sparse_mla.picks.step_picks` and :mod:`~sparse_mla.index_forms` look it up), is this rank's
         (:meth:`c4a_indices`), put there by the build; a conversion into other lists (the combined index form's)
         is a ``ValueError``."""
         self.check_current()
@@ -210,6 +210,20 @@ def _owned_rows(layout: RankLayout, virtual: torch.Tensor, scratch: torch.Tensor
     counts = compact_rows(layout.local_slots(virtual), out=scratch)[1]
     indices.copy_(scratch[:, : indices.shape[1]])
     lens.copy_(counts)
+
+
+class RankPicks:
+    """A rank's conversion of a picks kind's picks (where a :class:`~sparse_mla.picks.PicksConversion` is on a whole
+    step): the step's conversion, then the visible picks this rank owns into the rank's lists. indices ``(T, topk)``
+    / lens ``(T,)``: the rank's picks buffers; kept: None (no rank keeps its kept picks: see
+    :attr:`RankStepMetadata.picks_local`)."""
+
+    def __init__(self, meta: RankStepMetadata, kind: str) -> None:
+        self.meta, self.kind = meta, kind
+        self.indices, self.lens, self.kept = meta.picks_indices, meta.picks_lens, None
+
+    def __call__(self, local: torch.Tensor) -> None:
+        self.meta._convert(local, self.kind)
 
 
 def _allocate(step: StepMetadata, layout: RankLayout) -> RankStepMetadata:
@@ -259,7 +273,7 @@ def build_rank_metadata(batch: StepBatch, layout: RankLayout, spec: MetadataSpec
         meta.picks_indices.fill_(-1)
         meta.picks_lens.zero_()
         for kind in (k for k in PICKS_KINDS if k in batch.block_tables):  # every picks kind (V4.1 has two)
-            meta._plans["picks", kind] = lambda picks, kind=kind: meta._convert(picks, kind)  # the plans' conversion
+            meta._plans["picks", kind] = RankPicks(meta, kind)  # the plans' conversion
     _fill_decode_orders(meta)
     return meta
 

@@ -17,13 +17,12 @@ each); elsewhere the torch versions, which compute the same values.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ._checks import check_tensor, is_int
-from .metadata import PicksConverter, StepMetadata, _compressed_picks_torch, check_picks_kind
+from .metadata import StepMetadata
 from .ops.triton import index as triton_index
+from .picks import PicksConversion, check_picks_kind, compressed_picks_torch, step_picks
 
 
 def _on_triton(t: torch.Tensor) -> bool:
@@ -166,7 +165,7 @@ def _combined_picks(positions, token_to_req, block_table, block_size, ratio, top
     window, topk = swa_indices.shape[1], topk_local.shape[1]
     _fill_window_columns(swa_indices, swa_lens, out_indices, topk)
     comp = out_indices[:, window:window + topk]
-    build = triton_index.compressed_picks if _on_triton(topk_local) else _compressed_picks_torch
+    build = triton_index.compressed_picks if _on_triton(topk_local) else compressed_picks_torch
     build(positions, token_to_req, block_table, block_size, ratio, topk_local, comp, out_lens, out_kept)
     _combined_lens(swa_lens, window, out_lens)
 
@@ -189,7 +188,7 @@ def step_ragged(meta: StepMetadata, kind: str, indices: torch.Tensor, lens: torc
     """The ragged form ``(flat (T·width,), indptr (T+1,))`` of one of the step's padded lists (``kind``'s),
     in buffers kept with the step's plans, so every layer of the step shares them and a CUDA graph captured
     with them stays valid. fill: convert now (a list fixed for the step); the picks kinds' lists change per
-    layer call and are converted by :func:`picks_converter`'s function."""
+    layer call and are converted by :func:`picks_conversion`'s object."""
     def make() -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, width = indices.shape
         flat = torch.full((num_tokens * width,), -1, dtype=torch.int32, device=indices.device)
@@ -206,7 +205,7 @@ def step_combined(meta: StepMetadata, kind: str, comp_indices: torch.Tensor, com
                   fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The combined form ``(indices (T, W + K), lens (T,))`` of the step's SWA list and ``kind``'s compressed
     list (``comp_indices (T, K)`` + ``comp_lens``), in buffers kept with the step's plans (see
-    :func:`step_ragged`); fill: build now (c128a), else per layer call by :func:`picks_converter`'s function (c4a)."""
+    :func:`step_ragged`); fill: build now (c128a), else per layer call by :func:`picks_conversion`'s object (c4a)."""
     def make() -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, window = meta.swa_indices.shape
         out = torch.full((num_tokens, window + comp_indices.shape[1]), -1, dtype=torch.int32,
@@ -221,43 +220,54 @@ def step_combined(meta: StepMetadata, kind: str, comp_indices: torch.Tensor, com
     return meta.plan(("index_form", "combined", kind), make)
 
 
-def picks_converter(meta: StepMetadata, kind: str, index_form: str,
-                    lists: tuple[torch.Tensor, torch.Tensor] | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """How a c4a / dsa layer call's picks are converted in this step (made once per step plan): a function
-    ``convert(local) -> kept`` that writes the picks into the step's picks buffers and, for the ragged and combined
-    forms, into that form's ``lists`` (:func:`step_ragged` / :func:`step_combined`'s buffers of the picks kind), and
-    returns the kept picks (``meta.picks_local``, for the workspace prefill). No host sync."""
+class RaggedPicks:
+    """A picks layer's conversion in the ragged form: the step's :class:`~sparse_mla.picks.PicksConversion`
+    (``padded``), then the ragged form of the lists it wrote. indices ``(T·topk,)`` / lens ``(T+1,)``: the flat
+    list and its indptr (:func:`step_ragged`'s buffers of the picks kind); kept: ``padded.kept``."""
+
+    def __init__(self, padded: PicksConversion, flat: torch.Tensor, indptr: torch.Tensor) -> None:
+        self.padded, self.indices, self.lens, self.kept = padded, flat, indptr, padded.kept
+
+    def __call__(self, local: torch.Tensor) -> torch.Tensor | None:
+        self.padded(local)
+        if local.shape[0]:
+            _ragged_fill(self.padded.indices, self.padded.lens, self.lens, self.indices)
+        return self.kept
+
+
+class CombinedPicks:
+    """A picks layer's conversion in the combined form: one launch converts the picks into the combined rows'
+    compressed columns (``columns``, a :class:`~sparse_mla.picks.PicksConversion`), then each row's length adds the
+    window's. indices ``(T, W + topk)`` / lens ``(T,)``: the combined rows (:func:`step_combined`'s buffers, their
+    window columns the step's); kept: the step's kept picks."""
+
+    def __init__(self, meta: StepMetadata, kind: str, rows: torch.Tensor, rows_lens: torch.Tensor) -> None:
+        window, topk = meta.swa_indices.shape[1], meta.spec.topk
+        self.columns = meta.plan(("picks", kind, "combined"), lambda: PicksConversion(
+            meta, kind, rows[:, window:window + topk], rows_lens, meta.picks_local))
+        self.indices, self.lens, self.kept = rows, rows_lens, self.columns.kept
+        self.swa_lens, self.window = meta.swa_lens, window
+
+    def __call__(self, local: torch.Tensor) -> torch.Tensor:
+        self.columns(local)
+        _combined_lens(self.swa_lens, self.window, self.lens)
+        return self.kept
+
+
+def picks_conversion(meta: StepMetadata, kind: str, index_form: str,
+                     lists: tuple[torch.Tensor, torch.Tensor] | None) -> PicksConversion | RaggedPicks | CombinedPicks:
+    """How a picks layer's calls convert their picks in this step (made once per step plan): called with a call's
+    picks, it writes the step's picks buffers and, for the ragged and combined forms, that form's ``lists``
+    (:func:`step_ragged` / :func:`step_combined`'s buffers of the picks kind: ``(flat, indptr)`` /
+    ``(rows, lens)``), and returns the kept picks (``meta.picks_local``, for the workspace prefill). No host sync.
+    Its ``indices`` / ``lens`` / ``kept`` name the buffers it writes."""
     check_picks_kind(meta, kind)
-    # the step's buffers, read here once (this checks the metadata is current; each layer call checks it too)
-    kept = meta.picks_local
-    if index_form != "combined":
-        converter = meta.plan(("picks", kind), lambda: PicksConverter(meta, kind))
-        if index_form != "ragged":
-            def convert(local: torch.Tensor) -> torch.Tensor:
-                converter(local)
-                return kept
-            return convert
-        flat, indptr = lists
-        picks_indices, picks_lens = meta.picks_indices, meta.picks_lens
-
-        def convert_ragged(local: torch.Tensor) -> torch.Tensor:
-            converter(local)
-            if local.shape[0]:
-                _ragged_fill(picks_indices, picks_lens, indptr, flat)
-            return kept
-        return convert_ragged
-    # one launch converts the picks into the combined rows' compressed columns
-    out, out_lens = lists
-    swa_lens, window = meta.swa_lens, meta.swa_indices.shape[1]
-    converter = meta.plan(("picks", kind, "combined"), lambda: PicksConverter(
-        meta, kind, (out[:, window:window + meta.spec.topk], out_lens, kept)))
-
-    def convert_combined(local: torch.Tensor) -> torch.Tensor:
-        converter(local)
-        _combined_lens(swa_lens, window, out_lens)
-        return kept
-    return convert_combined
+    if index_form == "ragged":
+        return RaggedPicks(step_picks(meta, kind), *lists)
+    if index_form == "combined":
+        return CombinedPicks(meta, kind, *lists)
+    return step_picks(meta, kind)
 
 
 __all__ = ["ragged_from_padded", "combined_from_padded", "combined_from_picks", "INDEX_FORMS", "check_index_form",
-           "step_ragged", "step_combined", "picks_converter"]
+           "step_ragged", "step_combined", "picks_conversion"]

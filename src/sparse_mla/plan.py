@@ -24,6 +24,7 @@ from .ops import sparse_attention_decode, sparse_attention_prefill
 from .ops.dispatch import pages_16_byte_aligned, resolve_backend
 from .ops.launch import BindOnce
 from .ops.validate import debug_checks_enabled, graph_capturing
+from .picks import step_picks
 from .workspace import fill_workspace, shared_workspace, workspace_indices, workspace_plan
 
 PREFILL_MODES = ("paged", "workspace", "mixed")
@@ -145,8 +146,9 @@ class LayerPlan:
         scopes = []  # (kind, indices, lens)
         if "swa" in views:
             scopes.append(("swa", meta.swa_indices, meta.swa_lens))
-        if layer.kind in PICKS_KINDS:
-            scopes.append((layer.kind, meta.picks_indices, meta.picks_lens))
+        if layer.kind in PICKS_KINDS:  # the lists each call's picks are converted into (the step's, shared)
+            picks = step_picks(meta, layer.kind)
+            scopes.append((layer.kind, picks.indices, picks.lens))
         elif layer.kind == "c128a":
             scopes.append(("c128a", meta.c128a_indices, meta.c128a_lens))
         self.scopes = scopes
@@ -159,7 +161,7 @@ class LayerPlan:
         self.form = "padded" if layer.index_form == "combined" and len(scopes) == 1 else layer.index_form
         self.lists = self._form_lists(meta)
         # a picks layer's conversion of each call's picks (into the form's lists), resolved once per step
-        self._convert_picks = None if layer.kind not in PICKS_KINDS else index_forms.picks_converter(
+        self._convert_picks = None if layer.kind not in PICKS_KINDS else index_forms.picks_conversion(
             meta, layer.kind, self.form,
             None if self.lists is None else self.lists[-1] if self.form == "ragged" else self.lists)
         mode = layer.prefill_mode
