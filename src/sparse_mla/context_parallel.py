@@ -149,9 +149,25 @@ class RankStepMetadata:
         order's estimate of the picks lists."""
         return self.step.picks_bound
 
+    @property
+    def world(self) -> int:
+        """The ranks the step's caches are split over (a rank's block tables are read with block sizes × world)."""
+        return self.layout.world
+
     def check_current(self) -> None:
         """``ValueError`` if the rank's batch is stale (its builder has built another step since)."""
         self.step.check_current()
+
+    def check_gather(self, gather: object) -> None:
+        """A layer call's ``context_parallel`` argument against this metadata: the :class:`PartialsGather` of this
+        rank's layout (``ValueError`` / ``TypeError`` naming what is wrong)."""
+        if gather is None:
+            raise ValueError("meta is a RankStepMetadata (one rank's share of the step): pass context_parallel=, the "
+                             "PartialsGather of the rank's group that merges every rank's partials")
+        if not isinstance(gather, PartialsGather):
+            raise TypeError(f"context_parallel must be a PartialsGather, got {type(gather).__name__}")
+        if gather.layout != self.layout:
+            raise ValueError(f"context_parallel gathers over {gather.layout}, but meta was built for {self.layout}")
 
     def c4a_indices(self, topk_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's C4A slots of the indexer's picks ``(T, topk)`` int32 (local entry numbers of the whole

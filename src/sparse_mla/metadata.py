@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -123,9 +124,18 @@ class StepMetadata:
         bound every picks layer's count (:attr:`picks_bound`)."""
         return min((COMPRESS_RATIO[k] for k in PICKS_KINDS if k in self.batch.block_tables), default=1)
 
+    world: ClassVar[int] = 1  # the ranks the step's caches are split over: one, this process holds them whole
+
     def check_current(self) -> None:
         """``ValueError`` if this metadata's batch is stale (its builder has built another step since)."""
         self.batch.check_current()
+
+    def check_gather(self, gather: object) -> None:
+        """A layer call's ``context_parallel`` argument against this metadata: None (``ValueError`` otherwise: the
+        whole step's metadata is for a process that holds the whole cache)."""
+        if gather is not None:
+            raise ValueError("context_parallel needs meta to be this rank's RankStepMetadata (build_rank_metadata "
+                             "over the rank's caches), got a StepMetadata (a process holding the whole cache)")
 
     def picks_for(self, kind: str, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots of the indexer's picks for a layer of ``kind`` (one of the batch's picks kinds: ``c4a``,
