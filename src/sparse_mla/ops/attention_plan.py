@@ -416,7 +416,7 @@ def run(args: AttentionArgs, batch_invariant: bool = False, plan: AttentionPlan 
         **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the attention kernel (and the combine kernel when the key lists are split) for checked arguments,
     through ``plan``, by default the plan of their geometry (:func:`plan_for`). On Hopper, where
-    ``dispatch.gluon_fits`` (scopes of one format of ``dispatch.GLUON_FORMATS``), the kernel is ``gluon``'s
+    ``dispatch.gluon_fits`` (scope formats of ``dispatch.GLUON_FORMATS``), the kernel is ``gluon``'s
     (``gluon=0`` forces this module's Triton kernel, ``gluon=1`` the Gluon one); see :class:`AttentionPlan` for the
     overrides. Returns out ``(T, H, 512)`` bf16 (``args.out`` when given) and lse ``(T, H)`` float32."""
     plan = plan or plan_for(args, batch_invariant, **overrides)

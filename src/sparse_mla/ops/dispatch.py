@@ -74,6 +74,18 @@ GLUON_FORMATS = {512: (frozenset({"fp8_v4"}), frozenset({"bf16"}),
                  576: (frozenset({"fp8_v32"}), frozenset({"bf16"}))}
 
 
+def gluon_formats_text() -> str:
+    """:data:`GLUON_FORMATS` in words, for error messages: per width, the formats read with every scope alike, and
+    those whose scopes may also be in two formats."""
+    parts = []
+    for dim, sets in GLUON_FORMATS.items():
+        paired = sorted({f for s in sets if len(s) > 1 for f in s})
+        alike = sorted(f for s in sets if len(s) == 1 for f in s if f not in paired)
+        text = f"{dim}-d: every scope {' or '.join(alike)}"
+        parts.append(text + (f", or the scopes in any of {', '.join(paired)}" if paired else ""))
+    return "; ".join(parts)
+
+
 def gluon_fits(device: torch.device, dim: int, formats: frozenset[str], pages_16_byte_aligned: bool,
                padded: bool = True, q_fp8: bool = False) -> bool:
     """Whether the Gluon kernel can compute an attention call: an NVIDIA Hopper GPU (:attr:`.targets.Target.hopper`:
@@ -105,10 +117,9 @@ def attention_kernel(device: torch.device, dim: int, formats: frozenset[str], pa
             gluon_kernel.warn_portable_once()  # a Triton the Gluon kernel is not validated on (or does not build with)
         return "triton"
     if gluon and not fits:
-        readable = "512-d: every scope fp8_v4 or bf16, or V4.1 formats; 576-d: every scope fp8_v32 or bf16"
-        raise ValueError(f"gluon=1 needs a Hopper GPU, bf16 q, scopes of one format ({readable}) with padded index "
-                         f"lists, and caches whose base and page stride are multiples of 16 bytes; got {dim}-d "
-                         f"{'fp8' if q_fp8 else 'bf16'} q on {device}, scopes {sorted(formats)}, "
+        raise ValueError(f"gluon=1 needs a Hopper GPU, bf16 q, scope formats it reads ({gluon_formats_text()}) with "
+                         f"padded index lists, and caches whose base and page stride are multiples of 16 bytes; got "
+                         f"{dim}-d {'fp8' if q_fp8 else 'bf16'} q on {device}, scopes {sorted(formats)}, "
                          f"{'padded' if padded else 'ragged / combined'} lists, "
                          f"{'' if pages_16_byte_aligned else 'not '}16-byte aligned")
     return "gluon" if gluon else "triton"
