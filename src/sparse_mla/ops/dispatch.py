@@ -16,6 +16,7 @@ import os
 import torch
 
 from .._checks import check_tensor
+from ..formats import READERS
 from . import targets
 
 try:
@@ -66,12 +67,19 @@ def pages_16_byte_aligned(cache: torch.Tensor) -> bool:
     return cache.data_ptr() % 16 == 0 and cache.stride(0) * cache.element_size() % 16 == 0
 
 
+
+
+def _gluon_formats(dim: int) -> tuple[frozenset[str], ...]:
+    """The scope-format sets the Gluon kernel reads at width ``dim`` (from :data:`sparse_mla.formats.READERS`):
+    each format it reads with every scope alike, and every pair of one mix."""
+    read = [name for name, r in READERS.items() if dim in r.gluon_dims]
+    return tuple(dict.fromkeys(frozenset({a, b}) for a, b in itertools.product(read, read)
+                               if a == b or READERS[a].gluon_mix and READERS[a].gluon_mix == READERS[b].gluon_mix))
+
+
 # the scope formats the Gluon kernel reads, by q·k width: V4 (512: fp8_v4 or bf16, every scope alike), V4.1 (512: its
 # fp8 and fp4 rows in either page layout, the two scopes in one format or two) and V3.2 (576: fp8_v32 or bf16)
-_V41 = ("fp8_v41", "fp8_v41_planar", "fp4_v41", "fp4_v41_planar")
-GLUON_FORMATS = {512: (frozenset({"fp8_v4"}), frozenset({"bf16"}),
-                       *{frozenset({a, b}) for a, b in itertools.product(_V41, _V41)}),
-                 576: (frozenset({"fp8_v32"}), frozenset({"bf16"}))}
+GLUON_FORMATS = {dim: _gluon_formats(dim) for dim in (512, 576)}
 
 
 def gluon_formats_text() -> str:

@@ -12,15 +12,14 @@ import triton
 
 import torch
 
-from ..formats import FMT_FP4_V41, FMT_FP8_V41, get_format
+from ..formats import FMT_FP4_V41, FMT_FP8_V41, READERS, get_format
 from . import targets
 from .targets import Target
 
-# the cache formats the Triton kernels read: every name of the layout table (the Gluon kernel reads a subset:
-# dispatch.GLUON_FORMATS; fp4 scopes and mixed-format calls go to the Triton kernel on Hopper too)
+# the cache formats the Triton kernels read (formats.READERS: every name of the layout table; the Gluon kernel reads a
+# subset: dispatch.GLUON_FORMATS)
 V41_CODES = (FMT_FP8_V41, FMT_FP4_V41)  # V4.1's record encodings (either page layout)
-TRITON_FORMATS = frozenset({"bf16", "fp8_v4", "fp8_v32", "fp8_e4m3", "fp8_v41", "fp8_v41_planar", "fp4_v41",
-                            "fp4_v41_planar"})
+TRITON_FORMATS = frozenset(name for name, r in READERS.items() if r.triton)
 # the Triton whose compile of sm_80's fp8_v4 row with the L2 prefetch was checked spill-free and timed (the GPUs'):
 # Triton 3.9's ptxas input reloads about 50 spilled values per key block there, so other versions go without it
 SM80_PREFETCH_TRITON = "3.6."
