@@ -291,7 +291,7 @@ def attention_launches(target: targets.Target, groups: tuple[str, ...]) -> list[
 def cache_launches(target: targets.Target) -> list[tuple[str, list[Launched]]]:
     """Insert and gather over each cache format (through the public ops, on CPU tensors)."""
     from sparse_mla.cache import PagedCache
-    from sparse_mla.ops import triton_cache
+    from sparse_mla.ops.triton import cache as triton_cache
     from sparse_mla.ops.validate import gather_args, insert_args
 
     out = []
@@ -315,7 +315,7 @@ def index_launches(target: targets.Target) -> list[tuple[str, list[Launched]]]:
     from sparse_mla import metadata
     from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
     from sparse_mla.config import V4_KINDS
-    from sparse_mla.ops import triton_index
+    from sparse_mla.ops.triton import index as triton_index
 
     sizes = {"swa": 64, "c4a": 64, "c128a": 2}
     builder = StepBatchBuilder(64, 4, 4096, V4_KINDS, block_sizes=sizes, decode_threshold=2)

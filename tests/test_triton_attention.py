@@ -473,7 +473,7 @@ def test_a_tail_split_needs_the_gluon_kernel():
 def test_the_combine_of_a_tail_split_merges_those_tokens_rows_only(ordered):
     """``TAIL``: the combine takes the token slots from ``first_slot`` on (through the order), merges their pieces
     by LSE (an empty piece skipped) with the sink, and leaves every other token's row alone."""
-    from sparse_mla.ops import triton_attention
+    from sparse_mla.ops.triton import attention as triton_attention
 
     tokens, heads, splits, first = 6, 3, 2, 4
     gen = torch.Generator().manual_seed(int(ordered))

@@ -1,4 +1,4 @@
-"""The plan of an attention launch: which kernel (the portable Triton kernel of :mod:`.triton_attention` or the
+"""The plan of an attention launch: which kernel (the portable Triton kernel of :mod:`.triton.attention` or the
 Hopper kernel of :mod:`.gluon`), its grid, how key lists are split, its constexprs and launch options (the
 portable kernel's from :mod:`.launch_configs`' row for the GPU's :class:`~.targets.Target`); and the ops' cache of
 plans by geometry. The kernels themselves live in their own modules; this one decides and launches.
@@ -20,7 +20,8 @@ from ..env import env_value
 from . import dispatch, gluon as gluon_kernel, launch_configs, targets
 from .dispatch import pages_16_byte_aligned
 from .launch import Launch, cached_launch
-from .triton_attention import LOG2E, _combine_kernel, _sparse_mla_kernel, latent_pieces
+from .triton.attention import LOG2E, _combine_kernel, _sparse_mla_kernel
+from .triton.rows import latent_pieces
 from .validate import D_V, AttentionArgs
 
 def num_sms(device: torch.device) -> int:
@@ -89,8 +90,8 @@ LAST_COMPILED: dict[str, object] = {}  # the last JIT-launched attention kernel,
 def _launch(kernel_name: str, constexprs: tuple, options: tuple) -> Launch:
     """The shared :class:`Launch` of the ``"triton"``, ``"gluon"`` or ``"combine"`` kernel."""
     kernel = {"triton": _sparse_mla_kernel, "combine": _combine_kernel}.get(kernel_name)
-    if kernel is None:
-        kernel = gluon_kernel._attention_kernel
+    if kernel is None:  # the Gluon kernel's modules load with its first launch (the plan chose it: it builds here)
+        from .gluon.kernel import _attention_kernel as kernel
     return cached_launch(kernel, constexprs, options)
 
 
@@ -415,7 +416,7 @@ def run(args: AttentionArgs, batch_invariant: bool = False, plan: AttentionPlan 
         **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the attention kernel (and the combine kernel when the key lists are split) for checked arguments,
     through ``plan``, by default the plan of their geometry (:func:`plan_for`). On Hopper, where
-    ``dispatch.gluon_fits`` (scopes of one format of ``dispatch.GLUON_FORMATS``), the kernel is ``gluon``'s
+    ``dispatch.gluon_fits`` (scope formats of ``dispatch.GLUON_FORMATS``), the kernel is ``gluon``'s
     (``gluon=0`` forces this module's Triton kernel, ``gluon=1`` the Gluon one); see :class:`AttentionPlan` for the
     overrides. Returns out ``(T, H, 512)`` bf16 (``args.out`` when given) and lse ``(T, H)`` float32."""
     plan = plan or plan_for(args, batch_invariant, **overrides)
