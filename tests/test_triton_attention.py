@@ -448,14 +448,12 @@ def test_attention_kernel_names_what_runs():
     (40, 64, 1, (1, 0), (1, 0)),  # a one-block list is never split
     (0, 64, 32, (1, 0), (1, 0)),  # no token
 ])
-def test_choose_splits_on_an_h100_sized_gpu(monkeypatch, tokens, heads, blocks, want, want_tails):
+def test_choose_splits_on_an_h100_sized_gpu(tokens, heads, blocks, want, want_tails):
     from sparse_mla.ops import attention_plan
 
-    monkeypatch.setattr(attention_plan, "num_sms", lambda device: 132)
     head_blocks = -(-heads // 64)
-    device = torch.device("cuda")
-    assert attention_plan.choose_splits(tokens, heads, head_blocks, blocks, device) == want
-    assert attention_plan.choose_splits(tokens, heads, head_blocks, blocks, device, tails=True) == want_tails
+    assert attention_plan.choose_splits(tokens, heads, head_blocks, blocks, 132) == want
+    assert attention_plan.choose_splits(tokens, heads, head_blocks, blocks, 132, tails=True) == want_tails
 
 
 def test_a_tail_split_needs_the_gluon_kernel():
