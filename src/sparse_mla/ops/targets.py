@@ -105,9 +105,10 @@ MATRIX: tuple[Target, ...] = (
            limits="with a Triton the Gluon kernel passed the GPU tests on (`sparse-mla verify` names them), the "
                   "Gluon kernel where every scope is fp8_v4, fp8_v32 or bf16, or V4.1's formats (16-byte aligned "
                   "pages); the portable kernel elsewhere and with other Tritons, 1.96x FlashMLA on the V4-Flash B 128 "
-                  "step"),
+                  "step (it spills 344-880 B, Triton 3.9's ptxas)"),
     Target("cuda", 100, 32, 227 * _KB, sms=148, tmem_columns=512, gpus="B200, B300, GB200",
-           limits="not run on silicon; the portable kernel on mma.sync (no tcgen05 / tensor memory)"),
+           limits="not run on silicon; the portable kernel on mma.sync (no tcgen05 / tensor memory); the fp8_v4, "
+                  "V4.1 and fp8-q rows spill 84-116 B, 10-19 reloads in the key loop (Triton 3.9's ptxas)"),
     Target("cuda", 120, 32, 99 * _KB, sms=170, gpus="RTX 5090, RTX PRO 6000",
            limits="not run on silicon; 512-d fp8 in 32-key tiles (99 KB), V4.1's with q read in the loop; in "
                   "the key loop the 512-d bf16 row reloads 10-20 spilled registers (Triton 3.9's ptxas; its "
