@@ -6,7 +6,8 @@ under the test's tmp dir). A case a target cannot run must instead be a ``ValueE
 The variants are the library's own launches for that target (``scripts/portability_report.py`` records them from
 the attention plan made for the target, the cache ops, the index builders and the token order), so the matrix
 checks what would really launch. Which run here, to keep CI (``make test`` on two cores) short — an attention
-variant takes 3-8 CPU seconds to compile for CUDA and 10-40 for AMD, the other kernels about one:
+variant takes 2-6 CPU seconds to compile for CUDA and 1-13 for AMD (gfx1100's fp8 ones 2-4 minutes), the other
+kernels under one:
 
 * one target per code-generation family — sm_80 (mma.sync, no fp8 instructions), sm_89 (mma.sync with fp8),
   sm_90 (wgmma), sm_100 (tensor memory) and gfx942 (AMD; its fp8 bytes are decoded with integer operations on every

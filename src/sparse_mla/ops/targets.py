@@ -124,8 +124,8 @@ MATRIX: tuple[Target, ...] = (
                   "caches) or 16 (bf16); V4.1's fp4 decodes spill 177-342 SGPRs (tensors under 2 GiB, buffer "
                   f"loads), the token order 208 SGPRs; {_OVER_2GIB}"),
     Target("hip", "gfx1100", 32, 64 * _KB, sms=48, gpus="RX 7900",
-           limits="not run on silicon; the attention kernel spills 1,000-2,700 VGPRs (slow: a value-dim split is "
-                  "planned)"),
+           limits="not run on silicon; the attention kernel spills 320-5,738 VGPRs and up to 374 SGPRs (slow: a "
+                  "value-dim split is planned)"),
     Target("hip", "gfx1201", 32, 64 * _KB, sms=32, gpus="RX 9070",
            limits="not run on silicon; the attention kernel spills 87-1,812 VGPRs (slow: a value-dim split is "
                   "planned)"),
