@@ -38,8 +38,8 @@ Variants (every launch of the library's kernels; ``--variants`` picks groups, CI
   V4 / V4.1 ratio, its state update, the indexer key insert, the indexer's scores, query prep and top-k select.
 
 The whole matrix (every group, 11 targets, about 800 compiles) took 32 CPU minutes with Triton 3.9 (76 minutes of
-wall time, target by target, on a 2-core machine shared with other jobs), 19 of them gfx1100's: its fp8 decodes spill thousands of VGPRs and take
-2-4 CPU minutes each to compile (other attention variants: 1-13 CPU seconds).
+wall time, target by target, on a 2-core machine shared with other jobs), 19 of them gfx1100's: its fp8 decodes
+spill thousands of VGPRs and take 2-4 CPU minutes each to compile (other attention variants: 1-13 CPU seconds).
 """
 from __future__ import annotations
 
