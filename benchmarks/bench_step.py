@@ -42,7 +42,8 @@ from sparse_mla.cache import PagedCache
 from sparse_mla.cli import parse_seed
 from sparse_mla.config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS, ModelConfig, get_config
 from sparse_mla.layer import SparseMLAAttention
-from sparse_mla.metadata import MetadataSpec, build_step_metadata, convert_picks
+from sparse_mla.metadata import MetadataSpec, build_step_metadata
+from sparse_mla.picks import convert_picks
 from sparse_mla.scenario import random_picks
 from sparse_mla.workspace import fill_workspace, shared_workspace, workspace_indices, workspace_plan
 

@@ -31,7 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from sass_loops import key_loops, sass_of  # noqa: E402  (this script's folder is first on sys.path)
 from sparse_mla.formats import FORMAT_CODES  # noqa: E402
 from sparse_mla.ops import launch_configs, targets  # noqa: E402
-from sparse_mla.ops import triton_attention as ta  # noqa: E402
+from sparse_mla.ops.triton import attention as ta, rows  # noqa: E402
 
 
 
@@ -82,7 +82,7 @@ def main() -> None:
         args.dim = fixed_dim or 512
     if fixed_dim and args.dim != fixed_dim:
         parser.error(f"{args.fmt} tokens are {fixed_dim}-d")
-    pa, pb, pc, v_has_rope = ta.latent_pieces(args.dim)
+    pa, pb, pc, v_has_rope = rows.latent_pieces(args.dim)
     kernel = ta._sparse_mla_kernel
     source_type = ASTSource
     heads_n = 0
@@ -90,8 +90,9 @@ def main() -> None:
         from triton.experimental.gluon._runtime import GluonASTSource
 
         from sparse_mla.ops import gluon
+        from sparse_mla.ops.gluon.kernel import _attention_kernel
 
-        kernel, source_type = gluon._attention_kernel, GluonASTSource
+        kernel, source_type = _attention_kernel, GluonASTSource
         args.warps = gluon.PARTITION_WARPS  # of the default partition; the kernel adds two more groups
         heads_n = gluon.NARROW_HEADS if args.narrow else 0
     fmt = FORMAT_CODES[args.fmt]

@@ -1,11 +1,13 @@
-"""The compressor kernels' launches cross-compiled for one target, on this CPU (run by
-tests/test_compressor_portability.py in a child process: compiling needs the interpreter off):
+"""The sparse-index pipeline's launches, recorded on CPU tensors for one target: the compressor kernels (cross-compiled
+by tests/test_compressor_portability.py in a child process: compiling needs the interpreter off) and the indexer's
+(:func:`indexer_launches`, tests/test_indexer_triton.py); ``scripts/portability_report.py --variants pipeline``
+compiles both.
 
     python tests/compressor_compile.py --target sm_80
 
-Prints one JSON row per launch (``scripts/portability_report.py``'s ``Row``). The launches are the library's own,
-recorded on CPU tensors: the compressor of each V4 / V4.1 case (V4-Flash's c4a and its indexer, c128a; V4.1's c2a
-and c1a; bf16 projections), its state update, and the indexer key insert (fp8 and bf16, with and without the rope).
+Prints one JSON row per compressor launch (``scripts/portability_report.py``'s ``Row``). The launches are the
+library's own: the compressor of each V4 / V4.1 case (V4-Flash's c4a and its indexer, c128a; V4.1's c2a and c1a; bf16
+projections), its state update, and the indexer key insert (fp8 and bf16, with and without the rope).
 """
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ import torch  # noqa: E402
 
 from compress_feed import Feeder, make_params  # noqa: E402
 from sparse_mla.compressor import KVCompressor  # noqa: E402
+from sparse_mla.indexer import StepTokens  # noqa: E402
+from sparse_mla.indexer_cache import IndexerKeyCache  # noqa: E402
 from sparse_mla.ops import targets  # noqa: E402
-from sparse_mla.ops.triton import compress, index_cache  # noqa: E402
+from sparse_mla.ops.triton import compress, index_cache, indexer  # noqa: E402
 
 CASES = [(4, 512), (4, 128), (128, 512), (2, 512), (1, 512)]
 
@@ -51,6 +55,40 @@ def launches(target: targets.Target) -> list[tuple[str, list]]:
                 index_cache.insert_index_keys(keys, data, fp8, slots, slots if rope else None,
                                               torch.ones(32) if rope else None)
             out.append((f"index keys {'fp8' if fp8 else 'bf16'}{' rope' if rope else ''}", calls))
+    return out
+
+
+def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[str, list]]:
+    """The indexer kernels' launches: the scores over fp8 keys (decode, 64 heads), with ``every`` also bf16 keys and a
+    32-head prefill; where the target converts fp8, e4m3 q against the fp8 codes (the layer's choice there); the
+    query prep (V4, with ``every`` V3.2's half-split rope); the select (two launches: 512 of 32768, then of 2048)."""
+    out = []
+    for fmt, heads, qlen in (("fp8", 64, 2), ("bf16", 64, 2), ("fp8", 32, 512))[: 3 if every else 1]:
+        cache = IndexerKeyCache(4, fmt)
+        step = StepTokens(torch.zeros(qlen, dtype=torch.int32), torch.zeros(qlen, dtype=torch.int32),
+                          torch.tensor([0, qlen], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 4)
+        q = torch.zeros(qlen, heads, 128, dtype=torch.bfloat16)
+        with recorded_launches(target) as calls:
+            indexer.index_scores(q, torch.zeros(qlen, heads), cache, step, torch.empty(qlen, 512, dtype=torch.int64),
+                                 0, qlen, qlen, torch.bfloat16, targets.target_of(cache.device).native_fp8)
+        out.append((f"indexer {fmt} H{heads} q{qlen}", calls))
+    if target.native_fp8:
+        cache = IndexerKeyCache(4, "fp8")
+        step = StepTokens(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                          torch.tensor([0, 2], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 4)
+        with recorded_launches(target) as calls:
+            indexer.index_scores(torch.zeros(2, 64, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 64), cache, step,
+                                 torch.empty(2, 512, dtype=torch.int64), 0, 2, 2, torch.float8_e4m3fn, True)
+        out.append(("indexer fp8 dot H64 q2", calls))
+    for half_split in (False, True)[: 2 if every else 1]:
+        q, trig = torch.zeros(2, 64, 128, dtype=torch.bfloat16), torch.zeros(2, 32)
+        with recorded_launches(target) as calls:
+            indexer.prepare_queries(q, torch.zeros(2, 64), trig, trig, half_split, True, 0.01, q, torch.zeros(2, 64))
+        out.append((f"indexer q prep {'V3.2' if half_split else 'V4'}", calls))
+    packed = torch.zeros(4, 32768, dtype=torch.int64)  # four segments' keys, then the row's entries
+    with recorded_launches(target) as calls:
+        indexer.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32))
+    out += [(f"indexer select 512 of {n}", [c]) for n, c in zip((32768, 2048), calls)]
     return out
 
 

@@ -21,9 +21,10 @@ import torch
 
 from helpers import DEVICE, KERNEL_RUNS, needs, random_scope, random_sink, rel_err
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
-from sparse_mla.index_forms import _ragged_torch, _ragged_triton
-from sparse_mla.metadata import _compressed_picks_torch
-from sparse_mla.ops import attention_plan, reference, sparse_attention_decode, triton_cache, triton_index
+from sparse_mla.index_forms import _ragged_torch
+from sparse_mla.picks import compressed_picks_torch
+from sparse_mla.ops import attention_plan, reference, sparse_attention_decode
+from sparse_mla.ops.triton import cache as triton_cache, index as triton_index
 from sparse_mla.ops.order import KEYS_PER_BLOCK, longest_first_torch
 from sparse_mla.ops.validate import decode_args, gather_args, insert_args
 
@@ -262,7 +263,7 @@ def test_token_order_ragged_builder_and_picks():
     row_lens = Guarded(torch.tensor([9, -4, 2**30, 3, 0], **I32), 9)
     for capacity in (30, 12):  # room for every row's entries, and too little
         outs = []
-        for build in (_ragged_torch, _ragged_triton):
+        for build in (_ragged_torch, triton_index.ragged_from_padded):
             indptr = Guarded(torch.full((6,), 99, **I32), 99)
             flat = Guarded(torch.full((capacity,), 77, **I32), 77)
             build(idx.t, row_lens.t, indptr.t, flat.t)
@@ -281,7 +282,7 @@ def test_token_order_ragged_builder_and_picks():
     picks = Guarded(local, 0)
     table = Guarded(batch.block_tables["c4a"], 7)
     results = []
-    for convert in (_compressed_picks_torch, triton_index.compressed_picks):
+    for convert in (compressed_picks_torch, triton_index.compressed_picks):
         outs = [Guarded(torch.full((6, 5), -9, **I32), -9), Guarded(torch.full((6,), -9, **I32), -9),
                 Guarded(torch.full((6, 5), -9, **I32), -9)]
         convert(batch.positions, batch.token_to_req, table.t, 4, 4, picks.t, *(o.t for o in outs))

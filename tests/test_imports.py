@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -48,18 +49,21 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _running_imports(body: list[ast.stmt]):
-    """The import statements of ``body`` that can run: all but those under ``if TYPE_CHECKING:``."""
+def _running_imports(body: list[ast.stmt], at_import: bool = False):
+    """The import statements of ``body`` that can run: all but those under ``if TYPE_CHECKING:`` (at_import: only
+    those that run when the module is imported, not those inside functions)."""
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
         elif isinstance(node, ast.If) and _is_type_checking(node.test):
-            yield from _running_imports(node.orelse)
+            yield from _running_imports(node.orelse, at_import)
+        elif at_import and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
         else:
             for field in ("body", "orelse", "finalbody", "handlers", "cases"):
                 for child in getattr(node, field, None) or []:
                     yield from _running_imports(getattr(child, "body", None) if not isinstance(child, ast.stmt)
-                                                else [child])
+                                                else [child], at_import)
 
 
 def _nearest_module(dotted: str, modules: set[str]) -> str:
@@ -69,14 +73,15 @@ def _nearest_module(dotted: str, modules: set[str]) -> str:
     return dotted
 
 
-def import_edges(name: str, path: Path, modules: set[str]) -> set[str]:
+def import_edges(name: str, path: Path, modules: set[str], at_import: bool = False) -> set[str]:
     """The modules among ``modules`` that importing ``name`` (source ``path``) imports directly: each imported
     module and the packages above it (Python imports those first), except the packages above ``name`` itself
     (they are being imported already) unless a statement names them (``from . import x`` where ``x`` is a name
-    of the package, not a submodule: it needs the package's ``__init__`` to have run that far)."""
+    of the package, not a submodule: it needs the package's ``__init__`` to have run that far). at_import: only the
+    imports that run when ``name`` is imported (not those inside its functions)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets = []
-    for node in _running_imports(ast.parse(path.read_text(), str(path)).body):
+    for node in _running_imports(ast.parse(path.read_text(), str(path)).body, at_import):
         if isinstance(node, ast.Import):
             targets += [alias.name for alias in node.names]
             continue
@@ -197,6 +202,22 @@ def test_no_import_cycles():
     graph = {name: import_edges(name, path, set(MODULES)) for name, path in MODULES.items()}
     cycles = find_cycles(graph)
     assert not cycles, "import cycles (module-level imports):\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_token_order_loads_no_attention_or_gluon_kernel_module():
+    """``ops/order.py`` needs the GPU kernels' key block and its own rank kernel: what it imports at import time, and
+    what those import in turn, holds no module that defines a kernel but ``ops/triton/index.py`` (the rank kernel's)
+    — not the Gluon package's kernel modules, which it once loaded all of for one constant."""
+    modules = set(MODULES)
+    seen, todo = set(), ["sparse_mla.ops.order"]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += import_edges(name, MODULES[name], modules, at_import=True)
+    kernels = {name for name in seen if re.search(r"^\s*@(triton|gluon)\.jit", MODULES[name].read_text(), re.M)}
+    assert kernels == {"sparse_mla.ops.triton.index"}, sorted(seen)
+    assert "sparse_mla.ops.gluon.host" in seen  # the key block's module is reached: the walk follows the imports
 
 
 IMPORT_EACH = """

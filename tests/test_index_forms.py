@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from dense import dense_attention
 from helpers import examples
 from sparse_mla.cache import PagedCache
-from sparse_mla.index_forms import (_ragged_torch, _ragged_triton, combined_from_padded, combined_from_picks,
-                                    ragged_from_padded)
+from sparse_mla.index_forms import _ragged_torch, combined_from_padded, combined_from_picks, ragged_from_padded
 from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.ops import sparse_attention_decode, sparse_attention_prefill
+from sparse_mla.ops.triton.index import ragged_from_padded as ragged_from_padded_kernel
 from test_metadata import make_batch
 
 BACKENDS = ["reference", "triton"]
@@ -83,7 +83,7 @@ def test_ragged_from_padded_torch_and_triton_agree_and_keep_every_row(num_tokens
     total = int(lens.clamp(0, width).sum())
     capacity = max(0, total + spare)  # spare < 0: too small, the overflow is dropped
     outs = []
-    for build in (_ragged_torch, _ragged_triton):
+    for build in (_ragged_torch, ragged_from_padded_kernel):
         indptr = torch.full((num_tokens + 1,), 99, dtype=torch.int32)
         flat = torch.full((capacity,), 77, dtype=torch.int32)
         build(idx, lens, indptr, flat)

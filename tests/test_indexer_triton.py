@@ -250,50 +250,16 @@ FAMILIES = ("sm_80", "sm_89", "sm_90", "sm_100", "gfx942")  # every variant comp
 
 
 def compile_rows(target_name: str) -> list[dict]:
-    """The indexer kernels' launches (scores: fp8 and bf16 keys, decode 64 heads and prefill 32 heads; the query prep,
-    V4 and V3.2; the select) recorded on CPU tensors and compiled for ``target_name``
-    (``scripts/portability_report.py``'s recorder and compile check)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    """The indexer kernels' launches (``compressor_compile.indexer_launches``: scores over fp8 and bf16 keys, decode
+    64 heads and prefill 32 heads; the query prep, V4 and V3.2; the select) recorded on CPU tensors and compiled for
+    ``target_name`` (``scripts/portability_report.py``'s compile check)."""
     from dataclasses import asdict
 
-    from portability_report import compile_launch, recorded_launches
-
-    from sparse_mla.ops.triton import indexer as kernels
+    from compressor_compile import compile_launch, indexer_launches
 
     target = next(t for t in targets.MATRIX if t.name == target_name)
-    rows = []
-    every = target_name in FAMILIES
-    for fmt, heads, qlen in (("fp8", 64, 2), ("bf16", 64, 2), ("fp8", 32, 512))[: 3 if every else 1]:
-        cache = IndexerKeyCache(4, fmt)
-        step = StepTokens(torch.zeros(qlen, dtype=torch.int32), torch.zeros(qlen, dtype=torch.int32),
-                          torch.tensor([0, qlen], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 4)
-        q = torch.zeros(qlen, heads, 128, dtype=torch.bfloat16)
-        w = torch.zeros(qlen, heads)
-        with recorded_launches(target) as calls:
-            kernels.index_scores(q, w, cache, step, torch.empty(qlen, 512, dtype=torch.int64), 0, qlen, qlen,
-                                 torch.bfloat16, targets.target_of(cache.device).native_fp8)
-        rows += [asdict(compile_launch(target, f"indexer {fmt} H{heads} q{qlen}", c)) for c in calls]
-    if target.native_fp8:  # e4m3 q against the fp8 codes on the tensor cores, the layer's choice there
-        cache = IndexerKeyCache(4, "fp8")
-        step = StepTokens(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
-                          torch.tensor([0, 2], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 4)
-        with recorded_launches(target) as calls:
-            kernels.index_scores(torch.zeros(2, 64, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 64), cache, step,
-                                 torch.empty(2, 512, dtype=torch.int64), 0, 2, 2, torch.float8_e4m3fn, True)
-        rows += [asdict(compile_launch(target, "indexer fp8 dot H64 q2", c)) for c in calls]
-    for half_split in (False, True)[: 2 if every else 1]:
-        q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
-        trig = torch.zeros(2, 32)
-        with recorded_launches(target) as calls:
-            kernels.prepare_queries(q, torch.zeros(2, 64), trig, trig, half_split, True, 0.01, q,
-                                    torch.zeros(2, 64))
-        rows += [asdict(compile_launch(target, f"indexer q prep {'V3.2' if half_split else 'V4'}", c))
-                 for c in calls]
-    packed = torch.zeros(4, 32768, dtype=torch.int64)  # four segments' keys, then the row's entries
-    with recorded_launches(target) as calls:
-        kernels.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32))
-    rows += [asdict(compile_launch(target, f"indexer select 512 of {n}", c)) for n, c in zip((32768, 2048), calls)]
-    return rows
+    return [asdict(compile_launch(target, variant, c))
+            for variant, calls in indexer_launches(target, target_name in FAMILIES) for c in calls]
 
 
 @pytest.mark.parametrize("target", [t.name for t in targets.MATRIX])

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
 from helpers import examples
 from strategies import step_lengths
-from sparse_mla.metadata import MetadataSpec, build_step_metadata, compact_rows, convert_picks
+from sparse_mla.metadata import MetadataSpec, build_step_metadata
+from sparse_mla.picks import compact_rows, convert_picks
 from sparse_mla.workspace import plan_prefill_workspace, workspace_indices, workspace_plan
 
 SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
@@ -297,8 +298,8 @@ def test_v41_picks_of_ratios_2_and_1_become_valid_prefixes_of_visible_global_slo
 
 def test_v41_picks_conversion_kernel_matches_its_torch_twin():
     """The Triton picks conversion (the CUDA builders; here in the interpreter) at ratios 2 and 1."""
-    from sparse_mla.metadata import _compressed_picks_torch
-    from sparse_mla.ops import triton_index
+    from sparse_mla.picks import compressed_picks_torch
+    from sparse_mla.ops.triton import index as triton_index
 
     batch, _ = make_batch([(37, 1), (20, 3), (9, 9)], threshold=3, padding=2, sizes=V41_SIZES)
     gen = torch.Generator().manual_seed(0)
@@ -307,7 +308,7 @@ def test_v41_picks_conversion_kernel_matches_its_torch_twin():
         outs = [(torch.empty(batch.token_capacity, 6, dtype=torch.int32), torch.empty(batch.token_capacity,
                  dtype=torch.int32), torch.empty(batch.token_capacity, 6, dtype=torch.int32)) for _ in range(2)]
         fixed = (batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind], ratio, picks)
-        _compressed_picks_torch(*fixed, *outs[0])
+        compressed_picks_torch(*fixed, *outs[0])
         triton_index.compressed_picks(*fixed, *outs[1])
         for want, got in zip(*outs):
             assert torch.equal(got, want)

@@ -29,7 +29,7 @@ def test_tokens_come_most_key_blocks_first_ties_in_token_order(lens):
 @pytest.mark.parametrize("n", KERNEL_TOKENS)
 @pytest.mark.parametrize("two_scopes", [False, True])
 def test_kernel_gives_the_torch_order(n, two_scopes):
-    from sparse_mla.ops import triton_index
+    from sparse_mla.ops.triton import index as triton_index
 
     gen = torch.Generator().manual_seed(n)
     l0 = torch.randint(-2, 4 * KEYS_PER_BLOCK, (n,), generator=gen, dtype=torch.int32)

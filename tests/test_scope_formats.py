@@ -151,3 +151,27 @@ def test_a_layer_over_caches_of_different_page_planar_formats_matches_the_dense_
         out = layer(q, sc.meta, sc.caches, sc.picks[kind])
         assert not out.isnan().any()
         assert rel_err(out, sc.expected(q, kind, sink=sink, scale=layer.scale)) < 1e-2, mode
+
+
+def test_the_read_capability_table_has_a_row_per_format_and_the_kernel_sets_follow_it(monkeypatch):
+    """formats.READERS is the one place that says which kernel reads which scope formats: a row per format name,
+    and the Gluon sets (dispatch), the Triton set (launch_configs), the layer's pairs (config) and the narrow rule
+    (gluon.host) read it — a format added as one row reaches all of them."""
+    from sparse_mla import config, formats
+    from sparse_mla.ops import dispatch, launch_configs
+    from sparse_mla.ops.gluon import host
+
+    assert tuple(formats.READERS) == formats.FORMAT_NAMES
+    assert launch_configs.TRITON_FORMATS == frozenset(formats.FORMAT_NAMES)
+    assert frozenset({"fp8_v41", "fp4_v41_planar"}) in dispatch.GLUON_FORMATS[512]  # V4.1's mixed scopes
+    assert not any("fp8_e4m3" in s for sets in dispatch.GLUON_FORMATS.values() for s in sets)
+    assert frozenset({"fp8_v4", "bf16"}) not in dispatch.GLUON_FORMATS[512]  # alike only
+    assert config.MIXED_SCOPE_ENCODINGS == {("fp8_v41", "fp4_v41")}
+    assert host.narrow_heads(frozenset({"fp8_v4"}), 16) and not host.narrow_heads(frozenset({"bf16"}), 16)
+    # one new row: a 512-d format the Gluon kernel reads beside fp8_v4, in narrow items too
+    monkeypatch.setitem(formats.READERS, "fp8_new", formats.Readers(gluon_dims=(512,), gluon_mix="v4",
+                                                                      gluon_narrow=True))
+    monkeypatch.setitem(formats.READERS, "fp8_v4", formats.READERS["fp8_v4"]._replace(gluon_mix="v4"))
+    assert frozenset({"fp8_v4", "fp8_new"}) in dispatch._gluon_formats(512)
+    assert frozenset({"fp8_new"}) not in dispatch._gluon_formats(576)
+    assert host.narrow_heads(frozenset({"fp8_new"}), 16) == host.NARROW_HEADS

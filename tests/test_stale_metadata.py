@@ -10,7 +10,8 @@ import torch
 from sparse_mla import index_forms
 from sparse_mla.batch import Request, blocks_needed
 from sparse_mla.layer import SparseMLAAttention
-from sparse_mla.metadata import build_step_metadata, convert_picks
+from sparse_mla.metadata import build_step_metadata
+from sparse_mla.picks import convert_picks
 from sparse_mla.scenario import make_scenario
 from sparse_mla.workspace import plan_prefill_workspace, workspace_indices, workspace_plan
 

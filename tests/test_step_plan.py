@@ -359,3 +359,21 @@ def test_a_sink_changed_after_the_first_call_is_refused_on_the_remembered_planne
     replayed = out.clone()
     step(batch)
     assert torch.equal(replayed, out)
+
+
+def test_the_whole_step_and_a_rank_s_share_are_both_step_lists():
+    """What a layer reads of a step (plan.StepLists) is declared once, and both kinds of metadata have all of it: the
+    layer tests no type, so a member one of them lacks would be an AttributeError in the middle of a call."""
+    import dataclasses
+
+    from sparse_mla.context_parallel import RankStepMetadata
+    from sparse_mla.metadata import StepMetadata
+
+    members = {n for n in plan_module.StepLists.__annotations__} | {
+        n for n, v in vars(plan_module.StepLists).items() if callable(v) and not n.startswith("__")}
+    assert {"batch", "world", "plan", "check_gather", "picks_indices"} <= members
+    for cls in (StepMetadata, RankStepMetadata):
+        has = {f.name for f in dataclasses.fields(cls)} | set(dir(cls))
+        assert members <= has, (cls.__name__, sorted(members - has))
+    assert StepMetadata.world == 1
+

@@ -222,3 +222,14 @@ def test_a_hopper_with_an_unvalidated_triton_runs_the_portable_kernel_and_says_s
             warnings.simplefilter("error")
             assert dispatch.attention_kernel(GPU, 512, fp8_v4, True) == "gluon"
         assert "Hopper GPUs run the Gluon kernel" in stack_line()
+
+
+def test_the_gluon_refusal_names_every_scope_pairing_it_reads():
+    """gluon=1 where the kernel cannot run says which scope formats it reads, from dispatch.GLUON_FORMATS itself:
+    V4.1's mixed fp8 / fp4 scopes included (the text once said "scopes of one format")."""
+    with pytest.raises(ValueError) as refused:
+        dispatch.attention_kernel(torch.device("cpu"), 512, frozenset({"fp8_v41", "fp4_v41"}), True, gluon=1)
+    message = str(refused.value)
+    assert "one format" not in message
+    for dim, sets in dispatch.GLUON_FORMATS.items():
+        assert f"{dim}-d" in message and all(f in message for s in sets for f in s)

@@ -448,14 +448,27 @@ def test_attention_kernel_names_what_runs():
     (40, 64, 1, (1, 0), (1, 0)),  # a one-block list is never split
     (0, 64, 32, (1, 0), (1, 0)),  # no token
 ])
-def test_choose_splits_on_an_h100_sized_gpu(monkeypatch, tokens, heads, blocks, want, want_tails):
+def test_choose_splits_on_an_h100_sized_gpu(tokens, heads, blocks, want, want_tails):
     from sparse_mla.ops import attention_plan
 
-    monkeypatch.setattr(attention_plan, "num_sms", lambda device: 132)
     head_blocks = -(-heads // 64)
-    device = torch.device("cuda")
-    assert attention_plan.choose_splits(tokens, heads, head_blocks, blocks, device) == want
-    assert attention_plan.choose_splits(tokens, heads, head_blocks, blocks, device, tails=True) == want_tails
+    assert attention_plan.choose_splits(tokens, heads, head_blocks, blocks, 132) == want
+    assert attention_plan.choose_splits(tokens, heads, head_blocks, blocks, 132, tails=True) == want_tails
+
+
+@pytest.mark.parametrize("arch, want", [(("cuda", 90), 32), (("hip", "gfx1201"), 8), (None, 4)])
+def test_a_plan_for_a_target_counts_its_sms(arch, want):
+    """A plan made on the CPU for a target splits as on that GPU (targets.Target.sms, the portability report's
+    plans): one token of 64 heads over a 4096-key list is cut into as many pieces as the SMs take its programs, at
+    most 32 — an H100's 132 SMs one program of 64 heads (32 pieces), an RX 9070 XT's 32 WGPs four of 16 heads (8
+    each); the interpreter (no target) counts 4."""
+    from sparse_mla.formats import get_format
+    from sparse_mla.ops import attention_plan, targets
+
+    bf16 = get_format("bf16", 512)
+    plan = attention_plan.AttentionPlan((1, 64, 512), torch.device("cpu"), [(bf16, 64, 128), (bf16, 64, 4096)],
+                                        True, False, target=targets.target_for(*arch) if arch else None)
+    assert plan.splits == want
 
 
 def test_a_tail_split_needs_the_gluon_kernel():
@@ -473,7 +486,7 @@ def test_a_tail_split_needs_the_gluon_kernel():
 def test_the_combine_of_a_tail_split_merges_those_tokens_rows_only(ordered):
     """``TAIL``: the combine takes the token slots from ``first_slot`` on (through the order), merges their pieces
     by LSE (an empty piece skipped) with the sink, and leaves every other token's row alone."""
-    from sparse_mla.ops import triton_attention
+    from sparse_mla.ops.triton import attention as triton_attention
 
     tokens, heads, splits, first = 6, 3, 2, 4
     gen = torch.Generator().manual_seed(int(ordered))

@@ -115,7 +115,7 @@ def test_gather_decodes_fp8_alike_with_or_without_fp8_instructions(fmt, dim, kv_
     instructions, and the reference's (slot -1: zeros) where that is exact (an fp8_e4m3 ``kv_scale`` that is not a
     power of two rounds its product once in float32 there, the reference otherwise)."""
     from sparse_mla.formats import get_format
-    from sparse_mla.ops import triton_cache
+    from sparse_mla.ops.triton import cache as triton_cache
 
     gen = torch.Generator().manual_seed(dim + (kv_scale is not None))
     scale = None if kv_scale is None else torch.tensor([kv_scale], device=DEVICE)

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from helpers import DEVICE
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
-from sparse_mla.metadata import (MetadataSpec, _compressed_picks_torch, _step_lists_torch, _step_lists_triton,
-                                 allocate_metadata)
-from sparse_mla.ops.triton_index import compressed_picks
+from sparse_mla.metadata import MetadataSpec, _step_lists_torch, _step_lists_triton, allocate_metadata
+from sparse_mla.ops.triton.index import compressed_picks
+from sparse_mla.picks import compressed_picks_torch
 
 SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
 
@@ -61,5 +61,5 @@ def test_triton_builders_equal_torch_builders(lengths, window, topk, padding, se
     tk, rk = torch.full((T, topk), 7, **i32), torch.full((T, topk), 7, **i32)
     args = (b.positions, b.token_to_req, b.block_tables["c4a"], SIZES["c4a"], 4, picks)
     compressed_picks(*args, ti, tl_, tk)
-    _compressed_picks_torch(*args, ri, rl, rk)
+    compressed_picks_torch(*args, ri, rl, rk)
     assert torch.equal(ti, ri) and torch.equal(tl_, rl) and torch.equal(tk, rk)

@@ -24,7 +24,7 @@ from test_formats_v41 import KINDS, V41, tokens_of_kind
 from sparse_mla.formats import (E2M1_VALUES, allocate_cache, as_paged, block_bytes, get_format, page_fields,
                                 write_tokens)
 from sparse_mla.ops import dequantize_and_gather, launch_configs, quantize_and_insert, sparse_attention_decode
-from sparse_mla.ops import triton_cache
+from sparse_mla.ops.triton import cache as triton_cache
 from sparse_mla.ops.fp8 import e2m1_decode, e2m1_gain
 
 

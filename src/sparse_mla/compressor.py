@@ -230,7 +230,7 @@ class KVCompressor:
                 insert_index_keys(self.entries, cache, slots, backend="reference")
             return latent
         # the kernels take arguments checked above (the entries and slots are this call's own buffers)
-        from .ops import triton_cache
+        from .ops.triton import cache as triton_cache
         from .ops.triton import compress as triton_compress
         from .ops.triton import index_cache
 

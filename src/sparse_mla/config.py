@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ._checks import is_int
+from .formats import PLANAR_SUFFIX, READERS
 
 V4_KINDS = ("swa", "c4a", "c128a")
 V41_KINDS = ("swa", "c2a", "c1a")
@@ -32,9 +33,10 @@ PICKS_KINDS = ("c4a", "c2a", "c1a", "dsa")
 # Tokens per block of each cache (DESIGN §2): 64 raw tokens or entries; c128a's 2 entries cover 256 raw tokens.
 DEFAULT_BLOCK_SIZE = {"swa": 64, "c4a": 64, "c128a": 2, "c2a": 64, "c1a": 64, "dsa": 64}
 # The cache-format pairs a layer may read beside one another (window cache, compressed cache), by encoding (a format
-# name without formats.py's "_planar" layout suffix): one encoding, or V4.1's fp4 compressed cache beside its fp8
-# window cache (DESIGN §2; FlashMLA reads fp4 only as the extra cache)
-MIXED_SCOPE_ENCODINGS = frozenset({("fp8_v41", "fp4_v41")})
+# name without formats.py's "_planar" layout suffix): one encoding, or a compressed cache beside the window encoding
+# its row of formats.READERS names (V4.1's fp4 beside fp8, DESIGN §2)
+MIXED_SCOPE_ENCODINGS = frozenset((r.beside, name.removesuffix(PLANAR_SUFFIX)) for name, r in READERS.items()
+                                  if r.beside)
 
 Count = TypeVar("Count")  # an int or an integer tensor
 
@@ -54,10 +56,11 @@ def complete_entries(num_tokens: Count, ratio: int) -> Count:
 def check_scope_formats(window: str, compressed: str, names: tuple[str, str] = ("kv", "extra_kv")) -> None:
     """A layer's two scopes' formats (format names, either page layout): one encoding, or (V4.1) an fp4 compressed
     cache beside an fp8 window cache (:data:`MIXED_SCOPE_ENCODINGS`); else ``ValueError`` naming the pair."""
-    pair = tuple(name.removesuffix("_planar") for name in (window, compressed))
+    pair = tuple(name.removesuffix(PLANAR_SUFFIX) for name in (window, compressed))
     if pair[0] != pair[1] and pair not in MIXED_SCOPE_ENCODINGS:
+        mixed = " or ".join(f"{c} {names[1]} beside {w} {names[0]}" for w, c in sorted(MIXED_SCOPE_ENCODINGS))
         raise ValueError(f"cache format mismatch: {names[0]} holds {window}, {names[1]} {compressed}; a layer's caches "
-                         f"hold one format, or (V4.1) an fp4_v41 {names[1]} beside an fp8_v41 {names[0]}")
+                         f"hold one format (either page layout), or {mixed}")
 
 
 @dataclass(frozen=True)

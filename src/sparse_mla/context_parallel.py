@@ -27,9 +27,9 @@ import torch.distributed as dist
 from ._checks import check_positive_int, check_tensor, is_int
 from .batch import StepBatch, StepBatchBuilder, blocks_needed
 from .config import DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS
-from .metadata import (ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata,
-                       compact_rows, convert_picks)
+from .metadata import ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata
 from .ops.merge import PARTIAL_DTYPES, merge_partials
+from .picks import compact_rows, convert_picks
 from .ops.validate import D_V
 
 # torch 2.13 renames all_gather_into_tensor (same arguments); older torch (the GPU box's) has only the old name
@@ -149,9 +149,25 @@ class RankStepMetadata:
         order's estimate of the picks lists."""
         return self.step.picks_bound
 
+    @property
+    def world(self) -> int:
+        """The ranks the step's caches are split over (a rank's block tables are read with block sizes × world)."""
+        return self.layout.world
+
     def check_current(self) -> None:
         """``ValueError`` if the rank's batch is stale (its builder has built another step since)."""
         self.step.check_current()
+
+    def check_gather(self, gather: object) -> None:
+        """A layer call's ``context_parallel`` argument against this metadata: the :class:`PartialsGather` of this
+        rank's layout (``ValueError`` / ``TypeError`` naming what is wrong)."""
+        if gather is None:
+            raise ValueError("meta is a RankStepMetadata (one rank's share of the step): pass context_parallel=, the "
+                             "PartialsGather of the rank's group that merges every rank's partials")
+        if not isinstance(gather, PartialsGather):
+            raise TypeError(f"context_parallel must be a PartialsGather, got {type(gather).__name__}")
+        if gather.layout != self.layout:
+            raise ValueError(f"context_parallel gathers over {gather.layout}, but meta was built for {self.layout}")
 
     def c4a_indices(self, topk_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's C4A slots of the indexer's picks ``(T, topk)`` int32 (local entry numbers of the whole
@@ -177,7 +193,7 @@ class RankStepMetadata:
     def plan(self, key: tuple, make):
         """The step-scoped plan stored under ``key``, made by ``make()`` on first use (as :meth:`StepMetadata.plan`;
         each build starts anew). The conversion of a kind's picks, stored under ``("picks", kind)`` (where
-        :func:`~sparse_mla.metadata.convert_picks` and :mod:`~sparse_mla.index_forms` look it up), is this rank's
+        :func:`~sparse_mla.picks.step_picks` and :mod:`~sparse_mla.index_forms` look it up), is this rank's
         (:meth:`c4a_indices`), put there by the build; a conversion into other lists (the combined index form's)
         is a ``ValueError``."""
         self.check_current()
@@ -210,6 +226,20 @@ def _owned_rows(layout: RankLayout, virtual: torch.Tensor, scratch: torch.Tensor
     counts = compact_rows(layout.local_slots(virtual), out=scratch)[1]
     indices.copy_(scratch[:, : indices.shape[1]])
     lens.copy_(counts)
+
+
+class RankPicks:
+    """A rank's conversion of a picks kind's picks (where a :class:`~sparse_mla.picks.PicksConversion` is on a whole
+    step): the step's conversion, then the visible picks this rank owns into the rank's lists. indices ``(T, topk)``
+    / lens ``(T,)``: the rank's picks buffers; kept: None (no rank keeps its kept picks: see
+    :attr:`RankStepMetadata.picks_local`)."""
+
+    def __init__(self, meta: RankStepMetadata, kind: str) -> None:
+        self.meta, self.kind = meta, kind
+        self.indices, self.lens, self.kept = meta.picks_indices, meta.picks_lens, None
+
+    def __call__(self, local: torch.Tensor) -> None:
+        self.meta._convert(local, self.kind)
 
 
 def _allocate(step: StepMetadata, layout: RankLayout) -> RankStepMetadata:
@@ -259,7 +289,7 @@ def build_rank_metadata(batch: StepBatch, layout: RankLayout, spec: MetadataSpec
         meta.picks_indices.fill_(-1)
         meta.picks_lens.zero_()
         for kind in (k for k in PICKS_KINDS if k in batch.block_tables):  # every picks kind (V4.1 has two)
-            meta._plans["picks", kind] = lambda picks, kind=kind: meta._convert(picks, kind)  # the plans' conversion
+            meta._plans["picks", kind] = RankPicks(meta, kind)  # the plans' conversion
     _fill_decode_orders(meta)
     return meta
 

@@ -183,6 +183,38 @@ FP8_V41_PLANAR = replace(FP8_V41, name="fp8_v41" + PLANAR_SUFFIX, page_align=V41
 FP4_V41_PLANAR = replace(FP4_V41, name="fp4_v41" + PLANAR_SUFFIX, page_align=V41_PAGE_ALIGN)
 _FIXED_WIDTH = {f.name: f for f in (FP8_V4, FP8_V32, FP8_E4M3, FP8_V41, FP8_V41_PLANAR, FP4_V41, FP4_V41_PLANAR)}
 FORMAT_NAMES = ("bf16", *_FIXED_WIDTH)
+
+
+class Readers(NamedTuple):
+    """Which attention kernels read a cache format, and beside which formats (a row of :data:`READERS`; the
+    reference ops read every format).
+
+    triton: the portable Triton kernels read it. gluon_dims: the q·k widths the Gluon (Hopper) kernel reads it at
+    (``()``: never). gluon_mix: formats of one non-empty mix are read side by side in one Gluon call (the scopes in
+    two formats); the others with every scope alike. gluon_narrow: the Gluon kernel also reads every scope of this
+    format in narrow items (quantised rows: ``gluon.narrow_heads``). beside: as a layer's compressed cache, the
+    window cache encoding (a format name less its page-layout suffix) it may sit beside besides its own (``""``:
+    its own only)."""
+
+    triton: bool = True
+    gluon_dims: tuple[int, ...] = ()
+    gluon_mix: str = ""
+    gluon_narrow: bool = False
+    beside: str = ""
+
+
+# the read-capability table, a row per format name of the layout table: a new format is one row here
+READERS = {
+    "bf16": Readers(gluon_dims=(512, 576)),
+    "fp8_v4": Readers(gluon_dims=(512,), gluon_narrow=True),
+    "fp8_v32": Readers(gluon_dims=(576,), gluon_narrow=True),
+    "fp8_e4m3": Readers(),
+    "fp8_v41": Readers(gluon_dims=(512,), gluon_mix="v41", gluon_narrow=True),
+    "fp8_v41_planar": Readers(gluon_dims=(512,), gluon_mix="v41", gluon_narrow=True),
+    # FlashMLA reads fp4 only as the extra (compressed) cache
+    "fp4_v41": Readers(gluon_dims=(512,), gluon_mix="v41", gluon_narrow=True, beside="fp8_v41"),
+    "fp4_v41_planar": Readers(gluon_dims=(512,), gluon_mix="v41", gluon_narrow=True, beside="fp8_v41"),
+}
 _UINT8_INFERRED = (FP8_V4, FP8_V32, FP8_V41, FP4_V41)  # what a uint8 cache reads as, by its last axis
 
 

@@ -17,23 +17,16 @@ each); elsewhere the torch versions, which compute the same values.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ._checks import check_tensor, is_int
-from .metadata import PicksConverter, StepMetadata, _compressed_picks_torch, check_picks_kind
-from .ops import triton_index
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton: the torch builders still work
-    triton = None
+from .metadata import StepMetadata
+from .ops.triton import index as triton_index
+from .picks import PicksConversion, check_picks_kind, compressed_picks_torch, step_picks
 
 
 def _on_triton(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda" and triton is not None and triton_index is not None
+    return t.device.type == "cuda"
 
 
 def _check_padded(indices: torch.Tensor, lens: torch.Tensor, prefix: str = "") -> tuple[int, int]:
@@ -44,34 +37,6 @@ def _check_padded(indices: torch.Tensor, lens: torch.Tensor, prefix: str = "") -
 
 # ----------------------------------------------------------------------------------------------------------------
 # ragged
-
-if triton is not None:
-    @triton.jit
-    def _ragged_kernel(idx_ptr, idx_stride, len_ptr, indptr_ptr, flat_ptr, num_rows, width, capacity,
-                       ROWS_BLOCK: tl.constexpr, COLS_BLOCK: tl.constexpr):
-        """Row ``t`` of the padded list into ``flat[indptr[t] : indptr[t+1]]``; ``indptr[t+1]`` = the sum of the
-        clamped lens of rows ``0 … t`` (summed by each program: no second launch); program ``t`` also fills its
-        share of the flat tail past the last row with ``-1``."""
-        t = tl.program_id(0)
-        start = t * 0
-        for r0 in range(0, t, ROWS_BLOCK):
-            r = r0 + tl.arange(0, ROWS_BLOCK)
-            n = tl.load(len_ptr + r, mask=r < t, other=0)
-            start += tl.sum(tl.minimum(tl.maximum(n, 0), width), 0)
-        n_t = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), width)
-        if t == 0:
-            tl.store(indptr_ptr, 0)
-        tl.store(indptr_ptr + t + 1, start + n_t)
-        row = idx_ptr + t.to(tl.int64) * idx_stride
-        for c0 in range(0, n_t, COLS_BLOCK):
-            j = c0 + tl.arange(0, COLS_BLOCK)
-            keep = (j < n_t) & (start + j < capacity)
-            tl.store(flat_ptr + start + j, tl.load(row + j, mask=keep, other=-1), mask=keep)
-        if t == num_rows - 1:  # the last row knows the total: it clears the tail
-            for c0 in range(start + n_t, capacity, COLS_BLOCK):
-                j = c0 + tl.arange(0, COLS_BLOCK)
-                tl.store(flat_ptr + j, tl.full((COLS_BLOCK,), -1, tl.int32), mask=j < capacity)
-
 
 def ragged_from_padded(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor,
                        out_flat: torch.Tensor) -> None:
@@ -100,20 +65,12 @@ def ragged_from_padded(indices: torch.Tensor, lens: torch.Tensor, out_indptr: to
 
 def _ragged_fill(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor, out_flat: torch.Tensor) -> None:
     """:func:`ragged_from_padded` on checked arguments (at least one row; unit-stride rows, contiguous lens)."""
-    (_ragged_triton if _on_triton(indices) else _ragged_torch)(indices, lens, out_indptr, out_flat)
-
-
-def _ragged_triton(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor, out_flat: torch.Tensor) -> None:
-    """:func:`ragged_from_padded` in one launch (arguments checked there, at least one row)."""
-    from .ops.launch import cached_launch
-
-    num_tokens, width = indices.shape
-    cached_launch(_ragged_kernel, (("ROWS_BLOCK", 1024), ("COLS_BLOCK", 256)))(
-        (num_tokens,), indices, indices.stride(0), lens, out_indptr, out_flat, num_tokens, width, out_flat.shape[0])
+    (triton_index.ragged_from_padded if _on_triton(indices) else _ragged_torch)(indices, lens, out_indptr, out_flat)
 
 
 def _ragged_torch(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor, out_flat: torch.Tensor) -> None:
-    """Torch twin of :func:`_ragged_triton` (same arguments): a cumulative sum and one scatter."""
+    """Torch twin of :func:`sparse_mla.ops.triton.index.ragged_from_padded` (same arguments): a cumulative sum and
+    one scatter."""
     width, capacity = indices.shape[1], out_flat.shape[0]
     n = lens.clamp(0, width)
     out_indptr[0] = 0
@@ -208,7 +165,7 @@ def _combined_picks(positions, token_to_req, block_table, block_size, ratio, top
     window, topk = swa_indices.shape[1], topk_local.shape[1]
     _fill_window_columns(swa_indices, swa_lens, out_indices, topk)
     comp = out_indices[:, window:window + topk]
-    build = triton_index.compressed_picks if _on_triton(topk_local) else _compressed_picks_torch
+    build = triton_index.compressed_picks if _on_triton(topk_local) else compressed_picks_torch
     build(positions, token_to_req, block_table, block_size, ratio, topk_local, comp, out_lens, out_kept)
     _combined_lens(swa_lens, window, out_lens)
 
@@ -231,7 +188,7 @@ def step_ragged(meta: StepMetadata, kind: str, indices: torch.Tensor, lens: torc
     """The ragged form ``(flat (T·width,), indptr (T+1,))`` of one of the step's padded lists (``kind``'s),
     in buffers kept with the step's plans, so every layer of the step shares them and a CUDA graph captured
     with them stays valid. fill: convert now (a list fixed for the step); the picks kinds' lists change per
-    layer call and are converted by :func:`picks_converter`'s function."""
+    layer call and are converted by :func:`picks_conversion`'s object."""
     def make() -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, width = indices.shape
         flat = torch.full((num_tokens * width,), -1, dtype=torch.int32, device=indices.device)
@@ -248,7 +205,7 @@ def step_combined(meta: StepMetadata, kind: str, comp_indices: torch.Tensor, com
                   fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The combined form ``(indices (T, W + K), lens (T,))`` of the step's SWA list and ``kind``'s compressed
     list (``comp_indices (T, K)`` + ``comp_lens``), in buffers kept with the step's plans (see
-    :func:`step_ragged`); fill: build now (c128a), else per layer call by :func:`picks_converter`'s function (c4a)."""
+    :func:`step_ragged`); fill: build now (c128a), else per layer call by :func:`picks_conversion`'s object (c4a)."""
     def make() -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, window = meta.swa_indices.shape
         out = torch.full((num_tokens, window + comp_indices.shape[1]), -1, dtype=torch.int32,
@@ -263,43 +220,54 @@ def step_combined(meta: StepMetadata, kind: str, comp_indices: torch.Tensor, com
     return meta.plan(("index_form", "combined", kind), make)
 
 
-def picks_converter(meta: StepMetadata, kind: str, index_form: str,
-                    lists: tuple[torch.Tensor, torch.Tensor] | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """How a c4a / dsa layer call's picks are converted in this step (made once per step plan): a function
-    ``convert(local) -> kept`` that writes the picks into the step's picks buffers and, for the ragged and combined
-    forms, into that form's ``lists`` (:func:`step_ragged` / :func:`step_combined`'s buffers of the picks kind), and
-    returns the kept picks (``meta.picks_local``, for the workspace prefill). No host sync."""
+class RaggedPicks:
+    """A picks layer's conversion in the ragged form: the step's :class:`~sparse_mla.picks.PicksConversion`
+    (``padded``), then the ragged form of the lists it wrote. indices ``(T·topk,)`` / lens ``(T+1,)``: the flat
+    list and its indptr (:func:`step_ragged`'s buffers of the picks kind); kept: ``padded.kept``."""
+
+    def __init__(self, padded: PicksConversion, flat: torch.Tensor, indptr: torch.Tensor) -> None:
+        self.padded, self.indices, self.lens, self.kept = padded, flat, indptr, padded.kept
+
+    def __call__(self, local: torch.Tensor) -> torch.Tensor | None:
+        self.padded(local)
+        if local.shape[0]:
+            _ragged_fill(self.padded.indices, self.padded.lens, self.lens, self.indices)
+        return self.kept
+
+
+class CombinedPicks:
+    """A picks layer's conversion in the combined form: one launch converts the picks into the combined rows'
+    compressed columns (``columns``, a :class:`~sparse_mla.picks.PicksConversion`), then each row's length adds the
+    window's. indices ``(T, W + topk)`` / lens ``(T,)``: the combined rows (:func:`step_combined`'s buffers, their
+    window columns the step's); kept: the step's kept picks."""
+
+    def __init__(self, meta: StepMetadata, kind: str, rows: torch.Tensor, rows_lens: torch.Tensor) -> None:
+        window, topk = meta.swa_indices.shape[1], meta.spec.topk
+        self.columns = meta.plan(("picks", kind, "combined"), lambda: PicksConversion(
+            meta, kind, rows[:, window:window + topk], rows_lens, meta.picks_local))
+        self.indices, self.lens, self.kept = rows, rows_lens, self.columns.kept
+        self.swa_lens, self.window = meta.swa_lens, window
+
+    def __call__(self, local: torch.Tensor) -> torch.Tensor:
+        self.columns(local)
+        _combined_lens(self.swa_lens, self.window, self.lens)
+        return self.kept
+
+
+def picks_conversion(meta: StepMetadata, kind: str, index_form: str,
+                     lists: tuple[torch.Tensor, torch.Tensor] | None) -> PicksConversion | RaggedPicks | CombinedPicks:
+    """How a picks layer's calls convert their picks in this step (made once per step plan): called with a call's
+    picks, it writes the step's picks buffers and, for the ragged and combined forms, that form's ``lists``
+    (:func:`step_ragged` / :func:`step_combined`'s buffers of the picks kind: ``(flat, indptr)`` /
+    ``(rows, lens)``), and returns the kept picks (``meta.picks_local``, for the workspace prefill). No host sync.
+    Its ``indices`` / ``lens`` / ``kept`` name the buffers it writes."""
     check_picks_kind(meta, kind)
-    # the step's buffers, read here once (this checks the metadata is current; each layer call checks it too)
-    kept = meta.picks_local
-    if index_form != "combined":
-        converter = meta.plan(("picks", kind), lambda: PicksConverter(meta, kind))
-        if index_form != "ragged":
-            def convert(local: torch.Tensor) -> torch.Tensor:
-                converter(local)
-                return kept
-            return convert
-        flat, indptr = lists
-        picks_indices, picks_lens = meta.picks_indices, meta.picks_lens
-
-        def convert_ragged(local: torch.Tensor) -> torch.Tensor:
-            converter(local)
-            if local.shape[0]:
-                _ragged_fill(picks_indices, picks_lens, indptr, flat)
-            return kept
-        return convert_ragged
-    # one launch converts the picks into the combined rows' compressed columns
-    out, out_lens = lists
-    swa_lens, window = meta.swa_lens, meta.swa_indices.shape[1]
-    converter = meta.plan(("picks", kind, "combined"), lambda: PicksConverter(
-        meta, kind, (out[:, window:window + meta.spec.topk], out_lens, kept)))
-
-    def convert_combined(local: torch.Tensor) -> torch.Tensor:
-        converter(local)
-        _combined_lens(swa_lens, window, out_lens)
-        return kept
-    return convert_combined
+    if index_form == "ragged":
+        return RaggedPicks(step_picks(meta, kind), *lists)
+    if index_form == "combined":
+        return CombinedPicks(meta, kind, *lists)
+    return step_picks(meta, kind)
 
 
 __all__ = ["ragged_from_padded", "combined_from_padded", "combined_from_picks", "INDEX_FORMS", "check_index_form",
-           "step_ragged", "step_combined", "picks_converter"]
+           "step_ragged", "step_combined", "picks_conversion"]

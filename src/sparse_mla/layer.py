@@ -16,7 +16,8 @@ from .index_forms import check_index_form
 from .metadata import StepMetadata
 from .ops.dispatch import check_backend_name
 from .ops.validate import D_V
-from .plan import PREFILL_MODES, LayerPlan, check_cache_kv_scale, layer_kv_scale, resolve_cache_arg
+from .plan import (PREFILL_MODES, LayerPlan, StepLists, check_cache_kv_scale, check_step_caches, layer_kv_scale,
+                   resolve_cache_arg)
 from .workspace import DEFAULT_WORKSPACE_BYTES, shared_workspace
 
 # What a layer's plans and checks are made for, fixed at construction: layers of one configuration share a step's
@@ -181,14 +182,14 @@ class SparseMLAAttention(torch.nn.Module):
             if self.prefill_mode == "workspace":
                 self._workspace_buffer(q.device)
             return out.zero_()
-        if type(meta) is RankStepMetadata:
-            self._check_context_parallel(meta, context_parallel)
-        elif type(meta) is not StepMetadata:
+        try:  # a step's metadata (plan.StepLists) says which context_parallel argument it takes
+            check_gather = meta.check_gather
+        except AttributeError:
             raise TypeError(f"meta must be the step's StepMetadata, a rank's RankStepMetadata (context parallel) or "
-                            f"None, got {type(meta).__name__}")
-        elif context_parallel is not None:
-            raise ValueError("context_parallel needs meta to be this rank's RankStepMetadata (build_rank_metadata over "
-                             "the rank's caches), got a StepMetadata (a process holding the whole cache)")
+                            f"None, got {type(meta).__name__}") from None
+        check_gather(context_parallel)
+        if context_parallel is not None:
+            self._check_context_parallel(meta, context_parallel)
         batch = meta.batch
         batch.check_current()
         capacity, device = batch.token_capacity, batch.device
@@ -237,16 +238,9 @@ class SparseMLAAttention(torch.nn.Module):
 
     # ------------------------------------------------------------------ helpers
 
-    def _check_context_parallel(self, meta: RankStepMetadata, gather: object) -> None:
-        """A context-parallel call's gather against the rank's metadata and this layer (``ValueError`` /
-        ``TypeError`` naming what is wrong; attribute compares only)."""
-        if gather is None:
-            raise ValueError("meta is a RankStepMetadata (one rank's share of the step): pass context_parallel=, the "
-                             "PartialsGather of the rank's group that merges every rank's partials")
-        if not isinstance(gather, PartialsGather):
-            raise TypeError(f"context_parallel must be a PartialsGather, got {type(gather).__name__}")
-        if gather.layout != meta.layout:
-            raise ValueError(f"context_parallel gathers over {gather.layout}, but meta was built for {meta.layout}")
+    def _check_context_parallel(self, meta: StepLists, gather: PartialsGather) -> None:
+        """A context-parallel call's gather (checked against the rank's metadata: ``meta.check_gather``) against
+        this layer (``ValueError`` naming what is wrong; attribute compares only)."""
         batch, part = meta.batch, gather.out_partial
         want = (batch.token_capacity, self.num_heads, D_V)
         if tuple(part.shape) != want or part.dtype != torch.bfloat16 or part.device != batch.device:
@@ -275,7 +269,7 @@ class SparseMLAAttention(torch.nn.Module):
             raise ValueError("out must be contiguous")
         return out
 
-    def _plan(self, meta: StepMetadata | RankStepMetadata, caches: dict | None, has_sink: bool, q_fp8: bool = False
+    def _plan(self, meta: StepLists, caches: dict | None, has_sink: bool, q_fp8: bool = False
               ) -> tuple[LayerPlan, tuple[torch.Tensor, ...], torch.Tensor | None]:
         """This step's plan for this layer's configuration and caches (made on the first call of the step), the
         cache tensors in its scope order, and their shared kv_scale (fp8_e4m3; else None)."""
@@ -313,7 +307,7 @@ class SparseMLAAttention(torch.nn.Module):
             weakref.ref(plan), (has_sink, q_fp8), [weakref.ref(obj) for obj in objs], [cache_stamp(t) for t in tensors])
         return plan, paged, kv_scale
 
-    def _check_step(self, meta: StepMetadata | RankStepMetadata) -> None:
+    def _check_step(self, meta: StepLists) -> None:
         """This layer against the step's metadata: its model family, window and top-k. On every plan lookup, so once
         per step at least (a layer's remembered plan is of the step it was checked against)."""
         batch, spec = meta.batch, meta.spec
@@ -331,35 +325,20 @@ class SparseMLAAttention(torch.nn.Module):
             raise ValueError(f"meta was built from a batch of kinds {batch.kinds}, but a {self.kind} layer reads "
                              f"{want}")
 
-    def _make_plan(self, meta: StepMetadata | RankStepMetadata, views: dict, has_sink: bool, q_fp8: bool = False
-                   ) -> LayerPlan:
-        """Check this layer against the step and its caches (once per step and configuration), then plan."""
-        batch = meta.batch
-        # a rank's block tables are read with block sizes × world (context_parallel.RankBatchBuilder)
-        world = meta.layout.world if isinstance(meta, RankStepMetadata) else 1
+    def _make_plan(self, meta: StepLists, views: dict, has_sink: bool, q_fp8: bool = False) -> LayerPlan:
+        """Check this layer against its caches and the caches against the step (once per step and configuration:
+        :func:`~sparse_mla.plan.check_step_caches`), then plan."""
         formats = {kind: v.fmt.name for kind, v in views.items()}
         if len(formats) > 1:  # one format, or V4.1's fp4 compressed cache beside an fp8 window cache
             check_scope_formats(*formats.values(), names=tuple(f"caches[{k!r}]" for k in formats))
         for kind, view in views.items():
             name = f"caches[{kind!r}]"
-            if kind not in batch.block_tables:
-                raise ValueError(f"a {self.kind} layer reads the {kind!r} cache, but the step's batch has no {kind!r} "
-                                 f"block table (its kinds: {batch.kinds}); build the batch with kinds including "
-                                 f"{kind!r}")
             if self.kv_format is not None and view.fmt.name != self.kv_format:
                 raise ValueError(f"{name} holds {view.fmt.name} data, but the layer's kv_format is {self.kv_format!r}")
             if view.fmt.dim != self.head_dim:
                 raise ValueError(f"{name} holds {view.fmt.dim}-d tokens ({view.fmt.name}), the layer's head_dim is "
                                  f"{self.head_dim}")
-            if view.tensor.shape[1] * world != batch.block_sizes[kind]:
-                raise ValueError(f"{name} has blocks of {view.tensor.shape[1]} entries, the step's block tables use "
-                                 f"{batch.block_sizes[kind] // world}")
-            needed = batch.max_block.get(kind, -1) + 1
-            if view.tensor.shape[0] < needed:
-                raise ValueError(f"{name} has {view.tensor.shape[0]} blocks, but the step's {kind!r} block tables "
-                                 f"name block {needed - 1}: the cache is smaller than the block tables")
-            if view.tensor.device != batch.device:
-                raise ValueError(f"{name} is on {view.tensor.device}, the step's metadata on {batch.device}")
+        check_step_caches(meta, views, self.kind)
         return LayerPlan(meta, self, views, q_fp8, has_sink)
 
 

@@ -9,7 +9,8 @@ decode step can be captured in a CUDA graph.
 * C128A: every compressed entry ``w`` with ``(w+1)·128 <= p+1``, i.e. entries ``0 … (p+1)//128 - 1``.
 * Picks kinds — V4's C4A, V4.1's C2A and C1A: the indexer's picks (local entry numbers) that are visible,
   ``(w+1)·r <= p+1`` (:func:`~sparse_mla.config.complete_entries`, the one visibility rule), converted to global
-  slots per layer by :meth:`StepMetadata.picks_for` (``c4a_indices`` for c4a); an invisible pick is dropped, not
+  slots per layer by :meth:`StepMetadata.picks_for` (``c4a_indices`` for c4a; the conversion:
+  :mod:`sparse_mla.picks`); an invisible pick is dropped, not
   an error (a pick below -1 or past ``max_model_len``'s entries is one, checked under ``SPARSE_MLA_DEBUG=1``).
   Layers that reuse one indexer's picks (V4.1's ``index_source_layer_ids``) each convert the same picks tensor.
 * DSA (V3.2): the indexer's picks are request-local raw positions; a pick after the token's own position is
@@ -31,16 +32,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from ._checks import check_index_range, check_tensor, is_int
-from .batch import StepBatch, entries_needed, slots_of
+from ._checks import is_int
+from .batch import StepBatch, slots_of
 from .config import COMPRESS_RATIO, COMPRESSED_KINDS, PICKS_KINDS, complete_entries
-from .ops import triton_index
 from .ops.dispatch import builders_use_triton
 from .ops.order import fill_longest_first
-from .ops.validate import debug_checks_enabled
+from .ops.triton import index as triton_index
+from .picks import convert_picks
 
 ORDERED_KINDS = COMPRESSED_KINDS + ("dsa",)  # kinds whose decode tokens get a longest-first order
 
@@ -52,23 +54,6 @@ class MetadataSpec:
 
     window: int = 128
     topk: int = 512
-
-
-def compact_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Move each row's entries ``>= 0`` to its front, keeping their order; ``-1`` fills the rest.
-
-    rows: ``(n, width)`` int32. Returns (compacted ``(n, width)`` int32, counts ``(n,)`` int32).
-    Vectorised (a cumulative sum and one scatter), so it is also CUDA-graph capturable.
-    """
-    keep = rows >= 0
-    lens = keep.sum(1, dtype=torch.int32)
-    kept_before = torch.cumsum(keep, 1, dtype=torch.int32)
-    dropped_before = torch.cumsum(~keep, 1, dtype=torch.int32)
-    dest = torch.where(keep, kept_before - 1, lens[:, None] + dropped_before - 1).long()
-    if out is None:
-        out = torch.empty_like(rows)
-    out.scatter_(1, dest, torch.where(keep, rows, -1))
-    return out, lens
 
 
 def _step_list(name: str, doc: str) -> property:
@@ -139,9 +124,18 @@ class StepMetadata:
         bound every picks layer's count (:attr:`picks_bound`)."""
         return min((COMPRESS_RATIO[k] for k in PICKS_KINDS if k in self.batch.block_tables), default=1)
 
+    world: ClassVar[int] = 1  # the ranks the step's caches are split over: one, this process holds them whole
+
     def check_current(self) -> None:
         """``ValueError`` if this metadata's batch is stale (its builder has built another step since)."""
         self.batch.check_current()
+
+    def check_gather(self, gather: object) -> None:
+        """A layer call's ``context_parallel`` argument against this metadata: None (``ValueError`` otherwise: the
+        whole step's metadata is for a process that holds the whole cache)."""
+        if gather is not None:
+            raise ValueError("context_parallel needs meta to be this rank's RankStepMetadata (build_rank_metadata "
+                             "over the rank's caches), got a StepMetadata (a process holding the whole cache)")
 
     def picks_for(self, kind: str, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots of the indexer's picks for a layer of ``kind`` (one of the batch's picks kinds: ``c4a``,
@@ -191,80 +185,6 @@ def visible_entries(batch: StepBatch, ratio: int) -> torch.Tensor:
     return torch.where(batch.positions >= 0, complete_entries(batch.positions + 1, ratio), 0)
 
 
-def convert_picks(meta: StepMetadata, local: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   torch.Tensor]:
-    """The indexer's picks -> (cache slots, lens, the kept picks themselves), each row a valid prefix.
-
-    kind: a picks kind, ``"c4a"`` / ``"c2a"`` / ``"c1a"`` (picks are local compressed entries) or ``"dsa"``
-    (request-local raw positions). Written
-    into the step's picks buffers, which the returned tensors are views of.
-    """
-    check_picks_kind(meta, kind)
-    meta.plan(("picks", kind), lambda: PicksConverter(meta, kind))(local)
-    return meta.picks_indices, meta.picks_lens, meta.picks_local
-
-
-def check_picks_kind(meta: StepMetadata, kind: str) -> None:
-    """``kind`` is a kind of ``meta``'s batch that takes indexer picks (else ``ValueError``)."""
-    batch = meta.batch
-    if kind not in PICKS_KINDS or kind not in batch.block_tables:
-        raise ValueError(f"kind must be a kind of this batch that takes indexer picks "
-                         f"{tuple(k for k in PICKS_KINDS if k in batch.block_tables)}, got {kind!r}")
-
-
-class PicksConverter:
-    """One step's conversion of a kind's picks (:func:`convert_picks`): everything but the picks is bound once,
-    so a layer call pays one launch and attribute checks."""
-
-    def __init__(self, meta: StepMetadata, kind: str, outs: tuple | None = None) -> None:
-        """outs: ``(indices (T, topk), lens (T,), kept (T, topk))`` int32 to write (default the step's picks
-        buffers; :mod:`sparse_mla.index_forms` gives the combined rows' compressed columns)."""
-        batch = meta.batch
-        self.meta, self.kind = meta, kind
-        self.shape, self.device = (batch.token_capacity, meta.spec.topk), batch.device
-        fixed = (batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
-                 COMPRESS_RATIO[kind])
-        outs = outs or (meta.picks_indices, meta.picks_lens, meta.picks_local)
-        if builders_use_triton(batch.device):
-            self._convert = triton_index.picks_converter(*fixed, *outs)
-        else:
-            self._convert = lambda local: _compressed_picks_torch(*fixed, local, *outs)
-
-    def __call__(self, local: torch.Tensor) -> None:
-        if (type(local) is not torch.Tensor or local.dtype is not torch.int32 or local.shape != self.shape
-                or local.device != self.device):  # the full check only on a miss: it names what is wrong
-            check_tensor("topk_indices", local, dtype=torch.int32, shape=self.shape, device=self.device)
-        if debug_checks_enabled():  # device syncs: only in debug mode, like the ops' index checks
-            check_picks(self.meta, local, self.kind)
-        self._convert(local)
-
-
-def check_picks(meta: StepMetadata, local: torch.Tensor, kind: str) -> None:
-    """The debug-mode checks of a layer's picks (they sync): every pick of a real token is ``-1`` or an entry
-    the model can hold (``[0, max_model_len // ratio)``), and no entry is picked twice in a row (the model
-    counts a pick once; the kernels would attend to a repeat twice)."""
-    valid = meta.is_valid_token.bool()  # padding rows are never read
-    check_index_range("topk_indices", local, entries_needed(meta.batch.max_model_len, kind),
-                      valid=valid[:, None].expand_as(local))
-    rows = torch.sort(torch.where(valid[:, None], local, -1), dim=1).values
-    repeated = (rows[:, 1:] == rows[:, :-1]) & (rows[:, 1:] >= 0)
-    if bool(repeated.any()):
-        t, j = (int(i) for i in repeated.nonzero()[0])
-        raise ValueError(f"topk_indices row {t} picks entry {int(rows[t, j])} more than once: picks must be "
-                         f"distinct (a top-k), the model attends to each entry once")
-
-
-def _compressed_picks_torch(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor,
-                            block_size: int, ratio: int, local: torch.Tensor, out_indices: torch.Tensor,
-                            out_lens: torch.Tensor, out_kept: torch.Tensor) -> None:
-    """Torch twin of :func:`sparse_mla.ops.triton_index.compressed_picks` (same arguments)."""
-    visible = torch.where(positions >= 0, complete_entries(positions + 1, ratio), 0)[:, None]
-    kept = torch.where((local >= 0) & (local < visible), local, -1)
-    _, lens = compact_rows(kept, out=out_kept)
-    out_indices.copy_(slots_of(table, token_to_req.clamp_min(0)[:, None], out_kept, block_size))
-    out_lens.copy_(lens)
-
-
 def allocate_metadata(batch: StepBatch, spec: MetadataSpec) -> StepMetadata:
     """Fresh buffers sized for ``batch``'s token capacity, ``spec`` and its cache kinds."""
     cap, dev = batch.token_capacity, batch.device
@@ -305,7 +225,7 @@ def _check_reusable(out: StepMetadata, batch: StepBatch, spec: MetadataSpec) -> 
 
 
 def _window_indices_torch(batch: StepBatch, kind: str, indices: torch.Tensor, lens: torch.Tensor) -> None:
-    """Torch twin of the window rows of :func:`sparse_mla.ops.triton_index.step_lists`. SWA: slots of positions
+    """Torch twin of the window rows of :func:`sparse_mla.ops.triton.index.step_lists`. SWA: slots of positions
     ``max(0, p-W+1) … p`` (W = the width of ``indices``); c128a: every complete entry ``0 … (p+1)//128 - 1``.
     Written into ``indices`` / ``lens`` as valid prefixes."""
     pos, width = batch.positions, indices.shape[1]

@@ -10,20 +10,23 @@ Caches are validated once per cache tensor, not once per call (``formats.resolve
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 import torch
 
 from . import index_forms
 from ._checks import check_kv_scale, check_sink
+from .batch import StepBatch
 from .cache import PagedCache
 from .config import PICKS_KINDS
 from .formats import IdentityMemo, KVFormat, cache_stamp, named_layout, resolve_cache_once
-from .metadata import StepMetadata
+from .metadata import MetadataSpec
 from .ops import sparse_attention_decode, sparse_attention_prefill
 from .ops.dispatch import pages_16_byte_aligned, resolve_backend
 from .ops.launch import BindOnce
 from .ops.validate import debug_checks_enabled, graph_capturing
+from .picks import step_picks
 from .workspace import fill_workspace, shared_workspace, workspace_indices, workspace_plan
 
 PREFILL_MODES = ("paged", "workspace", "mixed")
@@ -108,6 +111,59 @@ def layer_kv_scale(views: dict[str, CacheView]) -> torch.Tensor | None:
     return scales[0]
 
 
+class StepLists(Protocol):
+    """What a layer and its :class:`LayerPlan` read of a step's metadata: the whole step's
+    (:class:`~sparse_mla.metadata.StepMetadata`) and one rank's share of it
+    (:class:`~sparse_mla.context_parallel.RankStepMetadata`) are both one.
+
+    The index lists (``None`` where the batch has no such kind), the step's plans (:meth:`plan`: kept with the
+    metadata, made anew by each build), the decode orders, ``world`` (the ranks the step's caches are split over: a
+    rank's block tables are read with block sizes × world) and :meth:`check_gather` (which ``context_parallel``
+    argument a layer call over this metadata takes)."""
+
+    batch: StepBatch
+    spec: MetadataSpec
+    world: int
+    swa_indices: torch.Tensor | None
+    swa_lens: torch.Tensor | None
+    c128a_indices: torch.Tensor | None
+    c128a_lens: torch.Tensor | None
+    picks_indices: torch.Tensor | None
+    picks_lens: torch.Tensor | None
+    picks_local: torch.Tensor | None
+    picks_bound: torch.Tensor | None
+    _plans: dict
+
+    def check_current(self) -> None: ...
+
+    def check_gather(self, gather: object) -> None: ...
+
+    def plan(self, key: tuple, make: Callable[[], object]) -> object: ...
+
+    def decode_order(self, kind: str) -> torch.Tensor | None: ...
+
+
+def check_step_caches(meta: StepLists, views: dict[str, CacheView], layer_kind: str) -> None:
+    """A layer's caches (``views``, by kind) against the step they are read in: each kind has a block table in the
+    step's batch, blocks of the step's block size (a rank's: ÷ world), at least the blocks its tables name, and the
+    step's device (``ValueError`` naming the cache)."""
+    batch, world = meta.batch, meta.world
+    for kind, view in views.items():
+        name = f"caches[{kind!r}]"
+        if kind not in batch.block_tables:
+            raise ValueError(f"a {layer_kind} layer reads the {kind!r} cache, but the step's batch has no {kind!r} "
+                             f"block table (its kinds: {batch.kinds}); build the batch with kinds including {kind!r}")
+        if view.tensor.shape[1] * world != batch.block_sizes[kind]:
+            raise ValueError(f"{name} has blocks of {view.tensor.shape[1]} entries, the step's block tables use "
+                             f"{batch.block_sizes[kind] // world}")
+        needed = batch.max_block.get(kind, -1) + 1
+        if view.tensor.shape[0] < needed:
+            raise ValueError(f"{name} has {view.tensor.shape[0]} blocks, but the step's {kind!r} block tables "
+                             f"name block {needed - 1}: the cache is smaller than the block tables")
+        if view.tensor.device != batch.device:
+            raise ValueError(f"{name} is on {view.tensor.device}, the step's metadata on {batch.device}")
+
+
 class LayerPlan:
     """One layer configuration's work in one step.
 
@@ -127,7 +183,7 @@ class LayerPlan:
     The form's buffers are kept with the step's plans: fixed for the step, refilled without a host sync.
     """
 
-    def __init__(self, meta: StepMetadata, layer, views: dict[str, CacheView], q_fp8: bool = False,
+    def __init__(self, meta: StepLists, layer, views: dict[str, CacheView], q_fp8: bool = False,
                  has_sink: bool | None = None) -> None:
         batch = meta.batch
         has_sink = layer.sink is not None if has_sink is None else has_sink
@@ -145,8 +201,9 @@ class LayerPlan:
         scopes = []  # (kind, indices, lens)
         if "swa" in views:
             scopes.append(("swa", meta.swa_indices, meta.swa_lens))
-        if layer.kind in PICKS_KINDS:
-            scopes.append((layer.kind, meta.picks_indices, meta.picks_lens))
+        if layer.kind in PICKS_KINDS:  # the lists each call's picks are converted into (the step's, shared)
+            picks = step_picks(meta, layer.kind)
+            scopes.append((layer.kind, picks.indices, picks.lens))
         elif layer.kind == "c128a":
             scopes.append(("c128a", meta.c128a_indices, meta.c128a_lens))
         self.scopes = scopes
@@ -159,7 +216,7 @@ class LayerPlan:
         self.form = "padded" if layer.index_form == "combined" and len(scopes) == 1 else layer.index_form
         self.lists = self._form_lists(meta)
         # a picks layer's conversion of each call's picks (into the form's lists), resolved once per step
-        self._convert_picks = None if layer.kind not in PICKS_KINDS else index_forms.picks_converter(
+        self._convert_picks = None if layer.kind not in PICKS_KINDS else index_forms.picks_conversion(
             meta, layer.kind, self.form,
             None if self.lists is None else self.lists[-1] if self.form == "ragged" else self.lists)
         mode = layer.prefill_mode

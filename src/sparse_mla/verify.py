@@ -209,7 +209,7 @@ def kernel_checks(device: torch.device, seed: int = 0, progress: Progress = lamb
                                    sparse_attention_prefill(q, kv, idx, lens, sink, backend="reference")))
 
     progress("kernel: token order")
-    from .ops import triton_index
+    from .ops.triton import index as triton_index
 
     l0, l1 = (torch.randint(0, 700, (300,), generator=gen).int().to(device) for _ in range(2))
     got = torch.empty(300, dtype=torch.int32, device=device)

@@ -17,7 +17,8 @@ import torch
 
 from .batch import slots_of
 from .config import COMPRESS_RATIO, PICKS_KINDS
-from .metadata import StepMetadata, compact_rows, visible_entries
+from .metadata import StepMetadata, visible_entries
+from .picks import compact_rows
 from .ops import dequantize_and_gather
 
 DEFAULT_WORKSPACE_BYTES = 64 << 20
@@ -197,7 +198,7 @@ def workspace_indices(meta: StepMetadata, chunk: WorkspaceChunk,
     """Each chunk token's workspace rows: ``[its window][its visible compressed entries]``, compacted.
 
     kept_local: c4a / dsa only, ``(T, topk)`` the kept picks of every batch token (the third result of
-    :func:`~sparse_mla.metadata.convert_picks`: each row a valid prefix, which a dsa chunk's rows keep as they
+    :func:`~sparse_mla.picks.convert_picks`: each row a valid prefix, which a dsa chunk's rows keep as they
     are). Returns (indices ``(n, width)`` int32, lens ``(n,)`` int32). Stale metadata is a ``ValueError``.
     """
     meta.check_current()

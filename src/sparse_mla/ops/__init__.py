@@ -19,7 +19,8 @@ from .validate import (AttentionArgs, debug_checks_enabled, declared_formats, de
                        out_inputs, prefill_args)
 
 try:
-    from . import attention_plan, memo, triton_cache, triton_index
+    from . import attention_plan, memo
+    from .triton import cache as triton_cache, index as triton_index
 except ImportError:  # no Triton on this platform: the reference backend still works
     attention_plan = memo = triton_cache = triton_index = None
 

@@ -1,4 +1,4 @@
-"""The plan of an attention launch: which kernel (the portable Triton kernel of :mod:`.triton_attention` or the
+"""The plan of an attention launch: which kernel (the portable Triton kernel of :mod:`.triton.attention` or the
 Hopper kernel of :mod:`.gluon`), its grid, how key lists are split, its constexprs and launch options (the
 portable kernel's from :mod:`.launch_configs`' row for the GPU's :class:`~.targets.Target`); and the ops' cache of
 plans by geometry. The kernels themselves live in their own modules; this one decides and launches.
@@ -20,17 +20,19 @@ from ..env import env_value
 from . import dispatch, gluon as gluon_kernel, launch_configs, targets
 from .dispatch import pages_16_byte_aligned
 from .launch import Launch, cached_launch
-from .triton_attention import LOG2E, _combine_kernel, _sparse_mla_kernel, latent_pieces
+from .triton.attention import LOG2E, _combine_kernel, _sparse_mla_kernel
+from .triton.rows import latent_pieces
 from .validate import D_V, AttentionArgs
 
-def num_sms(device: torch.device) -> int:
-    """The SMs (compute units) of ``device``; 4 for the CPU (the interpreter, and plans made for a target only)."""
+def num_sms(device: torch.device, target: targets.Target | None = None) -> int:
+    """The SMs (compute units) of ``device``; on the CPU, ``target``'s (:attr:`.targets.Target.sms`: a plan made for
+    that GPU, the portability matrix's) or 4 (the interpreter)."""
     if device.type != "cuda":
-        return 4
+        return target.sms if target is not None else 4
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_splits(num_tokens: int, num_heads: int, head_blocks: int, max_blocks: int, device: torch.device,
+def choose_splits(num_tokens: int, num_heads: int, head_blocks: int, max_blocks: int, sms: int,
                   tails: bool = False) -> tuple[int, int]:
     """How many pieces key lists are cut into (the pieces merged by the combine kernel), and whose: ``(pieces,
     tokens)``, the tokens being the last ones in the launch's order (``(1, 0)``: nothing is cut).
@@ -53,7 +55,6 @@ def choose_splits(num_tokens: int, num_heads: int, head_blocks: int, max_blocks:
     on the H100: BENCHMARKS.md, version 13.)
     """
     programs = num_tokens * head_blocks
-    sms = num_sms(device)
     if max_blocks <= 1 or programs == 0:
         return 1, 0
     if 2 * programs <= sms:
@@ -89,8 +90,8 @@ LAST_COMPILED: dict[str, object] = {}  # the last JIT-launched attention kernel,
 def _launch(kernel_name: str, constexprs: tuple, options: tuple) -> Launch:
     """The shared :class:`Launch` of the ``"triton"``, ``"gluon"`` or ``"combine"`` kernel."""
     kernel = {"triton": _sparse_mla_kernel, "combine": _combine_kernel}.get(kernel_name)
-    if kernel is None:
-        kernel = gluon_kernel._attention_kernel
+    if kernel is None:  # the Gluon kernel's modules load with its first launch (the plan chose it: it builds here)
+        from .gluon.kernel import _attention_kernel as kernel
     return cached_launch(kernel, constexprs, options)
 
 
@@ -151,7 +152,7 @@ class AttentionPlan:
             config = launch_configs.attention_config(self.target, dim, formats, num_heads, q_fp8, interpret)
             h_block = h_block or config.constexprs["H_BLOCK"]
             block_n = block_n or config.constexprs["BLOCK_N"]
-        head_blocks = triton.cdiv(num_heads, h_block)
+        head_blocks, sms = triton.cdiv(num_heads, h_block), num_sms(device, target)
         max_blocks = sum(triton.cdiv(width, block_n) for _, _, width in scopes)
         split_blocks = 0
         if batch_invariant:
@@ -160,7 +161,7 @@ class AttentionPlan:
         if tail is not None and (self.kernel != "gluon" or (splits or 0) < 2 or not 0 < tail <= num_tokens):
             raise ValueError(f"tail={tail} needs the Gluon kernel, splits >= 2 and 0 < tail <= {num_tokens} tokens")
         if not splits:
-            splits, tail = choose_splits(num_tokens, num_heads, head_blocks, max_blocks, device,
+            splits, tail = choose_splits(num_tokens, num_heads, head_blocks, max_blocks, sms,
                                          tails=self.kernel == "gluon")
         self.q_shape, self.device, self.splits = q_shape, device, splits
         self.partial = splits > 1 or batch_invariant
@@ -178,7 +179,7 @@ class AttentionPlan:
             constants.update(FMT=f0.code, FMT1=f1.code, D_QK=dim)
             options = {"num_warps": gluon_kernel.PARTITION_WARPS}
             # a program per work item (token × head block × split), or persistent: one per SM, taking items in turn
-            items, sms = (num_tokens + self.tail * (splits - 1)) * head_blocks, num_sms(device)
+            items = (num_tokens + self.tail * (splits - 1)) * head_blocks
             constants["PERSISTENT"] = (gluon_kernel.persistent(items, max_blocks, sms) if persistent is None
                                        else persistent)
             constants["TAIL"] = tail_only
@@ -415,7 +416,7 @@ def run(args: AttentionArgs, batch_invariant: bool = False, plan: AttentionPlan 
         **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the attention kernel (and the combine kernel when the key lists are split) for checked arguments,
     through ``plan``, by default the plan of their geometry (:func:`plan_for`). On Hopper, where
-    ``dispatch.gluon_fits`` (scopes of one format of ``dispatch.GLUON_FORMATS``), the kernel is ``gluon``'s
+    ``dispatch.gluon_fits`` (scope formats of ``dispatch.GLUON_FORMATS``), the kernel is ``gluon``'s
     (``gluon=0`` forces this module's Triton kernel, ``gluon=1`` the Gluon one); see :class:`AttentionPlan` for the
     overrides. Returns out ``(T, H, 512)`` bf16 (``args.out`` when given) and lse ``(T, H)`` float32."""
     plan = plan or plan_for(args, batch_invariant, **overrides)

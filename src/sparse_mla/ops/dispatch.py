@@ -4,7 +4,7 @@
   device, or on the CPU under ``TRITON_INTERPRET=1``) — :func:`resolve_backend`, used by every public op,
   the layer, the step-metadata builders and the token order.
 * The attention kernel inside the Triton family: ``"gluon"`` (the Hopper kernel of
-  :mod:`.gluon`) or ``"triton"`` (:mod:`.triton_attention`) — :func:`attention_kernel`. Which GPU a
+  :mod:`.gluon`) or ``"triton"`` (:mod:`.triton.attention`) — :func:`attention_kernel`. Which GPU a
   device is comes from :mod:`.targets` (the vendor first: ROCm reports AMD GPUs as capability 9.x); the portable
   kernel's per-target launch configuration from :mod:`.launch_configs`.
 """
@@ -16,6 +16,7 @@ import os
 import torch
 
 from .._checks import check_tensor
+from ..formats import READERS
 from . import targets
 
 try:
@@ -66,12 +67,31 @@ def pages_16_byte_aligned(cache: torch.Tensor) -> bool:
     return cache.data_ptr() % 16 == 0 and cache.stride(0) * cache.element_size() % 16 == 0
 
 
+
+
+def _gluon_formats(dim: int) -> tuple[frozenset[str], ...]:
+    """The scope-format sets the Gluon kernel reads at width ``dim`` (from :data:`sparse_mla.formats.READERS`):
+    each format it reads with every scope alike, and every pair of one mix."""
+    read = [name for name, r in READERS.items() if dim in r.gluon_dims]
+    return tuple(dict.fromkeys(frozenset({a, b}) for a, b in itertools.product(read, read)
+                               if a == b or READERS[a].gluon_mix and READERS[a].gluon_mix == READERS[b].gluon_mix))
+
+
 # the scope formats the Gluon kernel reads, by q·k width: V4 (512: fp8_v4 or bf16, every scope alike), V4.1 (512: its
 # fp8 and fp4 rows in either page layout, the two scopes in one format or two) and V3.2 (576: fp8_v32 or bf16)
-_V41 = ("fp8_v41", "fp8_v41_planar", "fp4_v41", "fp4_v41_planar")
-GLUON_FORMATS = {512: (frozenset({"fp8_v4"}), frozenset({"bf16"}),
-                       *{frozenset({a, b}) for a, b in itertools.product(_V41, _V41)}),
-                 576: (frozenset({"fp8_v32"}), frozenset({"bf16"}))}
+GLUON_FORMATS = {dim: _gluon_formats(dim) for dim in (512, 576)}
+
+
+def gluon_formats_text() -> str:
+    """:data:`GLUON_FORMATS` in words, for error messages: per width, the formats read with every scope alike, and
+    those whose scopes may also be in two formats."""
+    parts = []
+    for dim, sets in GLUON_FORMATS.items():
+        paired = sorted({f for s in sets if len(s) > 1 for f in s})
+        alike = sorted(f for s in sets if len(s) == 1 for f in s if f not in paired)
+        text = f"{dim}-d: every scope {' or '.join(alike)}"
+        parts.append(text + (f", or the scopes in any of {', '.join(paired)}" if paired else ""))
+    return "; ".join(parts)
 
 
 def gluon_fits(device: torch.device, dim: int, formats: frozenset[str], pages_16_byte_aligned: bool,
@@ -105,10 +125,9 @@ def attention_kernel(device: torch.device, dim: int, formats: frozenset[str], pa
             gluon_kernel.warn_portable_once()  # a Triton the Gluon kernel is not validated on (or does not build with)
         return "triton"
     if gluon and not fits:
-        readable = "512-d: every scope fp8_v4 or bf16, or V4.1 formats; 576-d: every scope fp8_v32 or bf16"
-        raise ValueError(f"gluon=1 needs a Hopper GPU, bf16 q, scopes of one format ({readable}) with padded index "
-                         f"lists, and caches whose base and page stride are multiples of 16 bytes; got {dim}-d "
-                         f"{'fp8' if q_fp8 else 'bf16'} q on {device}, scopes {sorted(formats)}, "
+        raise ValueError(f"gluon=1 needs a Hopper GPU, bf16 q, scope formats it reads ({gluon_formats_text()}) with "
+                         f"padded index lists, and caches whose base and page stride are multiples of 16 bytes; got "
+                         f"{dim}-d {'fp8' if q_fp8 else 'bf16'} q on {device}, scopes {sorted(formats)}, "
                          f"{'padded' if padded else 'ragged / combined'} lists, "
                          f"{'' if pages_16_byte_aligned else 'not '}16-byte aligned")
     return "gluon" if gluon else "triton"

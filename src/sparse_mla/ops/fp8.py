@@ -11,7 +11,7 @@ multiplies by. Codes 0x7F / 0xFF (NaN) decode to ±480 here where the conversion
 writers never store them from finite input (the ops reject non-finite ``kv_new``; quantisers saturate at ±448), only a
 cache written elsewhere with NaN in it could hold them.
 Where the target has the conversion (``NATIVE_FP8``, :attr:`.targets.Target.native_fp8`) it is used instead
-(two codes per instruction) and the gain is 1. Encoding stays integer-only on every target (``triton_cache``).
+(two codes per instruction) and the gain is 1. Encoding stays integer-only on every target (``triton/cache.py``).
 
 Where the tile scale is a power of two (ue8m0: fp8_v4, fp8_v41) a CUDA target without the conversion can instead
 build bf16 directly (:func:`e4m3_ue8m0_bf16`, inline PTX): byte ``b``'s bf16 bits ``((b & 0x7F) << 4) | ((b & 0x80)

@@ -1,4 +1,4 @@
-"""Per-target launch configurations of the portable attention kernel (:mod:`.triton_attention`): the one table.
+"""Per-target launch configurations of the portable attention kernel (:mod:`.triton.attention`): the one table.
 
 Each row says which key-block size, heads per program, warps and pipeline depth the kernel is compiled with on a
 :class:`~.targets.Target`, and why (the reason is kept in :class:`AttentionConfig` so reports and tests can print it).
@@ -12,15 +12,14 @@ import triton
 
 import torch
 
-from ..formats import FMT_FP4_V41, FMT_FP8_V41, get_format
+from ..formats import FMT_FP4_V41, FMT_FP8_V41, READERS, get_format
 from . import targets
 from .targets import Target
 
-# the cache formats the Triton kernels read: every name of the layout table (the Gluon kernel reads a subset:
-# dispatch.GLUON_FORMATS; fp4 scopes and mixed-format calls go to the Triton kernel on Hopper too)
+# the cache formats the Triton kernels read (formats.READERS: every name of the layout table; the Gluon kernel reads a
+# subset: dispatch.GLUON_FORMATS)
 V41_CODES = (FMT_FP8_V41, FMT_FP4_V41)  # V4.1's record encodings (either page layout)
-TRITON_FORMATS = frozenset({"bf16", "fp8_v4", "fp8_v32", "fp8_e4m3", "fp8_v41", "fp8_v41_planar", "fp4_v41",
-                            "fp4_v41_planar"})
+TRITON_FORMATS = frozenset(name for name, r in READERS.items() if r.triton)
 # the Triton whose compile of sm_80's fp8_v4 row with the L2 prefetch was checked spill-free and timed (the GPUs'):
 # Triton 3.9's ptxas input reloads about 50 spilled values per key block there, so other versions go without it
 SM80_PREFETCH_TRITON = "3.6."
@@ -54,7 +53,7 @@ def attention_config(target: Target, dim: int, formats: frozenset[str], num_head
     blocks keep the tests fast).
 
     The constexprs: ``H_BLOCK`` heads and ``BLOCK_N`` keys per step, ``NATIVE_FP8`` (:mod:`.fp8`), ``Q_IN_LOOP``,
-    ``Q_ROPE_SCALAR`` and ``DECODE_FENCE`` (:func:`.triton_attention._scope_pass`). Each row was chosen by
+    ``Q_ROPE_SCALAR`` and ``DECODE_FENCE`` (:func:`.triton.attention._scope_pass`). Each row was chosen by
     cross-compiling the candidates for its targets (registers, spills in the key loop, shared memory;
     ``tests/test_portability.py`` prints the chosen rows') and, for the NVIDIA rows, timing them on an H100 under
     each target's lowering.

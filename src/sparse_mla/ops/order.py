@@ -12,10 +12,10 @@ import torch
 
 from .._checks import check_no_overlap, check_tensor
 from .dispatch import HAVE_TRITON, builders_use_triton
-from .gluon import KEYS_PER_BLOCK  # the GPU kernels' key block: a program's time goes by these
+from .gluon.host import KEYS_PER_BLOCK  # the GPU kernels' key block: a program's time goes by these
 
 if HAVE_TRITON:
-    from . import triton_index
+    from .triton import index as triton_index
 
 RANK_KERNEL_MAX_TOKENS = 8192  # the rank kernel's work grows as T²: past this a sort is cheaper (H100)
 

@@ -25,10 +25,12 @@ class Target:
     """One GPU architecture. backend: ``"cuda"`` or ``"hip"``; arch: the CUDA capability as an int (80, 86, 89, 90,
     100, 120) or the AMD ``gfx`` name; warp_size: threads per warp / wavefront; shared_bytes: the most shared memory
     (LDS) one program may use; tmem_columns: 32-bit tensor-memory columns per SM (0: none); registers: the most
-    32-bit registers per thread (AMD: VGPRs, AGPRs included where the hardware has them); gpus: the products it
-    is; verified: how the library is checked on it; limits: what is known to hold it back there (both in README's
-    support table and ``sparse-mla verify``; the numbers come from BENCHMARKS.md's portability table and the
-    matrix's compile report)."""
+    32-bit registers per thread (AMD: VGPRs, AGPRs included where the hardware has them); sms: the SMs (AMD: the
+    compute units ROCm reports, ``multi_processor_count``) of the product named first in ``gpus``, which a plan made
+    for the target on the CPU counts (the portability report's split decodes); gpus: the products it is; verified:
+    how the library is checked on it; limits: what is known to hold it back there (both in README's support table
+    and ``sparse-mla verify``; the numbers come from BENCHMARKS.md's portability table and the matrix's compile
+    report, ``scripts/portability_report.py --ranges``)."""
 
     backend: str
     arch: int | str
@@ -36,6 +38,7 @@ class Target:
     shared_bytes: int
     tmem_columns: int = 0
     registers: int = 255
+    sms: int = 0
     gpus: str = ""
     verified: str = "compiles, fits"
     limits: str = ""
@@ -74,49 +77,57 @@ _KB = 1024
 # (the GPU suite's essentials with Triton lowering as for that target: tests/test_lowerings.py); "compiles, fits"
 # (every launched kernel variant cross-compiled on a CPU, within the target's shared memory / TMEM / LDS:
 # tests/test_portability.py, which every target passes)
+# sms, per row the first GPU's (vendor data sheets: A100 108 SMs, A10 72, L40S 142 (sm_89's largest; L4 58, RTX 4090
+# 128), H100 SXM / H200 132, B200 148, RTX 5090 170; AMD, what ROCm reports per device: MI210 104 CUs (MI250 and
+# MI250X are two devices of 104 / 110 CUs, 208 / 220 per package), MI300X 304, MI355X 256, and on RDNA, whose CUs
+# pair into WGPs, the WGPs: RX 7900 XTX 48 (96 CUs), RX 9070 XT 32 (64 CUs))
 _LOWERED = "runs lowered on the H100; compiles, fits"
+# CDNA: a cache pool over 2 GiB, whose pointers ROCm's JIT specialises without tt.pointer_range 32 (a report variant)
+_OVER_2GIB = ("an fp8_v4 decode over a cache pool over 2 GiB (pointers without `tt.pointer_range 32`: global loads, "
+              "not buffer loads) compiles spill-free")
 MATRIX: tuple[Target, ...] = (
-    Target("cuda", 80, 32, 163 * _KB, gpus="A100, A800, A30", verified=_LOWERED,
+    Target("cuda", 80, 32, 163 * _KB, sms=108, gpus="A100, A800, A30", verified=_LOWERED,
            limits="fp8 decoded by integer operations (ue8m0 tiles to bf16 in PTX); under its lowering on the H100 "
                   "the V4-Flash B 128 step takes 1.94x FlashMLA (0.99x the native lowering's time), V3.2 h 128 "
                   "decode 1.34x the native lowering's (one decode call: at most 1.39x); the fp8_v4 row's L2 prefetch "
                   "on Triton 3.6 only (3.9 spills with it in the key loop)"),
-    Target("cuda", 86, 32, 99 * _KB, gpus="A10, A40, RTX 3090, RTX A6000", verified=_LOWERED,
+    Target("cuda", 86, 32, 99 * _KB, sms=72, gpus="A10, A40, RTX 3090, RTX A6000", verified=_LOWERED,
            limits="fp8 decoded by integer operations (ue8m0 tiles to bf16 in PTX: the V4-Flash B 128 step 2.68x "
                   "FlashMLA under its lowering on the H100); one decode call 1.43x (bf16) / 1.78x (fp8_v4) / 1.47x "
                   "(fp8_v32) / 1.89x (576-d bf16) the native lowering's time on an H200; 512-d fp8 and 576-d bf16 "
                   "in 32-key tiles (99 KB)"),
-    Target("cuda", 89, 32, 99 * _KB, gpus="L4, L40S, RTX 4090, L20", verified=_LOWERED,
+    Target("cuda", 89, 32, 99 * _KB, sms=142, gpus="L40S, L4, RTX 4090, L20", verified=_LOWERED,
            limits="V4-Flash B 128 step 1.31x (with the L2 prefetch of the next key block; 1.48x before), V3.2 h "
                   "128 decode 1.29x the native lowering's time on the H100 (one decode call: at most 1.89x, 576-d "
                   "bf16); 512-d fp8 and 576-d bf16 in 32-key tiles (99 KB)"),
-    Target("cuda", 90, 32, 227 * _KB, gpus="H100, H200, H20, H800",
+    Target("cuda", 90, 32, 227 * _KB, sms=132, gpus="H100, H200, H20, H800",
            verified="runs natively on the H100; compiles, fits",
            limits="with a Triton the Gluon kernel passed the GPU tests on (`sparse-mla verify` names them), the "
                   "Gluon kernel where every scope is fp8_v4, fp8_v32 or bf16, or V4.1's formats (16-byte aligned "
                   "pages); the portable kernel elsewhere and with other Tritons, 1.96x FlashMLA on the V4-Flash B 128 "
-                  "step"),
-    Target("cuda", 100, 32, 227 * _KB, tmem_columns=512, gpus="B200, B300, GB200",
-           limits="not run on silicon; the portable kernel on mma.sync (no tcgen05 / tensor memory)"),
-    Target("cuda", 120, 32, 99 * _KB, gpus="RTX 5090, RTX PRO 6000",
+                  "step (it spills 344-880 B, Triton 3.9's ptxas)"),
+    Target("cuda", 100, 32, 227 * _KB, sms=148, tmem_columns=512, gpus="B200, B300, GB200",
+           limits="not run on silicon; the portable kernel on mma.sync (no tcgen05 / tensor memory); the fp8_v4, "
+                  "V4.1 and fp8-q rows spill 84-116 B, 10-19 reloads in the key loop (Triton 3.9's ptxas)"),
+    Target("cuda", 120, 32, 99 * _KB, sms=170, gpus="RTX 5090, RTX PRO 6000",
            limits="not run on silicon; 512-d fp8 in 32-key tiles (99 KB), V4.1's with q read in the loop; in "
                   "the key loop the 512-d bf16 row reloads 10-20 spilled registers (Triton 3.9's ptxas; its "
                   "spill-free rows were 1.4-1.6x slower under the sm86 lowering)"),
-    Target("hip", "gfx90a", 64, 64 * _KB, registers=512, gpus="MI210, MI250",
+    Target("hip", "gfx90a", 64, 64 * _KB, registers=512, sms=104, gpus="MI210, MI250",
            limits="not run on silicon; fp8 decoded by integer operations; 32 heads per program (fp8 caches) or "
-                  "16 (bf16); V4.1's decodes spill 78-206 SGPRs (tensors under 2 GiB, buffer loads)"),
-    Target("hip", "gfx942", 64, 64 * _KB, registers=512, gpus="MI300X, MI325X",
+                  f"16 (bf16); V4.1's decodes spill 82-201 SGPRs (tensors under 2 GiB, buffer loads); {_OVER_2GIB}"),
+    Target("hip", "gfx942", 64, 64 * _KB, registers=512, sms=304, gpus="MI300X, MI325X",
            limits="not run on silicon; fp8 decoded by integer operations; 32 heads per program (fp8 caches) or "
-                  "16 (bf16); V4.1's decodes spill 80-227 SGPRs (tensors under 2 GiB, buffer loads)"),
-    Target("hip", "gfx950", 64, 160 * _KB, registers=512, gpus="MI350X, MI355X",
+                  f"16 (bf16); V4.1's decodes spill 90-230 SGPRs (tensors under 2 GiB, buffer loads); {_OVER_2GIB}"),
+    Target("hip", "gfx950", 64, 160 * _KB, registers=512, sms=256, gpus="MI350X, MI355X",
            limits="not run on silicon; fp8 by its OCP conversion instructions; 32 heads per program (fp8 "
-                  "caches) or 16 (bf16); V4.1's fp4 decodes spill 176-358 SGPRs (tensors under 2 GiB, buffer "
-                  "loads)"),
-    Target("hip", "gfx1100", 32, 64 * _KB, gpus="RX 7900",
-           limits="not run on silicon; the attention kernel spills 1,000-2,700 VGPRs (slow: a value-dim split is "
-                  "planned)"),
-    Target("hip", "gfx1201", 32, 64 * _KB, gpus="RX 9070",
-           limits="not run on silicon; the attention kernel spills 380-1,150 VGPRs (slow: a value-dim split is "
+                  "caches) or 16 (bf16); V4.1's fp4 decodes spill 177-342 SGPRs (tensors under 2 GiB, buffer "
+                  f"loads), the token order 208 SGPRs; {_OVER_2GIB}"),
+    Target("hip", "gfx1100", 32, 64 * _KB, sms=48, gpus="RX 7900",
+           limits="not run on silicon; the attention kernel spills 320-5,738 VGPRs and up to 374 SGPRs (slow: a "
+                  "value-dim split is planned)"),
+    Target("hip", "gfx1201", 32, 64 * _KB, sms=32, gpus="RX 9070",
+           limits="not run on silicon; the attention kernel spills 87-1,812 VGPRs (slow: a value-dim split is "
                   "planned)"),
 )
 _BY_KEY = {(t.backend, t.arch): t for t in MATRIX}

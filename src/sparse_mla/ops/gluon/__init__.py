@@ -1,6 +1,6 @@
 """Hopper sparse MLA attention for V4 (512 latent dims) and V3.2 (576), written in Gluon (Triton's explicit dialect).
 
-Same contract and arguments as ``triton_attention``'s kernel, for the cases that dominate serving
+Same contract and arguments as ``triton.attention``'s kernel, for the cases that dominate serving
 on an sm_90 GPU: every scope ``fp8_v4`` / ``fp8_v32`` (decode, paged-direct prefill), V4.1's ``fp8_v41`` / ``fp4_v41``
 rows in either page layout (the scopes alike, or an fp8 window beside an fp4 compressed cache), or every scope
 ``bf16`` (workspace prefill, bf16 caches). A work item is one query token × 64 heads × one split of the key list (every
@@ -21,13 +21,15 @@ half as soon as its last reader of the block two back is done, and math warpgrou
 
 V3.2 (``D_QK = 576``): the shared rows hold the 512 V dims as V4's do; the 64 rope dims of the keys go by
 ``cp.async`` into a buffer of their own (``r_smem``) with the second half, and the query's rope dims join the
-logits as one more wgmma per block. The split merge and the sink of split rows are ``triton_attention``'s combine
+logits as one more wgmma per block. The split merge and the sink of split rows are ``triton.attention``'s combine
 kernel.
 
 Modules: :mod:`.host` (import guard, the validated Tritons, shapes, register budgets, launch choices: imports without
-Gluon), :mod:`.compat` (the builtins Triton renamed between 3.6 and 3.9, bound to the installed one's names),
-:mod:`.common` (constants, argument bundles, barrier waits, work items, q loads, output stores),
-:mod:`.fp8_rows` (fp8 and fp4 gathers and dequantisation), the three variants, and :mod:`.kernel` (the entry kernel).
+Gluon; the package imports only this one, so that the token order and the launch plans load no kernel module: the
+plan imports :mod:`.kernel` at the first Gluon launch), :mod:`.compat` (the builtins Triton renamed between 3.6 and
+3.9, bound to the installed one's names), :mod:`.common` (constants, argument bundles, barrier waits, work items,
+q loads, output stores), :mod:`.fp8_rows` (fp8 and fp4 gathers and dequantisation), the three variants, and
+:mod:`.kernel` (the entry kernel).
 """
 from .host import (HEADS_PER_PROGRAM, KEYS_PER_BLOCK, LOGITS_REGS, NARROW_COPY_REGS, NARROW_HEADS, NARROW_MATH_REGS,
                    PAIRED_REGS, PARTITION_WARPS, VALIDATED_STACKS, VALIDATED_TRITON, VALUES_REGS, enabled, gluon,
@@ -36,6 +38,3 @@ from .host import (HEADS_PER_PROGRAM, KEYS_PER_BLOCK, LOGITS_REGS, NARROW_COPY_R
 __all__ = ["HEADS_PER_PROGRAM", "KEYS_PER_BLOCK", "LOGITS_REGS", "NARROW_COPY_REGS", "NARROW_HEADS",
            "NARROW_MATH_REGS", "PAIRED_REGS", "PARTITION_WARPS", "VALIDATED_STACKS", "VALIDATED_TRITON", "VALUES_REGS",
            "enabled", "gluon", "narrow_heads", "off_reason", "persistent", "warn_portable_once"]
-
-if gluon is not None:
-    from .kernel import _attention_kernel  # noqa: F401

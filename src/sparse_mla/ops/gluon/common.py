@@ -380,16 +380,16 @@ class WorkItems:
             row = item % rows
         tok = row // head_blocks
         hb = row % head_blocks
-        if self.HAS_ORDER:  # as triton_attention._ordered_token
+        if self.HAS_ORDER:  # as triton.attention._ordered_token
             tok = gl.minimum(gl.maximum(gl.load(self.order_ptr + tok), 0), self.num_tokens - 1)
-        len_row = tok // self.tokens_per_len  # as triton_attention's kernel
+        len_row = tok // self.tokens_per_len  # as triton.attention's kernel
         len0 = gl.minimum(gl.maximum(gl.load(self.l0_ptr + len_row), 0), self.w0)
         nblk0 = gl.cdiv(len0, BLOCK_N)
         len1 = len0 * 0
         if self.HAS_EXTRA:
             len1 = gl.minimum(gl.maximum(gl.load(self.l1_ptr + len_row), 0), self.w1)
         nblk1 = gl.cdiv(len1, BLOCK_N)
-        if self.SPLIT_BLOCKS > 0:  # batch-invariant: as triton_attention's kernel
+        if self.SPLIT_BLOCKS > 0:  # batch-invariant: as triton.attention's kernel
             per_split = self.SPLIT_BLOCKS
         elif self.TAIL:
             per_split = gl.where(split >= 0, gl.cdiv(nblk0 + nblk1, self.SPLITS), nblk0 + nblk1)

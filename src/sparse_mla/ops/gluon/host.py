@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 
 from ...env import env_value
+from ...formats import READERS
 
 try:
     import triton
@@ -82,9 +83,11 @@ def persistent(items: int, max_blocks: int, sms: int) -> bool:
 
 def narrow_heads(formats: frozenset[str], num_heads: int) -> int:
     """The head width (the wgmmas' N) of narrow items for ``num_heads`` heads over scopes of ``formats``, or 0 for
-    64-head items: quantised rows of one format (decode, bound by the copy warpgroups) of at most ``NARROW_HEADS``
-    heads (scopes of two formats have only the 64-head items' copy loop)."""
-    return NARROW_HEADS if len(formats) == 1 and "bf16" not in formats and num_heads <= NARROW_HEADS else 0
+    64-head items: every scope of one format whose row of :data:`sparse_mla.formats.READERS` says ``gluon_narrow``
+    (quantised rows: decode, bound by the copy warpgroups), at most ``NARROW_HEADS`` heads (scopes of two formats
+    have only the 64-head items' copy loop)."""
+    return NARROW_HEADS if (len(formats) == 1 and READERS[next(iter(formats))].gluon_narrow
+                            and num_heads <= NARROW_HEADS) else 0
 
 
 TURNED_OFF = "SPARSE_MLA_GLUON=0"

@@ -15,8 +15,8 @@ import triton.language as tl
 
 from ...indexer_cache import INDEX_AMAX_FLOOR, INDEX_HEAD_DIM
 from ..launch import cached_launch
-from ..triton_attention import E4M3_NAN, UE8M0_BIAS, kernel_const
-from ..triton_cache import E4M3_MAX, _e4m3_bits
+from .cache import E4M3_MAX, e4m3_bits
+from .rows import E4M3_NAN, UE8M0_BIAS, kernel_const
 from .compress import rope_tail, round_bf16
 
 AMAX_FLOOR = kernel_const(INDEX_AMAX_FLOOR)
@@ -42,7 +42,7 @@ def _index_insert_kernel(keys_ptr, key_stride, slot_ptr, pos_ptr, inv_freq_ptr, 
             bits = ratio.to(tl.int32, bitcast=True)
             e = ((bits >> 23) & 0xFF) - UE8M0_BIAS + ((bits & 0x7FFFFF) != 0).to(tl.int32)
             inv_scale = ((UE8M0_BIAS - e) << 23).to(tl.float32, bitcast=True)  # exact 2^-e
-            codes = tl.where(x != x, E4M3_NAN, _e4m3_bits(x * inv_scale).to(tl.int32)).to(tl.uint8)
+            codes = tl.where(x != x, E4M3_NAN, e4m3_bits(x * inv_scale).to(tl.int32)).to(tl.uint8)
             tl.store(page + off * HEAD_DIM + cols, codes)
             scale = ((e + UE8M0_BIAS) << 23).to(tl.float32, bitcast=True)
             tl.store((page + BS * HEAD_DIM + off * 4).to(tl.pointer_type(tl.float32)), scale)

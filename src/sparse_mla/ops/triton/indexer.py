@@ -34,7 +34,7 @@ from ...indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from .. import targets
 from ..dispatch import interpreting
 from ..fp8 import e4m3_decode, e4m3_gain
-from ..triton_cache import _round_half_even
+from .cache import round_half_even
 
 INT64_MIN = -(2 ** 63)  # the packed key of an entry that is not a candidate
 _LOW_MASK = 0xFFFFFFFF
@@ -140,7 +140,7 @@ def _round_to_e4m3(y):
     e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
     step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
     inv = ((127 - e + 3) << 23).to(tl.float32, bitcast=True)
-    return _round_half_even(y * inv) * step  # both products exact: powers of two
+    return round_half_even(y * inv) * step  # both products exact: powers of two
 
 
 @triton.jit

@@ -2,8 +2,9 @@
 
 The index builders (one program per token) write a valid-prefix row of cache slots (valid first,
 ``-1`` after) and its length, into caller-owned buffers, exactly as the torch builders of
-:mod:`sparse_mla.metadata` do. Padding tokens (``positions < 0``) get empty rows. The token order
-of :mod:`sparse_mla.ops.order` ranks every token against every other.
+:mod:`sparse_mla.metadata` do. Padding tokens (``positions < 0``) get empty rows. The ragged form of a
+padded list (:func:`ragged_from_padded`, for :mod:`sparse_mla.index_forms`) sums the lengths before each row in
+the row's own program. The token order of :mod:`sparse_mla.ops.order` ranks every token against every other.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import BindOnce, cached_launch
+from ..launch import BindOnce, cached_launch
 
 
 @triton.jit
@@ -184,6 +185,44 @@ def picks_converter(positions: torch.Tensor, token_to_req: torch.Tensor, table: 
         launch(grid, *args)
         slot.settle(key, lambda: launch.bind(grid, args, fixed))
     return convert
+
+
+@triton.jit
+def _ragged_kernel(idx_ptr, idx_stride, len_ptr, indptr_ptr, flat_ptr, num_rows, width, capacity,
+                   ROWS_BLOCK: tl.constexpr, COLS_BLOCK: tl.constexpr):
+    """Row ``t`` of the padded list into ``flat[indptr[t] : indptr[t+1]]``; ``indptr[t+1]`` = the sum of the
+    clamped lens of rows ``0 … t`` (summed by each program: no second launch); program ``t`` also fills its
+    share of the flat tail past the last row with ``-1``."""
+    t = tl.program_id(0)
+    start = t * 0
+    for r0 in range(0, t, ROWS_BLOCK):
+        r = r0 + tl.arange(0, ROWS_BLOCK)
+        n = tl.load(len_ptr + r, mask=r < t, other=0)
+        start += tl.sum(tl.minimum(tl.maximum(n, 0), width), 0)
+    n_t = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), width)
+    if t == 0:
+        tl.store(indptr_ptr, 0)
+    tl.store(indptr_ptr + t + 1, start + n_t)
+    row = idx_ptr + t.to(tl.int64) * idx_stride
+    for c0 in range(0, n_t, COLS_BLOCK):
+        j = c0 + tl.arange(0, COLS_BLOCK)
+        keep = (j < n_t) & (start + j < capacity)
+        tl.store(flat_ptr + start + j, tl.load(row + j, mask=keep, other=-1), mask=keep)
+    if t == num_rows - 1:  # the last row knows the total: it clears the tail
+        for c0 in range(start + n_t, capacity, COLS_BLOCK):
+            j = c0 + tl.arange(0, COLS_BLOCK)
+            tl.store(flat_ptr + j, tl.full((COLS_BLOCK,), -1, tl.int32), mask=j < capacity)
+
+
+def ragged_from_padded(indices: torch.Tensor, lens: torch.Tensor, out_indptr: torch.Tensor,
+                       out_flat: torch.Tensor) -> None:
+    """:func:`sparse_mla.index_forms.ragged_from_padded` in one launch (arguments checked there, at least one row).
+
+    indices: ``(T, width)`` int32 with unit-stride rows; lens: ``(T,)`` int32, contiguous; out_indptr: ``(T+1,)``
+    int32; out_flat: ``(capacity,)`` int32."""
+    num_tokens, width = indices.shape
+    cached_launch(_ragged_kernel, (("ROWS_BLOCK", 1024), ("COLS_BLOCK", 256)))(
+        (num_tokens,), indices, indices.stride(0), lens, out_indptr, out_flat, num_tokens, width, out_flat.shape[0])
 
 
 @triton.jit

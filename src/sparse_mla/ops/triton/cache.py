@@ -12,15 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import formats
-from . import launch_configs, targets
-from .launch import cached_launch
-from .fp8 import e4m3_decode, e4m3_gain
-from .triton_attention import (E4M3_NAN, FMT_BF16, FMT_FP4_V41, FMT_FP4_V41_PLANAR, FMT_FP8_E4M3, FMT_FP8_V4,
-                               FMT_FP8_V41, FMT_FP8_V41_PLANAR, ROPE_DIM, UE8M0_BIAS, UE8M0_NAN, V4_BODY_BYTES,
-                               V4_SCALE_BYTES, V4_TILE, V32_ROPE_OFFSET, V32_SCALE_OFFSET, V32_TILE, V32_TOKEN_BYTES,
-                               V41_FP4_TILE, V41_FP8_TILE, _load_piece, _load_rope, _token_ptrs, kernel_const,
-                               latent_pieces)
+from ... import formats
+from .. import launch_configs, targets
+from ..fp8 import e4m3_decode, e4m3_gain
+from ..launch import cached_launch
+from .rows import (E4M3_NAN, E4M3_TOKEN_BYTES, FMT_BF16, FMT_FP4_V41, FMT_FP4_V41_PLANAR, FMT_FP8_E4M3, FMT_FP8_V4,
+                   FMT_FP8_V41, FMT_FP8_V41_PLANAR, ROPE_DIM, UE8M0_BIAS, UE8M0_NAN, V4_BODY_BYTES, V4_SCALE_BYTES,
+                   V4_TILE, V32_ROPE_OFFSET, V32_SCALE_OFFSET, V32_TILE, V32_TOKEN_BYTES, V41_FP4_TILE, V41_FP8_TILE,
+                   kernel_const, latent_pieces, load_piece, load_rope, token_ptrs)
 
 E4M3_MAX = kernel_const(formats.E4M3_MAX)
 MIN_SCALE = kernel_const(formats.MIN_SCALE)
@@ -29,7 +28,6 @@ V41_FP8_NUM_TILES = kernel_const(formats.V41_FP8_NUM_TILES)
 V41_FP4_NUM_TILES = kernel_const(formats.V41_FP4_NUM_TILES)
 E2M1_MAX = kernel_const(formats.E2M1_MAX)
 E2M1_MIN_SCALE = kernel_const(formats.E2M1_MIN_SCALE)
-E4M3_TOKEN_BYTES = kernel_const(formats.E4M3_TOKEN_BYTES)
 V4_NOPE_DIM = kernel_const(formats.V4_NOPE_DIM)
 V4_NUM_TILES = kernel_const(formats.V4_NUM_TILES)
 V32_NOPE_DIM = kernel_const(formats.V32_NOPE_DIM)
@@ -46,7 +44,7 @@ def _tile_exponents(x, MIN_RATIO: tl.constexpr):
 
 
 @triton.jit
-def _round_half_even(y):
+def round_half_even(y):
     f = tl.floor(y)
     r = y - f
     odd = (f.to(tl.int32) & 1) == 1
@@ -54,7 +52,7 @@ def _round_half_even(y):
 
 
 @triton.jit
-def _e4m3_bits(x):
+def e4m3_bits(x):
     """float32 ``x`` -> e4m3fn byte, round half to even, saturating at ±448 (±inf too), as the reference
     quantisers do (``formats.quantize_per_tensor`` clamps before torch's cast). NaN is not handled: the values are
     finite (checked in the reference and under ``SPARSE_MLA_DEBUG=1``).
@@ -72,7 +70,7 @@ def _e4m3_bits(x):
     up = (rem > 0x80000) | ((rem == 0x80000) & ((m3 & 1) == 1))
     normal = ((e + 7) << 3) + m3 + up.to(tl.int32)  # a carry out of the mantissa bumps the exponent
     normal = tl.minimum(normal, 0x7E)  # 448: the largest finite e4m3fn
-    sub = _round_half_even(a * 512.0).to(tl.int32)  # subnormals step by 2^-9; 8 is the smallest normal
+    sub = round_half_even(a * 512.0).to(tl.int32)  # subnormals step by 2^-9; 8 is the smallest normal
     code = tl.where(a < 0.015625, sub, normal)
     return (sign | code).to(tl.uint8)
 
@@ -105,7 +103,7 @@ def _insert_e4m3_tiles(src, row, scales):
     inv_scale = tl.where(finite, ((UE8M0_BIAS - exps) << 23), UE8M0_BIAS << 23).to(tl.float32, bitcast=True)  # 2^-e
     nan_code = has_nan[:, None] | (tl.abs(x) == float("inf"))
     special = tl.where(nan_code, E4M3_NAN, (x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
-    tl.store(row + cols, tl.where(finite[:, None], _e4m3_bits(x * inv_scale[:, None]), special))
+    tl.store(row + cols, tl.where(finite[:, None], e4m3_bits(x * inv_scale[:, None]), special))
     tl.store(scales + t, tl.where(finite, exps + UE8M0_BIAS, UE8M0_NAN).to(tl.uint8))
 
 
@@ -122,7 +120,7 @@ def _insert_e2m1_tiles(src, row, scales):
     has_nan = tl.max(((lo != lo) | (hi != hi)).to(tl.int32), 1) > 0  # explicit: a max reduction may skip NaN
     amax = tl.maximum(tl.max(tl.abs(lo), 1), tl.max(tl.abs(hi), 1))
     ratio = tl.minimum(tl.maximum(tl.math.div_rn(amax, E2M1_MAX), E2M1_MIN_SCALE), E4M3_MAX)
-    scale_bits = _e4m3_bits(ratio)
+    scale_bits = e4m3_bits(ratio)
     scale = tl.broadcast_to((e4m3_decode(scale_bits, False) * e4m3_gain(False))[:, None], lo.shape)  # exact
     codes = _e2m1_codes(tl.math.div_rn(lo, scale)) | (_e2m1_codes(tl.math.div_rn(hi, scale)) << 4)
     tl.store(row + byte, tl.where(has_nan[:, None], 0, codes).to(tl.uint8))
@@ -145,10 +143,10 @@ def _insert_kernel(kv_ptr, kv_stride, slot_ptr, cache_ptr, stride0, num_slots, k
         elif FMT == FMT_FP8_E4M3:  # e4m3(x / kv_scale), the division rounded as torch's
             cols = tl.arange(0, E4M3_TOKEN_BYTES)
             x = tl.load(src + cols).to(tl.float32)
-            q = _e4m3_bits(tl.math.div_rn(x, tl.broadcast_to(tl.load(kv_scale_ptr), x.shape)))
+            q = e4m3_bits(tl.math.div_rn(x, tl.broadcast_to(tl.load(kv_scale_ptr), x.shape)))
             tl.store(block_ptr + off * E4M3_TOKEN_BYTES + cols, q)
         elif (FMT == FMT_FP8_V41) | (FMT == FMT_FP8_V41_PLANAR) | (FMT == FMT_FP4_V41) | (FMT == FMT_FP4_V41_PLANAR):
-            row, scales = _token_ptrs(cache_ptr, stride0, slot, FMT, BS, V4_DIM - ROPE_DIM)  # either page layout
+            row, scales = token_ptrs(cache_ptr, stride0, slot, FMT, BS, V4_DIM - ROPE_DIM)  # either page layout
             if (FMT == FMT_FP4_V41) | (FMT == FMT_FP4_V41_PLANAR):
                 _insert_e2m1_tiles(src, row, scales)
             else:
@@ -165,7 +163,7 @@ def _insert_kernel(kv_ptr, kv_stride, slot_ptr, cache_ptr, stride0, num_slots, k
             x = tl.load(src + cols, mask=in_nope, other=0.0).to(tl.float32)
             exps = _tile_exponents(x, MIN_SCALE)
             inv_scale = ((UE8M0_BIAS - exps) << 23).to(tl.float32, bitcast=True)  # exact 2^-e
-            q = _e4m3_bits(x * inv_scale[:, None])
+            q = e4m3_bits(x * inv_scale[:, None])
             row = block_ptr + off * ROW
             tl.store(row + cols, q, mask=in_nope)
             rope_cols = tl.arange(0, ROPE_DIM)
@@ -199,18 +197,18 @@ def _gather_kernel(cache_ptr, stride0, num_slots, slot_ptr, out_ptr, kv_scale_pt
     valid = (slot >= 0) & (slot < num_slots)
     safe = tl.where(valid, slot, 0).to(tl.int64)
     ROPE_OFF: tl.constexpr = PA + PB + PC
-    row_ptr, scale_ptr = _token_ptrs(cache_ptr, stride0, safe, FMT, BS, ROPE_OFF)
+    row_ptr, scale_ptr = token_ptrs(cache_ptr, stride0, safe, FMT, BS, ROPE_OFF)
     kv_scale = 1.0
     if FMT == FMT_FP8_E4M3:  # the decode's gain folded in (the tiled formats fold it into their tile scales)
         kv_scale = tl.load(kv_scale_ptr) * e4m3_gain(NATIVE_FP8)
     dst = out_ptr + row_id * (ROPE_OFF + ROPE_DIM)
-    _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, 0, PA, FMT, tl.float32, 1, NATIVE_FP8), kv_scale,
+    _store_gathered(dst, load_piece(row_ptr, scale_ptr, valid, 0, PA, FMT, tl.float32, 1, NATIVE_FP8), kv_scale,
                     0, PA, FMT)
-    _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, PA, PB, FMT, tl.float32, 1, NATIVE_FP8), kv_scale,
+    _store_gathered(dst, load_piece(row_ptr, scale_ptr, valid, PA, PB, FMT, tl.float32, 1, NATIVE_FP8), kv_scale,
                     PA, PB, FMT)
-    _store_gathered(dst, _load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, tl.float32, 1, NATIVE_FP8),
+    _store_gathered(dst, load_piece(row_ptr, scale_ptr, valid, PA + PB, PC, FMT, tl.float32, 1, NATIVE_FP8),
                     kv_scale, PA + PB, PC, FMT)
-    _store_gathered(dst, _load_rope(row_ptr, valid, FMT, ROPE_OFF, tl.float32, 1, NATIVE_FP8, scale_ptr), kv_scale,
+    _store_gathered(dst, load_rope(row_ptr, valid, FMT, ROPE_OFF, tl.float32, 1, NATIVE_FP8, scale_ptr), kv_scale,
                     ROPE_OFF, ROPE_DIM, FMT)
 
 
