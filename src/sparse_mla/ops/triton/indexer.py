@@ -265,10 +265,9 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
 def _topk_rows_kernel(packed_ptr, out_ptr, stride, out_stride, num_cols, K: tl.constexpr, C: tl.constexpr,
                       KEYS: tl.constexpr):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
-    ``-1`` fill (``KEYS``: ``INT64_MIN``). The K-th largest key is found a byte at a time from the top (a radix
-    select: each pass histograms the next byte of the keys that share the bytes fixed so far, and fixes the byte
-    whose keys at or above it first reach K), stopping as soon as exactly K keys are at or above the threshold (keys
-    are distinct: by the last byte one key is left); then the keys at or above it are compacted in column order."""
+    ``-1`` fill (``KEYS``: ``INT64_MIN``). The K-th largest key
+    is found bit by bit from the top (the largest ``T`` with ``count(key >= T) >= K``, keys distinct), stopping as
+    soon as exactly K keys are at or above it; then the keys at or above it are compacted in column order."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, C)
     key = tl.load(packed_ptr + row * stride + cols, mask=cols < num_cols, other=-9223372036854775808)
@@ -277,21 +276,14 @@ def _topk_rows_kernel(packed_ptr, out_ptr, stride, out_stride, num_cols, K: tl.c
     count = tl.sum(valid.to(tl.int32), 0)
     thr = tl.full((), 1, tl.uint64)  # fewer than K candidates: every valid one
     if count > K:
-        bins = tl.arange(0, 256)
-        thr = tl.full((), 0, tl.uint64)  # the threshold's bytes fixed so far, the rest 0
-        above = tl.zeros((), tl.int32)  # keys above every key sharing those bytes
-        reached = tl.zeros((), tl.int32)  # keys at or above the threshold
-        shift = 56
-        while (shift >= 0) & (reached != K):
-            same = ((u >> shift) >> 8) == ((thr >> shift) >> 8)  # the keys sharing the bytes fixed so far
-            hist = tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=same & valid)
-            at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # per byte value: the keys at or above it
-            byte = tl.max(tl.where(above + at_or_above >= K, bins, 0), 0)
-            in_byte = tl.sum(tl.where(bins == byte, hist, 0), 0)
-            above += tl.sum(tl.where(bins > byte, hist, 0), 0)
-            reached = above + in_byte
-            thr = thr | (byte.to(tl.uint64) << shift)
-            shift -= 8
+        thr = tl.full((), 0, tl.uint64)
+        bit = 63
+        while (bit >= 0) & (count != K):
+            cand = thr | (tl.full((), 1, tl.uint64) << bit)
+            above = tl.sum((u >= cand).to(tl.int32), 0)
+            thr = tl.where(above >= K, cand, thr)
+            count = tl.where(above >= K, above, count)
+            bit -= 1
     chosen = (u >= thr) & valid
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     fill = tl.arange(0, K)
