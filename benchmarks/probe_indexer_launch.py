@@ -1,11 +1,10 @@
-"""Sweep the indexer score kernel's launch (pages per program, warps, stages, entry rows) on a GPU: one-off tuning.
+"""Sweep the indexer score kernel's launch (pages per program, warps, pipeline stages) on a GPU: one-off tuning.
 
     python benchmarks/probe_indexer_launch.py [--cases v4-flash-b128 v4-flash-b32] [--out results/]
 
 For each case of bench_indexer.py, the score kernel alone (CUDA-graph replays) at every launch of the sweep,
 against the key bytes at the copy rate of the same run; the packed scores of every launch are checked equal to the
-first launch's (pages, warps and stages change no arithmetic; entry rows may change the head sum's order: its
-``same`` is False where it does). JSON to ``--out/probe_indexer_launch.json``.
+first launch's (the launch changes no arithmetic). JSON to ``--out/probe_indexer_launch.json``.
 """
 from __future__ import annotations
 
@@ -48,8 +47,8 @@ def main() -> None:
         packed = plan.workspace[: t1 - t0]
         key_us = case.batch * (case.context // 4) * KEY_BYTES[cache.fmt] / rate / 1e3
         expect = None
-        for pages, warps, stages, rows in itertools.product((8, 16), (4, 8), (2, 3), (False, True)):
-            def run(launch=(pages, warps, stages, rows)):
+        for pages, warps, stages in itertools.product((8, 16), (4, 8), (1, 2, 3, 4)):
+            def run(launch=(pages, warps, stages)):
                 kernels.index_scores(q_dot, w_ready, cache, step, packed, t0, t1, longest, plan.q.dtype, native,
                                      launch=launch)
             try:
@@ -59,12 +58,11 @@ def main() -> None:
                 same = bool(torch.equal(packed, expect))
                 us = timed(graphed(run), 50)
             except Exception as err:  # a launch that does not fit (shared memory, registers): noted, not fatal
-                results.append(dict(case=case.name, pages=pages, warps=warps, stages=stages, entry_rows=rows,
-                                    error=str(err)[:200]))
+                results.append(dict(case=case.name, pages=pages, warps=warps, stages=stages, error=str(err)[:200]))
                 continue
-            results.append(dict(case=case.name, pages=pages, warps=warps, stages=stages, entry_rows=rows, us=us,
-                                same=same, over_key_read=us / key_us))
-            print(f"{case.name:16s} pages {pages:2d} warps {warps} stages {stages} entry rows {rows:d}: {us:7.1f} us "
+            results.append(dict(case=case.name, pages=pages, warps=warps, stages=stages, us=us, same=same,
+                                over_key_read=us / key_us))
+            print(f"{case.name:16s} pages {pages:2d} warps {warps} stages {stages}: {us:7.1f} us "
                   f"({us / key_us:.2f}x key read){'' if same else '  DIFFERENT BITS'}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "probe_indexer_launch.json"), "w") as f:

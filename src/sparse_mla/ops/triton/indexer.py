@@ -49,12 +49,11 @@ def _index_scores_kernel(
     t0, t1, H, ratio, num_blocks, table_stride, max_pages, out_stride, num_cols,
     HP: tl.constexpr, QT: tl.constexpr, PAGES: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr,
-    ENTRY_ROWS: tl.constexpr,
 ):
     """Packed scores of one request's tile of ``QT`` tokens × ``HP`` heads against ``PAGES`` key pages, one dot per
-    page. ENTRY_ROWS puts the page's entries on the dot's rows and the (token, head) pairs on its columns, so the
-    weighted sum over heads reduces along each thread's own columns (and a few lane shuffles) instead of across the
-    warps' rows through shared memory."""
+    page. The page's entries are the dot's rows and the (token, head) pairs its columns, so the weighted sum over
+    heads reduces along each thread's own columns (and a few lane shuffles), not across the warps' rows through
+    shared memory (the other orientation: 1.4x slower on an H200, docs/history.md version 23)."""
     req = tl.program_id(0)
     tile = tl.program_id(1)
     group = tl.program_id(2)
@@ -85,14 +84,10 @@ def _index_scores_kernel(
         base = tl.where(block_ok, block, 0).to(tl.int64) * (PAGE * D)
         key_ok = e + tl.where(block_ok, 0, PAGE) < PAGE  # the block's validity as a (PAGE,) mask
         code_base = base * (D + 4) // D  # fp8 page: [PAGE × 128 codes][PAGE × float32 scales]
-        if FP8_DOT and ENTRY_ROWS:  # the codes as they are, (PAGE, 128): dims contiguous
+        if FP8_DOT:  # the codes as they are, (PAGE, 128): dims contiguous
             codes = tl.load(data_ptr + code_base + e[:, None] * D + d[None, :], mask=key_ok[:, None], other=0)
             col_scale = tl.load(scale_ptr + code_base // 4 + PAGE * D // 4 + e, mask=key_ok, other=0.0)
-            logits_t = tl.dot(codes.to(tl.float8e4nv, bitcast=True), tl.trans(q), out_dtype=tl.float32)  # (PAGE, M)
-        elif FP8_DOT:  # e4m3 q against the codes as they are: the keys loaded (128, PAGE), dims contiguous
-            codes = tl.load(data_ptr + code_base + e[None, :] * D + d[:, None], mask=key_ok[None, :], other=0)
-            col_scale = tl.load(scale_ptr + code_base // 4 + PAGE * D // 4 + e, mask=key_ok, other=0.0)
-            logits = tl.dot(q, codes.to(tl.float8e4nv, bitcast=True), out_dtype=tl.float32)  # (M, PAGE)
+            keys = codes.to(tl.float8e4nv, bitcast=True)
         else:
             if FP8:
                 raw = tl.load(data_ptr + code_base + e[:, None] * D + d[None, :], mask=key_ok[:, None], other=0)
@@ -103,16 +98,10 @@ def _index_scores_kernel(
                 keys = tl.load(data_ptr + base + e[:, None] * D + d[None, :], mask=key_ok[:, None], other=0.0)
                 keys = keys.to(tl.float32)
                 col_scale = tl.full((PAGE,), 1.0, tl.float32)
-            if ENTRY_ROWS:
-                logits_t = tl.dot(keys.to(DOT_DTYPE), tl.trans(q), out_dtype=tl.float32)  # (PAGE, M)
-            else:
-                logits = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), out_dtype=tl.float32)  # (M, PAGE)
-        if ENTRY_ROWS:
-            weighted_t = tl.maximum(logits_t * col_scale[:, None], 0.0) * w[None, :]
-            score = tl.trans(tl.sum(tl.reshape(weighted_t, (PAGE, QT, HP)), axis=2))  # (QT, PAGE)
-        else:
-            weighted = tl.maximum(logits * col_scale[None, :], 0.0) * w[:, None]
-            score = tl.sum(tl.reshape(weighted, (QT, HP, PAGE)), axis=1)  # (QT, PAGE)
+            keys = keys.to(DOT_DTYPE)
+        logits_t = tl.dot(keys, tl.trans(q), out_dtype=tl.float32)  # (PAGE, M)
+        weighted_t = tl.maximum(logits_t * col_scale[:, None], 0.0) * w[None, :]
+        score = tl.trans(tl.sum(tl.reshape(weighted_t, (PAGE, QT, HP)), axis=2))  # (QT, PAGE)
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: the packed order is the float order
         cols = page * PAGE + e
         ok = key_ok[None, :] & (cols[None, :] < visible[:, None])
@@ -217,20 +206,19 @@ def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: in
 
 
 SCORE_WARPS, SCORE_STAGES = 4, 3  # the score kernel's launch (benchmarks/probe_indexer_launch.py sweeps them)
-SCORE_ENTRY_ROWS = True  # the dot's rows are a page's entries (see the kernel)
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, step: StepTokens, out: torch.Tensor,
                  t0: int, t1: int, max_query_len: int, dot_dtype: torch.dtype, native_fp8: bool,
-                 launch: tuple[int, int, int, bool] | None = None) -> None:
+                 launch: tuple[int, int, int] | None = None) -> None:
     """Packed scores of tokens ``[t0, t1)`` into ``out[: t1 - t0]`` (``(rows, num_cols)`` int64; rows of padding
     tokens are not written). q ``(T_cap, H, 128)`` (float32 or bf16: the prepared queries), weights ``(T_cap, H)``
     float32, checked by the caller (:func:`sparse_mla.indexer.check_step_inputs`); max_query_len: an upper bound on
     any request's tokens in ``[t0, t1)`` (host int: the grid). dot_dtype: ``torch.float32`` (the interpreter),
     ``torch.bfloat16``, or ``torch.float8_e4m3fn`` (fp8 keys and e4m3 q on a target with fp8 tensor cores: the codes
     straight into the dot; :func:`dot_dtype_for`); native_fp8: the target converts e4m3 with instructions.
-    launch: ``(pages per program, warps, stages, entry rows)`` in place of :func:`launch_shape`'s pages and the
-    defaults (a probe's sweep)."""
+    launch: ``(pages per program, warps, stages)`` in place of :func:`launch_shape`'s pages and the defaults (a
+    probe's sweep)."""
     if cache.block_size != 64:
         raise ValueError(f"cache.block_size must be 64 for the Triton indexer, got {cache.block_size}")
     if out.dtype != torch.int64 or out.dim() != 2 or out.shape[0] < t1 - t0 or out.stride(1) != 1:
@@ -241,9 +229,9 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     num_reqs = step.query_start_loc.shape[0] - 1
     num_cols = out.shape[1]
     hp, qt, per_program = launch_shape(q.shape[1], max_query_len, num_reqs, num_cols)
-    warps, stages, entry_rows = SCORE_WARPS, SCORE_STAGES, SCORE_ENTRY_ROWS
+    warps, stages = SCORE_WARPS, SCORE_STAGES
     if launch is not None:
-        per_program, warps, stages, entry_rows = launch
+        per_program, warps, stages = launch
     fp8 = cache.fmt == "fp8"
     scale_view = cache.data.view(torch.float32) if fp8 else cache.data
     grid = (num_reqs, -(-max_query_len // qt), -(-num_cols // (64 * per_program)))
@@ -256,7 +244,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         t0, t1, q.shape[1], step.ratio, cache.num_blocks, step.block_table.stride(0), step.block_table.shape[1],
         out.stride(0), num_cols,
         HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
-        DOT_DTYPE=dot, FP8_DOT=fp8_dot, ENTRY_ROWS=entry_rows, num_warps=warps, num_stages=stages)
+        DOT_DTYPE=dot, FP8_DOT=fp8_dot, num_warps=warps, num_stages=stages)
 
 
 
