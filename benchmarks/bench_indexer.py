@@ -132,6 +132,17 @@ def matmul_tflops(device: torch.device, rep_ms: int) -> float:
     return 2 * n ** 3 / us / 1e6
 
 
+def _recall(picks: torch.Tensor, ref: torch.Tensor) -> float:
+    """The share of the reference's picks (``-1``: none) that ``picks`` hold, over all rows: ``(T, k)`` each."""
+    k = ref.shape[1]
+    chunk = max(1, (1 << 26) // (k * k))  # rows whose (rows, k, k) compare takes at most 64 MB
+    held = 0
+    for r in range(0, ref.shape[0], chunk):
+        want, got = ref[r:r + chunk], picks[r:r + chunk]
+        held += ((want[:, :, None] == got[:, None, :]).any(-1) & (want >= 0)).sum().item()
+    return held / max(1, int((ref >= 0).sum()))
+
+
 def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
     from sparse_mla.ops.triton import indexer as kernels
 
@@ -147,6 +158,7 @@ def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
     q_ready, w_ready = prepare_queries(q, w, batch.positions, layer.spec)
     ref = index_topk_reference(q_ready, w_ready, cache, step, case.topk)
     same = (picks.sort(1).values == ref.sort(1).values).all(1)[: batch.num_tokens].float().mean().item()
+    recall = _recall(picks[: batch.num_tokens], ref[: batch.num_tokens])
     entries = case.context // COMPRESS_RATIO[case.kind]
     key_bytes = case.batch * entries * KEY_BYTES[cache.fmt]
     flops = 2 * 128 * case.heads * case.batch * sum(  # q·k over each token's visible entries
@@ -154,7 +166,7 @@ def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
     row = dict(case=case.name, kind=case.kind, heads=case.heads, topk=case.topk, batch=case.batch,
                query_len=case.query_len, context=case.context, entries=entries, key_mb=key_bytes / 1e6,
                key_read_us=key_bytes / rate_gbs / 1e3, tensor_core_us=flops / tflops / 1e6,
-               rows_equal_reference=same)
+               rows_equal_reference=same, recall_of_reference=recall)
     del ref
     plan = layer.step_plan(meta, "triton")
     dot = plan.q.dtype  # the layer's dot operands (e4m3 where the target has fp8 tensor cores)
@@ -195,9 +207,9 @@ def results_table(result: dict) -> Table:
                   caption=f"µs, CUDA-graph replays; key read = the keys' bytes at the copy rate "
                           f"({result['copy_gbs']:.0f} GB/s, same run); TC = the q·k flops at the bf16 matmul rate "
                           f"({result['matmul_tflops']:.0f} TFLOP/s, same run); = ref: rows whose picks equal the "
-                          f"reference's")
+                          f"reference's; recall: the share of the reference's picks the layer's hold")
     for col in ("case", "keys MB", "key read", "layer", "× key read", "× TC", "prep", "scores", "top-k", "torch.topk",
-                "top-k / scores", "PyTorch", "speed-up", "= ref"):
+                "top-k / scores", "PyTorch", "speed-up", "= ref", "recall"):
         table.add_column(col, justify="left" if col == "case" else "right")
 
     def f(v, spec=".1f"):
@@ -208,7 +220,8 @@ def results_table(result: dict) -> Table:
                       f(r["layer_over_key_read"], ".2f"), f(r["layer_over_tensor_core"], ".2f"),
                       f(r.get("prep_us")), f(r.get("scores_us")), f(r.get("topk_us")), f(r.get("topk_torch_us")),
                       f(r.get("topk_share_of_scores"), ".0%"), f(r.get("torch_us")),
-                      f(r.get("speedup_vs_torch"), ".1f"), f(r["rows_equal_reference"], ".3f"))
+                      f(r.get("speedup_vs_torch"), ".1f"), f(r["rows_equal_reference"], ".3f"),
+                      f(r.get("recall_of_reference"), ".4f"))
     return table
 
 

@@ -6,8 +6,10 @@
 #   bash scripts/gpu_check.sh --help                     this text and every subset's tests
 # Every subset fits one 10-minute call on an H200; in turn they run every GPU test (docs/checks.md, "GPU tests"):
 #   bash scripts/gpu_check.sh; then GPU_TESTS=more, layers, v41, v41gluon, misc, pipeline, guards, hf, lowerings (each
-#   BENCH=none by default); then GPU_TESTS=cp on 2 GPUs (nvidia-h200-x2). GPU_TESTS=all runs the single-GPU
-#   subsets one after another: several calls' worth, for a machine without the device tool's limit.
+#   BENCH=none by default); then GPU_TESTS=cp on 2 or 4 GPUs (nvidia-h200-x2 / -x4). GPU_TESTS=all runs every
+#   single-GPU subset: one after another on one GPU (several calls' worth), spread over the GPUs where the machine
+#   has several (one queue per GPU, CUDA_VISIBLE_DEVICES; on 4 H200s one call), its table of subsets printed last.
+#   The sequence on 4 GPUs: GPU_TESTS=all GPU_WORKERS=6 bash scripts/gpu_check.sh; then GPU_TESTS=cp.
 # Environment:
 #   GPU_TESTS   a subset's name (default: default) or test paths
 #   BENCH       benchmarks/bench_$BENCH.py after the tests, with the given args (default: step for the default
@@ -169,9 +171,43 @@ run_subset() {  # run_subset NAME
     esac
 }
 
+spread_subsets() {  # every single-GPU subset, one queue per visible GPU (longest first, each to the least loaded)
+    local gpus=$1 i name
+    local -a queue load
+    # minutes each subset took on an H200 with GPU_WORKERS=6 (the order they are dealt in; a rough balance)
+    local -A minutes=([lowerings]=6 [guards]=5 [default]=5 [pipeline]=3 [more]=3 [layers]=3 [hf]=2 [misc]=2 [v41]=2
+                      [v41gluon]=1)
+    for ((i = 0; i < gpus; i++)); do queue[i]=""; load[i]=0; done
+    for name in lowerings guards default pipeline more layers hf misc v41 v41gluon; do
+        local best=0
+        for ((i = 1; i < gpus; i++)); do [ "${load[i]}" -lt "${load[best]}" ] && best=$i; done
+        queue[best]="${queue[best]} $name"
+        load[best]=$((load[best] + ${minutes[$name]}))
+    done
+    for ((i = 0; i < gpus; i++)); do
+        (export CUDA_VISIBLE_DEVICES=$i OUT="$OUT/gpu$i"; mkdir -p "$OUT"; rc=0
+         for name in ${queue[i]}; do
+             status=0; run_subset "$name" > "$OUT/subset_$name.log" 2>&1
+             echo "$name $status $(grep -Eo '[0-9]+ (passed|failed|error|errors|skipped)' "$OUT"/gpu_tests*.log \
+                 2>/dev/null | tr '\n' ' ')" >> "$OUT/../subsets.txt"
+             for f in "$OUT"/gpu_tests*.log; do [ -f "$f" ] && mv "$f" "$OUT/$name.${f##*/}"; done
+             [ "$status" -eq 0 ] || rc=1
+         done; exit $rc) &
+    done
+    wait_all=0
+    for job in $(jobs -p); do wait "$job" || wait_all=1; done
+    echo "== subsets (name, status 0 = passed, counts)"; sort "$OUT/subsets.txt"
+    return $wait_all
+}
+
 TESTS=${GPU_TESTS:-default}
 if [ "$TESTS" = all ]; then
-    for name in $SINGLE_GPU; do run_subset "$name"; done
+    gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+    if [ "$gpus" -gt 1 ]; then
+        spread_subsets "$gpus" || status=1
+    else
+        for name in $SINGLE_GPU; do run_subset "$name"; done
+    fi
     BENCH=${BENCH:-none}
 elif [ -n "$(subset_tests "$TESTS")" ]; then
     run_subset "$TESTS"

@@ -3,10 +3,11 @@ deterministic top-k, and the select.
 
 Reference and formulas: :mod:`sparse_mla.indexer`. One program takes a tile of ``QT`` query tokens of one request —
 all their heads, ``M = QT · HP`` rows (``HP`` = the heads padded to a power of two, the padding weighted 0) — and
-``PAGES`` key pages of 64 entries: per page one ``tl.dot`` of ``q (M, 128)`` against the page's keys ``(128, 64)``
-(fp8 codes, their float32 scale applied per column after the dot, DeepGEMM's ``ReLU(q·k·sf)``; or bf16 keys),
-ReLU, the head weights, the sum over each token's heads. So a decode request's keys are read once for all its
-tokens and heads.
+``PAGES`` key pages of 64 entries: per page one ``tl.dot`` of the page's keys ``(64, 128)`` against ``q (M, 128)``
+(fp8 codes or bf16 keys), ReLU, the head weights, the sum over each token's heads, then each key's float32 scale
+(DeepGEMM's ``ReLU(q·k·sf)``, the same value: the scales are positive powers of two). So a decode request's keys
+are read once for all its tokens and heads; the program's block numbers are read once, so the pipeliner keeps
+``STAGES - 1`` pages in flight.
 
 Each score is stored *packed* into an int64 with its entry: ``(order-preserving bits of the float32 score) << 32 |
 (2^32 - 1 - entry)``, so every key of a row is distinct, larger means a higher score and, among equal scores, a lower
@@ -49,6 +50,7 @@ def _index_scores_kernel(
     t0, t1, H, ratio, num_blocks, table_stride, max_pages, out_stride, num_cols,
     HP: tl.constexpr, QT: tl.constexpr, PAGES: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Packed scores of one request's tile of ``QT`` tokens × ``HP`` heads against ``PAGES`` key pages, one dot per
     page. The page's entries are the dot's rows and the (token, head) pairs its columns, so the weighted sum over
@@ -70,17 +72,23 @@ def _index_scores_kernel(
     row_ok = (row_tok < hi) & (head < H)
     q_off = (row_tok.to(tl.int64) * H + head) * D
     q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+    q_t = tl.trans(q)  # (128, M), the dot's second operand: taken once, outside the page loop
     w = tl.load(w_ptr + row_tok.to(tl.int64) * H + head, mask=row_ok, other=0.0)
     toks = tok0 + tl.arange(0, QT)
     tok_ok = toks < hi
     visible = (tl.load(positions_ptr + toks, mask=tok_ok, other=-1) + 1) // ratio  # entries each token sees
     e = tl.arange(0, PAGE)
     out_rows = (toks - t0).to(tl.int64) * out_stride
-    for j in range(PAGES):
+    # the program's block numbers in one load: a page's key address then depends on the loop index alone, so the
+    # pipeliner keeps STAGES - 1 pages' keys and scales in flight (a block number read per page made each page's
+    # keys a dependent load, issued one page ahead at best: 1.5x slower at B 128, docs/history.md version 24)
+    program_pages = group * PAGES + tl.arange(0, PAGES)
+    blocks = tl.load(table_ptr + req.to(tl.int64) * table_stride + program_pages, mask=program_pages < max_pages,
+                     other=-1)
+    for j in tl.range(PAGES, num_stages=STAGES):
         page = group * PAGES + j
-        in_table = page < max_pages
-        block = tl.load(table_ptr + req.to(tl.int64) * table_stride + page, mask=in_table, other=-1)
-        block_ok = in_table & (block >= 0) & (block < num_blocks)
+        block = tl.sum(tl.where(tl.arange(0, PAGES) == j, blocks, 0), 0)
+        block_ok = (block >= 0) & (block < num_blocks)
         base = tl.where(block_ok, block, 0).to(tl.int64) * (PAGE * D)
         key_ok = e + tl.where(block_ok, 0, PAGE) < PAGE  # the block's validity as a (PAGE,) mask
         code_base = base * (D + 4) // D  # fp8 page: [PAGE × 128 codes][PAGE × float32 scales]
@@ -99,9 +107,12 @@ def _index_scores_kernel(
                 keys = keys.to(tl.float32)
                 col_scale = tl.full((PAGE,), 1.0, tl.float32)
             keys = keys.to(DOT_DTYPE)
-        logits_t = tl.dot(keys, tl.trans(q), out_dtype=tl.float32)  # (PAGE, M)
-        weighted_t = tl.maximum(logits_t * col_scale[:, None], 0.0) * w[None, :]
-        score = tl.trans(tl.sum(tl.reshape(weighted_t, (PAGE, QT, HP)), axis=2))  # (QT, PAGE)
+        logits_t = tl.dot(keys, q_t, out_dtype=tl.float32)  # (PAGE, M)
+        # ReLU(q·k·s)·w summed over heads, the key's scale s applied after the sum: s is a positive power of two
+        # (the cache's ue8m0 scales, e4m3_gain), so s·ReLU(x) = ReLU(s·x) exactly and the product moves out of the
+        # (PAGE, M) tile (10 % of the kernel at B 128, docs/history.md version 24)
+        weighted_t = tl.maximum(logits_t, 0.0) * w[None, :]
+        score = tl.trans(tl.sum(tl.reshape(weighted_t, (PAGE, QT, HP)), axis=2) * col_scale[:, None])  # (QT, PAGE)
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: the packed order is the float order
         cols = page * PAGE + e
         ok = key_ok[None, :] & (cols[None, :] < visible[:, None])
@@ -205,7 +216,7 @@ def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: in
     return hp, qt, per_program
 
 
-SCORE_WARPS, SCORE_STAGES = 4, 3  # the score kernel's launch (benchmarks/probe_indexer_launch.py sweeps them)
+SCORE_WARPS, SCORE_STAGES = 4, 4  # the score kernel's launch (benchmarks/probe_indexer_launch.py sweeps them)
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, step: StepTokens, out: torch.Tensor,
@@ -244,7 +255,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         t0, t1, q.shape[1], step.ratio, cache.num_blocks, step.block_table.stride(0), step.block_table.shape[1],
         out.stride(0), num_cols,
         HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
-        DOT_DTYPE=dot, FP8_DOT=fp8_dot, num_warps=warps, num_stages=stages)
+        DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, num_warps=warps, num_stages=stages)
 
 
 
@@ -253,26 +264,50 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
 def _topk_rows_kernel(packed_ptr, out_ptr, stride, out_stride, num_cols, K: tl.constexpr, C: tl.constexpr,
                       KEYS: tl.constexpr):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
-    ``-1`` fill (``KEYS``: ``INT64_MIN``). The K-th largest key
-    is found bit by bit from the top (the largest ``T`` with ``count(key >= T) >= K``, keys distinct), stopping as
-    soon as exactly K keys are at or above it; then the keys at or above it are compacted in column order."""
+    ``-1`` fill (``KEYS``: ``INT64_MIN``).
+
+    The threshold is searched on the keys' high words (the scores' order bits, 32-bit compares: half the work of the
+    64-bit keys') bit by bit from the highest bit where the row's valid words differ (the bits above it are common to
+    every candidate), stopping as soon as exactly K words are at or above it. Where several keys share the
+    threshold's score, their low words (the entries: larger = lower entry) are searched the same way among them."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, C)
     key = tl.load(packed_ptr + row * stride + cols, mask=cols < num_cols, other=-9223372036854775808)
-    u = (key ^ -9223372036854775808).to(tl.uint64, bitcast=True)  # unsigned order = the keys' order; sentinel: 0
-    valid = u > 0
+    valid = key != -9223372036854775808
+    # the order bits with the sign bit flipped: unsigned order = the scores' order; a non-candidate's word is 0
+    hi = ((key >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)
     count = tl.sum(valid.to(tl.int32), 0)
-    thr = tl.full((), 1, tl.uint64)  # fewer than K candidates: every valid one
+    chosen = valid
     if count > K:
-        thr = tl.full((), 0, tl.uint64)
-        bit = 63
+        one = tl.full((), 1, tl.uint32)
+        top = tl.max(hi, 0)
+        common = top ^ tl.min(tl.where(valid, hi, tl.full((), 4294967295, tl.uint32)), 0)
+        bit = 31
+        while (bit >= 0) & (((common >> bit) & one) == 0):  # the highest bit where the valid words differ
+            bit -= 1
+        below = (tl.full((), 1, tl.uint64) << (bit + 1)) - 1
+        thr = (top.to(tl.uint64) & ~below).to(tl.uint32)  # every valid word is at or above it: count of them
         while (bit >= 0) & (count != K):
-            cand = thr | (tl.full((), 1, tl.uint64) << bit)
-            above = tl.sum((u >= cand).to(tl.int32), 0)
+            cand = thr | (one << bit)
+            above = tl.sum((hi >= cand).to(tl.int32), 0)
             thr = tl.where(above >= K, cand, thr)
             count = tl.where(above >= K, above, count)
             bit -= 1
-    chosen = (u >= thr) & valid
+        chosen = valid & (hi >= thr)
+        if count != K:  # keys tie at the threshold's score: the lowest entries among them
+            tied = valid & (hi == thr)
+            need = K - (count - tl.sum(tied.to(tl.int32), 0))
+            low = tl.where(tied, (key & 4294967295).to(tl.uint32), tl.full((), 0, tl.uint32))
+            low_thr = tl.full((), 0, tl.uint32)
+            low_count = count - (K - need)
+            low_bit = 31
+            while (low_bit >= 0) & (low_count != need):
+                cand = low_thr | (one << low_bit)
+                above = tl.sum((low >= cand).to(tl.int32), 0)
+                low_thr = tl.where(above >= need, cand, low_thr)
+                low_count = tl.where(above >= need, above, low_count)
+                low_bit -= 1
+            chosen = valid & ((hi > thr) | (tied & (low >= low_thr)))
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     fill = tl.arange(0, K)
     picked = tl.sum(chosen.to(tl.int32), 0)
@@ -284,11 +319,22 @@ def _topk_rows_kernel(packed_ptr, out_ptr, stride, out_stride, num_cols, K: tl.c
         tl.store(out_ptr + row * out_stride + fill, tl.full((K,), -1, tl.int32), mask=fill >= picked)
 
 
+def select_warps(rows: int, width: int, sms: int) -> int:
+    """The select's warps for ``rows`` rows of ``width`` (a power of two) keys on a GPU of ``sms`` SMs: at most 64
+    keys a thread (more spill), twice that many threads where the rows do not fill the SMs (a row's rounds are then
+    the launch's latency), 4 to 16. H200, 8,192 keys: 4 warps at 256 rows, 8 at 64 (docs/history.md version 24)."""
+    warps = max(4, width // 2048)
+    if rows < sms:
+        warps *= 2
+    return min(16, warps)
+
+
 def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool) -> None:
     rows, cols = packed.shape
     width = _pow2_at_least(max(cols, k))
+    warps = select_warps(rows, width, targets.target_of(packed.device).sms)
     _topk_rows_kernel[(rows,)](packed, out, packed.stride(0), out.stride(0), cols, K=k, C=width, KEYS=keys,
-                               num_warps=max(4, min(16, width // 512)))
+                               num_warps=warps)
 
 
 def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor) -> None:
