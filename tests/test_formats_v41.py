@@ -21,9 +21,10 @@ import torch
 from dense import E4M3_TABLE, dense_attention
 from test_formats import block_raw
 from sparse_mla.cache import PagedCache
+from sparse_mla.cache_views import resolve_cache_once
 from sparse_mla.formats import (FORMAT_NAMES, allocate_cache, as_paged, block_bytes, bytes_per_token,
                                 dequantize_blocks, get_format, infer_format, page_fields, quantize_blocks,
-                                resolve_cache, resolve_cache_once, write_tokens)
+                                resolve_cache, write_tokens)
 from sparse_mla.ops import dequantize_and_gather, quantize_and_insert, sparse_attention_decode
 
 V41 = ["fp8_v41", "fp8_v41_planar", "fp4_v41", "fp4_v41_planar"]

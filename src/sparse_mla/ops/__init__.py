@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ..formats import resolve_cache, resolve_cache_once
+from ..cache_views import pages_16_byte_aligned, resolve_cache_once
+from ..formats import resolve_cache
 from . import dispatch
 from .dispatch import BACKENDS, backend_for, check_backend_name
 from .merge import merge_partials
@@ -32,7 +33,7 @@ def attention_kernel(backend: str, q: torch.Tensor, cache: torch.Tensor) -> str:
         return "reference"
     paged, fmt = resolve_cache(cache)
     return dispatch.attention_kernel(q.device, q.shape[-1], frozenset({fmt.name}),
-                                     dispatch.pages_16_byte_aligned(paged),
+                                     pages_16_byte_aligned(paged),
                                      q_fp8=q.dtype == torch.float8_e4m3fn)
 
 

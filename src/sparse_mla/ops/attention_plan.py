@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 from triton.errors import TritonError
 
+from ..cache_views import pages_16_byte_aligned
 from ..env import env_value
 from . import dispatch, gluon as gluon_kernel, launch_configs, targets
-from .dispatch import pages_16_byte_aligned
 from .launch import Launch, cached_launch
 from .triton.attention import LOG2E, _combine_kernel, _sparse_mla_kernel
 from .triton.rows import latent_pieces
