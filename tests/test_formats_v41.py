@@ -461,8 +461,9 @@ def test_reference_attention_reads_v41_caches(layout):
         scopes.append((table, idx, lens))
     q = bf16(torch.randn(3, 4, 512, generator=gen))
     sink = torch.randn(4, generator=gen)
-    out, lse = sparse_attention_decode(q, caches[0], scopes[0][1], scopes[0][2], caches[1], scopes[1][1],
-                                       scopes[1][2], sink=sink, fmt=fmts[0] if layout else None, backend="reference")
+    out, lse = sparse_attention_decode(q, caches[0], scopes[0][1], scopes[0][2], extra_cache=caches[1],
+                                       extra_indices=scopes[1][1], extra_lens=scopes[1][2], sink=sink,
+                                       fmt=fmts[0] if layout else None, backend="reference")
     keys = [[table[int(i)] for table, idx, lens in scopes for i in idx[t, : lens[t]] if i >= 0] for t in range(3)]
     ref_out, ref_lse = dense_attention(q, keys, sink=sink)
     assert torch.isposinf(lse[2]).all() and (out[2] == 0).all()

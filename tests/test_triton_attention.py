@@ -196,8 +196,8 @@ def test_prefill_workspace_matches_reference(num_heads):
     lens = torch.randint(0, width + 1, (num_tokens,), generator=gen).int().to(DEVICE)
     q = torch.randn(num_tokens, num_heads, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
     sink = random_sink(gen, num_heads)
-    got = sparse_attention_prefill(q, kv, idx, lens, sink, backend="triton")
-    ref = sparse_attention_prefill(q, kv, idx, lens, sink, backend="reference")
+    got = sparse_attention_prefill(q, kv, idx, lens, sink=sink, backend="triton")
+    ref = sparse_attention_prefill(q, kv, idx, lens, sink=sink, backend="reference")
     check_close(got, ref)
 
 

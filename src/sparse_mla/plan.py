@@ -316,7 +316,7 @@ class LayerPlan:
         for chunk in workspace_plan(meta, kind, self.workspace_bytes, dim):
             ws = fill_workspace(ws_all, chunk, by_kind, self.backend, kv_scale, self.fmts)
             idx, lens = workspace_indices(meta, chunk, kept_picks)
-            sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, sink, scale, backend=self.backend,
+            sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, sink=sink, scale=scale, backend=self.backend,
                                      out=out[chunk.tokens], batch_invariant=self.batch_invariant)
 
 
