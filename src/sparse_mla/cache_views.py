@@ -82,16 +82,14 @@ _CACHES = IdentityMemo()
 
 def _entry(cache: torch.Tensor, layout: KVFormat | None, name: str, fmt_name: str
            ) -> tuple[torch.Tensor | None, KVFormat, bool, tuple]:
-    """``cache``'s entry of :data:`_CACHES`, validated (:func:`~sparse_mla.formats.resolve_cache` under the named
-    page ``layout``; its errors name ``name`` / ``fmt_name``) when the tensor is new or its stamp changed."""
-    def make() -> tuple[torch.Tensor | None, KVFormat, bool, tuple]:
-        paged, fmt = resolve_cache(cache, layout, name, fmt_name)
-        aligned = pages_16_byte_aligned(paged)
-        # a plan's launches may be bound to one cache's geometry (LayerPlan): every layer whose plan it shares has it
-        key = (fmt.name, fmt.dim, aligned, paged.shape, paged.stride(), paged.device)
-        return None if paged is cache else paged, fmt, aligned, key
-
-    return _CACHES.get(cache, (cache_stamp(cache), layout), make)
+    """``cache``'s entry of :data:`_CACHES` (made when the tensor is new or its stamp changed): validated by
+    :func:`~sparse_mla.formats.resolve_cache` under the named page ``layout``, its errors naming ``name`` /
+    ``fmt_name``."""
+    paged, fmt = resolve_cache(cache, layout, name, fmt_name)
+    aligned = pages_16_byte_aligned(paged)
+    # a plan's launches may be bound to one cache's geometry (LayerPlan): every layer whose plan it shares has it
+    key = (fmt.name, fmt.dim, aligned, paged.shape, paged.stride(), paged.device)
+    return None if paged is cache else paged, fmt, aligned, key
 
 
 def resolve_cache_once(cache: torch.Tensor, fmt: str | KVFormat | None = None,
@@ -101,12 +99,15 @@ def resolve_cache_once(cache: torch.Tensor, fmt: str | KVFormat | None = None,
     A given ``fmt`` is compared every time."""
     if not isinstance(cache, torch.Tensor):
         return resolve_cache(cache, fmt, name, fmt_name)  # raises the TypeError naming it
-    paged, found, _, _ = _entry(cache, named_layout(fmt), name, fmt_name)
+    layout = named_layout(fmt)
+    paged, found, _, _ = _CACHES.get(cache, (cache_stamp(cache), layout),
+                                     lambda: _entry(cache, layout, name, fmt_name))
     return (cache if paged is None else paged), declared_format(cache, found, fmt, name, fmt_name)
 
 
 def cache_view(cache: torch.Tensor, layout: KVFormat | None, name: str) -> CacheView:
     """The :class:`CacheView` of a cache tensor whose page layout is ``layout`` (:func:`named_layout` of its pool's
     format; None: as the tensor reads), from :data:`_CACHES` (``ValueError`` / ``TypeError`` naming ``name``)."""
-    paged, fmt, aligned, key = _entry(cache, layout, name, "fmt")
+    paged, fmt, aligned, key = _CACHES.get(cache, (cache_stamp(cache), layout),
+                                           lambda: _entry(cache, layout, name, "fmt"))
     return CacheView(cache if paged is None else paged, fmt, aligned, key)
