@@ -77,14 +77,16 @@ def run_case(c, gen, args, flash_mla, configs):
     row = dict(c, order=args.order)
     if order is not None:
         row["order_us"] = timed(lambda: longest_first(lens0, lens1), max(20, args.rep // 4))
-    ref, _ = sparse_attention_decode(qt, cache0, i0, lens0, cache1, i1, lens1, sink, scale, backend="reference")
+    ref, _ = sparse_attention_decode(qt, cache0, i0, lens0, extra_cache=cache1, extra_indices=i1, extra_lens=lens1,
+                                     sink=sink, scale=scale, backend="reference")
     results = {}
     for cfg in configs:
         ours = lambda cfg=cfg: attention_plan.run(dargs, **cfg)
-        out, _ = ours()
+        call = attention_plan.call_arguments(dargs)
+        k = attention_plan.plan_for(dargs, **cfg)(*call)  # what run launches, and the compiled attention kernel
+        out = call[1]
         err = rel(out, ref)
         assert err < 1e-2 and not out.isnan().any(), f"ours wrong on {c} {cfg}: rel err {err}"
-        k = attention_plan.LAST_COMPILED["attention"]
         results[json.dumps(cfg)] = (timed(ours, args.rep), err)
         print(f"  {cfg}: {results[json.dumps(cfg)][0]:.1f} us, regs {k.n_regs}, spills {k.n_spills}, "
               f"smem {k.metadata.shared}, wgmma {'wgmma' in k.asm['ptx']}", flush=True)

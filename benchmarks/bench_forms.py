@@ -56,13 +56,16 @@ def run_case(args, name, heads, keys, block_size, ragged, batch, gen):
     kv_scale = torch.tensor([amax / 448.0], device=device)
     caches = {fmt: (quantize_blocks(kv0, fmt, **kw), quantize_blocks(kv1, fmt, **kw))
               for fmt, kw in (("fp8_v4", {}), ("fp8_e4m3", {"kv_scale": kv_scale}))}
-    call = {fmt: (lambda fmt=fmt, kw=kw: sparse_attention_decode(q, caches[fmt][0], i0, None, caches[fmt][1], i1,
-                                                                  lens1, sink=sink, backend=args.backend, **kw))
+    call = {fmt: (lambda fmt=fmt, kw=kw: sparse_attention_decode(q, caches[fmt][0], i0, None,
+                                                                 extra_cache=caches[fmt][1], extra_indices=i1,
+                                                                 extra_lens=lens1, sink=sink, backend=args.backend,
+                                                                 **kw))
             for fmt, kw in (("fp8_v4", {}), ("fp8_e4m3", {"kv_scale": kv_scale}))}
     row = dict(case=name, heads=heads, batch=batch, tokens=q.shape[0], compressed_keys=keys,
                bytes_per_token={"fp8_v4": 584, "fp8_e4m3": 512})
-    ref = {fmt: sparse_attention_decode(q, caches[fmt][0], i0, None, caches[fmt][1], i1, lens1, sink=sink,
-                                        backend="reference", **({"kv_scale": kv_scale} if fmt == "fp8_e4m3" else {}))[0]
+    ref = {fmt: sparse_attention_decode(q, caches[fmt][0], i0, None, extra_cache=caches[fmt][1], extra_indices=i1,
+                                        extra_lens=lens1, sink=sink, backend="reference",
+                                        **({"kv_scale": kv_scale} if fmt == "fp8_e4m3" else {}))[0]
            for fmt in call}
     row["rel_err_vs_reference"] = {fmt: rel(fn()[0], ref[fmt]) for fmt, fn in call.items()}
     row["rel_err_e4m3_vs_v4"] = rel(ref["fp8_e4m3"], ref["fp8_v4"])  # the two quantisations' difference
@@ -71,8 +74,10 @@ def run_case(args, name, heads, keys, block_size, ragged, batch, gen):
         flat = torch.empty(i1.numel(), dtype=torch.int32, device=device)
         ragged_from_padded(i1, lens1, indptr, flat)
         used = int(indptr[-1])
-        call["ragged"] = lambda: sparse_attention_decode(q, caches["fp8_v4"][0], i0, None, caches["fp8_v4"][1], flat,
-                                                         None, sink=sink, backend=args.backend, extra_indptr=indptr)
+        call["ragged"] = lambda: sparse_attention_decode(q, caches["fp8_v4"][0], i0, None,
+                                                         extra_cache=caches["fp8_v4"][1], extra_indices=flat,
+                                                         extra_lens=None, sink=sink, backend=args.backend,
+                                                         extra_indptr=indptr)
         row["rel_err_vs_reference"]["ragged"] = rel(call["ragged"]()[0], ref["fp8_v4"])
         row["index_bytes"] = {"padded": (i1.numel() + lens1.numel()) * 4, "ragged_used": (used + indptr.numel()) * 4,
                               "ragged_capacity": (flat.numel() + indptr.numel()) * 4}

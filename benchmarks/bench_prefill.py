@@ -46,7 +46,7 @@ def workspace_cases(flash_mla, rep, configs, heads=(64, 128), topks=(640, 1152))
             scale = D ** -0.5
             args = prefill_args(q, kv, idx, None, sink, scale, check_ranges=False)
             sub = slice(0, 256)
-            ref = sparse_attention_prefill(q[sub], kv, idx[sub], None, sink, scale, backend="reference")[0]
+            ref = sparse_attention_prefill(q[sub], kv, idx[sub], None, sink=sink, scale=scale, backend="reference")[0]
             sweep = {}
             for cfg in configs:
                 ours = lambda cfg=cfg: attention_plan.run(args, **cfg)

@@ -86,9 +86,10 @@ except Exception as err:  # noqa: BLE001 - FlashMLA refusing a shape leaves our 
 op_calls = {
     "swa": lambda: sparse_attention_decode(q, sc.caches["swa"].data, sc.meta.swa_indices, None, sink=sink,
                                            scale=512 ** -0.5),
-    "two scopes": lambda: sparse_attention_decode(
-        q, sc.caches["swa"].data, sc.meta.swa_indices, swa_len, sc.caches["c128a"].data, sc.meta.c128a_indices,
-        c128_len, sink=sink, scale=512 ** -0.5, tokens_per_len=2),
+    "two scopes": lambda: sparse_attention_decode(q, sc.caches["swa"].data, sc.meta.swa_indices, swa_len,
+                                                  extra_cache=sc.caches["c128a"].data,
+                                                  extra_indices=sc.meta.c128a_indices, extra_lens=c128_len, sink=sink,
+                                                  scale=512 ** -0.5, tokens_per_len=2),
 }
 for case, call in op_calls.items():
     probes[f"sparse_attention_decode ({case})"] = call

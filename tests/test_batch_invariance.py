@@ -57,7 +57,8 @@ def test_a_token_alone_equals_the_same_token_in_any_batch(monkeypatch, gluon, fm
             if t < n:
                 assert torch.equal(out[t], o[0]) and torch.equal(lse[t], lse_t[0]), (n, t)
     # and it is the attention: the reference agrees
-    ref, _ = sparse_attention_decode(q, swa.data, i0, l0, comp.data, i1, l1, sink, backend="reference")
+    ref, _ = sparse_attention_decode(q, swa.data, i0, l0, extra_cache=comp.data, extra_indices=i1, extra_lens=l1,
+                                     sink=sink, backend="reference")
     got = run(slice(0, big))[0]
     assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
 

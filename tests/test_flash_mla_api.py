@@ -57,11 +57,12 @@ def reference_decode(case, scale=None):
         return None if case.get(name) is None else case[name].repeat_interleave(s_q)
 
     extra = case.get("extra_indices_in_kvcache")
-    out, lse = sparse_attention_decode(
-        case["q"].reshape(b * s_q, h, d), case["k_cache"].squeeze(2), case["indices"].reshape(b * s_q, -1),
-        lens("topk_length"), None if extra is None else case["extra_k_cache"].squeeze(2),
-        None if extra is None else extra.reshape(b * s_q, -1), lens("extra_topk_length"), case.get("attn_sink"),
-        scale, backend="reference")
+    out, lse = sparse_attention_decode(case["q"].reshape(b * s_q, h, d), case["k_cache"].squeeze(2),
+                                       case["indices"].reshape(b * s_q, -1), lens("topk_length"),
+                                       extra_cache=None if extra is None else case["extra_k_cache"].squeeze(2),
+                                       extra_indices=None if extra is None else extra.reshape(b * s_q, -1),
+                                       extra_lens=lens("extra_topk_length"), sink=case.get("attn_sink"), scale=scale,
+                                       backend="reference")
     return out.view(b, s_q, h, 512), lse.view(b, s_q, h).transpose(1, 2)
 
 
@@ -173,7 +174,7 @@ def test_prefill(d):
     idx = case["indices"][:, 0]
     idx = idx.masked_fill(idx >= case["kv"].shape[0], -1)
     ref_out, ref_lse = sparse_attention_prefill(case["q"], case["kv"][:, 0], idx, case["topk_length"],
-                                                case["attn_sink"], scale, backend="reference")
+                                                sink=case["attn_sink"], scale=scale, backend="reference")
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     want_max, want_lse = dense_prefill(case, scale)
     assert torch.isposinf(lse[3]).all() and not out[3].any()

@@ -102,11 +102,12 @@ def test_the_api_is_the_reference_op_on_the_same_bytes():
     c = case()
     out, lse = call(c, softmax_scale=0.05)
     n = B * S_Q
-    ref, ref_lse = sparse_attention_decode(
-        c["q"].reshape(n, H, 512), c["k_cache"].squeeze(2), c["indices"].reshape(n, -1),
-        c["topk_length"].repeat_interleave(S_Q), c["extra_k_cache"].squeeze(2),
-        c["extra_indices_in_kvcache"].reshape(n, -1), c["extra_topk_length"].repeat_interleave(S_Q),
-        c["attn_sink"], 0.05, backend="reference")
+    ref, ref_lse = sparse_attention_decode(c["q"].reshape(n, H, 512), c["k_cache"].squeeze(2),
+                                           c["indices"].reshape(n, -1), c["topk_length"].repeat_interleave(S_Q),
+                                           extra_cache=c["extra_k_cache"].squeeze(2),
+                                           extra_indices=c["extra_indices_in_kvcache"].reshape(n, -1),
+                                           extra_lens=c["extra_topk_length"].repeat_interleave(S_Q),
+                                           sink=c["attn_sink"], scale=0.05, backend="reference")
     assert torch.equal(out, ref.view(B, S_Q, H, 512)) and torch.equal(lse, ref_lse.view(B, S_Q, H).transpose(1, 2))
 
 

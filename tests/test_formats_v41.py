@@ -21,9 +21,10 @@ import torch
 from dense import E4M3_TABLE, dense_attention
 from test_formats import block_raw
 from sparse_mla.cache import PagedCache
+from sparse_mla.cache_views import resolve_cache_once
 from sparse_mla.formats import (FORMAT_NAMES, allocate_cache, as_paged, block_bytes, bytes_per_token,
                                 dequantize_blocks, get_format, infer_format, page_fields, quantize_blocks,
-                                resolve_cache, resolve_cache_once, write_tokens)
+                                resolve_cache, write_tokens)
 from sparse_mla.ops import dequantize_and_gather, quantize_and_insert, sparse_attention_decode
 
 V41 = ["fp8_v41", "fp8_v41_planar", "fp4_v41", "fp4_v41_planar"]
@@ -460,8 +461,9 @@ def test_reference_attention_reads_v41_caches(layout):
         scopes.append((table, idx, lens))
     q = bf16(torch.randn(3, 4, 512, generator=gen))
     sink = torch.randn(4, generator=gen)
-    out, lse = sparse_attention_decode(q, caches[0], scopes[0][1], scopes[0][2], caches[1], scopes[1][1],
-                                       scopes[1][2], sink=sink, fmt=fmts[0] if layout else None, backend="reference")
+    out, lse = sparse_attention_decode(q, caches[0], scopes[0][1], scopes[0][2], extra_cache=caches[1],
+                                       extra_indices=scopes[1][1], extra_lens=scopes[1][2], sink=sink,
+                                       fmt=fmts[0] if layout else None, backend="reference")
     keys = [[table[int(i)] for table, idx, lens in scopes for i in idx[t, : lens[t]] if i >= 0] for t in range(3)]
     ref_out, ref_lse = dense_attention(q, keys, sink=sink)
     assert torch.isposinf(lse[2]).all() and (out[2] == 0).all()

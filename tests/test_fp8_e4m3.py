@@ -161,8 +161,8 @@ def check_against_the_dense_oracle(backend: str, fp8_q: bool) -> None:
         q_in, kw = q.bfloat16(), {}
         q_val = q_in.double()
     d = [t.to(DEVICE) for t in (q_in, i0, l0, i1, l1, sink)]
-    out, lse = sparse_attention_decode(d[0], swa.data, d[1], d[2], comp.data, d[3], d[4], sink=d[5], backend=backend,
-                                       kv_scale=swa.kv_scale, **kw)
+    out, lse = sparse_attention_decode(d[0], swa.data, d[1], d[2], extra_cache=comp.data, extra_indices=d[3],
+                                       extra_lens=d[4], sink=d[5], backend=backend, kv_scale=swa.kv_scale, **kw)
     out, lse = out.cpu(), lse.cpu()
     ref_out, ref_lse = dense_attention(q_val, keys, sink=sink.double())
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
@@ -184,8 +184,8 @@ def test_scale_algebra(backend):
     q8 = (torch.randn(4, 3, 512, generator=gen) * 40).to(torch.float8_e4m3fn).to(DEVICE)
 
     def run(scale, q_scale, kv_scale):
-        return sparse_attention_decode(q8, swa.data, i0, l0, comp.data, i1, l1, backend=backend, scale=scale,
-                                       q_scale=q_scale, kv_scale=kv_scale)
+        return sparse_attention_decode(q8, swa.data, i0, l0, extra_cache=comp.data, extra_indices=i1, extra_lens=l1,
+                                       backend=backend, scale=scale, q_scale=q_scale, kv_scale=kv_scale)
 
     base_out, base_lse = run(0.07, 0.125, 0.05)
     out, lse = run(0.035, 0.25, 0.05)

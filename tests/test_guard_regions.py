@@ -157,7 +157,8 @@ def test_attention_two_scopes_split(gluon):
     out, lse = run_attention(q, sink, 0.05, c0.t, i0.t, l0.t, 2, gluon, extra_cache=c1.t, extra_indices=i1.t,
                              extra_lens=l1.t)
     assert all(g.intact() for g in (out, lse, q, sink, c0, i0, l0, c1, i1, l1))
-    ref = sparse_attention_decode(q.t, c0.t, clean0, lens0, c1.t, clean1, lens1, sink.t, 0.05, backend="reference")
+    ref = sparse_attention_decode(q.t, c0.t, clean0, lens0, extra_cache=c1.t, extra_indices=clean1, extra_lens=lens1,
+                                  sink=sink.t, scale=0.05, backend="reference")
     assert_rows_match(out, lse, *ref, list(range(num_tokens)))
 
 

@@ -148,16 +148,16 @@ def test_decode_forms_match_the_padded_form_and_the_dense_oracle(backend, case):
     sink = torch.tensor([0.5, float("-inf")])
     # batch-invariant: the splits cut each token's list by its own length, so the forms' different widths (which
     # the default split count depends on) cannot change the rounding: the forms agree bitwise on Triton
-    padded = sparse_attention_decode(q, swa.data, i0, l0, comp.data, i1, l1, sink=sink, backend=backend,
-                                     batch_invariant=True)
+    padded = sparse_attention_decode(q, swa.data, i0, l0, extra_cache=comp.data, extra_indices=i1, extra_lens=l1,
+                                     sink=sink, backend=backend, batch_invariant=True)
 
     p0, f0 = to_ragged(i0, l0)
     p1, f1 = to_ragged(i1, l1)
-    ragged = sparse_attention_decode(q, swa.data, f0, None, comp.data, f1, None, sink=sink, backend=backend,
-                                     indptr=p0, extra_indptr=p1, batch_invariant=True)
+    ragged = sparse_attention_decode(q, swa.data, f0, None, extra_cache=comp.data, extra_indices=f1, extra_lens=None,
+                                     sink=sink, backend=backend, indptr=p0, extra_indptr=p1, batch_invariant=True)
     assert_same(ragged, padded, exact=backend == "triton")
-    mixed = sparse_attention_decode(q, swa.data, i0, l0, comp.data, f1, None, sink=sink, backend=backend,
-                                    extra_indptr=p1, batch_invariant=True)
+    mixed = sparse_attention_decode(q, swa.data, i0, l0, extra_cache=comp.data, extra_indices=f1, extra_lens=None,
+                                    sink=sink, backend=backend, extra_indptr=p1, batch_invariant=True)
     assert_same(mixed, padded, exact=backend == "triton")
 
     width = case["w0"] + i1.shape[1]
@@ -202,12 +202,14 @@ def test_step_metadata_through_every_form(backend):
     sink = torch.tensor([0.0, 1.0])
 
     # c128a: ragged and combined
-    padded = sparse_attention_decode(q, swa.data, meta.swa_indices, meta.swa_lens, comp.data, meta.c128a_indices,
-                                     meta.c128a_lens, sink=sink, backend=backend)
+    padded = sparse_attention_decode(q, swa.data, meta.swa_indices, meta.swa_lens, extra_cache=comp.data,
+                                     extra_indices=meta.c128a_indices, extra_lens=meta.c128a_lens, sink=sink,
+                                     backend=backend)
     p0, f0 = to_ragged(meta.swa_indices, meta.swa_lens)
     p1, f1 = to_ragged(meta.c128a_indices, meta.c128a_lens)
-    assert_same(sparse_attention_decode(q, swa.data, f0, None, comp.data, f1, None, sink=sink, backend=backend,
-                                        indptr=p0, extra_indptr=p1), padded, exact=backend == "triton")
+    assert_same(sparse_attention_decode(q, swa.data, f0, None, extra_cache=comp.data, extra_indices=f1,
+                                        extra_lens=None, sink=sink, backend=backend, indptr=p0, extra_indptr=p1),
+                padded, exact=backend == "triton")
     width = window + meta.c128a_indices.shape[1]
     comb, comb_lens = torch.empty(T, width, dtype=torch.int32), torch.empty(T, dtype=torch.int32)
     combined_from_padded(meta.swa_indices, meta.swa_lens, meta.c128a_indices, meta.c128a_lens, comb, comb_lens)
@@ -223,8 +225,8 @@ def test_step_metadata_through_every_form(backend):
                         local, meta.swa_indices, meta.swa_lens, comb4, lens4, kept)
     c4a_idx, c4a_lens = meta.c4a_indices(local)
     assert torch.equal(comb4[:, window:], c4a_idx) and torch.equal(kept, meta.picks_local)
-    padded4 = sparse_attention_decode(q, swa.data, meta.swa_indices, meta.swa_lens, c4a.data, c4a_idx, c4a_lens,
-                                      sink=sink, backend=backend)
+    padded4 = sparse_attention_decode(q, swa.data, meta.swa_indices, meta.swa_lens, extra_cache=c4a.data,
+                                      extra_indices=c4a_idx, extra_lens=c4a_lens, sink=sink, backend=backend)
     assert_same(sparse_attention_decode(q, swa.data, comb4, lens4, extra_cache=c4a.data, sink=sink, backend=backend,
                                         combined_window=window), padded4, exact=False)
 
@@ -271,9 +273,10 @@ def test_long_c128a_rows_in_ragged_form(backend):
     idx = torch.where(torch.arange(1024)[None, :] < lens[:, None], idx, -1).int()
     swa_idx, swa_lens = padded_rows(gen, 3, 128, swa.num_slots, "random", repeat=False)
     q = torch.randn(3, 2, 512, generator=gen).bfloat16()
-    padded = sparse_attention_decode(q, swa.data, swa_idx, swa_lens, comp.data, idx, lens, backend=backend)
+    padded = sparse_attention_decode(q, swa.data, swa_idx, swa_lens, extra_cache=comp.data, extra_indices=idx,
+                                     extra_lens=lens, backend=backend)
     indptr, flat = to_ragged(idx, lens, spare=0)
     assert flat.shape == (1541,) and indptr.tolist() == [0, 1024, 1024, 1541]
-    ragged = sparse_attention_decode(q, swa.data, swa_idx, swa_lens, comp.data, flat, None, backend=backend,
-                                     extra_indptr=indptr)
+    ragged = sparse_attention_decode(q, swa.data, swa_idx, swa_lens, extra_cache=comp.data, extra_indices=flat,
+                                     extra_lens=None, backend=backend, extra_indptr=indptr)
     assert_same(ragged, padded, exact=backend == "triton")

@@ -215,7 +215,7 @@ def test_a_launch_goes_direct_after_its_first_call_with_the_installed_launchers_
     run = launch.Launch(kernel, {"BLOCK": 64}, {"num_warps": 4})
     x = _CudaArg()
     assert run((4, 2), x, 7) is binary and len(jit_calls) == 1 and not calls  # compiled through the JIT
-    assert run((4, 2), x, 7) is None and len(jit_calls) == 1  # then direct
+    assert run((4, 2), x, 7) is binary and len(jit_calls) == 1  # then direct (returning the binary it launched)
     named, kernel_args = _by_slot(calls[0])
     assert (named["gridX"], named["gridY"], named["gridZ"], named["stream"]) == (4, 2, 1, 0x5EA)
     assert (named["function"], named["kernel_metadata"]) == (0xF00, (4, 1, 1024))

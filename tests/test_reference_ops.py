@@ -252,7 +252,7 @@ def test_prefill_matches_dense(dim, num_tokens, num_heads, num_rows, width, sink
     idx, lens = make_indices(gen, live, num_tokens, width, feats)
     q = torch.randn(num_tokens, num_heads, dim, generator=gen).to(torch.bfloat16)
     sink = make_sink(sink_kind, num_heads, gen)
-    out, lse = sparse_attention_prefill(q, kv, idx, lens, sink, scale, backend="reference")
+    out, lse = sparse_attention_prefill(q, kv, idx, lens, sink=sink, scale=scale, backend="reference")
     keys, valid = keys_from_tables([(kv.double(), idx, lens)], num_tokens)
     ref_out, ref_lse = dense_attention(q, keys, valid, sink, scale)
     check_against_dense(out, lse, ref_out, ref_lse)
@@ -287,7 +287,7 @@ def test_prefill_input_checks():
     ]:
         args = dict(q=q, kv=kv, idx=idx, lens=None, sink=None) | kwargs
         with pytest.raises(ValueError, match=match):
-            sparse_attention_prefill(args["q"], args["kv"], args["idx"], args["lens"], args["sink"],
+            sparse_attention_prefill(args["q"], args["kv"], args["idx"], args["lens"], sink=args["sink"],
                                      backend="reference")
 
 

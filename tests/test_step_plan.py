@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import SINK_CHANGES, repoint_sink
-from sparse_mla import formats
+from sparse_mla import cache_views
 from sparse_mla import plan as plan_module
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
 from sparse_mla.cache import PagedCache
@@ -92,13 +92,23 @@ def test_one_plan_per_step_and_configuration(monkeypatch):
 
 def test_caches_are_validated_once_per_tensor(monkeypatch):
     calls = []
-    real = formats.resolve_cache
-    monkeypatch.setattr(formats, "resolve_cache", lambda *a: calls.append(a[2]) or real(*a))
+    real = cache_views.resolve_cache
+    monkeypatch.setattr(cache_views, "resolve_cache", lambda *a: calls.append(a[2]) or real(*a))
     cache = PagedCache(4, 4, "fp8_v4")
     first = plan_module.resolve_cache_arg(cache, "caches['swa']")
     assert plan_module.resolve_cache_arg(cache, "caches['swa']") == first and len(calls) == 1
     cache.data = cache.data[:2]  # another view: validated again
     assert plan_module.resolve_cache_arg(cache, "caches['swa']").tensor.shape[0] == 2 and len(calls) == 2
+    # the ops read the same memo: a tensor a layer validated is not validated again, and a declared fmt is compared
+    assert cache_views.resolve_cache_once(cache.data, "fp8_v4")[1].name == "fp8_v4" and len(calls) == 2
+    with pytest.raises(ValueError, match="holds fp8_v4 data"):
+        cache_views.resolve_cache_once(cache.data, "fp8_v32")
+    tensor = torch.zeros(2, 4, 512, dtype=torch.bfloat16)
+    assert cache_views.resolve_cache_once(tensor)[1].name == "bf16" and len(calls) == 3
+    assert plan_module.resolve_cache_arg(tensor, "caches['swa']").fmt.name == "bf16" and len(calls) == 3
+    tensor.set_(torch.zeros(3, 4, 512, dtype=torch.bfloat16))  # re-pointed in place: validated again
+    assert cache_views.resolve_cache_once(tensor)[0].shape[0] == 3 and len(calls) == 4
+    assert plan_module.resolve_cache_arg(tensor, "caches['swa']").tensor.shape[0] == 3 and len(calls) == 4
     with pytest.raises(TypeError, match=r"caches\['swa'\] must be a PagedCache or a paged cache tensor, got str"):
         plan_module.resolve_cache_arg("cache", "caches['swa']")
 
@@ -282,7 +292,7 @@ def test_bound_layer_launches_equal_the_planned_ones(monkeypatch, invariant):
 def test_identity_memo_remakes_on_a_new_stamp_and_forgets_dead_objects():
     import gc
 
-    from sparse_mla.formats import IdentityMemo
+    from sparse_mla.cache_views import IdentityMemo
 
     memo, made = IdentityMemo(), []
     t = torch.zeros(3)

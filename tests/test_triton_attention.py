@@ -196,8 +196,8 @@ def test_prefill_workspace_matches_reference(num_heads):
     lens = torch.randint(0, width + 1, (num_tokens,), generator=gen).int().to(DEVICE)
     q = torch.randn(num_tokens, num_heads, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
     sink = random_sink(gen, num_heads)
-    got = sparse_attention_prefill(q, kv, idx, lens, sink, backend="triton")
-    ref = sparse_attention_prefill(q, kv, idx, lens, sink, backend="reference")
+    got = sparse_attention_prefill(q, kv, idx, lens, sink=sink, backend="triton")
+    ref = sparse_attention_prefill(q, kv, idx, lens, sink=sink, backend="reference")
     check_close(got, ref)
 
 
@@ -349,7 +349,7 @@ def test_fp8_cache_off_a_4_byte_boundary_is_rejected(fmt, dim):
 def test_cache_off_a_16_byte_boundary_gives_the_same_attention(fmt, shift):
     """A cache whose pages start off a 16-byte boundary (on a 4-byte one for fp8) is read correctly: the Hopper
     kernel copies with 16-byte cp.async, so it leaves such caches to the Triton kernel."""
-    from sparse_mla.ops.dispatch import pages_16_byte_aligned
+    from sparse_mla.cache_views import pages_16_byte_aligned
 
     gen = torch.Generator().manual_seed(32)
     num_tokens, width, num_heads = SIZE["aligned"]

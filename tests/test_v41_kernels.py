@@ -265,7 +265,8 @@ def test_bad_pairings_reach_no_kernel():
     raw = torch.zeros(2 * 2200 + 4 * 528, dtype=torch.uint8, device=DEVICE)
     odd = torch.as_strided(raw, (2, 4, 528), (2200, 528, 1))
     with pytest.raises(ValueError, match=r"extra_cache stride\(0\) = 2200 is not a whole number of 528-byte rows"):
-        sparse_attention_decode(q, cache, idx, lens, odd, idx, lens, backend="triton")
+        sparse_attention_decode(q, cache, idx, lens, extra_cache=odd, extra_indices=idx, extra_lens=lens,
+                                backend="triton")
     with pytest.raises(ValueError, match=r"cache stride\(0\) = 2200 is not a whole number of 528-byte rows"):
         quantize_and_insert(torch.zeros(1, 512, dtype=torch.bfloat16, device=DEVICE), odd,
                             torch.zeros(1, dtype=torch.int32, device=DEVICE), backend="triton")

@@ -33,7 +33,8 @@ from ._checks import check_tensor
 from .cache import PagedCache
 from .compress_metadata import CompressMetadata
 from .compress_state import OVERLAP_RATIO, REPEATABLE_STEP_TOKENS, CompressorStatePool, window_slots
-from .formats import KVFormat, resolve_cache_once
+from .cache_views import resolve_cache_once
+from .formats import KVFormat
 from .index_keys import insert_index_keys
 from .indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from .ops import quantize_and_insert

@@ -377,7 +377,7 @@ def flash_mla_sparse_fwd(
         # the reference raises on out-of-range rows, the GPU kernels skip them; FlashMLA skips them
         idx = idx.masked_fill((idx < 0) | (idx >= keys.shape[0]), -1)
     try:
-        out, lse = sparse_attention_prefill(q, keys, idx, topk_length, attn_sink, sm_scale, backend="auto")
+        out, lse = sparse_attention_prefill(q, keys, idx, topk_length, sink=attn_sink, scale=sm_scale, backend="auto")
     except ValueError as err:
         raise _renamed(err, "prefill") from err
     if return_log2_lse is False:

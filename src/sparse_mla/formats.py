@@ -50,7 +50,6 @@ says where each slice of the record lives inside a page, so the record never nee
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -354,11 +353,11 @@ def resolve_cache(cache: torch.Tensor, fmt: str | KVFormat | None = None,
     """Infer a cache's format, check it against ``fmt`` when given, and validate its layout. ``fmt`` also picks
     the page layout of a V4.1 cache (``"fp8_v41_planar"``: its bytes read as page-planar). ``name`` / ``fmt_name``:
     the arguments the errors name."""
-    found = _declared_format(cache, infer_format(cache, name), fmt, name, fmt_name)
+    found = declared_format(cache, infer_format(cache, name), fmt, name, fmt_name)
     return as_paged(cache, found, name), found
 
 
-def _declared_format(cache: torch.Tensor, found: KVFormat, fmt: str | KVFormat | None, name: str,
+def declared_format(cache: torch.Tensor, found: KVFormat, fmt: str | KVFormat | None, name: str,
                      fmt_name: str = "fmt") -> KVFormat:
     """The format of a cache whose tensor reads as ``found``: ``fmt`` when it is ``found`` or the same encoding in
     the other page layout, ``found`` when ``fmt`` is None; ``ValueError`` when ``fmt`` is another format."""
@@ -610,64 +609,3 @@ def dequantize_blocks(cache: torch.Tensor, fmt: str | KVFormat | None = None,
     scale = check_kv_scale(kv_scale, cache.device) if f.per_tensor else None
     blocks, offsets = _block_grid(nb, bs, cache.device)
     return read_tokens(cache, f, blocks, offsets, scale).to(torch.bfloat16).view(nb, bs, f.dim)
-
-
-class IdentityMemo:
-    """Values derived from objects, remembered per live object (by identity) and made again when the object's
-    ``stamp`` changes: a cheap lookup (an ``id``, a dict, a weak reference) for what is checked once per object."""
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple] = {}
-
-    def get(self, obj: object, stamp: object, make):
-        """The value remembered for ``obj`` under ``stamp``, else ``make()`` (remembered if it returns). The value
-        must not hold ``obj`` itself: the entry would then keep ``obj`` alive."""
-        key = id(obj)
-        hit = self._entries.get(key)
-        if hit is not None and hit[1] == stamp and hit[0]() is obj:
-            return hit[2]
-        value = make()
-        entries = self._entries
-        # the entry leaves with its object (the callback runs before the id can be reused)
-        self._entries[key] = (weakref.ref(obj, lambda _, key=key: entries.pop(key, None)), stamp, value)
-        return value
-
-
-_RESOLVED = IdentityMemo()  # cache tensor -> (paged view, format)
-
-
-def resolve_cache_once(cache: torch.Tensor, fmt: str | KVFormat | None = None,
-                       name: str = "cache", fmt_name: str = "fmt") -> tuple[torch.Tensor, KVFormat]:
-    """:func:`resolve_cache`, remembered per cache tensor: a tensor seen before with the same data pointer,
-    shape, strides and dtype (and the same named page layout, see :func:`named_layout`) is not validated again
-    (caches live for the whole serving run; the per-call checks of the ops and layers then cost a dictionary
-    lookup). A given ``fmt`` is compared every time."""
-    if not isinstance(cache, torch.Tensor):
-        return resolve_cache(cache, fmt, name, fmt_name)  # raises the TypeError naming it
-    layout = named_layout(fmt)
-    paged, found = _RESOLVED.get(cache, (cache_stamp(cache), layout),
-                                 lambda: _resolved_entry(cache, layout, name, fmt_name))
-    found = _declared_format(cache, found, fmt, name, fmt_name)
-    return (cache if paged is None else paged), found
-
-
-def named_layout(fmt: str | KVFormat | None) -> KVFormat | None:
-    """``fmt``'s format when it names a page layout other than the one its cache tensors read as (the page-planar
-    V4.1 formats), else None: what, besides the tensor, the validation of a cache depends on."""
-    if fmt is None:
-        return None
-    f = get_format(fmt)
-    return f if f.name != f.encoding else None
-
-
-def cache_stamp(cache: torch.Tensor) -> tuple:
-    """What a cache tensor's validation depends on besides its identity: data pointer, shape, strides and dtype
-    (the :class:`IdentityMemo` stamp of every memo of validated caches)."""
-    return cache.data_ptr(), cache.shape, cache.stride(), cache.dtype
-
-
-def _resolved_entry(cache: torch.Tensor, layout: KVFormat | None, name: str, fmt_name: str
-                    ) -> tuple[torch.Tensor | None, KVFormat]:
-    """:func:`resolve_cache`'s result as the memo keeps it: None for a paged view that is the cache itself."""
-    paged, found = resolve_cache(cache, layout, name, fmt_name)
-    return (None if paged is cache else paged), found

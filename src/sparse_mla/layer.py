@@ -11,7 +11,8 @@ from ._checks import check_kv_scale, check_scale, check_sink, check_tensor, is_i
 from .cache import PagedCache
 from .config import COMPRESS_RATIO, LAYER_KINDS, PICKS_KINDS, check_scope_formats
 from .context_parallel import PartialsGather, RankStepMetadata
-from .formats import FORMAT_NAMES, cache_stamp
+from .cache_views import cache_stamp
+from .formats import FORMAT_NAMES
 from .index_forms import check_index_form
 from .metadata import StepMetadata
 from .ops.dispatch import check_backend_name

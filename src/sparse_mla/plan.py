@@ -6,12 +6,12 @@ index lists each part of the batch reads, which implementation runs (:mod:`spars
 kernels' grids, splits, scratch buffers and decode orders. A call then only checks its tensors' attributes and
 launches.
 
-Caches are validated once per cache tensor, not once per call (``formats.resolve_cache_once``).
+Caches are validated once per cache tensor, not once per call (:mod:`sparse_mla.cache_views`).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 
@@ -19,11 +19,11 @@ from . import index_forms
 from ._checks import check_kv_scale, check_sink
 from .batch import StepBatch
 from .cache import PagedCache
+from .cache_views import CacheView, IdentityMemo, cache_view, named_layout
 from .config import PICKS_KINDS
-from .formats import IdentityMemo, KVFormat, cache_stamp, named_layout, resolve_cache_once
 from .metadata import MetadataSpec
 from .ops import sparse_attention_decode, sparse_attention_prefill
-from .ops.dispatch import pages_16_byte_aligned, resolve_backend
+from .ops.dispatch import resolve_backend
 from .ops.launch import BindOnce
 from .ops.validate import debug_checks_enabled, graph_capturing
 from .picks import step_picks
@@ -32,33 +32,16 @@ from .workspace import fill_workspace, shared_workspace, workspace_indices, work
 PREFILL_MODES = ("paged", "workspace", "mixed")
 
 
-class CacheView(NamedTuple):
-    """A validated paged cache: the ``(num_blocks, block_size, token_bytes)`` tensor, its format, and whether
-    its base and page stride are 16-byte aligned. ``key`` is what a plan depends on. kv_scale: an fp8_e4m3
-    :class:`PagedCache`'s ``(1,)`` float32 scale (None for the other formats)."""
-
-    tensor: torch.Tensor
-    fmt: KVFormat
-    aligned: bool
-    key: tuple
-    kv_scale: torch.Tensor | None = None
-
-
-_VIEWS = IdentityMemo()  # cache tensor -> its CacheView's fields but the tensor (see _view): one lookup per cache
-
-
 def resolve_cache_arg(cache: object, name: str) -> CacheView:
-    """A :class:`PagedCache` or paged cache tensor, validated once per tensor (``formats.resolve_cache_once``; seen
-    again with the same :func:`~sparse_mla.formats.cache_stamp`, it costs one memo lookup). A PagedCache's format
-    names its page layout (a page-planar V4.1 pool's bytes do not read as its tensor's rows)."""
+    """A :class:`PagedCache` or paged cache tensor, validated once per tensor (:func:`.cache_views.cache_view`; seen
+    again with the same :func:`~sparse_mla.cache_views.cache_stamp`, it costs one memo lookup), with a PagedCache's
+    kv_scale (fp8_e4m3). A PagedCache's format names its page layout (a page-planar V4.1 pool's bytes do not read as
+    its tensor's rows)."""
     tensor = cache.data if isinstance(cache, PagedCache) else cache
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a PagedCache or a paged cache tensor, got {type(cache).__name__}")
-    layout = named_layout(cache.fmt) if isinstance(cache, PagedCache) else None
-    paged, fmt, aligned, key, per_tensor = _VIEWS.get(tensor, (cache_stamp(tensor), layout),
-                                                      lambda: _view(tensor, name, layout))
-    view = CacheView(tensor if paged is None else paged, fmt, aligned, key)
-    if per_tensor:  # the pool's scale, read per call (PagedCache.kv_scale may be replaced)
+    view = cache_view(tensor, named_layout(cache.fmt) if isinstance(cache, PagedCache) else None, name)
+    if view.fmt.per_tensor:  # the pool's scale, read per call (PagedCache.kv_scale may be replaced)
         kv_scale = getattr(cache, "kv_scale", None)
         if kv_scale is None:
             raise ValueError(f"{name} is an fp8_e4m3 cache tensor: pass its PagedCache, which keeps the cache's "
@@ -83,18 +66,6 @@ def check_cache_kv_scale(kv_scale: torch.Tensor, device: torch.device, name: str
     # the memo keeps True, not what check_kv_scale returns (the tensor itself, which the entry must not hold)
     _CHECKED_SCALES.get(kv_scale, (device, capturing),
                         lambda: check_kv_scale(kv_scale, device, name, values=not capturing) is not None)
-
-
-def _view(tensor: torch.Tensor, name: str, layout: KVFormat | None = None
-          ) -> tuple[torch.Tensor | None, KVFormat, bool, tuple, bool]:
-    """A validated cache tensor's :class:`CacheView` fields as :data:`_VIEWS` keeps them: the paged view (None when
-    it is the tensor itself: the memo holds no reference to its key), format, alignment, plan key, and whether the
-    format is per-tensor scaled."""
-    paged, fmt = resolve_cache_once(tensor, layout, name)
-    aligned = pages_16_byte_aligned(paged)
-    # a plan's launches may be bound to one cache's geometry (LayerPlan): every layer whose plan it shares has it
-    key = (fmt.name, fmt.dim, aligned, paged.shape, paged.stride(), paged.device)
-    return None if paged is tensor else paged, fmt, aligned, key, fmt.per_tensor
 
 
 def layer_kv_scale(views: dict[str, CacheView]) -> torch.Tensor | None:
@@ -345,7 +316,7 @@ class LayerPlan:
         for chunk in workspace_plan(meta, kind, self.workspace_bytes, dim):
             ws = fill_workspace(ws_all, chunk, by_kind, self.backend, kv_scale, self.fmts)
             idx, lens = workspace_indices(meta, chunk, kept_picks)
-            sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, sink, scale, backend=self.backend,
+            sparse_attention_prefill(q[chunk.tokens], ws, idx, lens, sink=sink, scale=scale, backend=self.backend,
                                      out=out[chunk.tokens], batch_invariant=self.batch_invariant)
 
 

@@ -204,9 +204,9 @@ def kernel_checks(device: torch.device, seed: int = 0, progress: Progress = lamb
     lens = torch.randint(0, 25, (5,), generator=gen).int().to(device)
     q = torch.randn(5, 3, 512, generator=gen).to(torch.bfloat16).to(device)
     sink = random_sink(gen, 3, device)
-    checks.append(_attention_check("prefill, bf16 workspace", sparse_attention_prefill(q, kv, idx, lens, sink,
-                                                                                         backend="triton"),
-                                   sparse_attention_prefill(q, kv, idx, lens, sink, backend="reference")))
+    checks.append(_attention_check("prefill, bf16 workspace",
+                                   sparse_attention_prefill(q, kv, idx, lens, sink=sink, backend="triton"),
+                                   sparse_attention_prefill(q, kv, idx, lens, sink=sink, backend="reference")))
 
     progress("kernel: token order")
     from .ops.triton import index as triton_index
@@ -334,8 +334,10 @@ def flashmla_case(num_heads: int, extra_topk: int, extra_block: int, ragged: boo
         idx0.view(b, s_q, -1), sink, cache1.unsqueeze(2), idx1.view(b, s_q, -1), None,
         lens1 if ragged else None, use_legacy=True)
     lens_tok = lens1.repeat_interleave(s_q)
-    ref, _ = sparse_attention_decode(q, cache0, idx0, None, cache1, idx1, lens_tok, sink, scale, backend="reference")
-    ours, _ = sparse_attention_decode(q, cache0, idx0, None, cache1, idx1, lens_tok, sink, scale, backend="triton")
+    ref, _ = sparse_attention_decode(q, cache0, idx0, None, extra_cache=cache1, extra_indices=idx1, extra_lens=lens_tok,
+                                     sink=sink, scale=scale, backend="reference")
+    ours, _ = sparse_attention_decode(q, cache0, idx0, None, extra_cache=cache1, extra_indices=idx1,
+                                      extra_lens=lens_tok, sink=sink, scale=scale, backend="triton")
     return fm_out.reshape(b * s_q, num_heads, 512), ref, ours
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ..formats import resolve_cache, resolve_cache_once
+from ..cache_views import pages_16_byte_aligned, resolve_cache_once
+from ..formats import resolve_cache
 from . import dispatch
 from .dispatch import BACKENDS, backend_for, check_backend_name
 from .merge import merge_partials
@@ -32,7 +33,7 @@ def attention_kernel(backend: str, q: torch.Tensor, cache: torch.Tensor) -> str:
         return "reference"
     paged, fmt = resolve_cache(cache)
     return dispatch.attention_kernel(q.device, q.shape[-1], frozenset({fmt.name}),
-                                     dispatch.pages_16_byte_aligned(paged),
+                                     pages_16_byte_aligned(paged),
                                      q_fp8=q.dtype == torch.float8_e4m3fn)
 
 
@@ -41,6 +42,7 @@ def sparse_attention_decode(
     cache: torch.Tensor,
     indices: torch.Tensor,
     lens: torch.Tensor | None = None,
+    *,
     extra_cache: torch.Tensor | None = None,
     extra_indices: torch.Tensor | None = None,
     extra_lens: torch.Tensor | None = None,
@@ -51,7 +53,6 @@ def sparse_attention_decode(
     out: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
     batch_invariant: bool = False,
-    *,
     indptr: torch.Tensor | None = None,
     extra_indptr: torch.Tensor | None = None,
     combined_window: int | None = None,
@@ -72,7 +73,7 @@ def sparse_attention_decode(
     fmt: the caches' format name (``"fp8_v4"``, ``"bf16"``, ``"fp8_v32"``, ``"fp8_e4m3"``, ``"fp8_v41"``, ...),
     optional: the format is inferred from each cache's dtype and last axis, and a given ``fmt`` is checked against it.
     A page-planar V4.1 cache (``"fp8_v41_planar"``, ``"fp4_v41_planar"``) reads as token-interleaved unless named.
-    extra_fmt (keyword): ``extra_cache``'s format name alone; ``fmt`` then names ``cache``'s alone. None (the
+    extra_fmt: ``extra_cache``'s format name alone; ``fmt`` then names ``cache``'s alone. None (the
     default): ``fmt`` declares both caches (or neither). Needed where the caches' page-planar formats differ, e.g.
     ``fmt="fp8_v41_planar", extra_fmt="fp4_v41_planar"`` (a V4.1 layer's window and fp4 compressed caches as vLLM
     pages them). Any two formats of one width are read (a layer's pairs are fewer: ``config.check_scope_formats``);
@@ -161,11 +162,11 @@ def sparse_attention_prefill(
     kv: torch.Tensor,
     indices: torch.Tensor,
     lens: torch.Tensor | None = None,
+    *,
     sink: torch.Tensor | None = None,
     scale: float | None = None,
     backend: str = "auto",
     out: torch.Tensor | None = None,
-    *,
     indptr: torch.Tensor | None = None,
     batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,13 +16,13 @@ import triton
 import triton.language as tl
 from triton.errors import TritonError
 
+from ..cache_views import pages_16_byte_aligned
 from ..env import env_value
 from . import dispatch, gluon as gluon_kernel, launch_configs, targets
-from .dispatch import pages_16_byte_aligned
 from .launch import Launch, cached_launch
-from .triton.attention import LOG2E, _combine_kernel, _sparse_mla_kernel
+from .triton.attention import _combine_kernel, _sparse_mla_kernel
 from .triton.rows import latent_pieces
-from .validate import D_V, AttentionArgs
+from .validate import D_V, LOG2E, AttentionArgs
 
 def num_sms(device: torch.device, target: targets.Target | None = None) -> int:
     """The SMs (compute units) of ``device``; on the CPU, ``target``'s (:attr:`.targets.Target.sms`: a plan made for
@@ -82,9 +82,6 @@ def choose_splits(num_tokens: int, num_heads: int, head_blocks: int, max_blocks:
 # depends on its own lists alone. 32 blocks = 2048 keys: every V4 row (at most 128 + 1024 keys) and V3.2 row (top-k
 # 2048) is one split (at 16 blocks V4-Pro's rows were two).
 INVARIANT_SPLIT_BLOCKS = 32
-
-
-LAST_COMPILED: dict[str, object] = {}  # the last JIT-launched attention kernel, for register/spill reports
 
 
 def _launch(kernel_name: str, constexprs: tuple, options: tuple) -> Launch:
@@ -212,16 +209,17 @@ class AttentionPlan:
     def __call__(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None,
                  scale: float, caches: tuple[torch.Tensor, ...], indices: tuple[torch.Tensor, ...],
                  lens: tuple[torch.Tensor, ...], order: torch.Tensor | None, q_scale: torch.Tensor | None = None,
-                 kv_scale: torch.Tensor | None = None) -> None:
+                 kv_scale: torch.Tensor | None = None) -> object | None:
         """Launch on ``q (T, H, d)`` with unit-stride rows into ``out (T, H, 512)`` (contiguous) and ``lse (T, H)``
         float32; per scope a paged cache, its index rows ``(T, width)`` (unit stride along a row) and lens
         ``(T,)`` (contiguous) — a ragged scope its flat ``(capacity,)`` list and its ``indptr (T+1,)`` in their
         place, a combined index's two scopes its column ranges ``[:, :W]`` / ``[:, W:]`` and the row lens twice;
         ``order (T,)`` int32 when planned with one; ``q_scale`` (an fp8 q) / ``kv_scale`` (fp8_e4m3 caches):
-        ``(1,)`` float32."""
+        ``(1,)`` float32. Returns the attention kernel's compiled binary (for register and spill reports: ``n_regs``,
+        ``n_spills``, ``asm``), None under the CPU interpreter or where no token or head launched anything."""
         num_tokens, num_heads, _ = self.q_shape
         if num_tokens == 0 or num_heads == 0:
-            return
+            return None
         tensors = self._tensors(q, out, lse, sink, caches, indices, lens, order, q_scale, kv_scale)
         args = self._args(tensors, scale)
         try:
@@ -232,8 +230,7 @@ class AttentionPlan:
             if not _from_triton(error):
                 raise
             raise ValueError(self._failure(error)) from error
-        if compiled is not None:
-            LAST_COMPILED["attention"] = compiled
+        return compiled
 
     def _failure(self, error: Exception) -> str:
         """What a user reads where Triton could not compile or launch this plan's kernels (the last line of

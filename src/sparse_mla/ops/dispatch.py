@@ -62,13 +62,6 @@ def builders_use_triton(device: torch.device) -> bool:
     return device.type == "cuda" and HAVE_TRITON
 
 
-def pages_16_byte_aligned(cache: torch.Tensor) -> bool:
-    """Whether a paged cache's base and page stride are multiples of 16 bytes (the Gluon kernel's condition)."""
-    return cache.data_ptr() % 16 == 0 and cache.stride(0) * cache.element_size() % 16 == 0
-
-
-
-
 def _gluon_formats(dim: int) -> tuple[frozenset[str], ...]:
     """The scope-format sets the Gluon kernel reads at width ``dim`` (from :data:`sparse_mla.formats.READERS`):
     each format it reads with every scope alike, and every pair of one mix."""

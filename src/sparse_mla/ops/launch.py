@@ -89,14 +89,15 @@ class Launch:
     kernel: a ``@triton.jit`` or ``@gluon.jit`` function whose constexpr parameters all come after its
     runtime parameters. constexprs: a value for each constexpr parameter (by name). options: launch options
     such as ``num_warps`` / ``num_stages``. ``args`` are the runtime arguments in order. Returns the compiled
-    kernel (the JIT call's return value) or None when the direct path ran.
+    kernel it launched (the JIT call's return value, or on the direct path the binary that call returned; under the
+    CPU interpreter, None).
     """
 
     def __init__(self, kernel, constexprs: dict, options: dict | None = None) -> None:
         self.kernel = kernel
         self.kwargs = {**constexprs, **(options or {})}
         # per type pattern of the runtime arguments: its fingerprint function and, by (device, fingerprint), how to
-        # launch the binary directly (_direct_call)
+        # launch the binary directly (_direct_call) and the binary itself
         self._binaries: dict[tuple[type, ...], tuple[Callable[[tuple], tuple], dict[tuple, tuple]]] = {}
         params = getattr(kernel, "params", None)  # None under the CPU interpreter: always the JIT call
         self._fast = params is not None and fast_path_enabled()
@@ -127,9 +128,9 @@ class Launch:
         direct = binaries.get(key)
         if direct is None:
             binary = self.kernel[grid](*args, **self.kwargs)  # compiles (or finds) and launches
-            binaries[key] = _direct_call(binary)
+            binaries[key] = (*_direct_call(binary), binary)
             return binary
-        launch, leading, packed = direct
+        launch, leading, packed, binary = direct
         stream = torch._C._cuda_getCurrentRawStream(device)
         if packed:
             launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, *leading,
@@ -137,7 +138,7 @@ class Launch:
         else:
             launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, *leading, *args,
                    *self.constexpr_values)
-        return None
+        return binary
 
 
     def bind(self, grid: tuple, args: tuple, fixed: frozenset[int] = frozenset()) -> BoundLaunch | None:
@@ -153,8 +154,8 @@ class Launch:
         direct = None if by_types is None else by_types[1].get((device, by_types[0](args)))
         if direct is None:
             return None
-        return BoundLaunch(direct, (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1), args,
-                           self.constexpr_values, device, fixed)
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        return BoundLaunch(direct[:3], grid3, args, self.constexpr_values, device, fixed)  # (less the binary)
 
 
 @functools.lru_cache(maxsize=256)

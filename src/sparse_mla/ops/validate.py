@@ -13,9 +13,12 @@ import torch
 from .._checks import (check_finite, check_index_range, check_kv_scale, check_no_overlap, check_scale, check_sink,
                        check_tensor, is_int)
 from ..env import switch_on
-from ..formats import FORMAT_NAMES, KVFormat, resolve_cache, resolve_cache_once
+from ..cache_views import resolve_cache_once
+from ..formats import FORMAT_NAMES, KVFormat, resolve_cache
 
 D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part of 576)
+# log2(e): the kernels' softmax is in base 2 (exp2 of the scores times scale · LOG2E; the LSE divided back by it)
+LOG2E = 1.4426950408889634
 
 
 def debug_checks_enabled() -> bool:

@@ -16,6 +16,7 @@ from triton.language.core import _aggregate as aggregate
 
 from ...formats import (FMT_BF16, FMT_FP4_V41, FMT_FP4_V41_PLANAR, FMT_FP8_V4, FMT_FP8_V32, FMT_FP8_V41,
                         FMT_FP8_V41_PLANAR, PAGE_TABLE as PAGE_ROWS, ROPE_DIM, V4_DIM, V4_NOPE_DIM, V32_DIM)
+from .. import validate
 from ..validate import D_V
 from .compat import async_load, thread_barrier
 from .host import HEADS_PER_PROGRAM, KEYS_PER_BLOCK, PARTITION_WARPS
@@ -34,6 +35,7 @@ FP8_V41_PLANAR = gl.constexpr(FMT_FP8_V41_PLANAR)  # the same rows, page-planar
 FP4_V41 = gl.constexpr(FMT_FP4_V41)  # V4.1's 288-byte rows, token-interleaved pages
 FP4_V41_PLANAR = gl.constexpr(FMT_FP4_V41_PLANAR)
 D_OUT = gl.constexpr(D_V)
+LOG2E = gl.constexpr(validate.LOG2E)  # the softmax is in base 2: the LSE is divided back by it
 HALF = gl.constexpr(256)
 WARPS = gl.constexpr(PARTITION_WARPS)
 # the wgmma accumulators of a math warpgroup: logits (64 heads × 64 keys) and output (64 heads × 256 dims)
@@ -471,7 +473,7 @@ def _row_outputs(m_i, l_i, rows_layout: gl.constexpr, outs, items, tok, hb, spli
     m_o = gl.convert_layout(m_i, rows_layout)
     empty = l_o == 0.0
     inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
-    lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) / 1.4426950408889634)
+    lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) / LOG2E)
     factor = inv_l
     if not PARTIAL:
         if outs.HAS_SINK:

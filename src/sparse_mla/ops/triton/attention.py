@@ -21,12 +21,12 @@ import triton
 import triton.language as tl
 
 from ... import formats
-from .. import dispatch
+from .. import dispatch, validate
 from ..fp8 import e4m3_decode, e4m3_gain
 from .rows import FMT_FP8_E4M3, ROPE_DIM, kernel_const, load_piece, load_rope, token_ptrs
 
 
-LOG2E = 1.4426950408889634
+LOG2E = kernel_const(validate.LOG2E)  # the softmax is in base 2: the LSE is divided back by it
 
 
 @triton.jit
@@ -330,7 +330,7 @@ def _sparse_mla_kernel(
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     # natural-log LSE of the real keys; -inf marks an empty partial, +inf an empty final row
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E)
     if SPLITS == 1 and SPLIT_BLOCKS == 0:
         factor = inv_l
         if HAS_SINK:
