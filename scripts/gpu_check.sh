@@ -23,7 +23,7 @@
 #   default     beside it, the essentials of tests/test_lowerings.py (every kernel over every format, every layer
 #               kind with MTP and padding rows) lowered as for sm_80 and sm_89 (one process each, on the host's
 #               other cores: ~2 min saved); ~6.5 min on an H100 / H200 with the benchmark's ~1 min after it
-#   lowerings   the whole file under SPARSE_MLA_LOWERING=sm80, sm86 and sm89 (one process each)
+#   lowerings   the whole file under SPARSE_MLA_LOWERING=sm80, sm86 and sm89 (one process each, at once)
 #   guards      under compute-sanitizer --tool memcheck (PYTORCH_NO_CUDA_MEMORY_CACHING=1: every tensor its own
 #               allocation, so a read past one is caught), each test on the Triton and (Hopper) Gluon kernels.
 #               compute-sanitizer from PATH, /usr/local/cuda*/bin, or a carried wheel
@@ -146,8 +146,10 @@ run_subset() {  # run_subset NAME
         pytest_run gpu_tests.log "${tests[@]}"
         wait $pid || status=1
         cat "$OUT/gpu_tests_lowered.log";;
-    lowerings)
-        for arch in sm80 sm86 sm89; do lowered $arch "${tests[@]}" || status=1; done;;
+    lowerings)  # the three lowerings at once (each a process on its own cores: the tests are mostly compiles)
+        for arch in sm80 sm86 sm89; do lowered $arch "${tests[@]}" > "$OUT/lowered_$arch.out" 2>&1 & done
+        for pid in $(jobs -p); do wait "$pid" || status=1; done
+        cat "$OUT"/lowered_sm*.out;;
     guards)
         path=$(sanitizer)
         if [ -n "$path" ]; then
