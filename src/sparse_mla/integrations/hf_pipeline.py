@@ -97,9 +97,12 @@ class Pipeline:
         self.index_caches[layer] = new
 
     def begin_step(self, batch: StepBatch, req_rows: list[int]) -> None:
-        """This step's compression metadata of every pool (request ``i`` is HF batch row ``req_rows[i]``)."""
-        self.metas = {r: build_compress_metadata(batch, pool, [self.slots[r][b] for b in req_rows])
-                      for r, pool in self.pools.items()}
+        """This step's compression metadata of every pool (request ``i`` is HF batch row ``req_rows[i]``), refilling
+        the last step's buffers where it was built by the same builder."""
+        for r, pool in self.pools.items():
+            old = self.metas.get(r)
+            out = old if old is not None and old.batch.builder is batch.builder else None
+            self.metas[r] = build_compress_metadata(batch, pool, [self.slots[r][b] for b in req_rows], out=out)
 
     def compress_v4(self, layer: int, module: torch.nn.Module, h: torch.Tensor, q_residual: torch.Tensor,
                     caches: dict, meta: StepMetadata) -> torch.Tensor | None:
