@@ -449,8 +449,8 @@ class SparseMLAIntegration:
         """``x (B, S, ...)`` of the HF batch -> ``(token_capacity, ...)`` on our device: the step's real tokens in
         request order, padding rows 0."""
         flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).to(self.device)
-        if step.rows is None:  # every HF token, in order, and no padding rows
-            return flat
+        if step.rows is None:  # every HF token, in order, and no padding rows: the ops' dense rows, copied only
+            return flat.contiguous()  # where HF's are not (a batch-1 prefill's queries: a view across heads)
         out = flat.new_zeros(step.batch.token_capacity, *flat.shape[1:])
         out[: step.batch.num_tokens] = flat[step.rows]
         return out
