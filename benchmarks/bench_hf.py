@@ -3,7 +3,8 @@
     python benchmarks/bench_hf.py --out results/                 # H100: 8K and 32K prompts, ~2-4 min
     python benchmarks/bench_hf.py --smoke --out /tmp/smoke       # tiny on the CPU, reference backend (~10 s)
     python benchmarks/bench_hf.py --impls eager sparse_mla_pipeline --contexts 8192 --index-heads 64 --out results/
-    python benchmarks/bench_hf.py --impls sparse_mla_pipeline --contexts 131072 --index-heads 64 --out results/128k
+    python benchmarks/bench_hf.py --impls sparse_mla_pipeline --contexts 131072 --index-heads 64 --index-format fp8 \
+        --new-tokens 4 --out results/128k                         # a 128K-token prompt on one GPU
 
 The model: ``DeepseekV4ForCausalLM`` from a config with random weights (bf16 on CUDA), attention at V4's
 sizes (64 heads, head_dim 512, sliding window 128, index top-k 512; ``--layers`` layers cycling
@@ -19,9 +20,10 @@ For each prompt length (``--contexts``) and implementation, batch 1, one greedy 
   ``_supports_sdpa = False`` (SDPA has no per-head sink), so the row records ``"unsupported"`` and why.
 * ``sparse_mla``: ``enable_sparse_mla(model, kv_format="fp8_v4")`` (``--kv-format``), removed after.
   HF's own cache, compressors and indexer still run beside the paged caches (memory counts them).
-* ``sparse_mla_pipeline``: ``enable_sparse_mla(model, ..., pipeline=True, index_format="fp8")``
-  (``--index-format``): the compressors write the library's caches and its indexer makes the picks
-  (docs/transformers.md); HF's compressors / indexer do not run, so no dense ``(S, heads, S/4)`` scores.
+* ``sparse_mla_pipeline``: ``enable_sparse_mla(model, ..., pipeline=True, index_format=...)``, one row per
+  ``--index-format`` (default bf16 and fp8 keys; the row's ``index_format``): the compressors write the library's
+  caches and its indexer makes the picks (docs/transformers.md); HF's compressors / indexer do not run, so no dense
+  ``(S, heads, S/4)`` scores.
 
 Timing: a streamer whose ``put`` (called by ``generate`` with the prompt, then with each new token, after
 its ``.cpu()`` copy) synchronises CUDA and stamps ``time.perf_counter()``. ``prefill_s`` = prompt put ->
@@ -183,9 +185,11 @@ def try_sdpa(model) -> str | None:
 
 
 def run_impl(impl: str, model, args: argparse.Namespace, sizes: Sizes, device: torch.device,
-             console: Console, write) -> list[dict]:
-    """Every context for one implementation (set up, warm up, time, restore eager)."""
-    base = dict(impl=impl, new_tokens=args.new_tokens, batch=1)
+             console: Console, write, index_format: str | None = None) -> list[dict]:
+    """Every context for one implementation (set up, warm up, time, restore eager); ``index_format``: the
+    pipeline's indexer keys (None for the other implementations)."""
+    base = dict(impl=impl, index_format=index_format, new_tokens=args.new_tokens, batch=1)
+    label = _label(impl, index_format)
     integration, reason = None, None
     if impl == "sdpa":
         reason = try_sdpa(model)
@@ -194,11 +198,11 @@ def run_impl(impl: str, model, args: argparse.Namespace, sizes: Sizes, device: t
 
         try:
             integration = enable_sparse_mla(model, kv_format=args.kv_format, backend=args.backend,
-                                            pipeline=impl == "sparse_mla_pipeline", index_format=args.index_format)
+                                            pipeline=index_format is not None, index_format=index_format or "bf16")
         except Exception as e:  # noqa: BLE001
             reason = f"{type(e).__name__}: {e}"[:600]
     if reason is not None:
-        console.log(f"{impl}: not run ({reason})")
+        console.log(f"{label}: not run ({reason})")
         rows = [dict(base, context=c, status="unsupported", reason=reason) for c in args.contexts]
         for r in rows:
             write(r)
@@ -206,17 +210,17 @@ def run_impl(impl: str, model, args: argparse.Namespace, sizes: Sizes, device: t
     rows = []
     try:
         if args.warmup_context > 0:
-            console.log(f"{impl}: warm-up, {args.warmup_context} tokens + 2")
+            console.log(f"{label}: warm-up, {args.warmup_context} tokens + 2")
             w = guarded(lambda: timed_generate(model, args.warmup_context, 2, device, sizes.vocab, args.seed),
-                        console, f"{impl} warm-up")
-            console.log(f"{impl}: warm-up {w['status']}" + (f" ({w['total_s']:.1f} s)" if w["status"] == "ok" else ""))
+                        console, f"{label} warm-up")
+            console.log(f"{label}: warm-up {w['status']}" + (f" ({w['total_s']:.1f} s)" if w["status"] == "ok" else ""))
         for context in args.contexts:
-            console.log(f"{impl}: context {context}, {args.new_tokens} new tokens")
+            console.log(f"{label}: context {context}, {args.new_tokens} new tokens")
             row = dict(base, context=context)
             row.update(guarded(lambda: timed_generate(model, context, args.new_tokens, device, sizes.vocab,
-                                                      args.seed + context), console, f"{impl} {context}"))
+                                                      args.seed + context), console, f"{label} {context}"))
             if row["status"] == "ok":
-                console.log(f"{impl} {context}: prefill {row['prefill_s']:.3f} s, decode "
+                console.log(f"{label} {context}: prefill {row['prefill_s']:.3f} s, decode "
                             f"{_fmt(row['decode_ms'], '.2f')} ms/token, peak {_fmt(row['peak_gib'], '.2f')} GiB")
             rows.append(row)
             write(row)
@@ -225,6 +229,11 @@ def run_impl(impl: str, model, args: argparse.Namespace, sizes: Sizes, device: t
             integration.remove()
         model.set_attn_implementation("eager")
     return rows
+
+
+def _label(impl: str, index_format: str | None) -> str:
+    """A row's implementation as the log and the table name it (the pipeline's with its indexer key format)."""
+    return impl if index_format is None else f"{impl} ({index_format} keys)"
 
 
 def _fmt(x, spec: str) -> str:
@@ -236,7 +245,7 @@ def table(result: dict) -> Table:
     for col in ("context", "impl", "status", "prefill s", "decode ms/token", "peak GiB", "note"):
         t.add_column(col, justify="left" if col in ("impl", "status", "note") else "right")
     ok = {(r["context"], r["impl"]): r for r in result["rows"] if r["status"] == "ok"}
-    for r in sorted(result["rows"], key=lambda r: (r["context"], IMPLS.index(r["impl"]))):
+    for r in sorted(result["rows"], key=lambda r: (r["context"], IMPLS.index(r["impl"]), r["index_format"] or "")):
         note = r.get("reason") or r.get("error") or ""
         e = ok.get((r["context"], "eager"))
         if r["status"] == "ok" and r["impl"] != "eager" and e and e["decode_ms"] and r["decode_ms"]:
@@ -244,7 +253,7 @@ def table(result: dict) -> Table:
             note = (f"time / eager's: decode {r['decode_ms'] / e['decode_ms']:.2f}x, "
                     f"prefill {r['prefill_s'] / e['prefill_s']:.2f}x")
         get = (lambda k: r.get(k)) if r["status"] == "ok" else (lambda k: None)
-        t.add_row(str(r["context"]), r["impl"], r["status"], _fmt(get("prefill_s"), ".3f"),
+        t.add_row(str(r["context"]), _label(r["impl"], r["index_format"]), r["status"], _fmt(get("prefill_s"), ".3f"),
                   _fmt(get("decode_ms"), ".2f"), _fmt(get("peak_gib"), ".2f"), note[:70])
     return t
 
@@ -258,8 +267,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index-heads", type=int, default=None, help="indexer heads (default 4; V4 has 64)")
     parser.add_argument("--kv-format", default=None, help="sparse-mla cache format (default fp8_v4)")
     parser.add_argument("--backend", default=None, help="sparse-mla backend (default auto)")
-    parser.add_argument("--index-format", default=None, choices=("bf16", "fp8"),
-                        help="sparse_mla_pipeline's indexer key cache format (default fp8; --smoke bf16)")
+    parser.add_argument("--index-format", nargs="+", default=None, choices=("bf16", "fp8"),
+                        help="sparse_mla_pipeline's indexer key cache formats, a row each (default bf16 fp8; "
+                             "--smoke bf16)")
     parser.add_argument("--warmup-context", type=int, default=None, help="warm-up prompt length (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true",
@@ -279,11 +289,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.smoke:
         defaults = dict(contexts=[160], new_tokens=2, kv_format="bf16", backend="reference", warmup_context=0,
-                        index_format="bf16")
+                        index_format=["bf16"])
         device, dtype = torch.device("cpu"), torch.float32
     else:
         defaults = dict(contexts=[8192, 32768], new_tokens=8, kv_format="fp8_v4", backend="auto", warmup_context=512,
-                        index_format="fp8")
+                        index_format=["bf16", "fp8"])
         device, dtype = torch.device("cuda"), torch.bfloat16
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -315,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
     console.log(f"{params / 1e6:.1f} M parameters" +
                 (f", {result['weights_gib']:.2f} GiB on the GPU" if result["weights_gib"] is not None else ""))
     for impl in args.impls:
-        run_impl(impl, model, args, sizes, device, console, write)
+        for index_format in args.index_format if impl == "sparse_mla_pipeline" else [None]:
+            run_impl(impl, model, args, sizes, device, console, write, index_format)
     save_result(path, result, start)
     return report(console, path, result, [table(result)])
 

@@ -25,11 +25,12 @@ def test_bench_hf_smoke_writes_the_expected_json(tmp_path, capsys, monkeypatch):
     assert bench.run(parser.parse_args(["--smoke", "--out", str(tmp_path)])) == 0
     result = json.loads((tmp_path / "bench_hf.json").read_text())
     assert result["smoke"] and result["kv_format"] == "bf16" and result["contexts"] == [160]
-    assert result["index_format"] == "bf16"
+    assert result["index_format"] == ["bf16"]
     rows = {r["impl"]: r for r in result["rows"]}
     assert set(rows) == {"eager", "sdpa", "sparse_mla", "sparse_mla_pipeline"}
     assert rows["sdpa"]["status"] == "unsupported" and rows["sdpa"]["reason"]
     for impl in ("eager", "sparse_mla", "sparse_mla_pipeline"):
         r = rows[impl]
         assert r["status"] == "ok" and r["generated"] == 2 and r["prefill_s"] > 0 and r["decode_ms"] > 0
+        assert r["index_format"] == ("bf16" if impl == "sparse_mla_pipeline" else None)
     assert "sparse_mla" in capsys.readouterr().out  # the table

@@ -75,6 +75,32 @@ def test_v4_generate_matches_eager(v4):
     _compare(ref, out, 1e-2)
 
 
+def test_decode_steps_refill_one_builder_and_metadata(v4, monkeypatch):
+    """generate()'s decode steps (one token a row, every length within one multiple of 128, the caches not grown)
+    refill the first decode step's StepBatchBuilder and StepMetadata (``out=``) instead of allocating new ones; the
+    prefill has its own. Tokens and logits as eager's."""
+    import sparse_mla.integrations.transformers as module
+
+    model, ids, mask, ref = v4
+    steps, build = [], module.build_step_metadata
+
+    def spy(batch, spec, out=None):
+        steps.append((batch.builder, out))
+        return build(batch, spec, out=out)
+
+    monkeypatch.setattr(module, "build_step_metadata", spy)
+    integration = enable_sparse_mla(model)
+    try:
+        out = _generate(model, ids, mask)
+        session = integration._sessions[getattr(out, CACHE)]
+    finally:
+        integration.remove()
+    _compare(ref, out, 1e-2)
+    assert len(steps) == STEPS and steps[0][1] is None and steps[1][1] is None  # the prefill's, the first decode's
+    assert steps[1][0] is not steps[0][0]
+    assert all(builder is steps[1][0] and meta is session.meta for builder, meta in steps[2:])
+
+
 def test_v4_fp8_cache_prefill(v4):
     """fp8_v4 caches (e4m3 nope dims, per-64 power-of-two scales): logits of a batched prefill against HF
     eager on the unquantised latents: measured 3.5e-2 / 3.8e-2 relative Frobenius error per row."""

@@ -128,11 +128,13 @@ def rotate_interleaved_tail(x: torch.Tensor, positions: torch.Tensor, spec: Rope
     return torch.cat((x[..., :-spec.dim], rotated.to(x.dtype)), dim=-1)
 
 
-def rotate_half_split_head(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec = V32_ROPE) -> torch.Tensor:
+def rotate_half_split_head(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec = V32_ROPE,
+                           cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """V3.2's indexer rope: the first ``spec.dim`` channels of ``x (*P, ..., d)``, channel ``i`` paired with
-    ``i + dim/2``, rotated by ``positions (*P)``; the other channels unchanged. Returns x's dtype."""
+    ``i + dim/2``, rotated by ``positions (*P)``; the other channels unchanged. Returns x's dtype. cos_sin:
+    ``spec.cos_sin(positions)`` when the caller made it already (a step's, shared by its layers)."""
     _check(x, positions, spec)
-    cos, sin = (_broadcast(t, x, positions) for t in spec.cos_sin(positions))
+    cos, sin = (_broadcast(t, x, positions) for t in (cos_sin or spec.cos_sin(positions)))
     head = x[..., :spec.dim].float()
     first, second = head[..., :spec.dim // 2], head[..., spec.dim // 2:]
     rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)

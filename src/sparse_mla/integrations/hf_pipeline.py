@@ -53,7 +53,7 @@ class Pipeline:
 
     def __init__(self, config: object, family: str, attentions: list[torch.nn.Module], kinds: list[str],
                  num_rows: int, device: torch.device, dtype: torch.dtype, index_format: str, backend: str) -> None:
-        self.device, self.index_format = device, index_format
+        self.device, self.index_format, self.family = device, index_format, family
         self.pools: dict[int, CompressorStatePool] = {}
         self.compressors: dict[int, dict[str, KVCompressor]] = {}  # layer -> "kv" / "index" -> its compressor
         self.index_caches: dict[int, IndexerKeyCache] = {}  # layer -> its key cache (grown with its block table)
@@ -75,6 +75,8 @@ class Pipeline:
         # each pool gives every batch row one state slot (the rows are this generation's requests)
         self.slots = {r: [pool.allocate() for _ in range(num_rows)] for r, pool in self.pools.items()}
         self.metas: dict[int, CompressMetadata] = {}
+        # V3.2: the step's key positions and their rope angles (cos, sin), made once a step for every layer
+        self.key_rope: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def _pool(self, ratio: int, num_rows: int, dtype: torch.dtype) -> CompressorStatePool:
         if ratio not in self.pools:
@@ -97,15 +99,22 @@ class Pipeline:
         self.index_caches[layer] = new
 
     def begin_step(self, batch: StepBatch, req_rows: list[int]) -> None:
-        """This step's compression metadata of every pool (request ``i`` is HF batch row ``req_rows[i]``)."""
-        self.metas = {r: build_compress_metadata(batch, pool, [self.slots[r][b] for b in req_rows])
-                      for r, pool in self.pools.items()}
+        """This step's compression metadata of every pool (request ``i`` is HF batch row ``req_rows[i]``), refilling
+        the last step's buffers where it was built by the same builder; V3.2: its keys' rope angles."""
+        for r, pool in self.pools.items():
+            old = self.metas.get(r)
+            out = old if old is not None and old.batch.builder is batch.builder else None
+            self.metas[r] = build_compress_metadata(batch, pool, [self.slots[r][b] for b in req_rows], out=out)
+        if self.family == "v32":
+            positions = batch.positions.clamp_min(0)
+            self.key_rope = positions, self.rope.cos_sin(positions)
 
     def compress_v4(self, layer: int, module: torch.nn.Module, h: torch.Tensor, q_residual: torch.Tensor,
                     caches: dict, meta: StepMetadata) -> torch.Tensor | None:
         """V4 layer ``layer``'s compressor step: ``h (T_cap, hidden)`` and ``q_residual (T_cap, q_lora)`` the step's
         token rows. Writes the layer's compressed cache (and for c4a its key cache); returns c4a's picks
-        ``(T_cap, topk)`` int32 (a copy: the indexer's buffer is shared), else None."""
+        ``(T_cap, topk)`` int32, else None: the indexer's step buffer, which the next layer's indexer call overwrites
+        (HF runs a layer's compressor right before its attention, which reads the picks first)."""
         comps, kind = self.compressors[layer], self.indexers[layer].kind if layer in self.indexers else "c128a"
         ratio = 4 if kind == "c4a" else 128
         dtype = self.pools[ratio].dtype
@@ -117,16 +126,16 @@ class Pipeline:
         comps["index"](indexer.kv_proj(h).to(dtype), indexer.gate_proj(h).to(dtype), self.metas[4], keys)
         q = indexer.q_b_proj(q_residual).view(h.shape[0], -1, INDEX_HEAD_DIM)
         weights = indexer.scorer.weights_proj(h)
-        return self.indexers[layer](meta, q, weights, keys).clone()
+        return self.indexers[layer](meta, q, weights, keys)
 
     def index_v32(self, layer: int, module: torch.nn.Module, h: torch.Tensor, q_resid: torch.Tensor,
                   meta: StepMetadata) -> torch.Tensor:
         """V3.2 layer ``layer``'s indexer step: the keys of the step's tokens into its key cache (roped at their
-        positions), then its picks ``(T_cap, topk)`` int32 (raw request-local positions; a copy)."""
-        batch = meta.batch
-        keys = module.k_norm(module.wk(h)).float()
-        keys = rotate_half_split_head(keys, batch.positions.clamp_min(0), self.rope)
+        positions), then its picks ``(T_cap, topk)`` int32 (raw request-local positions; the step buffer, as
+        :meth:`compress_v4`'s)."""
+        positions, cos_sin = self.key_rope
+        keys = rotate_half_split_head(module.k_norm(module.wk(h)).float(), positions, self.rope, cos_sin)
         cache = self.index_caches[layer]
-        insert_index_keys(keys, cache, batch.slot_mapping[: h.shape[0]])
+        insert_index_keys(keys, cache, meta.batch.slot_mapping[: h.shape[0]])
         q = module.wq_b(q_resid).view(h.shape[0], -1, INDEX_HEAD_DIM)
-        return self.indexers[layer](meta, q, module.weights_proj(h), cache).clone()
+        return self.indexers[layer](meta, q, module.weights_proj(h), cache)

@@ -6,7 +6,8 @@
 indexers); sparse-mla keeps paged caches beside it, one per layer, filled each step from the
 model's own latents and compressor outputs, and attends through :class:`SparseMLAAttention` over
 index lists built from the indexer's picks (no dense mask). Everything is set up once per forward
-(one :class:`StepBatch` + :class:`StepMetadata` shared by all layers, like an engine's step);
+(one :class:`StepBatch` + :class:`StepMetadata` shared by all layers, like an engine's step; decode steps refill
+the last step's builder and metadata in place);
 ``generate()`` works as usual: a prefill step, then decode steps, for a batch of prompts of
 different lengths (left-padded). Supported: transformers 5.23.0 and 5.24.0 (:data:`SUPPORTED_TRANSFORMERS`,
 checked by :func:`enable_sparse_mla`: another version is a ``RuntimeError`` naming the supported ones).
@@ -84,6 +85,10 @@ CACHE_KEYWORDS = ("cache", "past_key_values")
 ATTENTION_NAME = "sparse_mla"
 V4_KINDS = {"sliding_attention": "swa", "compressed_sparse_attention": "c4a", "heavily_compressed_attention": "c128a"}
 KV_FORMATS = {"v4": ("bf16", "fp8_v4"), "v32": ("bf16", "fp8_v32")}
+# a generation's StepBatchBuilder holds sequences up to the next multiple of this (rebuilt when one grows past it), so
+# decode steps refill one builder's buffers and one StepMetadata (``out=``) instead of allocating them every step;
+# 128, the c128a ratio: the c128a lists keep the width the exact length gives them (the reference's sums, bit for bit)
+MODEL_LEN_STEP = 128
 # the module each attention function call belongs to -> (its integration, its sparse-mla layer)
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[SparseMLAIntegration, SparseMLAAttention]]" = \
     weakref.WeakKeyDictionary()
@@ -120,6 +125,8 @@ class _Session:
     caches: dict[int, dict[str, PagedCache]] = field(default_factory=dict)  # layer index -> kind -> cache
     next_block: dict[str, int] = field(default_factory=dict)
     pipeline: Pipeline | None = None  # pipeline=True: the library's compressors and indexers of this generation
+    builder: StepBatchBuilder | None = None  # the last step's builder, reused while its capacities fit
+    meta: StepMetadata | None = None  # the last step's metadata, refilled in place by steps of the same builder
 
 
 @dataclass
@@ -129,11 +136,19 @@ class _Step:
     session: _Session
     batch: StepBatch
     meta: StepMetadata
-    rows: torch.Tensor  # (num_tokens,) int64: the flat HF index b * S + s of each batch token
+    rows: torch.Tensor | None  # (num_tokens,) int64: the flat HF index b * S + s of each batch token; None when
+    # that is every HF token in order (no pads this step, requests in row order: every decode step)
     req_rows: list[int]  # the HF batch row of each request
     pads: torch.Tensor  # (B,) int64: left pads of each HF row (tokens before its first real one)
     captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> compressor / latent output
     picks: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> HF's V4 picks (B, S, k) / ours (T, k)
+    _req_rows_t: torch.Tensor | None = None
+
+    def req_rows_tensor(self, device: torch.device) -> torch.Tensor:
+        """:attr:`req_rows` as a ``(num_reqs,)`` int64 tensor on ``device``, made once per step."""
+        if self._req_rows_t is None:
+            self._req_rows_t = torch.tensor(self.req_rows, device=device)
+        return self._req_rows_t
 
 
 class SparseMLAIntegration:
@@ -274,8 +289,8 @@ class SparseMLAIntegration:
             raise ValueError("sparse-mla needs the 2-D attention_mask (or none), as generate() passes with a "
                              "DynamicCache; a prebuilt 4-D mask / mask dict cannot tell padding from masking")
         if mask is None:
-            mask = torch.ones(num_rows, past + seq, dtype=torch.long, device=x.device)
-        mask = mask.to(self.device, torch.long)
+            mask = torch.ones(num_rows, past + seq, dtype=torch.long)
+        mask = mask.to("cpu", torch.long)  # one copy; the checks and the step's lengths are read on the host
         if mask.shape != (num_rows, past + seq):
             raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, expected ({num_rows}, {past + seq}) "
                              f"(past {past} + new {seq} tokens)")
@@ -287,7 +302,7 @@ class SparseMLAIntegration:
         if positions is None and not bool(mask.all()):
             raise ValueError("a left-padded batch needs position_ids = attention_mask.cumsum(-1) - 1 (as generate() "
                              "passes); without them HF gives the pads positions and the real tokens shifted ones")
-        if positions is not None and not bool((positions.to(self.device).expand_as(ours) == ours)[real].all()):
+        if positions is not None and not bool((positions.cpu().expand_as(ours) == ours)[real].all()):
             raise ValueError("position_ids must count the real tokens of each row (attention_mask.cumsum(-1) - 1), "
                              "the positions of sparse-mla's requests")
         session = self._sessions.get(cache) if cache is not None else None
@@ -309,6 +324,7 @@ class SparseMLAIntegration:
         self._step = None
 
     def _build_step(self, session: _Session, mask: torch.Tensor, seq: int) -> _Step:
+        """The step of HF's 2-D ``mask (B, past + seq)`` (on the host)."""
         seq_lens = mask.sum(1).tolist()
         query_lens = mask[:, -seq:].sum(1).tolist()
         for b, (s, q) in enumerate(zip(seq_lens, query_lens)):
@@ -316,20 +332,33 @@ class SparseMLAIntegration:
                 raise ValueError(f"batch row {b} has no real token this step (attention_mask is 0 on all {seq})")
             for kind in self.kinds:
                 self._grow(session, b, kind, blocks_needed(s, kind))
-        self._pools(session)
+        num_blocks = self._pools(session)
         order = sorted(range(len(seq_lens)), key=lambda b: query_lens[b] > 1)  # decodes first
         requests = [Request(seq_lens[b], query_lens[b], session.tables[b]) for b in order]
-        max_len = max(seq_lens)
-        builder = StepBatchBuilder(sum(query_lens), len(order), max_len, kinds=self.kinds, device=self.device,
-                                   num_blocks={k: c.num_blocks for caches in session.caches.values()
-                                               for k, c in caches.items()})
-        batch = builder.build(requests)
-        meta = build_step_metadata(batch, MetadataSpec(window=self.window, topk=self.topk))
-        rows = torch.cat([b * seq + torch.arange(seq - query_lens[b], seq) for b in order]).to(self.device)
+        batch = self._builder(session, sum(query_lens), len(order), max(seq_lens), num_blocks).build(requests)
+        same = session.meta is not None and session.meta.batch.builder is batch.builder
+        meta = session.meta = build_step_metadata(batch, MetadataSpec(window=self.window, topk=self.topk),
+                                                  out=session.meta if same else None)
+        rows = None
+        if order != list(range(len(order))) or any(q != seq for q in query_lens):
+            rows = torch.cat([b * seq + torch.arange(seq - query_lens[b], seq) for b in order]).to(self.device)
         pads = (mask.shape[1] - mask.sum(1)).to(self.device)
         if session.pipeline is not None:
             session.pipeline.begin_step(batch, order)
         return _Step(session, batch, meta, rows, order, pads)
+
+    def _builder(self, session: _Session, tokens: int, reqs: int, longest: int, num_blocks: dict[str, int]
+                 ) -> StepBatchBuilder:
+        """The session's builder if its capacities fit this step (``tokens`` new tokens of ``reqs`` requests, the
+        longest ``longest`` tokens, caches of ``num_blocks`` blocks per kind), else a new one kept for the next."""
+        old = session.builder
+        if (old is not None and old.max_tokens == tokens and old.max_reqs == reqs and old.max_model_len >= longest
+                and old.num_blocks == num_blocks):
+            return old
+        max_len = -(-longest // MODEL_LEN_STEP) * MODEL_LEN_STEP
+        session.builder = StepBatchBuilder(tokens, reqs, max_len, kinds=self.kinds, device=self.device,
+                                           num_blocks=num_blocks)
+        return session.builder
 
     def _grow(self, session: _Session, row: int, kind: str, blocks: int) -> None:
         """Give batch row ``row`` ``blocks`` blocks of ``kind`` (numbered in order of need)."""
@@ -339,8 +368,10 @@ class SparseMLAIntegration:
         table.extend(range(first, first + need))
         session.next_block[kind] = first + need
 
-    def _pools(self, session: _Session) -> None:
-        """Every layer's caches, enlarged (doubling, contents kept) to hold the blocks handed out so far."""
+    def _pools(self, session: _Session) -> dict[str, int]:
+        """Every layer's caches, enlarged (doubling, contents kept) to hold the blocks handed out so far; returns
+        their sizes in blocks per kind (every layer's cache of a kind has the same)."""
+        sizes = {}
         for layer in range(len(self.attentions)):
             caches = session.caches.setdefault(layer, {})
             for kind in self._layer_kinds(layer):
@@ -353,9 +384,11 @@ class SparseMLAIntegration:
                 if old is not None:
                     new.data[: old.num_blocks].copy_(old.data)
                 caches[kind] = new
+            sizes.update({kind: c.num_blocks for kind, c in caches.items()})
             if session.pipeline is not None and self.layers[layer].kind in ("c4a", "dsa"):
                 # the layer's indexer keys share its c4a / dsa block table
                 session.pipeline.grow(layer, caches[self.layers[layer].kind].num_blocks)
+        return sizes
 
     def _layer_kinds(self, layer: int) -> tuple[str, ...]:
         kind = self.layers[layer].kind
@@ -398,21 +431,26 @@ class SparseMLAIntegration:
             picks = None
             if layer.kind != "swa" and not self.pipeline:  # (pipeline: the library's compressor wrote them)
                 req, entry, slots = batch.new_entries(layer.kind)
-                hf_row = torch.tensor(step.req_rows, device=self.device)[req.long()]
+                hf_row = step.req_rows_tensor(self.device)[req.long()]
                 entries = step.captured[idx][:, 0].to(self.device)[hf_row, entry.long()]
                 caches[layer.kind].write(entries.to(torch.bfloat16), slots)
             if layer.kind == "c4a":
                 picks = step.picks[idx] if self.pipeline else _pad_picks(tokens(step.picks[idx].to(torch.int32)),
                                                                          self.topk)
             out = layer(q.to(torch.bfloat16), step.meta, caches, topk_indices=picks)
-        full = out.new_zeros(num_rows * seq, heads, out.shape[-1])
-        full[step.rows] = out[: batch.num_tokens]
+        if step.rows is None:  # the step's tokens are the HF batch's, in order (capacity = num_tokens)
+            full = out
+        else:
+            full = out.new_zeros(num_rows * seq, heads, out.shape[-1])
+            full[step.rows] = out[: batch.num_tokens]
         return full.view(num_rows, seq, heads, -1).to(query.device, query.dtype)
 
     def _tokens(self, step: _Step, x: torch.Tensor) -> torch.Tensor:
         """``x (B, S, ...)`` of the HF batch -> ``(token_capacity, ...)`` on our device: the step's real tokens in
         request order, padding rows 0."""
         flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).to(self.device)
+        if step.rows is None:  # every HF token, in order, and no padding rows: the ops' dense rows, copied only
+            return flat.contiguous()  # where HF's are not (a batch-1 prefill's queries: a view across heads)
         out = flat.new_zeros(step.batch.token_capacity, *flat.shape[1:])
         out[: step.batch.num_tokens] = flat[step.rows]
         return out

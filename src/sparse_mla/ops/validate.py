@@ -14,7 +14,7 @@ from .._checks import (check_finite, check_index_range, check_kv_scale, check_no
                        check_tensor, is_int)
 from ..env import switch_on
 from ..cache_views import resolve_cache_once
-from ..formats import FORMAT_NAMES, KVFormat, resolve_cache
+from ..formats import FORMAT_NAMES, KVFormat
 
 D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part of 576)
 # log2(e): the kernels' softmax is in base 2 (exp2 of the scores times scale · LOG2E; the LSE divided back by it)
@@ -333,7 +333,7 @@ def insert_args(kv_new, cache, slot_mapping, fmt=None, check_values: bool = True
 
     With ``check_values`` (the reference, or ``SPARSE_MLA_DEBUG=1``) also slot ranges and finiteness.
     """
-    cache, f = resolve_cache(cache, fmt)
+    cache, f = resolve_cache_once(cache, fmt)
     check_tensor("kv_new", kv_new, dtype=torch.bfloat16, shape=(None, f.dim), device=cache.device)
     check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(kv_new.shape[0],),
                  device=cache.device)
@@ -351,7 +351,7 @@ def gather_args(cache, slots, fmt=None, check_ranges: bool = True, kv_scale=None
     """Check ``dequantize_and_gather``'s arguments (``out``, when given: ``slots.shape + (d,)`` bf16, contiguous,
     apart from the cache and slots); returns the paged cache view, its format and the fp8_e4m3 cache's
     ``kv_scale`` ``(1,)`` float32 (None for the other formats)."""
-    cache, f = resolve_cache(cache, fmt)
+    cache, f = resolve_cache_once(cache, fmt)
     check_tensor("slots", slots, dtype=(torch.int32, torch.int64), device=cache.device)
     if out is not None:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(*slots.shape, f.dim), device=cache.device)
