@@ -262,9 +262,12 @@ def test_a_kernel_goes_direct_and_bound_on_this_gpu_s_triton():
     src = torch.arange(300, dtype=torch.float32, device="cuda")
     dst, dst2, dst3 = (torch.empty_like(src) for _ in range(3))
     grid = (triton.cdiv(300, 128),)
-    assert run(grid, src, dst, 300, 2.0) is not None  # compiled through the JIT
+    binary = run(grid, src, dst, 300, 2.0)
+    assert binary is not None  # compiled through the JIT
     src2 = src + 1
-    assert run(grid, src2, dst2, 300, 3.0) is None  # the direct path
+    jit, run.kernel = run.kernel, None  # the direct path launches without the JIT function
+    assert run(grid, src2, dst2, 300, 3.0) is binary  # ... and returns the binary the JIT call compiled
+    run.kernel = jit
     bound = run.bind(grid, (src, dst, 300, 0.5))
     assert bound is not None and bound([src2, dst3])
     torch.cuda.synchronize()
