@@ -244,6 +244,39 @@ def test_rank_metadata_refills_in_place():
         build_rank_metadata(batch, RankLayout(2, 0), sc.meta.spec, out=meta)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_rank_lists_are_the_shares_width_and_length(world):
+    """Each rank's lists are its share, not the step's: the window lists are built ``ceil(width / world)`` wide
+    (the kernels' planned width), every row as long as the entries the rank owns — ``floor`` or ``ceil`` of the
+    whole row's length over ``world`` — and the ranks' lengths add up to the whole list's; a layer's picks keep the
+    top-k width (nothing bounds how many one rank owns) but hold only the rank's picks, their counts adding up to
+    the whole conversion's. The conversions are made once, with the rank's buffers, and kept across builds."""
+    sc = scenario(V4, seed=world)
+    whole = {k: getattr(sc.meta, f"{k}_lens").clone() for k in ("swa", "c128a")}
+    whole_picks = sc.meta.c4a_indices(sc.topk_local)[1].clone()
+    totals = {k: torch.zeros_like(v) for k, v in whole.items()}
+    picks_total = torch.zeros_like(whole_picks)
+    for rank in range(world):
+        meta, _, tables = split(sc, RankLayout(world, rank))
+        for kind, lens in whole.items():
+            width = getattr(sc.meta, f"{kind}_indices").shape[1]
+            idx, got = getattr(meta, f"{kind}_indices"), getattr(meta, f"{kind}_lens")
+            assert idx.shape[1] == math.ceil(width / world), kind
+            assert bool(((got == lens // world) | (got == -(-lens // world))).all()), kind
+            totals[kind] += got
+        conversion = meta.plan(("picks", "c4a"), None)
+        idx, got = meta.c4a_indices(sc.topk_local)
+        assert idx.shape[1] == sc.meta.spec.topk and idx is conversion.indices and got is conversion.lens
+        picks_total += got
+        batch = meta.batch.builder.build([Request(s, q, {k: tables[k][r] for k in tables})
+                                          for r, (s, q) in enumerate(sc.lengths)])
+        again = build_rank_metadata(batch, RankLayout(world, rank), sc.meta.spec, out=meta)
+        assert again.plan(("picks", "c4a"), None) is conversion  # not made again by the next step's build
+    for kind, lens in whole.items():
+        assert torch.equal(totals[kind], lens), kind
+    assert torch.equal(picks_total, whole_picks)
+
+
 # ------------------------------------------------------------------------------------- rank-split attention
 
 @pytest.mark.parametrize("world", [2, 3, 4])
