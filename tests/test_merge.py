@@ -183,7 +183,6 @@ def test_rescaled_partials_sum_to_the_formula(backend, ranks, shards):
     outs, lses, sink = partials(ranks, 5, heads, 512, torch.float32, seed=ranks + 10)
     want_out, want_lse = formula_float64(outs, lses, sink)
     terms = [rescale_partial(outs[r], lses, r, sink, shards=shards, backend=backend) for r in range(ranks)]
-    per = heads // shards
     total = sum(t.double().cpu() for t, _ in terms)  # (shards, T, per, D)
     whole = total.permute(1, 0, 2, 3).reshape(5, heads, 512)  # back to (T, H, D)
     for _, lse in terms:
