@@ -436,7 +436,7 @@ def test_layer_context_parallel_one_rank_and_bad_input(one_rank_group):
 
 
 def _layer_worker(rank: int, world: int, store: str, results: str, backend: str, kinds: tuple[str, ...],
-                  cases: list[dict], index_form: str) -> None:
+                  cases: list[dict], index_form: str, comm: str = "allgather") -> None:
     """One rank: its cache share and metadata, each kind's layer in context-parallel mode over the group. Saves the
     layers' outputs per case and kind."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -447,7 +447,7 @@ def _layer_worker(rank: int, world: int, store: str, results: str, backend: str,
             sc = scenario(case, seed=c)
             q, sink = inputs(sc.batch.token_capacity, sc.caches[sc.batch.raw_kind].fmt.dim, seed=c)
             meta, caches, _ = split(sc, RankLayout.of_group())
-            gather = PartialsGather(sc.batch.token_capacity, HEADS)
+            gather = PartialsGather(sc.batch.token_capacity, HEADS, comm=comm)
             for kind in (k for k in kinds if k in kinds_of(sc)):
                 # the step has prefill tokens: the workspace prefill (V3.2's default) is not run on a rank's step
                 layer = layer_of(kind, sink, case, backend, prefill_mode="paged", index_form=index_form)
@@ -458,26 +458,77 @@ def _layer_worker(rank: int, world: int, store: str, results: str, backend: str,
 
 
 def check_layer_ranks(tmp_path, world: int, backend: str, kinds: tuple[str, ...], cases: list[dict],
-                      index_form: str = "padded") -> None:
-    """The layer in context-parallel mode on ``world`` processes: every rank's output the same bits, equal to the
-    layer on one process holding the whole cache (its default prefill mode; rel err <= 1e-2), padding rows 0."""
-    mp.spawn(_layer_worker, args=(world, str(tmp_path / "store"), str(tmp_path), backend, kinds, cases, index_form),
-             nprocs=world)
+                      index_form: str = "padded", comm: str = "allgather") -> None:
+    """The layer in context-parallel mode on ``world`` processes against the layer on one process holding the whole
+    cache (its default prefill mode; rel err <= 1e-2), padding rows 0: with the all-gather form every rank's output
+    is every head, the same bits on every rank; with the reduce-scatter form rank ``r``'s output is heads
+    ``[r·H/world, (r+1)·H/world)``."""
+    mp.spawn(_layer_worker, args=(world, str(tmp_path / "store"), str(tmp_path), backend, kinds, cases, index_form,
+                                  comm), nprocs=world)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     assert len(results[0]) == sum(len([k for k in kinds if k in kinds_of(scenario(case))]) for case in cases)
+    shard = HEADS // world if comm == "reduce_scatter" else HEADS
     for (c, kind), out in results[0].items():
-        for other in results[1:]:
-            assert torch.equal(other[c, kind], out), (c, kind)
         sc = scenario(cases[c], seed=c)
         q, sink = inputs(sc.batch.token_capacity, sc.caches[sc.batch.raw_kind].fmt.dim, seed=c)
         whole = layer_of(kind, sink, cases[c])(q, sc.meta, sc.caches, picks_for(sc, kind))
-        assert not out.isnan().any() and rel_err(out, whole) <= 1e-2, (c, kind)
-        assert (out[sc.batch.num_tokens:] == 0).all()
+        for rank, result in enumerate(results):
+            got = result[c, kind]
+            if comm == "allgather":
+                assert torch.equal(got, out), (c, kind)
+            want = whole if comm == "allgather" else whole[:, rank * shard:(rank + 1) * shard]
+            assert got.shape == want.shape and not got.isnan().any(), (c, kind, rank)
+            assert rel_err(got, want) <= 1e-2, (c, kind, rank)
+            assert (got[sc.batch.num_tokens:] == 0).all()
 
 
 def test_layer_context_parallel_two_ranks_every_kind(tmp_path):
     """2 processes over gloo, the layer of every V4 kind and V3.2's dsa against the single-process layer."""
     check_layer_ranks(tmp_path, 2, "reference", V4_KINDS + ("dsa",), [V4, V32])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layer_context_parallel_reduce_scatter(tmp_path, world):
+    """The reduce-scatter form (LSEs all-gathered, each rank's partial rescaled, a reduce-scatter over heads) on 2
+    and 4 processes over gloo: each rank's head shard is the single-process layer's heads of that shard."""
+    check_layer_ranks(tmp_path, world, "reference", V4_KINDS, [V4], comm="reduce_scatter")
+
+
+@pytest.mark.parametrize("comm", ["allgather", "reduce_scatter"])
+def test_layer_call_is_one_exchange_and_no_replanning(one_rank_group, monkeypatch, comm):
+    """A layer call in context-parallel mode makes the form's collectives and nothing more — one all-gather
+    (``allgather``), or the LSEs' all-gather and one reduce-scatter (``reduce_scatter``) — and, after the step's
+    first calls, no new plan: the step's plans, picks conversions and buffers are reused, and each plan writes its
+    LSE straight into the gather's send buffer (no copy)."""
+    import sparse_mla.context_parallel as cp
+
+    sc = scenario(V4)
+    q, sink = inputs(sc.batch.token_capacity, 512, seed=2)
+    meta, caches, _ = split(sc, RankLayout(1, 0))
+    gather = PartialsGather(sc.batch.token_capacity, HEADS, comm=comm)
+    calls = []
+    for name in ("_all_gather", "_reduce_scatter"):
+        real = getattr(cp, name)
+        monkeypatch.setattr(cp, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    layers = [layer_of(kind, sink, V4) for kind in V4_KINDS]
+    out = torch.empty(sc.batch.token_capacity, HEADS, 512, dtype=torch.bfloat16)
+
+    def run() -> None:
+        for layer in layers:
+            layer(q, meta, caches, picks_for(sc, layer.kind), out=out, context_parallel=gather)
+
+    run()  # the step's plans are made here
+    plans = dict(meta._plans)
+    calls.clear()
+    run()
+    run()
+    per_call = ["_all_gather"] if comm == "allgather" else ["_all_gather", "_reduce_scatter"]
+    assert calls == per_call * 2 * len(layers)
+    assert meta._plans.keys() == plans.keys() and all(meta._plans[k] is v for k, v in plans.items())
+    layer_plans = [p for k, p in plans.items() if k[0] != "picks"]
+    assert len(layer_plans) == len(V4_KINDS)
+    assert all(p.lse.data_ptr() == gather.lse_partial.data_ptr() for p in layer_plans)
+    check_matches((out, gather.merged_lse), single_process(sc, "c128a", q, sink))
 
 
 @cpu_kernels

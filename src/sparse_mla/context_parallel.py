@@ -354,6 +354,9 @@ class PartialsGather:
             self.lses = torch.empty(world, max_tokens, num_heads, dtype=torch.float32, device=device)
             # the scaled partial, head shard s (the reduce-scatter's input chunk of rank s) contiguous
             self.scaled = torch.empty(world, max_tokens, num_heads // world, dim, dtype=dtype, device=device)
+            # the collectives' views, concatenated along the first axis (gloo takes no stacked shape)
+            self._lses_flat = self.lses.view(world * max_tokens, num_heads)
+            self._scaled_flat = self.scaled.view(world * max_tokens, num_heads // world, dim)
         self.merged_lse = torch.empty(max_tokens, num_heads, dtype=torch.float32, device=device)
 
     def __call__(self, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None = None, *,
@@ -384,10 +387,10 @@ class PartialsGather:
             if not merged.is_contiguous():
                 raise ValueError("merged must be contiguous (the reduce-scatter writes it)")
             self._merged_checked = merged
-        _all_gather(self.lses, part_lse, group=self.group)
+        _all_gather(self._lses_flat, part_lse, group=self.group)
         _, merged_lse = rescale_partial(part, self.lses, self.layout.rank, sink, shards=self.layout.world,
                                         out=self.scaled, lse_out=merged_lse, backend=backend)
-        _reduce_scatter(merged, self.scaled, group=self.group)
+        _reduce_scatter(merged, self._scaled_flat, group=self.group)
         return merged, merged_lse
 
     _merged_checked: torch.Tensor | None = None  # the last merged tensor checked (the layer passes the same each call)
