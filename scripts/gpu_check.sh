@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh --help                     this text and every subset's tests
 # Every subset fits one 10-minute call on an H200; in turn they run every GPU test (docs/checks.md, "GPU tests"):
 #   bash scripts/gpu_check.sh; then GPU_TESTS=more, layers, v41, v41gluon, misc, pipeline, guards, hf, lowerings (each
-#   BENCH=none by default); then GPU_TESTS=cp on 2 GPUs (nvidia-h200-x2). GPU_TESTS=all runs the single-GPU
+#   BENCH=none by default); then GPU_TESTS=cp on 2 or 4 GPUs (nvidia-h200-x2 / -x4). GPU_TESTS=all runs the single-GPU
 #   subsets one after another: several calls' worth, for a machine without the device tool's limit.
 # Environment:
 #   GPU_TESTS   a subset's name (default: default) or test paths
@@ -31,8 +31,9 @@
 #                   transformers==5.23.0 "huggingface-hub>=1.31,<3" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" \
 #                   "regex>=2025.10.22" typer
 #               (transformers 5.23.0's Requires-Dist newer than the box may have); the call prints any unmet
-#   cp          2 GPUs: the context-parallel test (NCCL, eager and a CUDA graph) and, unless BENCH=none, the
-#               context-parallel benchmark instead of the step one (~3 min)
+#   cp          2 or 4 GPUs: the context-parallel test (NCCL, 2 ranks and, with 4 GPUs, 4; both exchange forms,
+#               eager and a CUDA graph) and, unless BENCH=none, the context-parallel benchmark instead of the step
+#               one (1, 2 and, with 4 GPUs, 4 ranks; ~3 min)
 set -uo pipefail
 SUBSETS=scripts/gpu_subsets.txt
 SINGLE_GPU="default more layers v41 v41gluon misc pipeline guards hf lowerings"  # GPU_TESTS=all, in this order

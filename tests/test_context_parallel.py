@@ -540,21 +540,34 @@ def test_layer_context_parallel_triton_ragged(tmp_path):
 
 
 def test_benchmark_smoke(tmp_path, monkeypatch):
-    """``benchmarks/bench_context_parallel.py --smoke``: 2 CPU processes over gloo write the JSON the GPU run is read
-    from; the longest contexts follow the stated rule."""
+    """``benchmarks/bench_context_parallel.py --smoke``: 2 CPU processes over gloo (1 and 2 ranks, both exchange
+    forms) write the JSON the GPU run is read from; the longest contexts follow the stated rule; the arguments of
+    the GPU run parse."""
     from test_benchmark_smoke import load_script
 
     bench = load_script("bench_context_parallel", monkeypatch)
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
+    args = parser.parse_args(["--worlds", "1", "2", "4", "--cases", "8x512K", "32x131072", "--comm", "reduce_scatter"])
+    assert args.cases == [(8, 512 * 1024), (32, 128 * 1024)] and args.worlds == [1, 2, 4]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cases", "8by512"])
     assert bench.run(parser.parse_args(["--smoke", "--cache-gib", "1", "--out", str(tmp_path)])) == 0
     result = json.loads((tmp_path / "bench_context_parallel.json").read_text())
-    assert len(result["context_parallel"]) == 2 and result["one_gpu"]["fits"]
-    for row in result["context_parallel"] + [result["one_gpu"]]:
-        assert row["eager_ms"] > 0 and row["finite"] and row["cache_bytes_per_gpu"] > 0
-    split = result["context_parallel"][0]
-    assert split["gathers_ms"] > 0 and split["merges_ms"] > 0 and 0 < split["communication_share"]
-    assert split["cache_bytes_per_gpu"] < result["one_gpu"]["cache_bytes_per_gpu"]
+    rows = {(r["world"], r["comm"]): r for r in result["rows"]}
+    assert set(rows) == {(1, None), (2, "allgather"), (2, "reduce_scatter")}
+    one = rows[1, None]["ranks"][0]
+    assert one["fits"] and one["attention_ms"] == one["eager_ms"] > 0 and one["communication_ms"] == 0
+    for comm in ("allgather", "reduce_scatter"):
+        ranks = rows[2, comm]["ranks"]
+        assert len(ranks) == 2
+        for rank in ranks:
+            assert rank["finite"] and min(rank["eager_ms"], rank["attention_ms"], rank["communication_ms"]) > 0
+            assert rank["cache_bytes_per_gpu"] < one["cache_bytes_per_gpu"]
+    summary = {(s["world"], s["comm"]): s for s in result["summary"]}
+    s = summary[2, "allgather"]
+    assert s["attention_vs_1gpu"] == pytest.approx(max(r["attention_ms"] for r in rows[2, "allgather"]["ranks"])
+                                                   / one["attention_ms"])
     memory = result["memory"]
     per_token = memory["bytes_per_token"]["all_raw"]
     assert memory["longest_context"]["all_raw_b2_1gpu"] == (1 << 30) // (2 * per_token)

@@ -5,9 +5,10 @@ with the NCCL collectives inside it (captured on one step, replayed on the next)
 exchange forms (``PartialsGather(comm=...)``: the all-gather of the partials, every rank every head; the LSEs'
 all-gather + reduce-scatter over heads, each rank its head shard).
 
-Each case is skipped unless its GPUs are present (2 for world 2, 4 for world 4). Each rank is a process (``torch.multiprocessing.spawn``) on its own GPU
-(``torch.cuda.set_device(rank)``: :data:`helpers.DEVICE` is then that GPU); the one-GPU reference runs in each
-rank's process on its own GPU. The parent compares what the ranks saved.
+Each case is skipped unless its GPUs are present (2 for world 2, 4 for world 4). Each rank is a process
+(``torch.multiprocessing.spawn``) on its own GPU (``torch.cuda.set_device(rank)``: :data:`helpers.DEVICE` is then
+that GPU); the one-GPU reference runs in each rank's process on its own GPU. The parent compares what the ranks
+saved.
 """
 from __future__ import annotations
 
