@@ -160,22 +160,9 @@ def rescale_partial(part: torch.Tensor, lses: torch.Tensor, rank: int, sink: tor
         raise ValueError(f"rank must be an int in [0, {num_ranks}) (the ranks of lses), got {rank!r}")
     if not (is_int(shards) and shards >= 1 and num_heads % shards == 0):
         raise ValueError(f"shards must be a positive int dividing the {num_heads} heads, got {shards!r}")
-    values = family == "reference" or debug_checks_enabled()
-    if sink is not None:
-        check_sink(sink, num_heads, device, values=values)
-    if out is None:
-        out = torch.empty(shards, num_tokens, num_heads // shards, dim, dtype=part.dtype, device=device)
-    check_tensor("out", out, dtype=PARTIAL_DTYPES, shape=(shards, num_tokens, num_heads // shards, dim), device=device)
-    if lse_out is None:
-        lse_out = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
-    check_tensor("lse_out", lse_out, dtype=torch.float32, shape=(num_tokens, num_heads), device=device)
-    for name, t in (("out", out), ("lse_out", lse_out)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        check_no_overlap(name, t, {"part": part, "lses": lses, "sink": sink})
-    check_no_overlap("out", out, {"lse_out": lse_out})
-    if values and bool(torch.isnan(lses).any()):
-        raise ValueError("lses must not hold NaN (+inf marks a rank with no key)")
+    out, lse_out = _outputs(out, (shards, num_tokens, num_heads // shards, dim), part.dtype, lse_out,
+                            {"part": part, "lses": lses, "sink": sink}, lses, sink,
+                            family == "reference" or debug_checks_enabled())
     if num_tokens * num_heads == 0:
         return out, lse_out
     if family == "reference":
@@ -204,20 +191,31 @@ def _checked(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None, 
                          f"{tuple(outs.shape)}")
     if outs.stride(3) != 1:
         raise ValueError(f"outs must have unit stride along its last axis (D), got strides {outs.stride()}")
-    device = outs.device
-    check_tensor("lses", lses, dtype=torch.float32, shape=(num_ranks, num_tokens, num_heads), device=device)
+    check_tensor("lses", lses, dtype=torch.float32, shape=(num_ranks, num_tokens, num_heads), device=outs.device)
+    return _outputs(out, (num_tokens, num_heads, dim), outs.dtype, lse_out, {"outs": outs, "lses": lses, "sink": sink},
+                    lses, sink, values)
+
+
+def _outputs(out: torch.Tensor | None, out_shape: tuple[int, ...], out_dtype: torch.dtype,
+             lse_out: torch.Tensor | None, inputs: dict, lses: torch.Tensor, sink: torch.Tensor | None,
+             values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks both ops share, after their inputs': ``sink`` (``(H,)``, H = ``lses``' last axis), ``out`` of
+    ``out_shape`` (allocated as ``out_dtype`` where None) and ``lse_out`` ``(T, H)`` float32 (allocated where None),
+    contiguous, on ``lses``' device, sharing no memory with ``inputs`` or each other; with ``values`` no NaN in
+    ``sink`` or ``lses`` (a sync). Returns the output tensors."""
+    device, (num_tokens, num_heads) = lses.device, lses.shape[1:]
     if sink is not None:
         check_sink(sink, num_heads, device, values=values)
     if out is None:
-        out = torch.empty(num_tokens, num_heads, dim, dtype=outs.dtype, device=device)
-    check_tensor("out", out, dtype=PARTIAL_DTYPES, shape=(num_tokens, num_heads, dim), device=device)
+        out = torch.empty(out_shape, dtype=out_dtype, device=device)
+    check_tensor("out", out, dtype=PARTIAL_DTYPES, shape=out_shape, device=device)
     if lse_out is None:
         lse_out = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
     check_tensor("lse_out", lse_out, dtype=torch.float32, shape=(num_tokens, num_heads), device=device)
     for name, t in (("out", out), ("lse_out", lse_out)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-        check_no_overlap(name, t, {"outs": outs, "lses": lses, "sink": sink})
+        check_no_overlap(name, t, inputs)
     check_no_overlap("out", out, {"lse_out": lse_out})
     if values and bool(torch.isnan(lses).any()):
         raise ValueError("lses must not hold NaN (+inf marks a rank with no key)")
