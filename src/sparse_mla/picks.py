@@ -102,13 +102,19 @@ class PicksConversion:
         self.indices = meta.picks_indices if indices is None else indices
         self.lens = meta.picks_lens if lens is None else lens
         self.kept = meta.picks_local if kept is None else kept
-        self._fixed = (batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
-                       COMPRESS_RATIO[kind])
         self._share = (world, rank)
         outs = (self.indices, self.lens, self.kept)
-        # the Triton builders bind their launch once (ops.triton.index); None: the torch twin, per call
-        self._launch = (triton_index.picks_converter(*self._fixed, *outs, world, rank)
+        # the Triton builders bind their launch once (ops.triton.index) to the builder's buffers, the same every
+        # step (a context-parallel rank keeps its conversions across steps); None: the torch twin, per call
+        self._launch = (triton_index.picks_converter(*self._batch_args(batch), *outs, world, rank)
                         if builders_use_triton(batch.device) else None)
+
+    def _batch_args(self, batch) -> tuple:
+        """What the conversion reads of the step's batch: positions, requests, the kind's block table and block size,
+        and its compress ratio (the torch twin reads the current batch's: its table views are the step's rows)."""
+        kind = self.kind
+        return batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind], \
+            COMPRESS_RATIO[kind]
 
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
         """Convert ``local`` ``(T, topk)`` int32 (``-1`` none) into :attr:`indices` / :attr:`lens` / :attr:`kept`;
@@ -121,7 +127,8 @@ class PicksConversion:
         if self._launch is not None:
             self._launch(local)
         else:
-            compressed_picks_torch(*self._fixed, local, self.indices, self.lens, self.kept, *self._share)
+            compressed_picks_torch(*self._batch_args(self.meta.batch), local, self.indices, self.lens, self.kept,
+                                   *self._share)
         return self.kept
 
 
