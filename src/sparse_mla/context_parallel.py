@@ -33,9 +33,11 @@ from .batch import StepBatch, StepBatchBuilder, blocks_needed
 from .config import DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS
 from .metadata import (ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata,
                        window_lists_filler)
-from .ops.merge import PARTIAL_DTYPES, merge_partials, rescale_partial
+from .ops.dispatch import backend_for
+from .ops.merge import (PARTIAL_DTYPES, check_merge_args, check_merge_outputs, launch_merge, launch_rescale,
+                        merge_partials, rescale_partial)
+from .ops.validate import D_V, debug_checks_enabled
 from .picks import PicksConversion, check_picks_kind
-from .ops.validate import D_V
 
 # torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (same arguments); older torch (the GPU box's) has
 # only the old names. gloo has both collectives (the CPU tests), NCCL too (capturable in a CUDA graph)
@@ -368,29 +370,54 @@ class PartialsGather:
         rank's head shard in the reduce-scatter form); merged_lse ``(T, H)``: the merged LSE; default new tensors.
         backend: the merge's. Returns ``(merged, merged_lse)``."""
         part, part_lse = self.out_partial, self.lse_partial
-        if out is not part:  # the layer passes the buffers themselves: no check, no copy
-            check_tensor("out", out, dtype=part.dtype, shape=part.shape, device=part.device)
-            if out.data_ptr() != part.data_ptr() or out.stride() != part.stride():
-                part.copy_(out)
-        if lse is not part_lse:
-            check_tensor("lse", lse, dtype=torch.float32, shape=part_lse.shape, device=part.device)
-            if lse.data_ptr() != part_lse.data_ptr() or lse.stride() != part_lse.stride():
-                part_lse.copy_(lse)
-        if self.comm == "allgather":
-            _all_gather(self._recv, self._send, group=self.group)
-            return merge_partials(self.outs, self.lses, sink, out=merged, lse_out=merged_lse, backend=backend)
+        family = backend_for(backend, part, "out_partial")
+        check_tensor("out", out, dtype=part.dtype, shape=part.shape, device=part.device)
+        check_tensor("lse", lse, dtype=torch.float32, shape=part_lse.shape, device=part.device)
+        if out.data_ptr() != part.data_ptr() or out.stride() != part.stride():
+            part.copy_(out)
+        if lse.data_ptr() != part_lse.data_ptr() or lse.stride() != part_lse.stride():
+            part_lse.copy_(lse)
+        values = family == "reference" or debug_checks_enabled()
+        if self.comm == "allgather":  # the merge's checks of its outputs, on the gathered buffers
+            merged, merged_lse = check_merge_args(self.outs, self.lses, sink, merged, merged_lse, values)
+        else:
+            merged, merged_lse = self._checked_shard(merged, merged_lse, sink, values)
+        self.exchange(sink, merged, merged_lse, family)
+        return merged, merged_lse
+
+    def _checked_shard(self, merged: torch.Tensor | None, merged_lse: torch.Tensor | None, sink: torch.Tensor | None,
+                       values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reduce-scatter form's outputs, checked (allocated where None): ``merged`` the rank's head shard
+        ``(T, out_heads, D)`` contiguous, of the partials' dtype; the rescale's checks for the rest."""
+        part = self.out_partial
         shard = (part.shape[0], self.out_heads, part.shape[2])
         if merged is None:
             merged = torch.empty(shard, dtype=part.dtype, device=part.device)
-        elif merged is not self._merged_checked:
-            check_tensor("merged", merged, dtype=part.dtype, shape=shard, device=part.device)
-            if not merged.is_contiguous():
-                raise ValueError("merged must be contiguous (the reduce-scatter writes it)")
-            self._merged_checked = merged
-        _all_gather(self._lses_flat, part_lse, group=self.group)
-        _, merged_lse = rescale_partial(part, self.lses, self.layout.rank, sink, shards=self.layout.world,
-                                        out=self.scaled, lse_out=merged_lse, backend=backend)
-        _reduce_scatter(merged, self._scaled_flat, group=self.group)
+        check_tensor("merged", merged, dtype=part.dtype, shape=shard, device=part.device)
+        if not merged.is_contiguous():
+            raise ValueError("merged must be contiguous (the reduce-scatter writes it)")
+        merged_lse = check_merge_outputs(self.scaled, self.scaled.shape, part.dtype, merged_lse,
+                              {"out_partial": part, "lses": self.lses, "sink": sink}, self.lses, sink, values)[1]
         return merged, merged_lse
 
-    _merged_checked: torch.Tensor | None = None  # the last merged tensor checked (the layer passes the same each call)
+    def exchange(self, sink: torch.Tensor | None, merged: torch.Tensor, merged_lse: torch.Tensor,
+                 family: str) -> None:
+        """The exchange of :attr:`out_partial` / :attr:`lse_partial` (the attention's partials, written there) into
+        ``merged`` / ``merged_lse``, on arguments the caller has checked (as :meth:`__call__` does; the layer's
+        context-parallel mode: its own sink and output): the collectives and one kernel, no check, no allocation,
+        no host sync. family: the merge's implementation, ``"triton"`` or ``"reference"`` (which checks its values,
+        as the reference attention ops do)."""
+        if self.comm == "allgather":
+            _all_gather(self._recv, self._send, group=self.group)
+            if family == "reference":
+                merge_partials(self.outs, self.lses, sink, out=merged, lse_out=merged_lse, backend=family)
+            else:
+                launch_merge(self.outs, self.lses, sink, merged, merged_lse, family)
+            return
+        _all_gather(self._lses_flat, self.lse_partial, group=self.group)
+        if family == "reference":
+            rescale_partial(self.out_partial, self.lses, self.layout.rank, sink, shards=self.layout.world,
+                            out=self.scaled, lse_out=merged_lse, backend=family)
+        else:
+            launch_rescale(self.out_partial, self.lses, self.layout.rank, sink, self.scaled, merged_lse, family)
+        _reduce_scatter(merged, self._scaled_flat, group=self.group)

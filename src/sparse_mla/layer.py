@@ -232,10 +232,11 @@ class SparseMLAAttention(torch.nn.Module):
         if context_parallel is None:
             plan(q, out, caches_t, topk_indices, sink, self.scale, q_scale, kv_scale)
             return out
-        partial = context_parallel.out_partial
-        plan(q, partial, caches_t, topk_indices, None, self.scale, q_scale, kv_scale)
-        context_parallel(partial, plan.lse, sink, merged=out, merged_lse=context_parallel.merged_lse,
-                         backend=self.backend)
+        plan(q, context_parallel.out_partial, caches_t, topk_indices, None, self.scale, q_scale, kv_scale)
+        if plan.lse is not context_parallel.lse_partial:  # a plan made with another gather of the step
+            context_parallel.lse_partial.copy_(plan.lse)
+        # out and the sink are checked above, the gather's buffers against this step (_check_context_parallel)
+        context_parallel.exchange(sink, out, context_parallel.merged_lse, plan.impl)
         return out
 
     # ------------------------------------------------------------------ helpers

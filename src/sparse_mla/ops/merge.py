@@ -123,18 +123,26 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | 
     """
     family = backend_for(backend, outs, "outs")
     # the values (a NaN sink or LSE) sync: always on the reference backend, as the attention ops; debug-only on Triton
-    out, lse_out = _checked(outs, lses, sink, out, lse_out, values=family == "reference" or debug_checks_enabled())
+    values = family == "reference" or debug_checks_enabled()
+    out, lse_out = check_merge_args(outs, lses, sink, out, lse_out, values)
+    launch_merge(outs, lses, sink, out, lse_out, family)
+    return out, lse_out
+
+
+def launch_merge(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None, out: torch.Tensor,
+                 lse_out: torch.Tensor, family: str) -> None:
+    """:func:`merge_partials`' work on arguments it has checked (or that a caller owns and checked once: the
+    context-parallel exchange's fixed buffers); family: ``"reference"`` or ``"triton"``. One launch on Triton."""
     if outs.shape[1] * outs.shape[2] == 0:
-        return out, lse_out
+        return
     if family == "reference":
         _merge_reference(outs, lses, sink, out, lse_out)
-    else:
-        num_ranks, num_tokens, num_heads, dim = outs.shape
-        block = min(triton.next_power_of_2(dim), 512)
-        launch = cached_launch(_merge_kernel, (("HAS_SINK", sink is not None), ("BLOCK_D", block)))
-        launch((num_tokens * num_heads, triton.cdiv(dim, block)), outs, lses, sink if sink is not None else lses, out,
-               lse_out, num_heads, dim, num_ranks, *outs.stride()[:3], *lses.stride())
-    return out, lse_out
+        return
+    num_ranks, num_tokens, num_heads, dim = outs.shape
+    block = min(triton.next_power_of_2(dim), 512)
+    launch = cached_launch(_merge_kernel, (("HAS_SINK", sink is not None), ("BLOCK_D", block)))
+    launch((num_tokens * num_heads, triton.cdiv(dim, block)), outs, lses, sink if sink is not None else lses, out,
+           lse_out, num_heads, dim, num_ranks, *outs.stride()[:3], *lses.stride())
 
 
 def rescale_partial(part: torch.Tensor, lses: torch.Tensor, rank: int, sink: torch.Tensor | None = None, *,
@@ -160,28 +168,37 @@ def rescale_partial(part: torch.Tensor, lses: torch.Tensor, rank: int, sink: tor
         raise ValueError(f"rank must be an int in [0, {num_ranks}) (the ranks of lses), got {rank!r}")
     if not (is_int(shards) and shards >= 1 and num_heads % shards == 0):
         raise ValueError(f"shards must be a positive int dividing the {num_heads} heads, got {shards!r}")
-    out, lse_out = _outputs(out, (shards, num_tokens, num_heads // shards, dim), part.dtype, lse_out,
-                            {"part": part, "lses": lses, "sink": sink}, lses, sink,
-                            family == "reference" or debug_checks_enabled())
+    out, lse_out = check_merge_outputs(out, (shards, num_tokens, num_heads // shards, dim), part.dtype, lse_out,
+                                       {"part": part, "lses": lses, "sink": sink}, lses, sink,
+                                       family == "reference" or debug_checks_enabled())
+    launch_rescale(part, lses, rank, sink, out, lse_out, family)
+    return out, lse_out
+
+
+def launch_rescale(part: torch.Tensor, lses: torch.Tensor, rank: int, sink: torch.Tensor | None, out: torch.Tensor,
+                   lse_out: torch.Tensor, family: str) -> None:
+    """:func:`rescale_partial`'s work on checked arguments (as :func:`launch_merge`); the shards are ``out``'s first
+    axis. One launch on Triton."""
+    num_tokens, num_heads, dim = part.shape
+    shards = out.shape[0]
     if num_tokens * num_heads == 0:
-        return out, lse_out
+        return
     if family == "reference":
         lse, empty, weights, factor = _merged_reference(lses, sink)
         own = torch.exp(weights[rank] - lse) * factor
         scaled = torch.where((lses[rank] == math.inf)[..., None], 0.0, part.float() * own[..., None])
         out.copy_(scaled.view(num_tokens, shards, num_heads // shards, dim).transpose(0, 1))
         lse_out.copy_(torch.where(empty, math.inf, lse))
-        return out, lse_out
+        return
     block = min(triton.next_power_of_2(dim), 512)
     launch = cached_launch(_rescale_kernel, (("HAS_SINK", sink is not None), ("BLOCK_D", block)))
     launch((num_tokens * num_heads, triton.cdiv(dim, block)), part, lses, sink if sink is not None else lses, out,
-           lse_out, num_tokens, num_heads, dim, num_ranks, rank, num_heads // shards, part.stride(0), part.stride(1),
-           *lses.stride())
-    return out, lse_out
+           lse_out, num_tokens, num_heads, dim, lses.shape[0], rank, num_heads // shards, part.stride(0),
+           part.stride(1), *lses.stride())
 
 
-def _checked(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None, out: torch.Tensor | None,
-             lse_out: torch.Tensor | None, values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def check_merge_args(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None, out: torch.Tensor | None,
+                     lse_out: torch.Tensor | None, values: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_partials`' argument checks (``ValueError`` / ``TypeError`` naming the argument); with ``values``
     also no NaN in ``sink`` or ``lses`` (a sync). Returns the output tensors (allocated where not given)."""
     check_tensor("outs", outs, dtype=PARTIAL_DTYPES, ndim=4)
@@ -192,11 +209,11 @@ def _checked(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None, 
     if outs.stride(3) != 1:
         raise ValueError(f"outs must have unit stride along its last axis (D), got strides {outs.stride()}")
     check_tensor("lses", lses, dtype=torch.float32, shape=(num_ranks, num_tokens, num_heads), device=outs.device)
-    return _outputs(out, (num_tokens, num_heads, dim), outs.dtype, lse_out, {"outs": outs, "lses": lses, "sink": sink},
-                    lses, sink, values)
+    return check_merge_outputs(out, (num_tokens, num_heads, dim), outs.dtype, lse_out,
+                               {"outs": outs, "lses": lses, "sink": sink}, lses, sink, values)
 
 
-def _outputs(out: torch.Tensor | None, out_shape: tuple[int, ...], out_dtype: torch.dtype,
+def check_merge_outputs(out: torch.Tensor | None, out_shape: tuple[int, ...], out_dtype: torch.dtype,
              lse_out: torch.Tensor | None, inputs: dict, lses: torch.Tensor, sink: torch.Tensor | None,
              values: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The checks both ops share, after their inputs': ``sink`` (``(H,)``, H = ``lses``' last axis), ``out`` of
