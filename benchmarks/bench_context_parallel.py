@@ -332,6 +332,8 @@ def _rank(rank: int, args: argparse.Namespace, sizes: Sizes, port: int, result_p
             for world, group in groups.items():
                 for comm in sizes.comms:
                     if rank < world:
+                        if gpu:
+                            torch.cuda.reset_peak_memory_stats(device)  # the budget below: this step's peak
                         step = make_step(sizes, case, cfg, device, backend, args.seed,
                                          RankLayout.of_group(group), group, comm)
                         row = time_step(step, sizes, device, group)
