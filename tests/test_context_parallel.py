@@ -277,6 +277,35 @@ def test_rank_lists_are_the_shares_width_and_length(world):
     assert torch.equal(picks_total, whole_picks)
 
 
+@cpu_kernels
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_lists_of_the_triton_builders(monkeypatch, world):
+    """The rank's lists as a GPU builds them — its window lists' one Triton launch, its picks conversion's (run here
+    in the interpreter) — equal the torch builders' (the CPU's), over two steps (the second refilling the first's
+    buffers with the launches bound on the first)."""
+    import sparse_mla.metadata as metadata_module
+    import sparse_mla.picks as picks_module
+
+    sc = scenario(V4, seed=world)
+    names = ("swa_indices", "swa_lens", "c128a_indices", "c128a_lens")
+    for rank in range(world):
+        layout = RankLayout(world, rank)
+        want, _, tables = split(sc, layout)
+        want_picks = [t.clone() for t in want.c4a_indices(sc.topk_local)]
+        with monkeypatch.context() as patch:
+            for module in (metadata_module, picks_module):
+                patch.setattr(module, "builders_use_triton", lambda device: True)
+            got, _, _ = split(sc, layout)
+            assert got._conversions["c4a"]._launch is not None  # the Triton conversion, not the torch twin
+            for step in range(2):
+                for name in names:
+                    assert torch.equal(getattr(got, name), getattr(want, name)), (rank, step, name)
+                assert all(torch.equal(a, b) for a, b in zip(got.c4a_indices(sc.topk_local), want_picks)), (rank, step)
+                batch = got.batch.builder.build([Request(s, q, {k: tables[k][r] for k in tables})
+                                                 for r, (s, q) in enumerate(sc.lengths)])
+                build_rank_metadata(batch, layout, sc.meta.spec, out=got)
+
+
 # ------------------------------------------------------------------------------------- rank-split attention
 
 @pytest.mark.parametrize("world", [2, 3, 4])
