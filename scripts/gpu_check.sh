@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh --help                     this text and every subset's tests
 # Every subset fits one 10-minute call on an H200; in turn they run every GPU test (docs/checks.md, "GPU tests"):
 #   bash scripts/gpu_check.sh; then GPU_TESTS=more, layers, v41, v41gluon, misc, pipeline, guards, hf, lowerings (each
-#   BENCH=none by default); then GPU_TESTS=cp on 2 or 4 GPUs (nvidia-h200-x2 / -x4). GPU_TESTS=all runs the single-GPU
+#   BENCH=none by default); then GPU_TESTS=cp on 2 GPUs (nvidia-h200-x2). GPU_TESTS=all runs the single-GPU
 #   subsets one after another: several calls' worth, for a machine without the device tool's limit.
 # Environment:
 #   GPU_TESTS   a subset's name (default: default) or test paths
