@@ -33,8 +33,9 @@
 #                   transformers==5.23.0 "huggingface-hub>=1.31,<3" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" \
 #                   "regex>=2025.10.22" typer
 #               (transformers 5.23.0's Requires-Dist newer than the box may have); the call prints any unmet
-#   cp          2 GPUs: the context-parallel test (NCCL, eager and a CUDA graph) and, unless BENCH=none, the
-#               context-parallel benchmark instead of the step one (~3 min)
+#   cp          2 or 4 GPUs: the context-parallel test (NCCL, 2 ranks and, with 4 GPUs, 4; both exchange forms,
+#               eager and a CUDA graph) and, unless BENCH=none, the context-parallel benchmark instead of the step
+#               one (1, 2 and, with 4 GPUs, 4 ranks; ~3 min)
 set -uo pipefail
 SUBSETS=scripts/gpu_subsets.txt
 SINGLE_GPU="default more layers v41 v41gluon misc pipeline guards hf lowerings"  # GPU_TESTS=all, in this order

@@ -244,6 +244,68 @@ def test_rank_metadata_refills_in_place():
         build_rank_metadata(batch, RankLayout(2, 0), sc.meta.spec, out=meta)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_rank_lists_are_the_shares_width_and_length(world):
+    """Each rank's lists are its share, not the step's: the window lists are built ``ceil(width / world)`` wide
+    (the kernels' planned width), every row as long as the entries the rank owns — ``floor`` or ``ceil`` of the
+    whole row's length over ``world`` — and the ranks' lengths add up to the whole list's; a layer's picks keep the
+    top-k width (nothing bounds how many one rank owns) but hold only the rank's picks, their counts adding up to
+    the whole conversion's. The conversions are made once, with the rank's buffers, and kept across builds."""
+    sc = scenario(V4, seed=world)
+    whole = {k: getattr(sc.meta, f"{k}_lens").clone() for k in ("swa", "c128a")}
+    whole_picks = sc.meta.c4a_indices(sc.topk_local)[1].clone()
+    totals = {k: torch.zeros_like(v) for k, v in whole.items()}
+    picks_total = torch.zeros_like(whole_picks)
+    for rank in range(world):
+        meta, _, tables = split(sc, RankLayout(world, rank))
+        for kind, lens in whole.items():
+            width = getattr(sc.meta, f"{kind}_indices").shape[1]
+            idx, got = getattr(meta, f"{kind}_indices"), getattr(meta, f"{kind}_lens")
+            assert idx.shape[1] == math.ceil(width / world), kind
+            assert bool(((got == lens // world) | (got == -(-lens // world))).all()), kind
+            totals[kind] += got
+        conversion = meta.plan(("picks", "c4a"), None)
+        idx, got = meta.c4a_indices(sc.topk_local)
+        assert idx.shape[1] == sc.meta.spec.topk and idx is conversion.indices and got is conversion.lens
+        picks_total += got
+        batch = meta.batch.builder.build([Request(s, q, {k: tables[k][r] for k in tables})
+                                          for r, (s, q) in enumerate(sc.lengths)])
+        again = build_rank_metadata(batch, RankLayout(world, rank), sc.meta.spec, out=meta)
+        assert again.plan(("picks", "c4a"), None) is conversion  # not made again by the next step's build
+    for kind, lens in whole.items():
+        assert torch.equal(totals[kind], lens), kind
+    assert torch.equal(picks_total, whole_picks)
+
+
+@cpu_kernels
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_lists_of_the_triton_builders(monkeypatch, world):
+    """The rank's lists as a GPU builds them — its window lists' one Triton launch, its picks conversion's (run here
+    in the interpreter) — equal the torch builders' (the CPU's), over two steps (the second refilling the first's
+    buffers with the launches bound on the first)."""
+    import sparse_mla.metadata as metadata_module
+    import sparse_mla.picks as picks_module
+
+    sc = scenario(V4, seed=world)
+    names = ("swa_indices", "swa_lens", "c128a_indices", "c128a_lens")
+    for rank in range(world):
+        layout = RankLayout(world, rank)
+        want, _, tables = split(sc, layout)
+        want_picks = [t.clone() for t in want.c4a_indices(sc.topk_local)]
+        with monkeypatch.context() as patch:
+            for module in (metadata_module, picks_module):
+                patch.setattr(module, "builders_use_triton", lambda device: True)
+            got, _, _ = split(sc, layout)
+            assert got._conversions["c4a"]._launch is not None  # the Triton conversion, not the torch twin
+            for step in range(2):
+                for name in names:
+                    assert torch.equal(getattr(got, name), getattr(want, name)), (rank, step, name)
+                assert all(torch.equal(a, b) for a, b in zip(got.c4a_indices(sc.topk_local), want_picks)), (rank, step)
+                batch = got.batch.builder.build([Request(s, q, {k: tables[k][r] for k in tables})
+                                                 for r, (s, q) in enumerate(sc.lengths)])
+                build_rank_metadata(batch, layout, sc.meta.spec, out=got)
+
+
 # ------------------------------------------------------------------------------------- rank-split attention
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -403,7 +465,7 @@ def test_layer_context_parallel_one_rank_and_bad_input(one_rank_group):
 
 
 def _layer_worker(rank: int, world: int, store: str, results: str, backend: str, kinds: tuple[str, ...],
-                  cases: list[dict], index_form: str) -> None:
+                  cases: list[dict], index_form: str, comm: str = "allgather") -> None:
     """One rank: its cache share and metadata, each kind's layer in context-parallel mode over the group. Saves the
     layers' outputs per case and kind."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -414,7 +476,7 @@ def _layer_worker(rank: int, world: int, store: str, results: str, backend: str,
             sc = scenario(case, seed=c)
             q, sink = inputs(sc.batch.token_capacity, sc.caches[sc.batch.raw_kind].fmt.dim, seed=c)
             meta, caches, _ = split(sc, RankLayout.of_group())
-            gather = PartialsGather(sc.batch.token_capacity, HEADS)
+            gather = PartialsGather(sc.batch.token_capacity, HEADS, comm=comm)
             for kind in (k for k in kinds if k in kinds_of(sc)):
                 # the step has prefill tokens: the workspace prefill (V3.2's default) is not run on a rank's step
                 layer = layer_of(kind, sink, case, backend, prefill_mode="paged", index_form=index_form)
@@ -425,26 +487,77 @@ def _layer_worker(rank: int, world: int, store: str, results: str, backend: str,
 
 
 def check_layer_ranks(tmp_path, world: int, backend: str, kinds: tuple[str, ...], cases: list[dict],
-                      index_form: str = "padded") -> None:
-    """The layer in context-parallel mode on ``world`` processes: every rank's output the same bits, equal to the
-    layer on one process holding the whole cache (its default prefill mode; rel err <= 1e-2), padding rows 0."""
-    mp.spawn(_layer_worker, args=(world, str(tmp_path / "store"), str(tmp_path), backend, kinds, cases, index_form),
-             nprocs=world)
+                      index_form: str = "padded", comm: str = "allgather") -> None:
+    """The layer in context-parallel mode on ``world`` processes against the layer on one process holding the whole
+    cache (its default prefill mode; rel err <= 1e-2), padding rows 0: with the all-gather form every rank's output
+    is every head, the same bits on every rank; with the reduce-scatter form rank ``r``'s output is heads
+    ``[r·H/world, (r+1)·H/world)``."""
+    mp.spawn(_layer_worker, args=(world, str(tmp_path / "store"), str(tmp_path), backend, kinds, cases, index_form,
+                                  comm), nprocs=world)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     assert len(results[0]) == sum(len([k for k in kinds if k in kinds_of(scenario(case))]) for case in cases)
+    shard = HEADS // world if comm == "reduce_scatter" else HEADS
     for (c, kind), out in results[0].items():
-        for other in results[1:]:
-            assert torch.equal(other[c, kind], out), (c, kind)
         sc = scenario(cases[c], seed=c)
         q, sink = inputs(sc.batch.token_capacity, sc.caches[sc.batch.raw_kind].fmt.dim, seed=c)
         whole = layer_of(kind, sink, cases[c])(q, sc.meta, sc.caches, picks_for(sc, kind))
-        assert not out.isnan().any() and rel_err(out, whole) <= 1e-2, (c, kind)
-        assert (out[sc.batch.num_tokens:] == 0).all()
+        for rank, result in enumerate(results):
+            got = result[c, kind]
+            if comm == "allgather":
+                assert torch.equal(got, out), (c, kind)
+            want = whole if comm == "allgather" else whole[:, rank * shard:(rank + 1) * shard]
+            assert got.shape == want.shape and not got.isnan().any(), (c, kind, rank)
+            assert rel_err(got, want) <= 1e-2, (c, kind, rank)
+            assert (got[sc.batch.num_tokens:] == 0).all()
 
 
 def test_layer_context_parallel_two_ranks_every_kind(tmp_path):
     """2 processes over gloo, the layer of every V4 kind and V3.2's dsa against the single-process layer."""
     check_layer_ranks(tmp_path, 2, "reference", V4_KINDS + ("dsa",), [V4, V32])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layer_context_parallel_reduce_scatter(tmp_path, world):
+    """The reduce-scatter form (LSEs all-gathered, each rank's partial rescaled, a reduce-scatter over heads) on 2
+    and 4 processes over gloo: each rank's head shard is the single-process layer's heads of that shard."""
+    check_layer_ranks(tmp_path, world, "reference", V4_KINDS, [V4], comm="reduce_scatter")
+
+
+@pytest.mark.parametrize("comm", ["allgather", "reduce_scatter"])
+def test_layer_call_is_one_exchange_and_no_replanning(one_rank_group, monkeypatch, comm):
+    """A layer call in context-parallel mode makes the form's collectives and nothing more — one all-gather
+    (``allgather``), or the LSEs' all-gather and one reduce-scatter (``reduce_scatter``) — and, after the step's
+    first calls, no new plan: the step's plans, picks conversions and buffers are reused, and each plan writes its
+    LSE straight into the gather's send buffer (no copy)."""
+    import sparse_mla.context_parallel as cp
+
+    sc = scenario(V4)
+    q, sink = inputs(sc.batch.token_capacity, 512, seed=2)
+    meta, caches, _ = split(sc, RankLayout(1, 0))
+    gather = PartialsGather(sc.batch.token_capacity, HEADS, comm=comm)
+    calls = []
+    for name in ("_all_gather", "_reduce_scatter"):
+        real = getattr(cp, name)
+        monkeypatch.setattr(cp, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    layers = [layer_of(kind, sink, V4) for kind in V4_KINDS]
+    out = torch.empty(sc.batch.token_capacity, HEADS, 512, dtype=torch.bfloat16)
+
+    def run() -> None:
+        for layer in layers:
+            layer(q, meta, caches, picks_for(sc, layer.kind), out=out, context_parallel=gather)
+
+    run()  # the step's plans are made here
+    plans = dict(meta._plans)
+    calls.clear()
+    run()
+    run()
+    per_call = ["_all_gather"] if comm == "allgather" else ["_all_gather", "_reduce_scatter"]
+    assert calls == per_call * 2 * len(layers)
+    assert meta._plans.keys() == plans.keys() and all(meta._plans[k] is v for k, v in plans.items())
+    layer_plans = [p for k, p in plans.items() if k[0] != "picks"]
+    assert len(layer_plans) == len(V4_KINDS)
+    assert all(p.lse.data_ptr() == gather.lse_partial.data_ptr() for p in layer_plans)
+    check_matches((out, gather.merged_lse), single_process(sc, "c128a", q, sink))
 
 
 @cpu_kernels
@@ -456,21 +569,34 @@ def test_layer_context_parallel_triton_ragged(tmp_path):
 
 
 def test_benchmark_smoke(tmp_path, monkeypatch):
-    """``benchmarks/bench_context_parallel.py --smoke``: 2 CPU processes over gloo write the JSON the GPU run is read
-    from; the longest contexts follow the stated rule."""
+    """``benchmarks/bench_context_parallel.py --smoke``: 2 CPU processes over gloo (1 and 2 ranks, both exchange
+    forms) write the JSON the GPU run is read from; the longest contexts follow the stated rule; the arguments of
+    the GPU run parse."""
     from test_benchmark_smoke import load_script
 
     bench = load_script("bench_context_parallel", monkeypatch)
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
+    args = parser.parse_args(["--worlds", "1", "2", "4", "--cases", "8x512K", "32x131072", "--comm", "reduce_scatter"])
+    assert args.cases == [(8, 512 * 1024), (32, 128 * 1024)] and args.worlds == [1, 2, 4]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cases", "8by512"])
     assert bench.run(parser.parse_args(["--smoke", "--cache-gib", "1", "--out", str(tmp_path)])) == 0
     result = json.loads((tmp_path / "bench_context_parallel.json").read_text())
-    assert len(result["context_parallel"]) == 2 and result["one_gpu"]["fits"]
-    for row in result["context_parallel"] + [result["one_gpu"]]:
-        assert row["eager_ms"] > 0 and row["finite"] and row["cache_bytes_per_gpu"] > 0
-    split = result["context_parallel"][0]
-    assert split["gathers_ms"] > 0 and split["merges_ms"] > 0 and 0 < split["communication_share"]
-    assert split["cache_bytes_per_gpu"] < result["one_gpu"]["cache_bytes_per_gpu"]
+    rows = {(r["world"], r["comm"]): r for r in result["rows"]}
+    assert set(rows) == {(1, None), (2, "allgather"), (2, "reduce_scatter")}
+    one = rows[1, None]["ranks"][0]
+    assert one["fits"] and one["attention_ms"] == one["eager_ms"] > 0 and one["communication_ms"] == 0
+    for comm in ("allgather", "reduce_scatter"):
+        ranks = rows[2, comm]["ranks"]
+        assert len(ranks) == 2
+        for rank in ranks:
+            assert rank["finite"] and min(rank["eager_ms"], rank["attention_ms"], rank["communication_ms"]) > 0
+            assert rank["cache_bytes_per_gpu"] < one["cache_bytes_per_gpu"]
+    summary = {(s["world"], s["comm"]): s for s in result["summary"]}
+    s = summary[2, "allgather"]
+    assert s["attention_vs_1gpu"] == pytest.approx(max(r["attention_ms"] for r in rows[2, "allgather"]["ranks"])
+                                                   / one["attention_ms"])
     memory = result["memory"]
     per_token = memory["bytes_per_token"]["all_raw"]
     assert memory["longest_context"]["all_raw_b2_1gpu"] == (1 << 30) // (2 * per_token)

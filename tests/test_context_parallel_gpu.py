@@ -1,11 +1,14 @@
-"""Decode context parallelism on two GPUs over NCCL (issue 38): a DeepSeek-V4-Flash decode step (64 heads, top-k 512,
-window 128; swa, c4a and c128a layers, two of the compressed kinds so layers share a step plan) with each request's
-cache split over 2 ranks, against one GPU holding the whole context — eager, and captured in a CUDA graph with the
-NCCL all-gathers inside it (captured on one step, replayed on the next). fp8_v4 and bf16 caches.
+"""Decode context parallelism on 2 and 4 GPUs over NCCL (issues 38, 51): a DeepSeek-V4-Flash decode step (64 heads,
+top-k 512, window 128; swa, c4a and c128a layers, two of the compressed kinds so layers share a step plan) with each
+request's cache split over the ranks, against one GPU holding the whole context — eager, and captured in a CUDA graph
+with the NCCL collectives inside it (captured on one step, replayed on the next). fp8_v4 and bf16 caches; both
+exchange forms (``PartialsGather(comm=...)``: the all-gather of the partials, every rank every head; the LSEs'
+all-gather + reduce-scatter over heads, each rank its head shard).
 
-Skipped unless 2 CUDA GPUs are present. Each rank is a process (``torch.multiprocessing.spawn``) on its own GPU
-(``torch.cuda.set_device(rank)``: :data:`helpers.DEVICE` is then that GPU); the one-GPU reference runs in each
-rank's process on its own GPU. The parent compares what the ranks saved.
+Each case is skipped unless its GPUs are present (2 for world 2, 4 for world 4). Each rank is a process
+(``torch.multiprocessing.spawn``) on its own GPU (``torch.cuda.set_device(rank)``: :data:`helpers.DEVICE` is then
+that GPU); the one-GPU reference runs in each rank's process on its own GPU. The parent compares what the ranks
+saved.
 """
 from __future__ import annotations
 
@@ -27,9 +30,7 @@ from sparse_mla.layer import SparseMLAAttention
 from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.scenario import random_picks
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
-
-WORLD = 2
+COMMS = ("allgather", "reduce_scatter")
 CFG = get_config("deepseek-v4-flash")
 LAYERS = ("swa", "c4a", "c128a", "c4a", "c128a")  # V4-Flash's kinds; two layers of a kind share the step's plan
 MTP = 2  # tokens per decode request (1 + 1 MTP draft), V4-Flash's decode
@@ -110,17 +111,18 @@ def _whole_context(model: Model) -> list[list[torch.Tensor]]:
     return outs
 
 
-def _worker(rank: int, port: int, results: str) -> None:
+def _worker(rank: int, world: int, port: int, results: str) -> None:
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     try:
         saved = {}
         for fmt in FORMATS:
             model = Model(fmt)
             saved[fmt, "whole"] = _whole_context(model)
-            model = Model(fmt)  # the same draws again (picks included) for the rank-split run
-            saved[fmt, "eager"], saved[fmt, "graph"] = _rank_split(model)
+            for comm in COMMS:
+                model = Model(fmt)  # the same draws again (picks included) for each rank-split run
+                saved[fmt, comm, "eager"], saved[fmt, comm, "graph"] = _rank_split(model, comm)
         torch.save(saved, os.path.join(results, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -140,17 +142,17 @@ def _captured(step) -> object:
     return graph.replay
 
 
-def _rank_split(model: Model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Step 0 eager, then the whole decode step (rank metadata build + every layer, each with its NCCL all-gather
+def _rank_split(model: Model, comm: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Step 0 eager, then the whole decode step (rank metadata build + every layer, each with its NCCL collectives
     and merge) captured in a CUDA graph on step 0 and replayed for step 1. Returns (step 0 eager outputs, step 1
-    replayed outputs)."""
+    replayed outputs): every head (``comm="allgather"``) or the rank's head shard (``"reduce_scatter"``)."""
     layout = RankLayout.of_group()
     caches, tables, builder = _caches(model, layout)
     spec = MetadataSpec(CFG.window, CFG.index_topk)
     layers = model.layers(model.sinks)
-    gather = PartialsGather(builder.max_tokens, CFG.num_heads, device=DEVICE)
+    gather = PartialsGather(builder.max_tokens, CFG.num_heads, device=DEVICE, comm=comm)
     q = [t.to(DEVICE) for t in model.q[0]]  # fixed tensors the graph reads: step 1 copies its queries in
-    outs = [torch.empty_like(t) for t in q]
+    outs = [torch.empty(t.shape[0], gather.out_heads, 512, dtype=torch.bfloat16, device=DEVICE) for t in q]
     current = {"batch": builder.build([Request(s, n, tables[r]) for r, (s, n) in enumerate(model.lengths(0))])}
     meta = build_rank_metadata(current["batch"], layout, spec)
     picks = model.picks(current["batch"].positions)
@@ -174,17 +176,26 @@ def _rank_split(model: Model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return eager, [o.cpu() for o in outs]
 
 
-def test_two_gpu_decode_step_matches_one_gpu(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+@pytest.mark.parametrize("world", [2, 4])
+def test_multi_gpu_decode_step_matches_one_gpu(tmp_path, world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs (NCCL)")
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    shard = CFG.num_heads // world
     for fmt in FORMATS:
         whole = ranks[0][fmt, "whole"]
-        for mode, step in (("eager", 0), ("graph", 1)):
-            for i, kind in enumerate(LAYERS):
-                got = ranks[0][fmt, mode][i]
-                assert torch.equal(got, ranks[1][fmt, mode][i]), f"{fmt} {mode} layer {i}: ranks differ"
-                assert not got.isnan().any(), f"{fmt} {mode} layer {i} ({kind}): NaN"
-                err = rel_err(got, whole[step][i])
-                assert err <= 1e-2, f"{fmt} {mode} layer {i} ({kind}): rel err {err:.2e} against one GPU"
-        # step 1 (replayed) is another step than step 0: its outputs moved
-        assert rel_err(ranks[0][fmt, "graph"][1], whole[0][1]) > 1e-2
+        for comm in COMMS:
+            for mode, step in (("eager", 0), ("graph", 1)):
+                for i, kind in enumerate(LAYERS):
+                    for r, saved in enumerate(ranks):
+                        got = saved[fmt, comm, mode][i]
+                        want = whole[step][i] if comm == "allgather" else whole[step][i][:, r * shard:(r + 1) * shard]
+                        where = f"{fmt} {comm} {mode} layer {i} ({kind}) rank {r}"
+                        if comm == "allgather":  # every rank merged the same gathered partials
+                            assert torch.equal(got, ranks[0][fmt, comm, mode][i]), f"{where}: ranks differ"
+                        assert got.shape == want.shape and not got.isnan().any(), where
+                        err = rel_err(got, want)
+                        assert err <= 1e-2, f"{where}: rel err {err:.2e} against one GPU"
+            # step 1 (replayed) is another step than step 0: its outputs moved
+            assert rel_err(ranks[0][fmt, comm, "graph"][1][:, :shard], whole[0][1][:, :shard]) > 1e-2

@@ -9,7 +9,7 @@ import torch
 
 from helpers import DEVICE, KERNEL_RUNS, ON_GPU, rel_err
 from sparse_mla.ops import sparse_attention_decode
-from sparse_mla.ops.merge import merge_partials
+from sparse_mla.ops.merge import merge_partials, rescale_partial
 
 needs_kernels = pytest.mark.skipif(not KERNEL_RUNS, reason="needs a GPU or TRITON_INTERPRET=1")
 
@@ -171,3 +171,42 @@ def test_reference_checks_values_always(monkeypatch, bad):
         lses[0, 3, 1] = math.nan
     with pytest.raises(ValueError, match="sink must not be NaN" if bad == "sink" else "lses must not hold NaN"):
         merge_partials(outs, lses, sink, backend="reference")
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_kernels)])
+@pytest.mark.parametrize("ranks,shards", [(1, 1), (2, 2), (4, 4), (3, 1)])
+def test_rescaled_partials_sum_to_the_formula(backend, ranks, shards):
+    """The reduce-scatter form's half: each rank's rescaled partial, summed over the ranks, is the formula (float32
+    partials); a head's term lands in its shard at ``[h // (H / shards), t, h % (H / shards)]``; every rank gets the
+    merged LSE; a rank with no key for a row contributes 0 there."""
+    heads = 4
+    outs, lses, sink = partials(ranks, 5, heads, 512, torch.float32, seed=ranks + 10)
+    want_out, want_lse = formula_float64(outs, lses, sink)
+    terms = [rescale_partial(outs[r], lses, r, sink, shards=shards, backend=backend) for r in range(ranks)]
+    total = sum(t.double().cpu() for t, _ in terms)  # (shards, T, per, D)
+    whole = total.permute(1, 0, 2, 3).reshape(5, heads, 512)  # back to (T, H, D)
+    for _, lse in terms:
+        check_formula((whole, lse), (want_out, want_lse), 1e-5)
+    if ranks > 1:  # rank 1 holds nothing for token 0: its term is 0 there
+        assert (terms[1][0][:, 0] == 0).all()
+
+
+@needs_kernels
+def test_rescale_kernel_matches_reference():
+    outs, lses, sink = partials(2, 6, 8, 512, torch.bfloat16, seed=3)
+    for rank in range(2):
+        got = rescale_partial(outs[rank], lses, rank, sink, shards=2, backend="triton")
+        want = rescale_partial(outs[rank], lses, rank, sink, shards=2, backend="reference")
+        assert rel_err(got[0], want[0]) <= 1e-2 and torch.allclose(got[1], want[1], rtol=1e-6, atol=1e-6)
+
+
+def test_rescale_bad_inputs_name_the_argument():
+    outs, lses, sink = partials(2, 3, 4, 512, torch.float32)
+    with pytest.raises(ValueError, match="rank must be an int in"):
+        rescale_partial(outs[0], lses, 2, sink)
+    with pytest.raises(ValueError, match="shards must be a positive int dividing the 4 heads"):
+        rescale_partial(outs[0], lses, 0, sink, shards=3)
+    with pytest.raises(ValueError, match="lses"):
+        rescale_partial(outs[0], lses[:, :2], 0, sink)
+    with pytest.raises(ValueError, match="out"):
+        rescale_partial(outs[0], lses, 0, sink, shards=2, out=torch.empty(3, 4, 512))

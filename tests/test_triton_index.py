@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 
 from helpers import DEVICE
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
-from sparse_mla.metadata import MetadataSpec, _step_lists_torch, _step_lists_triton, allocate_metadata
-from sparse_mla.ops.triton.index import compressed_picks
+from sparse_mla.metadata import (MetadataSpec, _step_lists_torch, _step_lists_triton, _window_indices_torch,
+                                 allocate_metadata)
+from sparse_mla.ops.triton.index import WindowList, compressed_picks, step_lists
 from sparse_mla.picks import compressed_picks_torch
 
 SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
@@ -18,8 +19,11 @@ SIZES = {"swa": 4, "c4a": 4, "c128a": 2}
 @given(lengths=st.lists(st.tuples(st.integers(1, 600), st.integers(1, 6)), min_size=1, max_size=4),
        window=st.sampled_from([1, 5, 8]), topk=st.sampled_from([1, 7, 16]), padding=st.integers(0, 3),
        seed=st.integers(0, 2**31 - 1), kinds=st.sampled_from([("swa", "c4a", "c128a"), ("swa",), ("swa", "c4a"),
-                                                              ("swa", "c128a")]))
-def test_triton_builders_equal_torch_builders(lengths, window, topk, padding, seed, kinds):
+                                                              ("swa", "c128a")]),
+       world=st.sampled_from([1, 2, 3, 4]))
+def test_triton_builders_equal_torch_builders(lengths, window, topk, padding, seed, kinds, world):
+    """world > 1: also a context-parallel rank's lists (rank ``seed % world``: its window rows built compact, its
+    picks filtered by owner), Triton against the torch twins."""
     gen = torch.Generator().manual_seed(seed)
     lengths = sorted(((max(s, q), q) for s, q in lengths), key=lambda sq: sq[1] > 1)  # decodes first
     sizes = {k: SIZES[k] for k in kinds}
@@ -49,6 +53,15 @@ def test_triton_builders_equal_torch_builders(lengths, window, topk, padding, se
                 buf.fill_(7)
     _step_lists_triton(b, metas[0])
     _step_lists_torch(b, metas[1])
+    rank = seed % world
+    for kind in (k for k in ("swa", "c128a") if k in kinds):
+        span = getattr(metas[0], f"{kind}_indices").shape[1]
+        (ti, tl_), (ri, rl) = both(-(-span // world))
+        lists = dict(swa=None, c128a=None)
+        lists[kind] = WindowList(b.block_tables[kind], SIZES[kind], ti, tl_, span)
+        step_lists(b.positions, b.token_to_req, torch.empty(T, **i32), **lists, picks=None, world=world, rank=rank)
+        _window_indices_torch(b, kind, ri, rl, span, world, rank)
+        assert torch.equal(ti, ri) and torch.equal(tl_, rl), kind
     for name in ("is_valid_token", "swa_indices", "swa_lens", "c128a_indices", "c128a_lens", "picks_indices",
                  "picks_local", "picks_lens", "picks_bound"):
         got, want = getattr(metas[0], name), getattr(metas[1], name)
@@ -60,6 +73,6 @@ def test_triton_builders_equal_torch_builders(lengths, window, topk, padding, se
     (ti, tl_), (ri, rl) = both(topk)
     tk, rk = torch.full((T, topk), 7, **i32), torch.full((T, topk), 7, **i32)
     args = (b.positions, b.token_to_req, b.block_tables["c4a"], SIZES["c4a"], 4, picks)
-    compressed_picks(*args, ti, tl_, tk)
-    compressed_picks_torch(*args, ri, rl, rk)
+    compressed_picks(*args, ti, tl_, tk, world, rank)
+    compressed_picks_torch(*args, ri, rl, rk, world, rank)
     assert torch.equal(ti, ri) and torch.equal(tl_, rl) and torch.equal(tk, rk)

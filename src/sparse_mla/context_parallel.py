@@ -10,10 +10,14 @@ log-sum-exp, applying the sink once (:func:`sparse_mla.ops.merge.merge_partials`
   :class:`~sparse_mla.metadata.StepMetadata` (``swa_indices``, ``c4a_indices(picks)``, ...). The rank's batch is
   built by a :class:`~sparse_mla.batch.StepBatchBuilder` with block sizes ``× world``
   (:meth:`RankLayout.batch_builder`): read that way, a rank's block table maps a request position to a *virtual*
-  slot whose remainder mod ``world`` is its owner and whose quotient is the owner's real slot. The ordinary
-  metadata builder makes the lists in virtual slots; this module keeps the owned ones, divides, compacts.
+  slot whose remainder mod ``world`` is its owner and whose quotient is the owner's real slot. The metadata
+  builders, told the rank (``world``, ``rank``), write the rank's lists directly: a window row's owned entries are
+  every ``world``-th (built compact, ``ceil(width / world)`` wide), a layer's picks are filtered by the virtual
+  slot's remainder and compacted in the same launch that converts them — each list as long as the rank's share.
 * The exchange (:class:`PartialsGather`): one all-gather of every rank's partials over ``torch.distributed``
-  into buffers allocated once (NCCL on GPUs — capturable in a CUDA graph — or gloo on the CPU), then the merge.
+  into buffers allocated once (NCCL on GPUs — capturable in a CUDA graph — or gloo on the CPU), then the merge;
+  or (``comm="reduce_scatter"``) an all-gather of the LSEs, each rank's own partial rescaled, and a reduce-scatter
+  over heads (each rank gets its head shard of the merged output).
 """
 from __future__ import annotations
 
@@ -27,13 +31,18 @@ import torch.distributed as dist
 from ._checks import check_positive_int, check_tensor, is_int
 from .batch import StepBatch, StepBatchBuilder, blocks_needed
 from .config import DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS
-from .metadata import ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata
-from .ops.merge import PARTIAL_DTYPES, merge_partials
-from .picks import compact_rows, convert_picks
-from .ops.validate import D_V
+from .metadata import (ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata,
+                       window_lists_filler)
+from .ops.dispatch import backend_for
+from .ops.merge import (PARTIAL_DTYPES, check_merge_args, check_merge_outputs, launch_merge, launch_rescale,
+                        merge_partials, rescale_partial)
+from .ops.validate import D_V, debug_checks_enabled
+from .picks import PicksConversion, check_picks_kind
 
-# torch 2.13 renames all_gather_into_tensor (same arguments); older torch (the GPU box's) has only the old name
+# torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (same arguments); older torch (the GPU box's) has
+# only the old names. gloo has both collectives (the CPU tests), NCCL too (capturable in a CUDA graph)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -108,8 +117,11 @@ class RankStepMetadata:
     step: the ordinary metadata of the rank's batch (lists in virtual slots; its ``batch`` is the rank's).
     slot_mapping ``(T,)``: where this rank writes each new raw token (``-1``: another rank's token, or padding).
     swa_indices ``(T, ceil(W / world))`` + swa_lens ``(T,)`` (None for V3.2); c128a_indices
-    ``(T, ceil(ceil(max_model_len / 128) / world))`` + c128a_lens (None without c128a); picks_indices ``(T, topk)``
-    + picks_lens ``(T,)``: the last :meth:`c4a_indices` / :meth:`dsa_indices` call's (None without a picks kind).
+    ``(T, ceil(ceil(max_model_len / 128) / world))`` + c128a_lens (None without c128a): the rank's share of the
+    width, rows at most that long; picks_indices ``(T, topk)`` + picks_lens ``(T,)``: the last
+    :meth:`c4a_indices` / :meth:`dsa_indices` call's (None without a picks kind) — ``topk`` wide, since nothing bounds
+    how many of a token's picks one rank owns, but each row holds only the rank's picks (``lens`` about
+    ``topk / world``), and the kernels walk a row's length, not its width (``sparse_mla.ops.attention_plan``).
 
     A :class:`~sparse_mla.layer.SparseMLAAttention` takes it as its ``meta`` in context-parallel mode
     (``layer(q, rank_meta, caches, picks, out=out, context_parallel=gather)``): the step's layer plans are kept
@@ -126,7 +138,8 @@ class RankStepMetadata:
     picks_indices: torch.Tensor | None
     picks_lens: torch.Tensor | None
     decode_orders: dict[str, torch.Tensor] = field(default_factory=dict)
-    _scratch: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # full-width compaction rows
+    _fill_lists: object = field(default=None, repr=False)  # fill(batch): the window lists' one launch, bound once
+    _conversions: dict = field(default_factory=dict, repr=False)  # {picks kind: PicksConversion}, made once
     _plans: dict = field(default_factory=dict, repr=False)  # this step's plans (new with each build)
 
     @property
@@ -186,8 +199,10 @@ class RankStepMetadata:
 
     def _convert(self, picks: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         self.check_current()
-        virtual = convert_picks(self.step, picks, kind)[0]  # checks the picks; drops the invisible ones
-        _owned_rows(self.layout, virtual, self._scratch["picks"], self.picks_indices, self.picks_lens)
+        conversion = self._conversions.get(kind)
+        if conversion is None:
+            check_picks_kind(self.step, kind)  # the ValueError naming the batch's picks kinds
+        conversion(picks)  # checks the picks; one launch: the visible picks this rank owns, as its slots
         return self.picks_indices, self.picks_lens
 
     def plan(self, key: tuple, make):
@@ -219,44 +234,33 @@ class RankStepMetadata:
         return req, entry, self.layout.local_slots(virtual)
 
 
-def _owned_rows(layout: RankLayout, virtual: torch.Tensor, scratch: torch.Tensor, indices: torch.Tensor,
-                lens: torch.Tensor) -> None:
-    """Rows of virtual slots ``(T, width)`` -> the rank's own slots as valid prefixes in ``indices (T, w)``
-    (``w`` <= width holds every row's count) and their counts in ``lens``; ``scratch`` ``(T, width)``."""
-    counts = compact_rows(layout.local_slots(virtual), out=scratch)[1]
-    indices.copy_(scratch[:, : indices.shape[1]])
-    lens.copy_(counts)
-
-
-class RankPicks:
-    """A rank's conversion of a picks kind's picks (where a :class:`~sparse_mla.picks.PicksConversion` is on a whole
-    step): the step's conversion, then the visible picks this rank owns into the rank's lists. indices ``(T, topk)``
-    / lens ``(T,)``: the rank's picks buffers; kept: None (no rank keeps its kept picks: see
-    :attr:`RankStepMetadata.picks_local`)."""
-
-    def __init__(self, meta: RankStepMetadata, kind: str) -> None:
-        self.meta, self.kind = meta, kind
-        self.indices, self.lens, self.kept = meta.picks_indices, meta.picks_lens, None
-
-    def __call__(self, local: torch.Tensor) -> None:
-        self.meta._convert(local, self.kind)
-
-
 def _allocate(step: StepMetadata, layout: RankLayout) -> RankStepMetadata:
-    cap, dev, world = step.batch.token_capacity, step.batch.device, layout.world
+    """The rank's buffers, each list its share of the step's width, and what fills them, bound once: the window
+    lists' launch and each picks kind's conversion (the builder's buffers are the same every step)."""
+    batch, world = step.batch, layout.world
+    cap, dev = batch.token_capacity, batch.device
     i32 = dict(dtype=torch.int32, device=dev)
-    lists, scratch = {}, {}
+    lists, windows = {}, {}
     for name in ("swa", "c128a", "picks"):
         full = getattr(step, f"{name}_indices")
         if full is None:
             lists[name] = (None, None)
             continue
-        width = full.shape[1] if name == "picks" else math.ceil(full.shape[1] / world)
+        span = full.shape[1]
+        width = span if name == "picks" else math.ceil(span / world)
         lists[name] = (torch.full((cap, width), -1, **i32), torch.zeros(cap, **i32))
-        scratch[name] = torch.empty_like(full)
-    orders = {k: torch.empty(cap, **i32) for k in ORDERED_KINDS if k in step.batch.block_tables}
-    return RankStepMetadata(layout, step, torch.empty(cap, **i32), *lists["swa"], *lists["c128a"], *lists["picks"],
-                            orders, scratch)
+        if name != "picks":
+            windows[name] = (*lists[name], span)
+    orders = {k: torch.empty(cap, **i32) for k in ORDERED_KINDS if k in batch.block_tables}
+    meta = RankStepMetadata(layout, step, torch.empty(cap, **i32), *lists["swa"], *lists["c128a"], *lists["picks"],
+                            orders)
+    meta._fill_lists = window_lists_filler(batch, windows, torch.empty(cap, **i32), world, layout.rank)
+    if meta.picks_indices is not None:
+        kept = torch.empty_like(meta.picks_indices)  # the conversion's kept picks: no reader on a rank
+        meta._conversions = {kind: PicksConversion(step, kind, meta.picks_indices, meta.picks_lens, kept, world,
+                                                   layout.rank)
+                             for kind in PICKS_KINDS if kind in batch.block_tables}  # every picks kind (V4.1: two)
+    return meta
 
 
 def build_rank_metadata(batch: StepBatch, layout: RankLayout, spec: MetadataSpec = MetadataSpec(),
@@ -280,68 +284,140 @@ def build_rank_metadata(batch: StepBatch, layout: RankLayout, spec: MetadataSpec
     step = build_step_metadata(batch, spec, None if out is None else out.step)  # checks spec and staleness
     meta = _allocate(step, layout) if out is None else out
     meta.slot_mapping.copy_(layout.local_slots(batch.slot_mapping))
-    for name in ("swa", "c128a"):
-        if meta._scratch.get(name) is not None:
-            _owned_rows(layout, getattr(step, f"{name}_indices"), meta._scratch[name], getattr(meta, f"{name}_indices"),
-                        getattr(meta, f"{name}_lens"))
-    meta._plans = {}
+    meta._fill_lists(batch)  # the rank's window lists, compact: one launch
+    meta._plans = {("picks", kind): conversion for kind, conversion in meta._conversions.items()}
     if meta.picks_indices is not None:  # until a layer converts its picks: nothing
         meta.picks_indices.fill_(-1)
         meta.picks_lens.zero_()
-        for kind in (k for k in PICKS_KINDS if k in batch.block_tables):  # every picks kind (V4.1 has two)
-            meta._plans["picks", kind] = RankPicks(meta, kind)  # the plans' conversion
     _fill_decode_orders(meta)
     return meta
 
 
-class PartialsGather:
-    """All-gather of every rank's attention partials ``(out (T, H, D), lse (T, H))`` + their merge, over
-    ``torch.distributed`` (the communication is torch's: NCCL on GPUs, gloo on the CPU).
+COMM_FORMS = ("allgather", "reduce_scatter")
 
-    The buffers are allocated once: each rank's partials are packed into one byte buffer
-    (``[out | lse]``, 16-byte aligned), so a layer's exchange is one ``all_gather_into_tensor`` of fixed shape
-    (capturable in a CUDA graph on NCCL), and the merge reads the gathered buffer in place. Give
-    :attr:`out_partial` to the attention op as its ``out=`` and no copy is made. :attr:`merged_lse` ``(T, H)``
-    float32 is a fixed buffer for the merged LSE (the layer's context-parallel mode writes it there).
+
+class PartialsGather:
+    """The exchange of every rank's attention partials ``(out (T, H, D), lse (T, H))`` and their merge, over
+    ``torch.distributed`` (the communication is torch's: NCCL on GPUs, gloo on the CPU), in one of two forms:
+
+    * ``comm="allgather"`` (default): one all-gather of every rank's ``[out | lse]`` (packed into one byte buffer,
+      16-byte aligned), then the merge (:func:`~sparse_mla.ops.merge.merge_partials`). Every rank ends with every
+      head of the merged output, the same bits on every rank. Bytes received per rank: ``world · T · H · (2D + 4)``.
+    * ``comm="reduce_scatter"`` (vLLM's DCP form): an all-gather of the LSEs alone, each rank scales its own
+      partial by its weight in the merge (:func:`~sparse_mla.ops.merge.rescale_partial`), then a reduce-scatter
+      over heads sums the ranks' scaled partials: rank ``r`` ends with heads ``[r·H/world, (r+1)·H/world)`` of the
+      merged output only, ``(T, H / world, D)`` (``H`` divisible by ``world``). Bytes per rank: about
+      ``T · H · 2D`` sent and received through the ring, ``world`` times fewer than the all-gather form's; the
+      engine gives each rank's head shard to a row-parallel output projection (heads split as with tensor
+      parallelism), whose own reduction follows.
+
+    Either way a layer's exchange is collectives of fixed shapes on buffers allocated here, once (capturable in a
+    CUDA graph on NCCL), and a single kernel beside them; no host sync. Give :attr:`out_partial` to the attention op
+    as its ``out=`` and :attr:`lse_partial` as its LSE buffer, and nothing is copied. :attr:`merged_lse` ``(T, H)``
+    float32 is a fixed buffer for the merged LSE (every head, in both forms). :attr:`out_heads`: the heads of the
+    merged output this rank gets.
 
     max_tokens: T, the token capacity of the step (the partials' first axis); num_heads: H; dim: D (the ops' 512);
     dtype: the partial outputs' (the ops' bf16); device: this rank's; group: the context-parallel process group
-    (default the default group).
+    (default the default group); comm: the form.
     """
 
     def __init__(self, max_tokens: int, num_heads: int, *, dim: int = D_V, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None) -> None:
+                 device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None,
+                 comm: str = "allgather") -> None:
         for name, value in (("max_tokens", max_tokens), ("num_heads", num_heads), ("dim", dim)):
             check_positive_int(name, value)
         if dtype not in PARTIAL_DTYPES:
             raise ValueError(f"dtype must be one of {PARTIAL_DTYPES}, got {dtype}")
+        if comm not in COMM_FORMS:
+            raise ValueError(f"comm must be one of {COMM_FORMS}, got {comm!r}")
         self.layout = RankLayout.of_group(group)
-        self.group = group
+        self.group, self.comm = group, comm
+        world = self.layout.world
+        if comm == "reduce_scatter" and num_heads % world:
+            raise ValueError(f"comm='reduce_scatter' splits the heads over the ranks: num_heads ({num_heads}) must be "
+                             f"divisible by the group's {world} ranks")
+        self.out_heads = num_heads if comm == "allgather" else num_heads // world
         rows = max_tokens * num_heads
-        out_bytes = -(-rows * dim * dtype.itemsize // 16) * 16  # the lse part starts 16-byte aligned
-        row_bytes = -(-(out_bytes + rows * 4) // 16) * 16
-        self._send = torch.empty(row_bytes, dtype=torch.uint8, device=device)
-        self._recv = torch.empty(self.layout.world * row_bytes, dtype=torch.uint8, device=device)  # flat: gloo's
-        per_rank = self._recv.view(self.layout.world, row_bytes)
-        out_part, lse_part = slice(0, rows * dim * dtype.itemsize), slice(out_bytes, out_bytes + rows * 4)
-        self.out_partial = self._send[out_part].view(dtype).view(max_tokens, num_heads, dim)
-        self.lse_partial = self._send[lse_part].view(torch.float32).view(max_tokens, num_heads)
-        self.outs = per_rank[:, out_part].view(dtype).view(self.layout.world, max_tokens, num_heads, dim)
-        self.lses = per_rank[:, lse_part].view(torch.float32).view(self.layout.world, max_tokens, num_heads)
+        if comm == "allgather":
+            out_bytes = -(-rows * dim * dtype.itemsize // 16) * 16  # the lse part starts 16-byte aligned
+            row_bytes = -(-(out_bytes + rows * 4) // 16) * 16
+            self._send = torch.empty(row_bytes, dtype=torch.uint8, device=device)
+            self._recv = torch.empty(world * row_bytes, dtype=torch.uint8, device=device)  # flat: gloo's
+            per_rank = self._recv.view(world, row_bytes)
+            out_part, lse_part = slice(0, rows * dim * dtype.itemsize), slice(out_bytes, out_bytes + rows * 4)
+            self.out_partial = self._send[out_part].view(dtype).view(max_tokens, num_heads, dim)
+            self.lse_partial = self._send[lse_part].view(torch.float32).view(max_tokens, num_heads)
+            self.outs = per_rank[:, out_part].view(dtype).view(world, max_tokens, num_heads, dim)
+            self.lses = per_rank[:, lse_part].view(torch.float32).view(world, max_tokens, num_heads)
+        else:
+            self.out_partial = torch.empty(max_tokens, num_heads, dim, dtype=dtype, device=device)
+            self.lse_partial = torch.empty(max_tokens, num_heads, dtype=torch.float32, device=device)
+            self.lses = torch.empty(world, max_tokens, num_heads, dtype=torch.float32, device=device)
+            # the scaled partial, head shard s (the reduce-scatter's input chunk of rank s) contiguous
+            self.scaled = torch.empty(world, max_tokens, num_heads // world, dim, dtype=dtype, device=device)
+            # the collectives' views, concatenated along the first axis (gloo takes no stacked shape)
+            self._lses_flat = self.lses.view(world * max_tokens, num_heads)
+            self._scaled_flat = self.scaled.view(world * max_tokens, num_heads // world, dim)
         self.merged_lse = torch.empty(max_tokens, num_heads, dtype=torch.float32, device=device)
 
     def __call__(self, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None = None, *,
                  merged: torch.Tensor | None = None, merged_lse: torch.Tensor | None = None,
                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather this rank's partials ``out (T, H, D)`` (the attention op's, :attr:`out_partial` itself for no
-        copy) and ``lse (T, H)`` float32 from every rank, and merge them with ``sink (H,)`` float32 (or None):
-        :func:`~sparse_mla.ops.merge.merge_partials`' result, the same bits on every rank. merged / merged_lse:
-        where to write it (default new tensors); backend: the merge's."""
-        check_tensor("out", out, dtype=self.out_partial.dtype, shape=self.out_partial.shape,
-                     device=self.out_partial.device)
-        check_tensor("lse", lse, dtype=torch.float32, shape=self.lse_partial.shape, device=self.out_partial.device)
-        if out.data_ptr() != self.out_partial.data_ptr() or out.stride() != self.out_partial.stride():
-            self.out_partial.copy_(out)
-        self.lse_partial.copy_(lse)
-        _all_gather(self._recv, self._send, group=self.group)
-        return merge_partials(self.outs, self.lses, sink, out=merged, lse_out=merged_lse, backend=backend)
+        """Exchange this rank's partials ``out (T, H, D)`` (the attention op's; :attr:`out_partial` itself for no
+        copy) and ``lse (T, H)`` float32 (:attr:`lse_partial` for none) with every rank, and merge them with
+        ``sink (H,)`` float32 (or None). merged: where the merged output goes, ``(T, out_heads, D)`` contiguous (this
+        rank's head shard in the reduce-scatter form); merged_lse ``(T, H)``: the merged LSE; default new tensors.
+        backend: the merge's. Returns ``(merged, merged_lse)``."""
+        part, part_lse = self.out_partial, self.lse_partial
+        family = backend_for(backend, part, "out_partial")
+        check_tensor("out", out, dtype=part.dtype, shape=part.shape, device=part.device)
+        check_tensor("lse", lse, dtype=torch.float32, shape=part_lse.shape, device=part.device)
+        if out.data_ptr() != part.data_ptr() or out.stride() != part.stride():
+            part.copy_(out)
+        if lse.data_ptr() != part_lse.data_ptr() or lse.stride() != part_lse.stride():
+            part_lse.copy_(lse)
+        values = family == "reference" or debug_checks_enabled()
+        if self.comm == "allgather":  # the merge's checks of its outputs, on the gathered buffers
+            merged, merged_lse = check_merge_args(self.outs, self.lses, sink, merged, merged_lse, values)
+        else:
+            merged, merged_lse = self._checked_shard(merged, merged_lse, sink, values)
+        self.exchange(sink, merged, merged_lse, family)
+        return merged, merged_lse
+
+    def _checked_shard(self, merged: torch.Tensor | None, merged_lse: torch.Tensor | None, sink: torch.Tensor | None,
+                       values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reduce-scatter form's outputs, checked (allocated where None): ``merged`` the rank's head shard
+        ``(T, out_heads, D)`` contiguous, of the partials' dtype; the rescale's checks for the rest."""
+        part = self.out_partial
+        shard = (part.shape[0], self.out_heads, part.shape[2])
+        if merged is None:
+            merged = torch.empty(shard, dtype=part.dtype, device=part.device)
+        check_tensor("merged", merged, dtype=part.dtype, shape=shard, device=part.device)
+        if not merged.is_contiguous():
+            raise ValueError("merged must be contiguous (the reduce-scatter writes it)")
+        merged_lse = check_merge_outputs(self.scaled, self.scaled.shape, part.dtype, merged_lse,
+                              {"out_partial": part, "lses": self.lses, "sink": sink}, self.lses, sink, values)[1]
+        return merged, merged_lse
+
+    def exchange(self, sink: torch.Tensor | None, merged: torch.Tensor, merged_lse: torch.Tensor,
+                 family: str) -> None:
+        """The exchange of :attr:`out_partial` / :attr:`lse_partial` (the attention's partials, written there) into
+        ``merged`` / ``merged_lse``, on arguments the caller has checked (as :meth:`__call__` does; the layer's
+        context-parallel mode: its own sink and output): the collectives and one kernel, no check, no allocation,
+        no host sync. family: the merge's implementation, ``"triton"`` or ``"reference"`` (which checks its values,
+        as the reference attention ops do)."""
+        if self.comm == "allgather":
+            _all_gather(self._recv, self._send, group=self.group)
+            if family == "reference":
+                merge_partials(self.outs, self.lses, sink, out=merged, lse_out=merged_lse, backend=family)
+            else:
+                launch_merge(self.outs, self.lses, sink, merged, merged_lse, family)
+            return
+        _all_gather(self._lses_flat, self.lse_partial, group=self.group)
+        if family == "reference":
+            rescale_partial(self.out_partial, self.lses, self.layout.rank, sink, shards=self.layout.world,
+                            out=self.scaled, lse_out=merged_lse, backend=family)
+        else:
+            launch_rescale(self.out_partial, self.lses, self.layout.rank, sink, self.scaled, merged_lse, family)
+        _reduce_scatter(merged, self._scaled_flat, group=self.group)

@@ -171,7 +171,8 @@ class SparseMLAAttention(torch.nn.Module):
         share, and context_parallel is the :class:`~sparse_mla.context_parallel.PartialsGather` of the rank's group
         (made for the step's token capacity and this layer's heads). The layer attends to the rank's keys without
         the sink, writing its partial into the gather's send buffer, then gathers every rank's partials and merges
-        them, applying the sink once: ``out`` is the whole attention (the same bits on every rank). No host sync:
+        them, applying the sink once: ``out`` is the whole attention (the same bits on every rank); with a gather of
+        ``comm="reduce_scatter"``, ``out`` is this rank's head shard ``(T, num_heads / world, 512)``. No host sync:
         a decode step in this mode can be captured in a CUDA graph on NCCL. Not with the combined index form, nor
         with the workspace prefill (``prefill_mode="workspace"`` and prefill tokens in the step).
         """
@@ -205,7 +206,7 @@ class SparseMLAAttention(torch.nn.Module):
             check_tensor("q", q, device=device)
         if q.stride(2) != 1:
             q = q.contiguous()
-        out = self._out(q, out, capacity)
+        out = self._out(q, out, capacity, self.num_heads if context_parallel is None else context_parallel.out_heads)
         sink = self._buffers["sink"]
         if sink is not None:
             seen = self._sink_seen
@@ -216,7 +217,8 @@ class SparseMLAAttention(torch.nn.Module):
                 _CAPTURED_SINKS.append((self, seen))
         # context parallel: the partial has no sink (the merge applies it once) and goes straight into the send buffer
         has_sink = sink is not None and context_parallel is None
-        plan, caches_t, kv_scale = self._plan(meta, caches, has_sink, q_scale is not None)
+        plan, caches_t, kv_scale = self._plan(meta, caches, has_sink, q_scale is not None,
+                                              None if context_parallel is None else context_parallel.lse_partial)
         if q_scale is not None:
             if self.prefill_mode == "workspace":
                 raise ValueError("an fp8 q (q_scale) needs prefill_mode 'paged' or 'mixed': the workspace prefill "
@@ -231,10 +233,11 @@ class SparseMLAAttention(torch.nn.Module):
         if context_parallel is None:
             plan(q, out, caches_t, topk_indices, sink, self.scale, q_scale, kv_scale)
             return out
-        partial = context_parallel.out_partial
-        plan(q, partial, caches_t, topk_indices, None, self.scale, q_scale, kv_scale)
-        context_parallel(partial, plan.lse, sink, merged=out, merged_lse=context_parallel.merged_lse,
-                         backend=self.backend)
+        plan(q, context_parallel.out_partial, caches_t, topk_indices, None, self.scale, q_scale, kv_scale)
+        if plan.lse is not context_parallel.lse_partial:  # a plan made with another gather of the step
+            context_parallel.lse_partial.copy_(plan.lse)
+        # out and the sink are checked above, the gather's buffers against this step (_check_context_parallel)
+        context_parallel.exchange(sink, out, context_parallel.merged_lse, plan.impl)
         return out
 
     # ------------------------------------------------------------------ helpers
@@ -260,20 +263,24 @@ class SparseMLAAttention(torch.nn.Module):
         """This layer's view of the shared workspace (``workspace_bytes`` of ``head_dim``-wide bf16 rows)."""
         return shared_workspace(device, self.workspace_bytes, self.head_dim)
 
-    def _out(self, q: torch.Tensor, out: torch.Tensor | None, rows: int) -> torch.Tensor:
+    def _out(self, q: torch.Tensor, out: torch.Tensor | None, rows: int, heads: int | None = None) -> torch.Tensor:
+        """The call's output ``(rows, heads, 512)`` bf16 (heads: the layer's, or a context-parallel rank's head
+        shard): ``out`` checked, or a new tensor."""
+        heads = self.num_heads if heads is None else heads
         if out is None:
-            return torch.empty(rows, self.num_heads, D_V, dtype=torch.bfloat16, device=q.device)
-        if (type(out) is not torch.Tensor or out.dtype is not torch.bfloat16 or out.shape != (rows, self.num_heads, D_V)
+            return torch.empty(rows, heads, D_V, dtype=torch.bfloat16, device=q.device)
+        if (type(out) is not torch.Tensor or out.dtype is not torch.bfloat16 or out.shape != (rows, heads, D_V)
                 or out.device != q.device):
-            check_tensor("out", out, dtype=torch.bfloat16, shape=(rows, self.num_heads, D_V), device=q.device)
+            check_tensor("out", out, dtype=torch.bfloat16, shape=(rows, heads, D_V), device=q.device)
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
         return out
 
-    def _plan(self, meta: StepLists, caches: dict | None, has_sink: bool, q_fp8: bool = False
-              ) -> tuple[LayerPlan, tuple[torch.Tensor, ...], torch.Tensor | None]:
+    def _plan(self, meta: StepLists, caches: dict | None, has_sink: bool, q_fp8: bool = False,
+              lse: torch.Tensor | None = None) -> tuple[LayerPlan, tuple[torch.Tensor, ...], torch.Tensor | None]:
         """This step's plan for this layer's configuration and caches (made on the first call of the step), the
-        cache tensors in its scope order, and their shared kv_scale (fp8_e4m3; else None)."""
+        cache tensors in its scope order, and their shared kv_scale (fp8_e4m3; else None). lse: where a plan made
+        now writes its LSE (context parallel: the gather's send buffer, so nothing is copied)."""
         if not isinstance(caches, dict):
             raise ValueError(f"caches must be a dict of kind -> PagedCache or tensor, got {type(caches).__name__}")
         # the same step and caches as this layer's last call (the common case): its plan, after a stamp compare
@@ -300,7 +307,7 @@ class SparseMLAAttention(torch.nn.Module):
         if q_fp8 and kv_scale is None:
             raise ValueError(f"q_scale (an fp8 q) needs fp8_e4m3 caches, got "
                              f"{ {k: v.fmt.name for k, v in views.items()} }")
-        plan = meta.plan(key, lambda: self._make_plan(meta, views, has_sink, q_fp8))
+        plan = meta.plan(key, lambda: self._make_plan(meta, views, has_sink, q_fp8, lse))
         paged = tuple([views[k].tensor for k in plan.cache_kinds])
         # kept for the next call where the caches are the paged tensors themselves (no 4-D views) and no kv_scale
         # is read per call; weak references: the layer keeps no cache alive
@@ -326,7 +333,8 @@ class SparseMLAAttention(torch.nn.Module):
             raise ValueError(f"meta was built from a batch of kinds {batch.kinds}, but a {self.kind} layer reads "
                              f"{want}")
 
-    def _make_plan(self, meta: StepLists, views: dict, has_sink: bool, q_fp8: bool = False) -> LayerPlan:
+    def _make_plan(self, meta: StepLists, views: dict, has_sink: bool, q_fp8: bool = False,
+                   lse: torch.Tensor | None = None) -> LayerPlan:
         """Check this layer against its caches and the caches against the step (once per step and configuration:
         :func:`~sparse_mla.plan.check_step_caches`), then plan."""
         formats = {kind: v.fmt.name for kind, v in views.items()}
@@ -340,7 +348,7 @@ class SparseMLAAttention(torch.nn.Module):
                 raise ValueError(f"{name} holds {view.fmt.dim}-d tokens ({view.fmt.name}), the layer's head_dim is "
                                  f"{self.head_dim}")
         check_step_caches(meta, views, self.kind)
-        return LayerPlan(meta, self, views, q_fp8, has_sink)
+        return LayerPlan(meta, self, views, q_fp8, has_sink, lse)
 
 
 def _check_layer_sink(sink: object, num_heads: int, device: torch.device | None = None, values: bool = True) -> None:

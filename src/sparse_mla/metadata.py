@@ -224,23 +224,51 @@ def _check_reusable(out: StepMetadata, batch: StepBatch, spec: MetadataSpec) -> 
                              f"{shape} on {batch.device}: build without out= when the capacities change")
 
 
-def _window_indices_torch(batch: StepBatch, kind: str, indices: torch.Tensor, lens: torch.Tensor) -> None:
+def _window_indices_torch(batch: StepBatch, kind: str, indices: torch.Tensor, lens: torch.Tensor,
+                          span: int | None = None, world: int = 1, rank: int = 0) -> None:
     """Torch twin of the window rows of :func:`sparse_mla.ops.triton.index.step_lists`. SWA: slots of positions
-    ``max(0, p-W+1) … p`` (W = the width of ``indices``); c128a: every complete entry ``0 … (p+1)//128 - 1``.
-    Written into ``indices`` / ``lens`` as valid prefixes."""
+    ``max(0, p-W+1) … p`` (W = ``span``, default the width of ``indices``); c128a: every complete entry
+    ``0 … (p+1)//128 - 1``. world / rank: only the entries ``e % world == rank``, as that rank's slots (the
+    virtual slot ``// world``: :mod:`sparse_mla.context_parallel`). Written into ``indices`` / ``lens`` as valid
+    prefixes."""
     pos, width = batch.positions, indices.shape[1]
+    span = width if span is None else span
     valid = pos >= 0
     j = torch.arange(width, device=pos.device, dtype=torch.int32)[None, :]
     if kind == "swa":
-        start = (pos - width + 1).clamp_min(0)
+        start = (pos - span + 1).clamp_min(0)
         count = torch.where(valid, pos - start + 1, 0)
-        entries = torch.where(j < count[:, None], start[:, None] + j, -1)
     else:
+        start = torch.zeros_like(pos)
         count = visible_entries(batch, COMPRESS_RATIO[kind])
-        entries = torch.where(j < count[:, None], j, -1)
+    count = count.clamp_max(span)
+    skip = (rank - start) % world  # entries before the first owned one (floor modulo: never negative)
+    count = torch.where(count > skip, (count - skip + world - 1) // world, 0).clamp_max(width)
+    entries = torch.where(j < count[:, None], (start + skip)[:, None] + j * world, -1)
     req = batch.token_to_req.clamp_min(0)[:, None]
-    indices.copy_(slots_of(batch.block_tables[kind], req, entries, batch.block_sizes[kind]))
+    slots = slots_of(batch.block_tables[kind], req, entries, batch.block_sizes[kind])
+    indices.copy_(slots if world == 1 else torch.where(slots >= 0, slots // world, -1))
     lens.copy_(count)
+
+
+def window_lists_filler(batch: StepBatch, lists: dict[str, tuple[torch.Tensor, torch.Tensor, int]],
+                        valid: torch.Tensor, world: int, rank: int):
+    """``fill(batch)``: one launch (the Triton builders; else the torch twin) writing, per kind of ``lists``
+    (``swa``, ``c128a``: ``(indices (T, ceil(span / world)), lens (T,), span)``), the step's window rows of the
+    entries rank ``rank`` of ``world`` owns, compact, as its slots; ``valid (T,)`` gets the validity flags. A
+    context-parallel rank's lists (:func:`sparse_mla.context_parallel.build_rank_metadata`), bound once to its
+    buffers and to ``batch``'s builder's (``fill`` takes each step's batch of that builder)."""
+    if builders_use_triton(batch.device):
+        tables, sizes = batch.block_tables, batch.block_sizes
+        window = {k: triton_index.WindowList(tables[k], sizes[k], idx, ln, span) for k, (idx, ln, span) in lists.items()}
+        launch = triton_index.step_lists_launcher(batch.positions, batch.token_to_req, valid, window.get("swa"),
+                                                  window.get("c128a"), None, 1, world, rank)
+        return lambda current: launch()
+
+    def fill(current: StepBatch) -> None:
+        for kind, (idx, ln, span) in lists.items():
+            _window_indices_torch(current, kind, idx, ln, span, world, rank)
+    return fill
 
 
 def _picks_buffers(meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:

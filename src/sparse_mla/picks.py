@@ -66,12 +66,17 @@ def check_picks(meta: StepMetadata, local: torch.Tensor, kind: str) -> None:
 
 def compressed_picks_torch(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor,
                            block_size: int, ratio: int, local: torch.Tensor, out_indices: torch.Tensor,
-                           out_lens: torch.Tensor, out_kept: torch.Tensor) -> None:
+                           out_lens: torch.Tensor, out_kept: torch.Tensor, world: int = 1, rank: int = 0) -> None:
     """Torch twin of :func:`sparse_mla.ops.triton.index.compressed_picks` (same arguments)."""
     visible = torch.where(positions >= 0, complete_entries(positions + 1, ratio), 0)[:, None]
     kept = torch.where((local >= 0) & (local < visible), local, -1)
+    req = token_to_req.clamp_min(0)[:, None]
+    if world > 1:  # the picks rank ``rank`` owns: the virtual slot's remainder (a missing block's -1 is nobody's)
+        virtual = slots_of(table, req, kept, block_size)
+        kept = torch.where((virtual >= 0) & (virtual % world == rank), kept, -1)
     _, lens = compact_rows(kept, out=out_kept)
-    out_indices.copy_(slots_of(table, token_to_req.clamp_min(0)[:, None], out_kept, block_size))
+    slots = slots_of(table, req, out_kept, block_size)
+    out_indices.copy_(slots if world == 1 else torch.where(slots >= 0, slots // world, -1))
     out_lens.copy_(lens)
 
 
@@ -82,11 +87,14 @@ class PicksConversion:
     indices ``(T, topk)`` / lens ``(T,)`` / kept ``(T, topk)`` int32: the buffers each call writes (the picks'
     slots, their count, the kept picks themselves; each row a valid prefix): by default the step's picks buffers
     (``meta.picks_indices`` / ``picks_lens`` / ``picks_local``); :mod:`sparse_mla.index_forms` gives the combined
-    rows' compressed columns and lens instead.
+    rows' compressed columns and lens instead. world / rank: keep only the picks that rank of a context-parallel
+    group owns, as its own slots (``meta`` is then the rank's step: :mod:`sparse_mla.context_parallel`), in the
+    same one launch.
     """
 
     def __init__(self, meta: StepMetadata, kind: str, indices: torch.Tensor | None = None,
-                 lens: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> None:
+                 lens: torch.Tensor | None = None, kept: torch.Tensor | None = None, world: int = 1,
+                 rank: int = 0) -> None:
         check_picks_kind(meta, kind)
         batch = meta.batch
         self.meta, self.kind = meta, kind
@@ -94,11 +102,19 @@ class PicksConversion:
         self.indices = meta.picks_indices if indices is None else indices
         self.lens = meta.picks_lens if lens is None else lens
         self.kept = meta.picks_local if kept is None else kept
-        self._fixed = (batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind],
-                       COMPRESS_RATIO[kind])
+        self._share = (world, rank)
         outs = (self.indices, self.lens, self.kept)
-        # the Triton builders bind their launch once (ops.triton.index); None: the torch twin, per call
-        self._launch = triton_index.picks_converter(*self._fixed, *outs) if builders_use_triton(batch.device) else None
+        # the Triton builders bind their launch once (ops.triton.index) to the builder's buffers, the same every
+        # step (a context-parallel rank keeps its conversions across steps); None: the torch twin, per call
+        self._launch = (triton_index.picks_converter(*self._batch_args(batch), *outs, world, rank)
+                        if builders_use_triton(batch.device) else None)
+
+    def _batch_args(self, batch) -> tuple:
+        """What the conversion reads of the step's batch: positions, requests, the kind's block table and block size,
+        and its compress ratio (the torch twin reads the current batch's: its table views are the step's rows)."""
+        kind = self.kind
+        return batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind], \
+            COMPRESS_RATIO[kind]
 
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
         """Convert ``local`` ``(T, topk)`` int32 (``-1`` none) into :attr:`indices` / :attr:`lens` / :attr:`kept`;
@@ -111,7 +127,8 @@ class PicksConversion:
         if self._launch is not None:
             self._launch(local)
         else:
-            compressed_picks_torch(*self._fixed, local, self.indices, self.lens, self.kept)
+            compressed_picks_torch(*self._batch_args(self.meta.batch), local, self.indices, self.lens, self.kept,
+                                   *self._share)
         return self.kept
 
 

@@ -145,7 +145,9 @@ class LayerPlan:
     workspace size, batch invariance, index form) the plan is for — every layer of the step with that configuration
     shares it, so calls pass their own sink and scale; views: the caches by kind, as resolved for this plan; q_fp8:
     the calls' q is float8_e4m3fn; has_sink: the calls pass a sink (default: the layer has one; a context-parallel
-    call passes none, the merge applies it: :mod:`sparse_mla.context_parallel`).
+    call passes none, the merge applies it: :mod:`sparse_mla.context_parallel`); lse: the ``(T, H)`` float32 buffer
+    the calls' LSEs go to (default a new one; context parallel: the gather's send buffer, whose padding rows are
+    set to ``+inf`` here).
 
     The layer's ``index_form`` picks the lists the paged launches read (:mod:`sparse_mla.index_forms`):
     ``"padded"`` the metadata's own; ``"ragged"`` their ragged form, converted once per step for the SWA and
@@ -155,7 +157,7 @@ class LayerPlan:
     """
 
     def __init__(self, meta: StepLists, layer, views: dict[str, CacheView], q_fp8: bool = False,
-                 has_sink: bool | None = None) -> None:
+                 has_sink: bool | None = None, lse: torch.Tensor | None = None) -> None:
         batch = meta.batch
         has_sink = layer.sink is not None if has_sink is None else has_sink
         self.meta = meta
@@ -219,7 +221,9 @@ class LayerPlan:
         # ``(T, H)`` float32: the last call's LSE of each row, ``+inf`` on padding rows (never written) and rows with
         # no key; the layer drops it, or in context-parallel mode hands it to the merge (a workspace prefill's rows
         # are not written: that mode is not run there)
-        self.lse = torch.full((self.capacity, layer.num_heads), float("inf"), dtype=torch.float32, device=batch.device)
+        if lse is None:
+            lse = torch.empty(self.capacity, layer.num_heads, dtype=torch.float32, device=batch.device)
+        self.lse = lse.fill_(float("inf"))
         self._part_lse = [self.lse[rows] for rows, *_ in self.parts]  # each part's rows (its launch writes from row 0)
 
     def _form_lists(self, meta) -> list | tuple | None:

@@ -26,21 +26,27 @@ def _slots(table_row, entry, valid, BS: tl.constexpr, MAX_BLOCKS):
 
 
 @triton.jit
-def _window_row(t, pos, req, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, width,
-                RATIO: tl.constexpr, BS: tl.constexpr, WIDTH_P2: tl.constexpr):
-    """Token ``t``'s row. RATIO 1: the SWA window ``max(0, pos-W+1) … pos``; otherwise every entry
-    complete before pos."""
+def _window_row(t, pos, req, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, width, span, world,
+                rank, RATIO: tl.constexpr, BS: tl.constexpr, WIDTH_P2: tl.constexpr):
+    """Token ``t``'s row of the entries rank ``rank`` of ``world`` owns (``e % world == rank``; world 1: every
+    entry), as that rank's slots (the table's virtual slot ``// world``: module ``sparse_mla.context_parallel``).
+    RATIO 1: of the SWA window ``max(0, pos-span+1) … pos``; otherwise of every entry complete before pos (at most
+    ``span``). The owned entries are every ``world``-th from the first owned one: the row is built compact, at most
+    ``width`` = ``ceil(span / world)`` wide."""
     j = tl.arange(0, WIDTH_P2)
     if RATIO == 1:
-        start = tl.maximum(pos - width + 1, 0)
+        start = tl.maximum(pos - span + 1, 0)
         count = tl.where(pos >= 0, pos - start + 1, 0)
-        entry = start + j
     else:
+        start = pos * 0
         count = tl.where(pos >= 0, (pos + 1) // RATIO, 0)
-        entry = j
-    count = tl.minimum(count, width)
+    count = tl.minimum(count, span)
+    skip = (rank - start % world + world) % world  # window entries before the first owned one
+    count = tl.minimum(tl.where(count > skip, (count - skip + world - 1) // world, 0), width)
+    entry = start + skip + j * world
     valid = j < count
     slots = _slots(table_ptr + req.to(tl.int64) * table_stride, entry, valid, BS, max_blocks)
+    slots = tl.where(slots >= 0, slots // world, -1)
     tl.store(idx_ptr + t.to(tl.int64) * idx_stride + j, slots, mask=j < width)
     tl.store(len_ptr + t, count)
 
@@ -49,23 +55,24 @@ def _window_row(t, pos, req, table_ptr, table_stride, max_blocks, idx_ptr, idx_s
 def _step_kernel(pos_ptr, req_ptr, valid_ptr,
                  swa_table, swa_table_stride, swa_max_blocks, swa_idx, swa_idx_stride, swa_len, swa_width,
                  c128_table, c128_table_stride, c128_max_blocks, c128_idx, c128_idx_stride, c128_len, c128_width,
-                 c4_idx, c4_idx_stride, c4_local, c4_local_stride, c4_len, c4_bound, topk,
-                 SWA_BS: tl.constexpr, SWA_P2: tl.constexpr, C128_BS: tl.constexpr, C128_P2: tl.constexpr,
+                 c4_idx, c4_idx_stride, c4_local, c4_local_stride, c4_len, c4_bound, topk, swa_span, c128_span,
+                 world, rank, SWA_BS: tl.constexpr, SWA_P2: tl.constexpr, C128_BS: tl.constexpr, C128_P2: tl.constexpr,
                  TOPK_P2: tl.constexpr, HAS_SWA: tl.constexpr, HAS_C128A: tl.constexpr, HAS_C4A: tl.constexpr,
                  PICKS_RATIO: tl.constexpr):
     """Everything ``build_step_metadata`` writes for token ``t``: validity, SWA row, C128A row, the picks
     buffers (c4a or dsa) emptied until a layer converts its picks, and the bound of any layer's picks count,
-    ``min(topk, entries visible)``."""
+    ``min(topk, entries visible)``. The window rows hold the entries rank ``rank`` of ``world`` owns (world 1: all:
+    :func:`_window_row`)."""
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     req = tl.maximum(tl.load(req_ptr + t), 0)
     tl.store(valid_ptr + t, (pos >= 0).to(tl.int32))
     if HAS_SWA:
         _window_row(t, pos, req, swa_table, swa_table_stride, swa_max_blocks, swa_idx, swa_idx_stride, swa_len,
-                    swa_width, 1, SWA_BS, SWA_P2)
+                    swa_width, swa_span, world, rank, 1, SWA_BS, SWA_P2)
     if HAS_C128A:
         _window_row(t, pos, req, c128_table, c128_table_stride, c128_max_blocks, c128_idx, c128_idx_stride,
-                    c128_len, c128_width, 128, C128_BS, C128_P2)
+                    c128_len, c128_width, c128_span, world, rank, 128, C128_BS, C128_P2)
     if HAS_C4A:
         j = tl.arange(0, TOPK_P2)
         none = tl.full((TOPK_P2,), -1, tl.int32)
@@ -77,9 +84,11 @@ def _step_kernel(pos_ptr, req_ptr, valid_ptr,
 
 @triton.jit
 def _picks_kernel(pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, local_ptr, local_stride,
-                  idx_ptr, idx_stride, len_ptr, kept_ptr, kept_stride, topk,
+                  idx_ptr, idx_stride, len_ptr, kept_ptr, kept_stride, topk, world, rank,
                   RATIO: tl.constexpr, BS: tl.constexpr, TOPK_P2: tl.constexpr):
-    """Indexer picks -> slots of the visible ones (and the kept picks themselves), compacted in order."""
+    """Indexer picks -> slots of the visible ones that rank ``rank`` of ``world`` owns (and the kept picks
+    themselves), compacted in order. world 1: every visible pick, its slot; world > 1: the table's virtual slot
+    ``v`` names its owner ``v % world`` and the owner's slot ``v // world`` (``sparse_mla.context_parallel``)."""
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     req = tl.maximum(tl.load(req_ptr + t), 0)
@@ -88,6 +97,9 @@ def _picks_kernel(pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, local_p
     visible = tl.where(pos >= 0, (pos + 1) // RATIO, 0)
     keep = (local >= 0) & (local < visible)
     slots = _slots(table_ptr + req.to(tl.int64) * table_stride, local, keep, BS, max_blocks)
+    if world > 1:  # (a slot of -1, a missing block, is nobody's)
+        keep = keep & (slots >= 0) & (slots % world == rank)
+        slots = slots // world
     dest = tl.cumsum(keep.to(tl.int32), 0) - 1
     count = tl.sum(keep.to(tl.int32), 0)
     row = idx_ptr + t.to(tl.int64) * idx_stride
@@ -101,30 +113,33 @@ def _picks_kernel(pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, local_p
 
 
 class WindowList(NamedTuple):
-    """A window-shaped index list to fill: the kind's block table and block size, and the
-    ``indices (T, width)`` / ``lens (T,)`` buffers."""
+    """A window-shaped index list to fill: the kind's block table and block size, the
+    ``indices (T, width)`` / ``lens (T,)`` buffers, and ``span``: the most entries a row names over every rank
+    (the SWA window; c128a's entries of ``max_model_len``), None for ``width`` (one rank: they are equal)."""
 
     table: torch.Tensor
     block_size: int
     indices: torch.Tensor
     lens: torch.Tensor
+    span: int | None = None
 
 
 def step_lists(positions: torch.Tensor, token_to_req: torch.Tensor, out_valid: torch.Tensor,
                swa: WindowList | None, c128a: WindowList | None,
-               picks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None, picks_ratio: int = 1
-               ) -> None:
+               picks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None, picks_ratio: int = 1,
+               world: int = 1, rank: int = 0) -> None:
     """The step's shared index lists in one launch: ``out_valid (T,)`` (position >= 0), the SWA window
     rows (when ``swa``), every complete C128A entry (when ``c128a``), and the picks buffers
     ``(indices, local, lens, bound)`` (when ``picks``): reset to empty, and ``bound`` = ``min(topk,
-    (pos + 1) // picks_ratio)``."""
-    step_lists_launcher(positions, token_to_req, out_valid, swa, c128a, picks, picks_ratio)()
+    (pos + 1) // picks_ratio)``. world / rank: the window rows hold only the entries that rank owns, as its slots
+    (a context-parallel rank's lists, built compact: :func:`_window_row`)."""
+    step_lists_launcher(positions, token_to_req, out_valid, swa, c128a, picks, picks_ratio, world, rank)()
 
 
 def step_lists_launcher(positions: torch.Tensor, token_to_req: torch.Tensor, out_valid: torch.Tensor,
                         swa: WindowList | None, c128a: WindowList | None,
                         picks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                        picks_ratio: int = 1):
+                        picks_ratio: int = 1, world: int = 1, rank: int = 0):
     """:func:`step_lists` with every argument bound: returns ``fill()``, one launch per call (the step metadata
     keeps it: its buffers and the builder's are the same every step)."""
     num_tokens = positions.shape[0]
@@ -141,8 +156,9 @@ def step_lists_launcher(positions: torch.Tensor, token_to_req: torch.Tensor, out
                       TOPK_P2=triton.next_power_of_2(topk), HAS_SWA=swa is not None, HAS_C128A=c128a is not None,
                       HAS_C4A=picks is not None, PICKS_RATIO=picks_ratio)
     launch = cached_launch(_step_kernel, tuple(constexprs.items()))
+    spans = [lst.indices.shape[1] if lst.span is None else lst.span for lst in lists]
     all_args = (positions, token_to_req, out_valid, *args, p_idx, p_idx.stride(0), p_local, p_local.stride(0),
-                p_len, p_bound, topk)
+                p_len, p_bound, topk, *spans, world, rank)
     grid = (num_tokens,)
 
     def fill() -> None:
@@ -153,14 +169,17 @@ def step_lists_launcher(positions: torch.Tensor, token_to_req: torch.Tensor, out
 
 def compressed_picks(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor, block_size: int,
                      ratio: int, local: torch.Tensor, out_indices: torch.Tensor, out_lens: torch.Tensor,
-                     out_kept: torch.Tensor) -> None:
+                     out_kept: torch.Tensor, world: int = 1, rank: int = 0) -> None:
     """Fill ``out_indices (T, topk)`` / ``out_lens`` from the indexer's local picks ``local (T, topk)``;
-    ``out_kept (T, topk)`` receives the kept picks themselves, compacted the same way."""
-    picks_converter(positions, token_to_req, table, block_size, ratio, out_indices, out_lens, out_kept)(local)
+    ``out_kept (T, topk)`` receives the kept picks themselves, compacted the same way. world / rank: keep only the
+    picks that rank owns, as its slots (a context-parallel rank's lists)."""
+    picks_converter(positions, token_to_req, table, block_size, ratio, out_indices, out_lens, out_kept, world,
+                    rank)(local)
 
 
 def picks_converter(positions: torch.Tensor, token_to_req: torch.Tensor, table: torch.Tensor, block_size: int,
-                    ratio: int, out_indices: torch.Tensor, out_lens: torch.Tensor, out_kept: torch.Tensor):
+                    ratio: int, out_indices: torch.Tensor, out_lens: torch.Tensor, out_kept: torch.Tensor,
+                    world: int = 1, rank: int = 0):
     """:func:`compressed_picks` with everything but the picks bound once (a step's layers convert their picks
     into the same buffers): returns ``convert(local)``, one launch per call. From the second call on, picks with the
     first call's row stride and 16-byte alignment go through the launch bound then (:meth:`Launch.bind`)."""
@@ -168,7 +187,7 @@ def picks_converter(positions: torch.Tensor, token_to_req: torch.Tensor, table: 
     launch = cached_launch(_picks_kernel, (("RATIO", ratio), ("BS", block_size),
                                            ("TOPK_P2", triton.next_power_of_2(topk))))
     head = (positions, token_to_req, table, table.stride(0), table.shape[1])
-    tail = (out_indices, out_indices.stride(0), out_lens, out_kept, out_kept.stride(0), topk)
+    tail = (out_indices, out_indices.stride(0), out_lens, out_kept, out_kept.stride(0), topk, world, rank)
     # every tensor but the picks is the step's: bound with the launch (the step plan that holds this converter holds
     # them too); the picks and their row stride sit between head and tail
     fixed = frozenset(i for i, a in enumerate((*head, None, None, *tail)) if isinstance(a, torch.Tensor))
