@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ._checks import check_positive_int, check_tensor, is_int
+from ._checks import check_positive_int, check_sink, check_tensor, is_int
 from .batch import StepBatch, StepBatchBuilder, blocks_needed
 from .config import DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS
 from .metadata import (ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata,
@@ -377,16 +377,22 @@ class PartialsGather:
             part.copy_(out)
         if lse.data_ptr() != part_lse.data_ptr() or lse.stride() != part_lse.stride():
             part_lse.copy_(lse)
-        values = family == "reference" or debug_checks_enabled()
-        if self.comm == "allgather":  # the merge's checks of its outputs, on the gathered buffers
-            merged, merged_lse = check_merge_args(self.outs, self.lses, sink, merged, merged_lse, values)
+        # shapes and outputs against the gathered buffers; values only of what this rank sends: the gathered
+        # buffers hold the ranks' partials only after the exchange (the reference merge checks them there)
+        if self.comm == "allgather":
+            merged, merged_lse = check_merge_args(self.outs, self.lses, sink, merged, merged_lse, False)
         else:
-            merged, merged_lse = self._checked_shard(merged, merged_lse, sink, values)
+            merged, merged_lse = self._checked_shard(merged, merged_lse, sink)
+        if family == "reference" or debug_checks_enabled():
+            if sink is not None:
+                check_sink(sink, part_lse.shape[1], part.device)
+            if bool(torch.isnan(part_lse).any()):
+                raise ValueError("lse must not hold NaN (+inf marks a rank with no key)")
         self.exchange(sink, merged, merged_lse, family)
         return merged, merged_lse
 
-    def _checked_shard(self, merged: torch.Tensor | None, merged_lse: torch.Tensor | None, sink: torch.Tensor | None,
-                       values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _checked_shard(self, merged: torch.Tensor | None, merged_lse: torch.Tensor | None, sink: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """The reduce-scatter form's outputs, checked (allocated where None): ``merged`` the rank's head shard
         ``(T, out_heads, D)`` contiguous, of the partials' dtype; the rescale's checks for the rest."""
         part = self.out_partial
@@ -397,7 +403,7 @@ class PartialsGather:
         if not merged.is_contiguous():
             raise ValueError("merged must be contiguous (the reduce-scatter writes it)")
         merged_lse = check_merge_outputs(self.scaled, self.scaled.shape, part.dtype, merged_lse,
-                              {"out_partial": part, "lses": self.lses, "sink": sink}, self.lses, sink, values)[1]
+                              {"out_partial": part, "lses": self.lses, "sink": sink}, self.lses, sink, False)[1]
         return merged, merged_lse
 
     def exchange(self, sink: torch.Tensor | None, merged: torch.Tensor, merged_lse: torch.Tensor,
