@@ -191,7 +191,7 @@ spread_subsets() {  # every single-GPU subset, one queue per visible GPU (longes
         (export CUDA_VISIBLE_DEVICES=$i OUT="$OUT/gpu$i"; mkdir -p "$OUT"; rc=0
          for name in ${queue[i]}; do
              status=0; run_subset "$name" > "$OUT/subset_$name.log" 2>&1
-             echo "$name $status $(grep -Eo '[0-9]+ (passed|failed|error|errors|skipped)' "$OUT"/gpu_tests*.log \
+             echo "$name $status $(grep -hEo '[0-9]+ (passed|failed|error|errors|skipped)' "$OUT"/gpu_tests*.log \
                  2>/dev/null | tr '\n' ' ')" >> "$OUT/../subsets.txt"
              for f in "$OUT"/gpu_tests*.log; do [ -f "$f" ] && mv "$f" "$OUT/$name.${f##*/}"; done
              [ "$status" -eq 0 ] || rc=1
