@@ -261,6 +261,21 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
 
 
 @triton.jit
+def _bit_search(words, thr, count, bit, k):
+    """Raise ``thr`` (uint32) bit by bit, from ``bit`` down, to the largest value at or below which ``k`` or more of
+    ``words`` (uint32; those at 0 never count) lie at or above it, stopping as soon as exactly ``k`` do. ``count``: how
+    many are at or above ``thr`` on entry. Returns ``(thr, count)``."""
+    one = tl.full((), 1, tl.uint32)
+    while (bit >= 0) & (count != k):
+        cand = thr | (one << bit)
+        above = tl.sum((words >= cand).to(tl.int32), 0)
+        thr = tl.where(above >= k, cand, thr)
+        count = tl.where(above >= k, above, count)
+        bit -= 1
+    return thr, count
+
+
+@triton.jit
 def _topk_rows_kernel(packed_ptr, out_ptr, stride, out_stride, num_cols, K: tl.constexpr, C: tl.constexpr,
                       KEYS: tl.constexpr):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
@@ -287,26 +302,14 @@ def _topk_rows_kernel(packed_ptr, out_ptr, stride, out_stride, num_cols, K: tl.c
             bit -= 1
         below = (tl.full((), 1, tl.uint64) << (bit + 1)) - 1
         thr = (top.to(tl.uint64) & ~below).to(tl.uint32)  # every valid word is at or above it: count of them
-        while (bit >= 0) & (count != K):
-            cand = thr | (one << bit)
-            above = tl.sum((hi >= cand).to(tl.int32), 0)
-            thr = tl.where(above >= K, cand, thr)
-            count = tl.where(above >= K, above, count)
-            bit -= 1
+        thr, count = _bit_search(hi, thr, count, bit, K)
         chosen = valid & (hi >= thr)
         if count != K:  # keys tie at the threshold's score: the lowest entries among them
             tied = valid & (hi == thr)
-            need = K - (count - tl.sum(tied.to(tl.int32), 0))
+            tied_count = tl.sum(tied.to(tl.int32), 0)
+            need = K - (count - tied_count)
             low = tl.where(tied, (key & 4294967295).to(tl.uint32), tl.full((), 0, tl.uint32))
-            low_thr = tl.full((), 0, tl.uint32)
-            low_count = count - (K - need)
-            low_bit = 31
-            while (low_bit >= 0) & (low_count != need):
-                cand = low_thr | (one << low_bit)
-                above = tl.sum((low >= cand).to(tl.int32), 0)
-                low_thr = tl.where(above >= need, cand, low_thr)
-                low_count = tl.where(above >= need, above, low_count)
-                low_bit -= 1
+            low_thr, _ = _bit_search(low, tl.full((), 0, tl.uint32), tied_count, tl.full((), 31, tl.int32), need)
             chosen = valid & ((hi > thr) | (tied & (low >= low_thr)))
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     fill = tl.arange(0, K)
