@@ -464,6 +464,42 @@ def test_layer_context_parallel_one_rank_and_bad_input(one_rank_group):
         layer(q, meta, bad, sc.topk_local, context_parallel=gather)
 
 
+@pytest.mark.parametrize("comm", ["allgather", "reduce_scatter"])
+def test_gather_output_sharing_memory_is_a_value_error(one_rank_group, comm):
+    """A call's merged output may share no memory with its merged LSE, the sink or the exchange's own buffers, in
+    either form: the reduce-scatter writes ``merged`` last, so an LSE or a sink under it would be overwritten
+    silently, and a scaled partial under it is the collective's own input."""
+    tokens, heads, dim = 3, 4, 16
+    gather = PartialsGather(tokens, heads, dim=dim, comm=comm)
+    gen = torch.Generator().manual_seed(4)
+    out = torch.randn(tokens, heads, dim, generator=gen).to(torch.bfloat16)
+    lse, sink = torch.randn(tokens, heads, generator=gen), torch.randn(heads, generator=gen)
+    raw = torch.zeros(tokens * heads * dim * 2, dtype=torch.uint8)  # zeros: a float32 view of it is a valid sink
+    merged = raw.view(torch.bfloat16).view(tokens, gather.out_heads, dim)
+    under_merged = {"merged_lse": dict(merged_lse=raw[: tokens * heads * 4].view(torch.float32).view(tokens, heads)),
+                    "sink": dict(sink=raw[: heads * 4].view(torch.float32))}
+    for name, change in under_merged.items():
+        args = dict(sink=sink, merged=merged) | change
+        with pytest.raises(ValueError, match="overlaps"):
+            gather(out, lse, args.pop("sink"), **args)
+        assert torch.equal(raw, torch.zeros_like(raw)), name  # rejected before anything was written
+    own = gather.outs[0] if comm == "allgather" else gather.scaled[0]  # the exchange's buffer of this rank
+    with pytest.raises(ValueError, match="overlaps"):
+        gather(out, lse, sink, merged=own)
+
+
+def test_reduce_scatter_needs_heads_divisible_by_world(monkeypatch):
+    """The reduce-scatter form splits the heads over the ranks: a head count the group's size does not divide is a
+    ValueError naming num_heads (made before any collective: a 3-rank group is stood in for)."""
+    import sparse_mla.context_parallel as cp
+
+    monkeypatch.setattr(cp.RankLayout, "of_group", classmethod(lambda cls, group=None: cls(3, 1)))
+    with pytest.raises(ValueError, match=r"num_heads \(4\) must be divisible by the group's 3 ranks"):
+        PartialsGather(2, 4, dim=16, comm="reduce_scatter")
+    assert PartialsGather(2, 4, dim=16).out_heads == 4  # the all-gather form: every head on every rank
+    assert PartialsGather(2, 6, dim=16, comm="reduce_scatter").out_heads == 2
+
+
 def _layer_worker(rank: int, world: int, store: str, results: str, backend: str, kinds: tuple[str, ...],
                   cases: list[dict], index_form: str, comm: str = "allgather") -> None:
     """One rank: its cache share and metadata, each kind's layer in context-parallel mode over the group. Saves the
