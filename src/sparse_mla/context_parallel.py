@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ._checks import check_positive_int, check_sink, check_tensor, is_int
+from ._checks import check_no_overlap, check_positive_int, check_sink, check_tensor, is_int
 from .batch import StepBatch, StepBatchBuilder, blocks_needed
 from .config import DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS
 from .metadata import (ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata,
@@ -404,6 +404,9 @@ class PartialsGather:
             raise ValueError("merged must be contiguous (the reduce-scatter writes it)")
         merged_lse = check_merge_outputs(self.scaled, self.scaled.shape, part.dtype, merged_lse,
                               {"out_partial": part, "lses": self.lses, "sink": sink}, self.lses, sink, False)[1]
+        # the reduce-scatter writes merged last: an LSE or sink under it would be overwritten, and the scaled
+        # partials are the collective's input
+        check_no_overlap("merged", merged, {"merged_lse": merged_lse, "sink": sink, "scaled": self.scaled})
         return merged, merged_lse
 
     def exchange(self, sink: torch.Tensor | None, merged: torch.Tensor, merged_lse: torch.Tensor,
