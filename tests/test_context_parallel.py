@@ -480,12 +480,32 @@ def test_gather_output_sharing_memory_is_a_value_error(one_rank_group, comm):
                     "sink": dict(sink=raw[: heads * 4].view(torch.float32))}
     for name, change in under_merged.items():
         args = dict(sink=sink, merged=merged) | change
-        with pytest.raises(ValueError, match="overlaps"):
+        with pytest.raises(ValueError, match=f"^merged overlaps {name}"):
             gather(out, lse, args.pop("sink"), **args)
         assert torch.equal(raw, torch.zeros_like(raw)), name  # rejected before anything was written
     own = gather.outs[0] if comm == "allgather" else gather.scaled[0]  # the exchange's buffer of this rank
-    with pytest.raises(ValueError, match="overlaps"):
+    with pytest.raises(ValueError, match="^merged overlaps"):
         gather(out, lse, sink, merged=own)
+
+
+@pytest.mark.parametrize("comm", ["allgather", "reduce_scatter"])
+def test_gather_bad_outputs_name_the_argument(one_rank_group, comm):
+    """A gather call's bad ``merged`` / ``merged_lse`` is a ValueError naming that argument (not ``out``, which is
+    the call's partial, nor the merge's ``lse_out``)."""
+    tokens, heads, dim = 3, 4, 16
+    gather = PartialsGather(tokens, heads, dim=dim, comm=comm)
+    out, lse = torch.zeros(tokens, heads, dim, dtype=torch.bfloat16), torch.zeros(tokens, heads)
+    merged = torch.zeros(tokens, gather.out_heads, dim, dtype=torch.bfloat16)
+    cases = [(dict(merged=merged[..., :-1]), r"^merged must have shape"),
+             (dict(merged=merged.transpose(0, 1)), r"^merged must (have shape|be contiguous)"),
+             (dict(merged_lse=torch.zeros(tokens, heads + 1)), r"^merged_lse must have shape"),
+             (dict(merged_lse=torch.zeros(tokens, heads, dtype=torch.float64)), r"^merged_lse must have dtype"),
+             (dict(merged_lse=torch.zeros(heads, tokens).t()), r"^merged_lse must be contiguous"),
+             (dict(merged=merged, merged_lse=merged.view(-1)[: 2 * tokens * heads].view(torch.float32)
+                   .view(tokens, heads)), r"^merged overlaps merged_lse")]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            gather(out, lse, None, **change)
 
 
 def test_reduce_scatter_needs_heads_divisible_by_world(monkeypatch):
