@@ -380,7 +380,8 @@ class PartialsGather:
         # shapes and outputs against the gathered buffers; values only of what this rank sends: the gathered
         # buffers hold the ranks' partials only after the exchange (the reference merge checks them there)
         if self.comm == "allgather":
-            merged, merged_lse = check_merge_args(self.outs, self.lses, sink, merged, merged_lse, False)
+            merged, merged_lse = check_merge_args(self.outs, self.lses, sink, merged, merged_lse, False,
+                                                  ("merged", "merged_lse"))
         else:
             merged, merged_lse = self._checked_shard(merged, merged_lse, sink)
         if family == "reference" or debug_checks_enabled():
@@ -403,7 +404,8 @@ class PartialsGather:
         if not merged.is_contiguous():
             raise ValueError("merged must be contiguous (the reduce-scatter writes it)")
         merged_lse = check_merge_outputs(self.scaled, self.scaled.shape, part.dtype, merged_lse,
-                              {"out_partial": part, "lses": self.lses, "sink": sink}, self.lses, sink, False)[1]
+                              {"out_partial": part, "lses": self.lses, "sink": sink}, self.lses, sink, False,
+                              ("scaled", "merged_lse"))[1]
         # the reduce-scatter writes merged last: an LSE or sink under it would be overwritten, and the scaled
         # partials are the collective's input
         check_no_overlap("merged", merged, {"merged_lse": merged_lse, "sink": sink, "scaled": self.scaled})
