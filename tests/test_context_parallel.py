@@ -520,6 +520,38 @@ def test_reduce_scatter_needs_heads_divisible_by_world(monkeypatch):
     assert PartialsGather(2, 6, dim=16, comm="reduce_scatter").out_heads == 2
 
 
+def _nan_worker(rank: int, world: int, store: str, results: str, comm: str, backend: str) -> None:
+    """One rank's gather call, rank 1's LSE holding a NaN; saves what the call raised (or None)."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=10))
+    try:
+        gather = PartialsGather(3, 4, dim=16, comm=comm)
+        lse = torch.zeros(3, 4)
+        if rank == 1:
+            lse[1, 2] = math.nan
+        try:
+            gather(torch.zeros(3, 4, 16, dtype=torch.bfloat16), lse, None, backend=backend)
+            raised = None
+        except Exception as error:  # noqa: BLE001 - the test reads which error each rank got
+            raised = (type(error).__name__, str(error))
+        torch.save(raised, os.path.join(results, f"nan{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=cpu_kernels)])
+@pytest.mark.parametrize("comm", ["allgather", "reduce_scatter"])
+def test_a_ranks_nan_lse_is_a_value_error_on_every_rank(tmp_path, monkeypatch, comm, backend):
+    """A NaN in one rank's LSE is a ValueError on every rank of the group (checked in the gathered LSEs; the Triton
+    merge under SPARSE_MLA_DEBUG=1), not an error on that rank alone while the others wait for it in the
+    collective."""
+    monkeypatch.setenv("SPARSE_MLA_DEBUG", "1")  # the Triton merge's value checks (the reference always checks)
+    mp.spawn(_nan_worker, args=(2, str(tmp_path / "store"), str(tmp_path), comm, backend), nprocs=2)
+    for rank in range(2):
+        raised = torch.load(tmp_path / f"nan{rank}.pt")
+        assert raised is not None and raised[0] == "ValueError" and "NaN" in raised[1], (rank, raised)
+
+
 def _layer_worker(rank: int, world: int, store: str, results: str, backend: str, kinds: tuple[str, ...],
                   cases: list[dict], index_form: str, comm: str = "allgather") -> None:
     """One rank: its cache share and metadata, each kind's layer in context-parallel mode over the group. Saves the
