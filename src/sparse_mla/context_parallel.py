@@ -377,8 +377,9 @@ class PartialsGather:
             part.copy_(out)
         if lse.data_ptr() != part_lse.data_ptr() or lse.stride() != part_lse.stride():
             part_lse.copy_(lse)
-        # shapes and outputs against the gathered buffers; values only of what this rank sends: the gathered
-        # buffers hold the ranks' partials only after the exchange (the reference merge checks them there)
+        # shapes and outputs against the gathered buffers; their values (the LSEs) only after the exchange, which
+        # fills them: a NaN of one rank is then an error on every rank (before it, that rank would raise alone and
+        # leave the others waiting in the collective)
         if self.comm == "allgather":
             merged, merged_lse = check_merge_args(self.outs, self.lses, sink, merged, merged_lse, False,
                                                   ("merged", "merged_lse"))
@@ -387,9 +388,9 @@ class PartialsGather:
         if family == "reference" or debug_checks_enabled():
             if sink is not None:
                 check_sink(sink, part_lse.shape[1], part.device)
-            if bool(torch.isnan(part_lse).any()):
-                raise ValueError("lse must not hold NaN (+inf marks a rank with no key)")
-        self.exchange(sink, merged, merged_lse, family)
+        self.exchange(sink, merged, merged_lse, family)  # the reference merge / rescale check the gathered LSEs
+        if family != "reference" and debug_checks_enabled() and bool(torch.isnan(self.lses).any()):
+            raise ValueError("lse must not hold NaN on any rank (+inf marks a rank with no key)")
         return merged, merged_lse
 
     def _checked_shard(self, merged: torch.Tensor | None, merged_lse: torch.Tensor | None, sink: torch.Tensor | None
