@@ -691,6 +691,27 @@ def test_benchmark_smoke(tmp_path, monkeypatch):
     assert memory["longest_context"]["all_raw_b2_2gpu"] == (2 << 30) // (2 * per_token)
 
 
+@pytest.mark.parametrize("comm", ["allgather", "reduce_scatter"])
+def test_benchmark_attention_part_exchanges_nothing(one_rank_group, monkeypatch, comm):
+    """The benchmark's attention part (its layers given a gather that exchanges nothing) runs no collective and no
+    merge: a layer call in context-parallel mode goes through the gather's ``exchange``, not its ``__call__``."""
+    import sparse_mla.context_parallel as cp
+    from test_benchmark_smoke import load_script
+
+    bench = load_script("bench_context_parallel", monkeypatch)
+    sc = scenario(V4)
+    q, sink = inputs(sc.batch.token_capacity, 512, seed=3)
+    meta, caches, _ = split(sc, RankLayout(1, 0))
+    silent = bench._NoExchange(sc.batch.token_capacity, HEADS, comm=comm)
+    calls = []
+    for name in ("_all_gather", "_reduce_scatter", "launch_merge", "launch_rescale", "merge_partials",
+                 "rescale_partial"):
+        monkeypatch.setattr(cp, name, lambda *a, _name=name, **k: calls.append(_name))
+    for kind in V4_KINDS:
+        layer_of(kind, sink, V4)(q, meta, caches, picks_for(sc, kind), context_parallel=silent)
+    assert calls == []
+
+
 STEP_API = pathlib.Path(__file__).resolve().parent.parent / "docs" / "step_api.md"
 # the doc's two steps, shorter: a prefill past the first c128a entries (so each rank holds one), then decodes (MTP)
 SERVE_STEPS = [[(0, 260, 260), (1, 8, 8)], [(0, 262, 2), (1, 9, 1)]]
