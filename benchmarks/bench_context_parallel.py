@@ -103,10 +103,11 @@ class Sizes:
 
 class _NoExchange(PartialsGather):
     """A gather that exchanges nothing: the layers in context-parallel mode then run their rank's attention alone
-    (the step's attention part). Its output is not the layer's (nothing is merged)."""
+    (the step's attention part). Its output is not the layer's (nothing is merged). The layer calls a gather's
+    ``exchange`` (its checks are the layer's own), so that is what is left out."""
 
-    def __call__(self, out, lse, sink=None, *, merged=None, merged_lse=None, backend="auto"):
-        return merged, merged_lse
+    def exchange(self, sink, merged, merged_lse, family) -> None:
+        pass
 
 
 @dataclass

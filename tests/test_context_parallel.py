@@ -464,6 +464,94 @@ def test_layer_context_parallel_one_rank_and_bad_input(one_rank_group):
         layer(q, meta, bad, sc.topk_local, context_parallel=gather)
 
 
+@pytest.mark.parametrize("comm", ["allgather", "reduce_scatter"])
+def test_gather_output_sharing_memory_is_a_value_error(one_rank_group, comm):
+    """A call's merged output may share no memory with its merged LSE, the sink or the exchange's own buffers, in
+    either form: the reduce-scatter writes ``merged`` last, so an LSE or a sink under it would be overwritten
+    silently, and a scaled partial under it is the collective's own input."""
+    tokens, heads, dim = 3, 4, 16
+    gather = PartialsGather(tokens, heads, dim=dim, comm=comm)
+    gen = torch.Generator().manual_seed(4)
+    out = torch.randn(tokens, heads, dim, generator=gen).to(torch.bfloat16)
+    lse, sink = torch.randn(tokens, heads, generator=gen), torch.randn(heads, generator=gen)
+    raw = torch.zeros(tokens * heads * dim * 2, dtype=torch.uint8)  # zeros: a float32 view of it is a valid sink
+    merged = raw.view(torch.bfloat16).view(tokens, gather.out_heads, dim)
+    under_merged = {"merged_lse": dict(merged_lse=raw[: tokens * heads * 4].view(torch.float32).view(tokens, heads)),
+                    "sink": dict(sink=raw[: heads * 4].view(torch.float32))}
+    for name, change in under_merged.items():
+        args = dict(sink=sink, merged=merged) | change
+        with pytest.raises(ValueError, match=f"^merged overlaps {name}"):
+            gather(out, lse, args.pop("sink"), **args)
+        assert torch.equal(raw, torch.zeros_like(raw)), name  # rejected before anything was written
+    own = gather.outs[0] if comm == "allgather" else gather.scaled[0]  # the exchange's buffer of this rank
+    with pytest.raises(ValueError, match="^merged overlaps"):
+        gather(out, lse, sink, merged=own)
+
+
+@pytest.mark.parametrize("comm", ["allgather", "reduce_scatter"])
+def test_gather_bad_outputs_name_the_argument(one_rank_group, comm):
+    """A gather call's bad ``merged`` / ``merged_lse`` is a ValueError naming that argument (not ``out``, which is
+    the call's partial, nor the merge's ``lse_out``)."""
+    tokens, heads, dim = 3, 4, 16
+    gather = PartialsGather(tokens, heads, dim=dim, comm=comm)
+    out, lse = torch.zeros(tokens, heads, dim, dtype=torch.bfloat16), torch.zeros(tokens, heads)
+    merged = torch.zeros(tokens, gather.out_heads, dim, dtype=torch.bfloat16)
+    cases = [(dict(merged=merged[..., :-1]), r"^merged must have shape"),
+             (dict(merged=merged.transpose(0, 1)), r"^merged must (have shape|be contiguous)"),
+             (dict(merged_lse=torch.zeros(tokens, heads + 1)), r"^merged_lse must have shape"),
+             (dict(merged_lse=torch.zeros(tokens, heads, dtype=torch.float64)), r"^merged_lse must have dtype"),
+             (dict(merged_lse=torch.zeros(heads, tokens).t()), r"^merged_lse must be contiguous"),
+             (dict(merged=merged, merged_lse=merged.view(-1)[: 2 * tokens * heads].view(torch.float32)
+                   .view(tokens, heads)), r"^merged overlaps merged_lse")]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            gather(out, lse, None, **change)
+
+
+def test_reduce_scatter_needs_heads_divisible_by_world(monkeypatch):
+    """The reduce-scatter form splits the heads over the ranks: a head count the group's size does not divide is a
+    ValueError naming num_heads (made before any collective: a 3-rank group is stood in for)."""
+    import sparse_mla.context_parallel as cp
+
+    monkeypatch.setattr(cp.RankLayout, "of_group", classmethod(lambda cls, group=None: cls(3, 1)))
+    with pytest.raises(ValueError, match=r"num_heads \(4\) must be divisible by the group's 3 ranks"):
+        PartialsGather(2, 4, dim=16, comm="reduce_scatter")
+    assert PartialsGather(2, 4, dim=16).out_heads == 4  # the all-gather form: every head on every rank
+    assert PartialsGather(2, 6, dim=16, comm="reduce_scatter").out_heads == 2
+
+
+def _nan_worker(rank: int, world: int, store: str, results: str, comm: str, backend: str) -> None:
+    """One rank's gather call, rank 1's LSE holding a NaN; saves what the call raised (or None)."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=10))
+    try:
+        gather = PartialsGather(3, 4, dim=16, comm=comm)
+        lse = torch.zeros(3, 4)
+        if rank == 1:
+            lse[1, 2] = math.nan
+        try:
+            gather(torch.zeros(3, 4, 16, dtype=torch.bfloat16), lse, None, backend=backend)
+            raised = None
+        except Exception as error:  # noqa: BLE001 - the test reads which error each rank got
+            raised = (type(error).__name__, str(error))
+        torch.save(raised, os.path.join(results, f"nan{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=cpu_kernels)])
+@pytest.mark.parametrize("comm", ["allgather", "reduce_scatter"])
+def test_a_ranks_nan_lse_is_a_value_error_on_every_rank(tmp_path, monkeypatch, comm, backend):
+    """A NaN in one rank's LSE is a ValueError on every rank of the group (checked in the gathered LSEs; the Triton
+    merge under SPARSE_MLA_DEBUG=1), not an error on that rank alone while the others wait for it in the
+    collective."""
+    monkeypatch.setenv("SPARSE_MLA_DEBUG", "1")  # the Triton merge's value checks (the reference always checks)
+    mp.spawn(_nan_worker, args=(2, str(tmp_path / "store"), str(tmp_path), comm, backend), nprocs=2)
+    for rank in range(2):
+        raised = torch.load(tmp_path / f"nan{rank}.pt")
+        assert raised is not None and raised[0] == "ValueError" and "NaN" in raised[1], (rank, raised)
+
+
 def _layer_worker(rank: int, world: int, store: str, results: str, backend: str, kinds: tuple[str, ...],
                   cases: list[dict], index_form: str, comm: str = "allgather") -> None:
     """One rank: its cache share and metadata, each kind's layer in context-parallel mode over the group. Saves the
@@ -601,6 +689,27 @@ def test_benchmark_smoke(tmp_path, monkeypatch):
     per_token = memory["bytes_per_token"]["all_raw"]
     assert memory["longest_context"]["all_raw_b2_1gpu"] == (1 << 30) // (2 * per_token)
     assert memory["longest_context"]["all_raw_b2_2gpu"] == (2 << 30) // (2 * per_token)
+
+
+@pytest.mark.parametrize("comm", ["allgather", "reduce_scatter"])
+def test_benchmark_attention_part_exchanges_nothing(one_rank_group, monkeypatch, comm):
+    """The benchmark's attention part (its layers given a gather that exchanges nothing) runs no collective and no
+    merge: a layer call in context-parallel mode goes through the gather's ``exchange``, not its ``__call__``."""
+    import sparse_mla.context_parallel as cp
+    from test_benchmark_smoke import load_script
+
+    bench = load_script("bench_context_parallel", monkeypatch)
+    sc = scenario(V4)
+    q, sink = inputs(sc.batch.token_capacity, 512, seed=3)
+    meta, caches, _ = split(sc, RankLayout(1, 0))
+    silent = bench._NoExchange(sc.batch.token_capacity, HEADS, comm=comm)
+    calls = []
+    for name in ("_all_gather", "_reduce_scatter", "launch_merge", "launch_rescale", "merge_partials",
+                 "rescale_partial"):
+        monkeypatch.setattr(cp, name, lambda *a, _name=name, **k: calls.append(_name))
+    for kind in V4_KINDS:
+        layer_of(kind, sink, V4)(q, meta, caches, picks_for(sc, kind), context_parallel=silent)
+    assert calls == []
 
 
 STEP_API = pathlib.Path(__file__).resolve().parent.parent / "docs" / "step_api.md"

@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ._checks import check_positive_int, check_sink, check_tensor, is_int
+from ._checks import check_no_overlap, check_positive_int, check_sink, check_tensor, is_int
 from .batch import StepBatch, StepBatchBuilder, blocks_needed
 from .config import DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS
 from .metadata import (ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata,
@@ -377,18 +377,20 @@ class PartialsGather:
             part.copy_(out)
         if lse.data_ptr() != part_lse.data_ptr() or lse.stride() != part_lse.stride():
             part_lse.copy_(lse)
-        # shapes and outputs against the gathered buffers; values only of what this rank sends: the gathered
-        # buffers hold the ranks' partials only after the exchange (the reference merge checks them there)
+        # shapes and outputs against the gathered buffers; their values (the LSEs) only after the exchange, which
+        # fills them: a NaN of one rank is then an error on every rank (before it, that rank would raise alone and
+        # leave the others waiting in the collective)
         if self.comm == "allgather":
-            merged, merged_lse = check_merge_args(self.outs, self.lses, sink, merged, merged_lse, False)
+            merged, merged_lse = check_merge_args(self.outs, self.lses, sink, merged, merged_lse, False,
+                                                  ("merged", "merged_lse"))
         else:
             merged, merged_lse = self._checked_shard(merged, merged_lse, sink)
         if family == "reference" or debug_checks_enabled():
             if sink is not None:
                 check_sink(sink, part_lse.shape[1], part.device)
-            if bool(torch.isnan(part_lse).any()):
-                raise ValueError("lse must not hold NaN (+inf marks a rank with no key)")
-        self.exchange(sink, merged, merged_lse, family)
+        self.exchange(sink, merged, merged_lse, family)  # the reference merge / rescale check the gathered LSEs
+        if family != "reference" and debug_checks_enabled() and bool(torch.isnan(self.lses).any()):
+            raise ValueError("lse must not hold NaN on any rank (+inf marks a rank with no key)")
         return merged, merged_lse
 
     def _checked_shard(self, merged: torch.Tensor | None, merged_lse: torch.Tensor | None, sink: torch.Tensor | None
@@ -403,7 +405,11 @@ class PartialsGather:
         if not merged.is_contiguous():
             raise ValueError("merged must be contiguous (the reduce-scatter writes it)")
         merged_lse = check_merge_outputs(self.scaled, self.scaled.shape, part.dtype, merged_lse,
-                              {"out_partial": part, "lses": self.lses, "sink": sink}, self.lses, sink, False)[1]
+                              {"out_partial": part, "lses": self.lses, "sink": sink}, self.lses, sink, False,
+                              ("scaled", "merged_lse"))[1]
+        # the reduce-scatter writes merged last: an LSE or sink under it would be overwritten, and the scaled
+        # partials are the collective's input
+        check_no_overlap("merged", merged, {"merged_lse": merged_lse, "sink": sink, "scaled": self.scaled})
         return merged, merged_lse
 
     def exchange(self, sink: torch.Tensor | None, merged: torch.Tensor, merged_lse: torch.Tensor,

@@ -198,9 +198,11 @@ def launch_rescale(part: torch.Tensor, lses: torch.Tensor, rank: int, sink: torc
 
 
 def check_merge_args(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None, out: torch.Tensor | None,
-                     lse_out: torch.Tensor | None, values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     lse_out: torch.Tensor | None, values: bool, names: tuple[str, str] = ("out", "lse_out")
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_partials`' argument checks (``ValueError`` / ``TypeError`` naming the argument); with ``values``
-    also no NaN in ``sink`` or ``lses`` (a sync). Returns the output tensors (allocated where not given)."""
+    also no NaN in ``sink`` or ``lses`` (a sync). names: what the errors call ``out`` and ``lse_out`` (a caller's
+    own argument names). Returns the output tensors (allocated where not given)."""
     check_tensor("outs", outs, dtype=PARTIAL_DTYPES, ndim=4)
     num_ranks, num_tokens, num_heads, dim = outs.shape
     if num_ranks < 1 or dim < 1:
@@ -210,30 +212,31 @@ def check_merge_args(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor 
         raise ValueError(f"outs must have unit stride along its last axis (D), got strides {outs.stride()}")
     check_tensor("lses", lses, dtype=torch.float32, shape=(num_ranks, num_tokens, num_heads), device=outs.device)
     return check_merge_outputs(out, (num_tokens, num_heads, dim), outs.dtype, lse_out,
-                               {"outs": outs, "lses": lses, "sink": sink}, lses, sink, values)
+                               {"outs": outs, "lses": lses, "sink": sink}, lses, sink, values, names)
 
 
 def check_merge_outputs(out: torch.Tensor | None, out_shape: tuple[int, ...], out_dtype: torch.dtype,
              lse_out: torch.Tensor | None, inputs: dict, lses: torch.Tensor, sink: torch.Tensor | None,
-             values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             values: bool, names: tuple[str, str] = ("out", "lse_out")) -> tuple[torch.Tensor, torch.Tensor]:
     """The checks both ops share, after their inputs': ``sink`` (``(H,)``, H = ``lses``' last axis), ``out`` of
     ``out_shape`` (allocated as ``out_dtype`` where None) and ``lse_out`` ``(T, H)`` float32 (allocated where None),
     contiguous, on ``lses``' device, sharing no memory with ``inputs`` or each other; with ``values`` no NaN in
-    ``sink`` or ``lses`` (a sync). Returns the output tensors."""
+    ``sink`` or ``lses`` (a sync); names: what the errors call ``out`` and ``lse_out``. Returns the output tensors."""
     device, (num_tokens, num_heads) = lses.device, lses.shape[1:]
+    out_name, lse_name = names
     if sink is not None:
         check_sink(sink, num_heads, device, values=values)
     if out is None:
         out = torch.empty(out_shape, dtype=out_dtype, device=device)
-    check_tensor("out", out, dtype=PARTIAL_DTYPES, shape=out_shape, device=device)
+    check_tensor(out_name, out, dtype=PARTIAL_DTYPES, shape=out_shape, device=device)
     if lse_out is None:
         lse_out = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
-    check_tensor("lse_out", lse_out, dtype=torch.float32, shape=(num_tokens, num_heads), device=device)
-    for name, t in (("out", out), ("lse_out", lse_out)):
+    check_tensor(lse_name, lse_out, dtype=torch.float32, shape=(num_tokens, num_heads), device=device)
+    for name, t in ((out_name, out), (lse_name, lse_out)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
         check_no_overlap(name, t, inputs)
-    check_no_overlap("out", out, {"lse_out": lse_out})
+    check_no_overlap(out_name, out, {lse_name: lse_out})
     if values and bool(torch.isnan(lses).any()):
         raise ValueError("lses must not hold NaN (+inf marks a rank with no key)")
     return out, lse_out
