@@ -194,20 +194,16 @@ def prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, s
     angles, as the reference computes them), into ``q_out (T, H, 128)`` (float32 or bf16: exact) and ``w_out (T, H)``
     float32.
     """
-    hp = _pow2_at_least(q.shape[1])
+    hp = triton.next_power_of_2(q.shape[1])
     _prepare_queries_kernel[(q.shape[0],)](q, weights, cos, sin, q_out, w_out, q.shape[1], weight_scale, HP=hp,
                                            D=INDEX_HEAD_DIM, HALF_SPLIT=half_split, FP8_Q=fp8_q, num_warps=4,
                                            enable_fp_fusion=False)
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: int) -> tuple[int, int, int]:
     """``(HP, QT, PAGES)``: padded heads, tokens per tile, pages per program for one launch."""
-    hp = _pow2_at_least(num_heads)
-    qt = max(max(1, 16 // hp), min(max(1, ROWS_PER_TILE // hp), _pow2_at_least(max_query_len)))
+    hp = triton.next_power_of_2(num_heads)
+    qt = max(max(1, 16 // hp), min(max(1, ROWS_PER_TILE // hp), triton.next_power_of_2(max_query_len)))
     pages = -(-num_cols // 64)
     work = num_reqs * -(-max_query_len // qt) * pages
     per_program = 1
@@ -334,7 +330,7 @@ def select_warps(rows: int, width: int, sms: int) -> int:
 
 def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool) -> None:
     rows, cols = packed.shape
-    width = _pow2_at_least(max(cols, k))
+    width = triton.next_power_of_2(max(cols, k))
     warps = select_warps(rows, width, targets.target_of(packed.device).sms)
     _topk_rows_kernel[(rows,)](packed, out, packed.stride(0), out.stride(0), cols, K=k, C=width, KEYS=keys,
                                num_warps=warps)
