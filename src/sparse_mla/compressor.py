@@ -34,7 +34,6 @@ from .cache import PagedCache
 from .compress_metadata import CompressMetadata
 from .compress_state import OVERLAP_RATIO, REPEATABLE_STEP_TOKENS, CompressorStatePool, window_slots
 from .cache_views import resolve_cache_once
-from .formats import KVFormat
 from .index_keys import insert_index_keys
 from .indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from .ops import quantize_and_insert
@@ -169,7 +168,6 @@ class KVCompressor:
         self.entries: torch.Tensor | None = None
         self._latent: torch.Tensor | None = None
         self._last_step = pool.steps  # the pool step this compressor last ran
-        self._resolved: dict[int, tuple[torch.Tensor, torch.Tensor, KVFormat]] = {}  # id(cache) -> data, view, format
 
     def _check(self, kv: torch.Tensor, score: torch.Tensor | None, meta: CompressMetadata, cache: object) -> None:
         dev = self.pool.device
@@ -239,21 +237,13 @@ class KVCompressor:
         triton_compress.compress(kv, score, self.ape, self.norm_weight, self.eps, self.inv_freq, meta,
                                  self.pool.layers[self.layer], latent, entries)
         if isinstance(cache, PagedCache):
-            paged, fmt = self._paged_view(cache)
+            paged, fmt = resolve_cache_once(cache.data, cache.fmt)  # validated once per cache tensor
             triton_cache.quantize_and_insert(entries, paged, fmt, slots, cache.kv_scale)
         else:
             index_cache.insert_index_keys(entries, cache.data, cache.fmt == "fp8", slots, None, None)
         return latent
 
     __call__ = forward
-
-    def _paged_view(self, cache: PagedCache) -> tuple[torch.Tensor, KVFormat]:
-        """The insert kernel's view of ``cache`` and its format, resolved once per cache tensor."""
-        data, paged, fmt = self._resolved.get(id(cache), (None, None, None))
-        if data is not cache.data:
-            paged, fmt = resolve_cache_once(cache.data, cache.fmt)
-            self._resolved[id(cache)] = (cache.data, paged, fmt)
-        return paged, fmt
 
     def _workspace(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The latent and entry buffers of ``rows`` rows (kept while the row count stays: fixed addresses)."""
