@@ -5,6 +5,7 @@
     python benchmarks/bench_hf.py --impls eager sparse_mla_pipeline --contexts 8192 --index-heads 64 --out results/
     python benchmarks/bench_hf.py --impls sparse_mla_pipeline --contexts 131072 --index-heads 64 --index-format fp8 \
         --new-tokens 4 --out results/128k                         # a 128K-token prompt on one GPU
+    python benchmarks/bench_hf.py ... --profile                  # + each run's decode steps under cProfile
 
 The model: ``DeepseekV4ForCausalLM`` from a config with random weights (bf16 on CUDA), attention at V4's
 sizes (64 heads, head_dim 512, sliding window 128, index top-k 512; ``--layers`` layers cycling
@@ -37,9 +38,11 @@ any other exception as ``"error"`` with its message. The JSON is rewritten after
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import os
 import platform
+import pstats
 import statistics
 import time
 import traceback
@@ -99,18 +102,24 @@ def make_model(sizes: Sizes, layers: int, max_len: int, device: torch.device, dt
 
 
 class StampStreamer:
-    """``generate``'s streamer: a (CUDA-synchronised) ``perf_counter`` stamp per ``put`` (prompt, then each token)."""
+    """``generate``'s streamer: a (CUDA-synchronised) ``perf_counter`` stamp per ``put`` (prompt, then each token).
+    profile: a ``cProfile.Profile`` switched on at the first token's put (after the prefill) and off at the end, so
+    that it holds the decode steps alone."""
 
-    def __init__(self) -> None:
+    def __init__(self, profile=None) -> None:
         self.stamps: list[float] = []
+        self.profile = profile
 
     def put(self, value: torch.Tensor) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.stamps.append(time.perf_counter())
+        if self.profile is not None and len(self.stamps) == 2:
+            self.profile.enable()
 
     def end(self) -> None:
-        pass
+        if self.profile is not None:
+            self.profile.disable()
 
 
 def _free() -> None:
@@ -125,11 +134,14 @@ def _mem_gib(device: torch.device, peak: bool) -> float | None:
     return (torch.cuda.max_memory_allocated(device) if peak else torch.cuda.memory_allocated(device)) / GIB
 
 
-def timed_generate(model, context: int, new_tokens: int, device: torch.device, vocab: int, seed: int) -> dict:
-    """One greedy ``generate`` of ``new_tokens`` after a random ``context``-token prompt: times and peak memory."""
+def timed_generate(model, context: int, new_tokens: int, device: torch.device, vocab: int, seed: int,
+                   profile_to: str | None = None) -> dict:
+    """One greedy ``generate`` of ``new_tokens`` after a random ``context``-token prompt: times and peak memory.
+    profile_to: a file that gets the decode steps' cProfile (functions by cumulative and by own time); their times
+    are then the profiled ones."""
     ids = torch.randint(1, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(device)
     mask = torch.ones_like(ids)
-    streamer = StampStreamer()
+    streamer = StampStreamer(None if profile_to is None else cProfile.Profile())
     _free()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -140,6 +152,10 @@ def timed_generate(model, context: int, new_tokens: int, device: torch.device, v
     if device.type == "cuda":
         torch.cuda.synchronize()
     total = time.perf_counter() - start
+    if profile_to is not None:
+        with open(profile_to, "w") as f:
+            for order in ("cumulative", "tottime"):
+                pstats.Stats(streamer.profile, stream=f).sort_stats(order).print_stats(45)
     s = streamer.stamps
     gaps = [b - a for a, b in zip(s[1:], s[2:])]  # s[0]: the prompt; s[1]: first token (prefill)
     row = dict(status="ok", generated=int(out.shape[1] - context), total_s=total, prefill_s=s[1] - s[0],
@@ -219,6 +235,11 @@ def run_impl(impl: str, model, args: argparse.Namespace, sizes: Sizes, device: t
             row = dict(base, context=context)
             row.update(guarded(lambda: timed_generate(model, context, args.new_tokens, device, sizes.vocab,
                                                       args.seed + context), console, f"{label} {context}"))
+            if args.profile and row["status"] == "ok":
+                name = f"profile-{label.replace(' ', '_').replace('(', '').replace(')', '')}-{context}.txt"
+                to = os.path.join(args.out, name)
+                guarded(lambda: timed_generate(model, context, args.new_tokens, device, sizes.vocab,
+                                               args.seed + context, to), console, f"{label} {context} profiled")
             if row["status"] == "ok":
                 console.log(f"{label} {context}: prefill {row['prefill_s']:.3f} s, decode "
                             f"{_fmt(row['decode_ms'], '.2f')} ms/token, peak {_fmt(row['peak_gib'], '.2f')} GiB")
@@ -272,6 +293,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--smoke bf16)")
     parser.add_argument("--warmup-context", type=int, default=None, help="warm-up prompt length (0: none)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true",
+                        help="after each timed run, one more with its decode steps under cProfile (profile-*.txt)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny on the CPU: 2 heads, context 160, 2 new tokens, bf16 cache, reference backend")
 

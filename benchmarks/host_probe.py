@@ -140,13 +140,17 @@ if cli.base:
     base_probes, base_errors = package_probes(load_package(cli.base, "sparse_mla_base"), None)
     base = {name: fn for name, fn in base_probes.items() if name in probes}
     errors.update({f"base: {name}": err for name, err in base_errors.items()})
-# ours and the base's copy of each probe side by side, so that each round times them back to back
-timed = {}
-for name, fn in probes.items():
-    timed[name] = fn
-    if name in base:
-        timed[f"base: {name}"] = base[name]
-rounds = dict(zip(timed, host_samples(list(timed.values()), calls=200, rounds=cli.rounds)))
+# ours and the base's copy of each probe back to back, the pair's order flipped every round (the first of a pair
+# follows another probe, whose host state it may pay for)
+rounds = {}
+for r in range(cli.rounds):
+    timed = {}
+    for name, fn in probes.items():
+        pair = [(name, fn)] + ([(f"base: {name}", base[name])] if name in base else [])
+        timed.update(pair[::-1] if r % 2 else pair)
+    for name, (us,) in zip(timed, host_samples(list(timed.values()), calls=200, rounds=1)):
+        rounds.setdefault(name, []).append(us)
+rounds = {name: rounds[name] for name in sorted(rounds, key=lambda n: list(probes).index(n.removeprefix("base: ")))}
 result = {name: statistics.median(t) for name, t in rounds.items()}
 ratios = {name: statistics.median(o / r for o, r in zip(rounds[name], rounds[f"base: {name}"])) for name in base}
 for name, us in result.items():
