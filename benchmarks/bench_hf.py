@@ -5,7 +5,7 @@
     python benchmarks/bench_hf.py --impls eager sparse_mla_pipeline --contexts 8192 --index-heads 64 --out results/
     python benchmarks/bench_hf.py --impls sparse_mla_pipeline --contexts 131072 --index-heads 64 --index-format fp8 \
         --new-tokens 4 --out results/128k                         # a 128K-token prompt on one GPU
-    python benchmarks/bench_hf.py ... --profile                  # + each run's decode steps under cProfile
+    python benchmarks/bench_hf.py ... --profile                  # + each run's prefill and decode steps under cProfile
 
 The model: ``DeepseekV4ForCausalLM`` from a config with random weights (bf16 on CUDA), attention at V4's
 sizes (64 heads, head_dim 512, sliding window 128, index top-k 512; ``--layers`` layers cycling
@@ -103,10 +103,10 @@ def make_model(sizes: Sizes, layers: int, max_len: int, device: torch.device, dt
 
 class StampStreamer:
     """``generate``'s streamer: a (CUDA-synchronised) ``perf_counter`` stamp per ``put`` (prompt, then each token).
-    profile: a ``cProfile.Profile`` switched on at the first token's put (after the prefill) and off at the end, so
-    that it holds the decode steps alone."""
+    profile: two ``cProfile.Profile`` objects, ``(prefill, decode)``: the first on from the prompt's put to the first
+    token's (the prefill), the second from then to the end (the decode steps)."""
 
-    def __init__(self, profile=None) -> None:
+    def __init__(self, profile: tuple | None = None) -> None:
         self.stamps: list[float] = []
         self.profile = profile
 
@@ -114,12 +114,14 @@ class StampStreamer:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.stamps.append(time.perf_counter())
-        if self.profile is not None and len(self.stamps) == 2:
-            self.profile.enable()
+        if self.profile is not None and len(self.stamps) <= 2:
+            if len(self.stamps) == 2:
+                self.profile[0].disable()
+            self.profile[len(self.stamps) - 1].enable()
 
     def end(self) -> None:
         if self.profile is not None:
-            self.profile.disable()
+            self.profile[1].disable()
 
 
 def _free() -> None:
@@ -137,11 +139,11 @@ def _mem_gib(device: torch.device, peak: bool) -> float | None:
 def timed_generate(model, context: int, new_tokens: int, device: torch.device, vocab: int, seed: int,
                    profile_to: str | None = None) -> dict:
     """One greedy ``generate`` of ``new_tokens`` after a random ``context``-token prompt: times and peak memory.
-    profile_to: a file that gets the decode steps' cProfile (functions by cumulative and by own time); their times
-    are then the profiled ones."""
+    profile_to: a file that gets the prefill's and the decode steps' cProfiles (functions by cumulative and by own
+    time); the row's times are then the profiled ones."""
     ids = torch.randint(1, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(device)
     mask = torch.ones_like(ids)
-    streamer = StampStreamer(None if profile_to is None else cProfile.Profile())
+    streamer = StampStreamer(None if profile_to is None else (cProfile.Profile(), cProfile.Profile()))
     _free()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -154,8 +156,10 @@ def timed_generate(model, context: int, new_tokens: int, device: torch.device, v
     total = time.perf_counter() - start
     if profile_to is not None:
         with open(profile_to, "w") as f:
-            for order in ("cumulative", "tottime"):
-                pstats.Stats(streamer.profile, stream=f).sort_stats(order).print_stats(45)
+            for part, profile in zip(("prefill", "decode steps"), streamer.profile):
+                for order in ("cumulative", "tottime"):
+                    f.write(f"===== {part}, by {order} time\n")
+                    pstats.Stats(profile, stream=f).sort_stats(order).print_stats(45)
     s = streamer.stamps
     gaps = [b - a for a, b in zip(s[1:], s[2:])]  # s[0]: the prompt; s[1]: first token (prefill)
     row = dict(status="ok", generated=int(out.shape[1] - context), total_s=total, prefill_s=s[1] - s[0],
@@ -238,8 +242,9 @@ def run_impl(impl: str, model, args: argparse.Namespace, sizes: Sizes, device: t
             if args.profile and row["status"] == "ok":
                 name = f"profile-{label.replace(' ', '_').replace('(', '').replace(')', '')}-{context}.txt"
                 to = os.path.join(args.out, name)
-                guarded(lambda: timed_generate(model, context, args.new_tokens, device, sizes.vocab,
-                                               args.seed + context, to), console, f"{label} {context} profiled")
+                again = guarded(lambda: timed_generate(model, context, args.new_tokens, device, sizes.vocab,
+                                                       args.seed + context, to), console, f"{label} {context} profiled")
+                row["profiled"] = {k: again.get(k) for k in ("status", "prefill_s", "decode_ms")}
             if row["status"] == "ok":
                 console.log(f"{label} {context}: prefill {row['prefill_s']:.3f} s, decode "
                             f"{_fmt(row['decode_ms'], '.2f')} ms/token, peak {_fmt(row['peak_gib'], '.2f')} GiB")
@@ -294,7 +299,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-context", type=int, default=None, help="warm-up prompt length (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true",
-                        help="after each timed run, one more with its decode steps under cProfile (profile-*.txt)")
+                        help="after each timed run, one more under cProfile (profile-*.txt: prefill, decode)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny on the CPU: 2 heads, context 160, 2 new tokens, bf16 cache, reference backend")
 
