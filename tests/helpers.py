@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import pathlib
+import subprocess
+import sys
 from typing import TypeVar
 
 import pytest
@@ -165,3 +168,18 @@ def repoint_sink(layer, change: str) -> None:
         layer.sink.resize_(2)
     else:
         layer.sink.data = torch.zeros(64, device=device)
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def compile_child(script: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``python script args…`` (a path from the repo root) in a child process that compiles kernels: with the
+    interpreter off, no lowering (a cross-compile names its own target; ``SPARSE_MLA_LOWERING``'s override of
+    Triton's arch, inherited, would turn every target into the lowered one — AMD's then fail to parse it) and the
+    repo's ``src`` and ``tests`` first on the path. Its output captured as text."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "TRITON_OVERRIDE_ARCH", "SPARSE_MLA_LOWERING")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, str(ROOT / script), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -5,13 +5,11 @@ fits the target's shared memory (LDS), and spills nothing (CUDA: no spill bytes;
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
+from helpers import compile_child
 from sparse_mla.ops import targets
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -20,10 +18,7 @@ KERNELS = {"_compress_kernel", "_state_kernel", "_index_insert_kernel"}
 
 @pytest.mark.parametrize("target", [t.name for t in targets.MATRIX])
 def test_compressor_kernels_compile_fit_and_do_not_spill(target):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "compressor_compile.py"), "--target", target],
-                          env=env, capture_output=True, text=True, timeout=900)
+    done = compile_child("tests/compressor_compile.py", "--target", target)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert rows and done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert {r["kernel"] for r in rows} == KERNELS

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -19,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import DEVICE, KERNEL_RUNS, ON_GPU, needs, sized  # noqa: E402
+from helpers import DEVICE, KERNEL_RUNS, ON_GPU, compile_child, needs, sized  # noqa: E402
 from indexer_cases import check_picks, make_case  # noqa: E402
 from sparse_mla.indexer import (IndexerSpec, StepTokens, index_topk_reference, prepare_queries,  # noqa: E402
                                 top_blocks_reference)
@@ -264,9 +263,7 @@ def compile_rows(target_name: str) -> list[dict]:
 
 @pytest.mark.parametrize("target", [t.name for t in targets.MATRIX])
 def test_indexer_kernel_compiles_and_fits_on_every_target(target):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, __file__, target], env=env, capture_output=True, text=True, timeout=900)
+    done = compile_child("tests/test_indexer_triton.py", target)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     native = next(t for t in targets.MATRIX if t.name == target).native_fp8
     assert len(rows) == (7 if target in FAMILIES else 4) + native, f"exit {done.returncode}: {done.stderr[-2000:]}"

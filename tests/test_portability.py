@@ -32,12 +32,12 @@ import json
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from helpers import compile_child
 from sparse_mla.formats import get_format
 from sparse_mla.ops import attention_plan, gluon, launch_configs, targets
 from sparse_mla.verify import SUPPORT_FORMATS, support_markdown
@@ -49,12 +49,8 @@ V41_NAMES = ("fp8_v41", "fp8_v41_planar", "fp4_v41", "fp4_v41_planar")
 
 def _compile_matrix(target: str, groups: tuple[str, ...]) -> list[dict]:
     """The report's rows for ``target`` and ``groups``, from a child process (compiling needs the interpreter off)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, str(ROOT / "scripts" / "portability_report.py"), "--json", "--target", target]
-    for group in groups:
-        cmd += ["--variants", group]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    done = compile_child("scripts/portability_report.py", "--json", "--target", target,
+                         *[arg for group in groups for arg in ("--variants", group)])
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert rows, f"the report printed no rows (exit {done.returncode}): {done.stderr[-2000:]}"
     return rows
@@ -118,10 +114,7 @@ def test_the_gluon_kernel_compiles_for_sm90_with_this_triton(variant):
     """The Hopper kernel builds with the installed Triton (3.6 to 3.9: ``ops/gluon/compat.py`` spells the builtins
     they renamed), whether or not the kernel is enabled on it: Triton compiles it for sm_90a, ptxas assembles it
     (``scripts/sm90_report.py``) and its shared memory fits sm_90's."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, str(ROOT / "scripts" / "sm90_report.py"), "--kernel", "gluon", *GLUON_VARIANTS[variant]]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    done = compile_child("scripts/sm90_report.py", "--kernel", "gluon", *GLUON_VARIANTS[variant], timeout=600)
     found = re.search(r"registers (\d+) .* shared (\d+) B", done.stdout)
     assert done.returncode == 0 and found, f"{variant}: {done.stdout[-500:]} {done.stderr[-2000:]}"
     print(f"\n{variant}: {done.stdout.splitlines()[0]}")
