@@ -183,12 +183,29 @@ def _message(error: BaseException) -> str:
     return lines[caret - 1].strip() if caret else (lines[-1] if lines else type(error).__name__)
 
 
+# rows already compiled in this process, by what decides the binary (target, the kernel's source and
+# specialisation, options): several variants launch the same binary (the combine kernel after every split decode,
+# the cache kernels of formats that share a layout), which is compiled once and its numbers repeated
+_COMPILED: dict[tuple, Row] = {}
+
+
 def compile_launch(target: targets.Target, variant: str, launched: Launched) -> Row:
-    """Compile one recorded launch for ``target`` and check it fits: its :class:`Row`."""
+    """Compile one recorded launch for ``target`` and check it fits: its :class:`Row` (a launch whose binary this
+    process compiled already for another variant: that row's numbers, under this variant's name, 0 CPU seconds)."""
+    source, options = _source(launched, target)
+    key = (repr(target.gpu_target()), source.hash(), tuple(sorted(options.items())))
+    done = _COMPILED.get(key)
+    if done is not None:
+        return Row(**{**asdict(done), "variant": variant, "cpu_seconds": 0.0})
+    row = _COMPILED[key] = _compile(target, variant, launched, source, options)
+    return row
+
+
+def _compile(target: targets.Target, variant: str, launched: Launched, source: ASTSource, options: dict) -> Row:
+    """:func:`compile_launch`'s compile of ``source`` with ``options`` and its checks."""
     row = Row(target.name, variant, launched.kernel.__name__, "ok", shared_limit=target.shared_bytes,
               splits=launched.kwargs.get("SPLITS"))
     start = _cpu_time()
-    source, options = _source(launched, target)
     log = io.StringIO()
     try:
         # compiled every time, never taken from Triton's cache: ptxas' log (registers, spills) is then always the

@@ -150,8 +150,8 @@ def test_an_engine_loop_over_steps_reuses_its_buffers(fmt, comp_fmt, backend):
     eng = Engine(SIZES, fmt, window=8, topk=6, comp_fmt=comp_fmt, max_len=300)
     layers = {k: SparseMLAAttention(k, HEADS, window=8, topk=6 if k in PICKS else None, sink=torch.randn(HEADS),
                                     backend=backend).to(DEVICE) for k in V41_KINDS}
-    schedule = [[(0, 40, 40)], [(0, 100, 60), (1, 12, 12)], [(1, 13, 1), (0, 120, 20), (2, 9, 9)],
-                [(0, 123, 3), (1, 15, 2), (2, 10, 1)]]
+    schedule = [[(0, 24, 24)], [(0, 60, 36), (1, 12, 12)], [(1, 13, 1), (0, 72, 12), (2, 9, 9)],
+                [(0, 75, 3), (1, 15, 2), (2, 10, 1)]]
     out = torch.empty(eng.builder.max_tokens, HEADS, 512, dtype=torch.bfloat16, device=DEVICE)
     ptrs = None
     for work in schedule:
