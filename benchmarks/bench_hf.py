@@ -29,8 +29,10 @@ For each prompt length (``--contexts``) and implementation, batch 1, one greedy 
 Timing: a streamer whose ``put`` (called by ``generate`` with the prompt, then with each new token, after
 its ``.cpu()`` copy) synchronises CUDA and stamps ``time.perf_counter()``. ``prefill_s`` = prompt put ->
 first token (the prefill forward + its sampling), ``decode_ms`` = the median gap between later tokens
-(one decode forward each). Before an implementation's first timed run, a short warm-up ``generate``
-(``--warmup-context`` tokens) compiles its kernels. Peak memory: ``torch.cuda.reset_peak_memory_stats``
+(one decode forward each). Before each timed run, a warm-up ``generate`` of the same prompt length and 2 new
+tokens compiles the kernels that length specialises (a first 8K prefill after a 512-token warm-up spent 6-7 s
+compiling, 0.09 s on the next run); ``--warmup-context N``: one N-token warm-up per implementation instead.
+Peak memory: ``torch.cuda.reset_peak_memory_stats``
 before the ``generate``, ``max_memory_allocated`` after (weights included, ``weights_gib`` reported).
 A CUDA OOM of a run is caught and recorded as ``"oom"`` (then memory freed and the next run goes on);
 any other exception as ``"error"`` with its message. The JSON is rewritten after every run.
@@ -229,12 +231,17 @@ def run_impl(impl: str, model, args: argparse.Namespace, sizes: Sizes, device: t
         return rows
     rows = []
     try:
-        if args.warmup_context > 0:
-            console.log(f"{label}: warm-up, {args.warmup_context} tokens + 2")
-            w = guarded(lambda: timed_generate(model, args.warmup_context, 2, device, sizes.vocab, args.seed),
-                        console, f"{label} warm-up")
+        def warm_up(length: int) -> None:
+            console.log(f"{label}: warm-up, {length} tokens + 2")
+            w = guarded(lambda: timed_generate(model, length, 2, device, sizes.vocab, args.seed), console,
+                        f"{label} warm-up")
             console.log(f"{label}: warm-up {w['status']}" + (f" ({w['total_s']:.1f} s)" if w["status"] == "ok" else ""))
+
+        if args.warmup_context > 0:
+            warm_up(args.warmup_context)
         for context in args.contexts:
+            if args.warmup_context < 0:  # each prompt length once first: its prefill's kernels compiled before timing
+                warm_up(context)
             console.log(f"{label}: context {context}, {args.new_tokens} new tokens")
             row = dict(base, context=context)
             row.update(guarded(lambda: timed_generate(model, context, args.new_tokens, device, sizes.vocab,
@@ -296,7 +303,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index-format", nargs="+", default=None, choices=("bf16", "fp8"),
                         help="sparse_mla_pipeline's indexer key cache formats, a row each (default bf16 fp8; "
                              "--smoke bf16)")
-    parser.add_argument("--warmup-context", type=int, default=None, help="warm-up prompt length (0: none)")
+    parser.add_argument("--warmup-context", type=int, default=None,
+                        help="warm-up prompt length (0: none; -1, the GPU's default: each timed length first)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true",
                         help="after each timed run, one more under cProfile (profile-*.txt: prefill, decode)")
@@ -320,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
                         index_format=["bf16"])
         device, dtype = torch.device("cpu"), torch.float32
     else:
-        defaults = dict(contexts=[8192, 32768], new_tokens=8, kv_format="fp8_v4", backend="auto", warmup_context=512,
+        defaults = dict(contexts=[8192, 32768], new_tokens=8, kv_format="fp8_v4", backend="auto", warmup_context=-1,
                         index_format=["bf16", "fp8"])
         device, dtype = torch.device("cuda"), torch.bfloat16
     for key, value in defaults.items():
