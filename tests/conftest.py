@@ -1,6 +1,8 @@
 """Test set-up: without a CUDA device, Triton kernels run in Triton's CPU interpreter; Hypothesis profiles.
 
-The variable must be set before any module defining a ``@triton.jit`` kernel is imported.
+The variable must be set before any module defining a ``@triton.jit`` kernel is imported. The interpreter is made to
+patch ``triton.language`` once per launch, not again at each helper call (``interpreter_patch_once.py``: most of an
+interpreted test's time).
 
 Hypothesis profiles, chosen by ``HYPOTHESIS_PROFILE``: ``ci`` (the default: few examples, for CI's two cores) and
 ``thorough`` (many examples; nightly, before a release, or after changing a kernel: ``HYPOTHESIS_PROFILE=thorough
@@ -29,6 +31,9 @@ from sparse_mla.env import env_value  # noqa: E402  (imports no kernel module)
 LOWERING_ARCH = env_value("SPARSE_MLA_LOWERING")  # a ValueError naming it for a value outside sm80 / sm86 / sm89
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import interpreter_patch_once  # noqa: E402
+
+    interpreter_patch_once.install()  # a helper call inside a kernel skips the interpreter's redundant re-patch
 elif LOWERING_ARCH:
     from sparse_mla.ops.targets import lower_as
 
@@ -52,11 +57,25 @@ def _interpreter_setting_kept(request):
     assert after == before, f"{request.node.nodeid} changed TRITON_INTERPRET {before!r} -> {after!r}"
 
 
+# the longest tests on the CPU (each a child compiling kernels for a target, 10-90 s), run first: pytest-xdist hands
+# tests out in collection order, and one of these dealt last would leave the other worker idle until it ends
+LONGEST_FIRST = ("tests/test_portability.py::test_every_launched_variant_compiles_and_fits",
+                 "tests/test_compressor_portability.py::", "tests/test_indexer_triton.py::test_indexer_kernel_compiles",
+                 "tests/test_portability.py::test_the_gluon_kernel_compiles")
+
+
+def _run_rank(item) -> int:
+    """Where ``item`` runs: the position of its prefix in :data:`LONGEST_FIRST`, after them the rest."""
+    return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)), len(LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(items):
     """A test whose ``needs`` cannot be met here and may be skipped gets a skip mark (so that a collection sees it:
-    tests/test_gpu_subsets.py); one that must fail fails at its set-up."""
+    tests/test_gpu_subsets.py); one that must fail fails at its set-up. The longest tests go first
+    (:data:`LONGEST_FIRST`; the sort is stable, so the others keep their order)."""
     from helpers import requirement  # after the interpreter's setting above: helpers imports the kernels
 
+    items.sort(key=_run_rank)
     for item in items:
         for mark in item.iter_markers("needs"):
             verdict = requirement(*mark.args)

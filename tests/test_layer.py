@@ -41,7 +41,7 @@ def steps():
     return step_lengths(prefixes=st.sampled_from([0, 3, 7, 130, 260]))
 
 
-@settings(max_examples=examples(45), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=steps(), kind=st.sampled_from(["swa", "c4a", "c128a"]), fmt=st.sampled_from(["bf16", "fp8_v4"]),
        mode=st.sampled_from(["paged", "workspace"]), window=st.sampled_from([4, 8, 16]),
        padding=st.integers(0, 3), slack=st.integers(0, 40), seed=st.integers(0, 2**31 - 1),
