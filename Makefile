@@ -26,8 +26,10 @@ $(TRANSFORMERS_NEXT_DIR)/.installed: $(STAMP)
 	$(PY) -m pip install --no-deps --target $(TRANSFORMERS_NEXT_DIR) transformers==$(TRANSFORMERS_NEXT)
 	touch $@
 
+# two workers that steal each other's queued tests when idle, the longest tests first (tests/conftest.py): on CI's
+# two cores 9 min where xdist's fixed chunks took 12 (one worker's chunk held every long compile)
 test: lint $(TRANSFORMERS_NEXT_DIR)/.installed
-	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -n 2 --dist worksteal $(PYTEST_ARGS) tests
 	PYTHONPATH=$(TRANSFORMERS_NEXT_DIR) $(PY) -c "import transformers as t; assert t.__version__ == '$(TRANSFORMERS_NEXT)', t.__version__"
 	PYTHONPATH=$(TRANSFORMERS_NEXT_DIR) $(PY) -m pytest -q -n 2 $(PYTEST_ARGS) $(TRANSFORMERS_TESTS)
 

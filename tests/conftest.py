@@ -57,8 +57,9 @@ def _interpreter_setting_kept(request):
     assert after == before, f"{request.node.nodeid} changed TRITON_INTERPRET {before!r} -> {after!r}"
 
 
-# the longest tests on the CPU (each a child compiling kernels for a target, 10-90 s), run first: pytest-xdist hands
-# tests out in collection order, and one of these dealt last would leave the other worker idle until it ends
+# the longest tests on the CPU (each a child compiling kernels for a target, 10-90 s), run first: with `make test`'s
+# `--dist worksteal` a worker that runs out steals queued tests from the other, so a long test started last would
+# leave the other worker idle until it ends
 LONGEST_FIRST = ("tests/test_portability.py::test_every_launched_variant_compiles_and_fits",
                  "tests/test_compressor_portability.py::", "tests/test_indexer_triton.py::test_indexer_kernel_compiles",
                  "tests/test_portability.py::test_the_gluon_kernel_compiles")
