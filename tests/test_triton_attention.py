@@ -559,7 +559,7 @@ def test_tail_splits_cut_only_the_last_tokens_lists(fmt, dim, num_tokens, tail, 
 def test_persistent_programs_compute_the_same_bits(fmt, dim, num_tokens, splits):
     """The Gluon kernel's persistent programs (one per SM, taking work items in turn, here fewer items than
     programs, several rounds, and split rows) give the bits of a program per item, which match the reference."""
-    from sparse_mla.ops import longest_first, attention_plan
+    from sparse_mla.ops import attention_plan, longest_first, targets
     from sparse_mla.ops.validate import decode_args
 
     q, (c0, i0, l0), _, kw = gluon_decode_case(fmt, dim, num_tokens, 64, num_tokens + splits + dim + len(fmt))
@@ -567,7 +567,7 @@ def test_persistent_programs_compute_the_same_bits(fmt, dim, num_tokens, splits)
     per_item = attention_plan.run(args, splits=splits, gluon=1, persistent=False)
     persistent = attention_plan.run(args, splits=splits, gluon=1, persistent=True)
     assert attention_plan.plan_for(args, splits=splits, gluon=1, persistent=True).grid == (
-        attention_plan.num_sms(q.device),)
+        targets.num_sms(q.device),)
     assert torch.equal(persistent[0], per_item[0]) and torch.equal(persistent[1], per_item[1])
     check_close(persistent, sparse_attention_decode(q, c0.data, i0, l0, backend="reference", **kw))
 

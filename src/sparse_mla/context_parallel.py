@@ -405,8 +405,8 @@ class PartialsGather:
         if not merged.is_contiguous():
             raise ValueError("merged must be contiguous (the reduce-scatter writes it)")
         merged_lse = check_merge_outputs(self.scaled, self.scaled.shape, part.dtype, merged_lse,
-                              {"out_partial": part, "lses": self.lses, "sink": sink}, self.lses, sink, False,
-                              ("scaled", "merged_lse"))[1]
+                                         {"out_partial": part, "lses": self.lses, "sink": sink}, self.lses, sink,
+                                         False, ("scaled", "merged_lse"))[1]
         # the reduce-scatter writes merged last: an LSE or sink under it would be overwritten, and the scaled
         # partials are the collective's input
         check_no_overlap("merged", merged, {"merged_lse": merged_lse, "sink": sink, "scaled": self.scaled})

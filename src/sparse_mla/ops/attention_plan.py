@@ -24,14 +24,6 @@ from .triton.attention import _combine_kernel, _sparse_mla_kernel
 from .triton.rows import latent_pieces
 from .validate import D_V, LOG2E, AttentionArgs
 
-def num_sms(device: torch.device, target: targets.Target | None = None) -> int:
-    """The SMs (compute units) of ``device``; on the CPU, ``target``'s (:attr:`.targets.Target.sms`: a plan made for
-    that GPU, the portability matrix's) or 4 (the interpreter)."""
-    if device.type != "cuda":
-        return target.sms if target is not None else 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_splits(num_tokens: int, num_heads: int, head_blocks: int, max_blocks: int, sms: int,
                   tails: bool = False) -> tuple[int, int]:
     """How many pieces key lists are cut into (the pieces merged by the combine kernel), and whose: ``(pieces,
@@ -149,7 +141,7 @@ class AttentionPlan:
             config = launch_configs.attention_config(self.target, dim, formats, num_heads, q_fp8, interpret)
             h_block = h_block or config.constexprs["H_BLOCK"]
             block_n = block_n or config.constexprs["BLOCK_N"]
-        head_blocks, sms = triton.cdiv(num_heads, h_block), num_sms(device, target)
+        head_blocks, sms = triton.cdiv(num_heads, h_block), targets.num_sms(device, target)
         max_blocks = sum(triton.cdiv(width, block_n) for _, _, width in scopes)
         split_blocks = 0
         if batch_invariant:

@@ -216,8 +216,8 @@ def check_merge_args(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor 
 
 
 def check_merge_outputs(out: torch.Tensor | None, out_shape: tuple[int, ...], out_dtype: torch.dtype,
-             lse_out: torch.Tensor | None, inputs: dict, lses: torch.Tensor, sink: torch.Tensor | None,
-             values: bool, names: tuple[str, str] = ("out", "lse_out")) -> tuple[torch.Tensor, torch.Tensor]:
+                        lse_out: torch.Tensor | None, inputs: dict, lses: torch.Tensor, sink: torch.Tensor | None,
+                        values: bool, names: tuple[str, str] = ("out", "lse_out")) -> tuple[torch.Tensor, torch.Tensor]:
     """The checks both ops share, after their inputs': ``sink`` (``(H,)``, H = ``lses``' last axis), ``out`` of
     ``out_shape`` (allocated as ``out_dtype`` where None) and ``lse_out`` ``(T, H)`` float32 (allocated where None),
     contiguous, on ``lses``' device, sharing no memory with ``inputs`` or each other; with ``values`` no NaN in

@@ -173,6 +173,15 @@ def target_of(device: torch.device) -> Target:
     return _device_target(index, bool(torch.version.hip), override_arch())
 
 
+def num_sms(device: torch.device, target: Target | None = None) -> int:
+    """The SMs (compute units) of ``device`` itself (a matrix row's :attr:`Target.sms` is one GPU's of that
+    architecture: an L4 has 58 where sm_89's row says 142); on the CPU, ``target``'s (a plan made for that GPU, the
+    portability matrix's) or 4 (the interpreter)."""
+    if device.type != "cuda":
+        return target.sms if target is not None else 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @functools.lru_cache(maxsize=None)
 def _device_target(index: int, hip: bool, override: str | None) -> Target:
     if hip:  # ROCm reports CDNA GPUs as capability 9.x: the capability number must never decide here

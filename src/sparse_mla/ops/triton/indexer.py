@@ -254,8 +254,6 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, num_warps=warps, num_stages=stages)
 
 
-
-
 @triton.jit
 def _bit_search(words, thr, count, bit, k):
     """Raise ``thr`` (uint32) bit by bit, from ``bit`` down, to the largest value at or below which ``k`` or more of
@@ -331,7 +329,8 @@ def select_warps(rows: int, width: int, sms: int) -> int:
 def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool) -> None:
     rows, cols = packed.shape
     width = triton.next_power_of_2(max(cols, k))
-    warps = select_warps(rows, width, targets.target_of(packed.device).sms)
+    # the GPU's own SMs; on the CPU (interpreter, the portability matrix's recorded launches) those of its target
+    warps = select_warps(rows, width, targets.num_sms(packed.device, targets.target_of(packed.device)))
     _topk_rows_kernel[(rows,)](packed, out, packed.stride(0), out.stride(0), cols, K=k, C=width, KEYS=keys,
                                num_warps=warps)
 
