@@ -143,15 +143,20 @@ def _round_to_e4m3(y):
     return round_half_even(y * inv) * step  # both products exact: powers of two
 
 
+PREP_HEADS = 8  # heads per query-prep program: 8 × 128 values, 8 a thread at 4 warps
+
+
 @triton.jit
 def _prepare_queries_kernel(
     q_ptr, w_ptr, cos_ptr, sin_ptr, q_out_ptr, w_out_ptr, H, weight_scale,
-    HP: tl.constexpr, D: tl.constexpr, HALF_SPLIT: tl.constexpr, FP8_Q: tl.constexpr,
+    HB: tl.constexpr, D: tl.constexpr, HALF_SPLIT: tl.constexpr, FP8_Q: tl.constexpr,
 ):
-    """One token: rope (V4: dims 64..127 in pairs (2i, 2i+1); V3.2: dims 0..63, i with i + 32), the bf16 round,
-    then (fp8) per head the power-of-two scale and the e4m3 values; the weights times the scales."""
+    """One token's heads ``[HB · j, HB · (j + 1))``: rope (V4: dims 64..127 in pairs (2i, 2i+1); V3.2: dims 0..63, i
+    with i + 32), the bf16 round, then (fp8) per head the power-of-two scale and the e4m3 values; the weights times
+    the scales. A few heads a program: a whole token's 64 heads in one program held 64 values a thread and the
+    launch took 10-15 µs for a few MB (docs/history.md version 26)."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, HP)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)
     d = tl.arange(0, D)
     ok = (h < H)[:, None] & (d < D)[None, :]
     offs = (t * H + h[:, None]) * D + d[None, :]
@@ -194,10 +199,11 @@ def prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, s
     angles, as the reference computes them), into ``q_out (T, H, 128)`` (float32 or bf16: exact) and ``w_out (T, H)``
     float32.
     """
-    hp = triton.next_power_of_2(q.shape[1])
-    _prepare_queries_kernel[(q.shape[0],)](q, weights, cos, sin, q_out, w_out, q.shape[1], weight_scale, HP=hp,
-                                           D=INDEX_HEAD_DIM, HALF_SPLIT=half_split, FP8_Q=fp8_q, num_warps=4,
-                                           enable_fp_fusion=False)
+    heads = min(PREP_HEADS, triton.next_power_of_2(q.shape[1]))
+    grid = (q.shape[0], -(-q.shape[1] // heads))
+    _prepare_queries_kernel[grid](q, weights, cos, sin, q_out, w_out, q.shape[1], weight_scale, HB=heads,
+                                  D=INDEX_HEAD_DIM, HALF_SPLIT=half_split, FP8_Q=fp8_q, num_warps=4,
+                                  enable_fp_fusion=False)
 
 
 def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: int) -> tuple[int, int, int]:
@@ -270,24 +276,30 @@ def _bit_search(words, thr, count, bit, k):
 
 
 @triton.jit
-def _topk_rows_kernel(packed_ptr, out_ptr, stride, out_stride, num_cols, K: tl.constexpr, C: tl.constexpr,
-                      KEYS: tl.constexpr):
+def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_cols, K: tl.constexpr, C: tl.constexpr,
+                      KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
-    ``-1`` fill (``KEYS``: ``INT64_MIN``).
+    ``-1`` fill (``KEYS``: ``INT64_MIN``). ``words_ptr``: the same rows as int32 (the keys' low and high words).
+    ``COLUMN_ENTRIES``: column ``c`` of a row holds a key of entry ``c`` plus the row's offset (the score kernel's
+    rows and their segments), so among tied scores the lower column is the lower entry; else (the segments' winners)
+    the entries are read from the keys' low words.
 
     The threshold is searched on the keys' high words (the scores' order bits, 32-bit compares: half the work of the
     64-bit keys') bit by bit from the highest bit where the row's valid words differ (the bits above it are common to
     every candidate), stopping as soon as exactly K words are at or above it. Where several keys share the
-    threshold's score, their low words (the entries: larger = lower entry) are searched the same way among them."""
+    threshold's score, their entries are searched the same way among them. The search loads the high words alone;
+    the keys (or their low words) are read again only where the output or a tie needs them."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, C)
-    key = tl.load(packed_ptr + row * stride + cols, mask=cols < num_cols, other=-9223372036854775808)
-    valid = key != -9223372036854775808
-    # the order bits with the sign bit flipped: unsigned order = the scores' order; a non-candidate's word is 0
-    hi = ((key >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)
-    count = tl.sum(valid.to(tl.int32), 0)
+    in_row = cols < num_cols
+    word_offs = 2 * (row * stride + cols)  # the key's low word; its high word at + 1 (little-endian)
+    # the order bits with the sign bit flipped: unsigned order = the scores' order; a non-candidate's (INT64_MIN) is 0
+    hi = (tl.load(words_ptr + word_offs + 1, mask=in_row, other=-2147483648) ^ -2147483648).to(tl.uint32,
+                                                                                                 bitcast=True)
+    valid = hi != 0
+    candidates = tl.sum(valid.to(tl.int32), 0)
     chosen = valid
-    if count > K:
+    if candidates > K:
         one = tl.full((), 1, tl.uint32)
         top = tl.max(hi, 0)
         common = top ^ tl.min(tl.where(valid, hi, tl.full((), 4294967295, tl.uint32)), 0)
@@ -296,23 +308,31 @@ def _topk_rows_kernel(packed_ptr, out_ptr, stride, out_stride, num_cols, K: tl.c
             bit -= 1
         below = (tl.full((), 1, tl.uint64) << (bit + 1)) - 1
         thr = (top.to(tl.uint64) & ~below).to(tl.uint32)  # every valid word is at or above it: count of them
-        thr, count = _bit_search(hi, thr, count, bit, K)
-        chosen = valid & (hi >= thr)
+        thr, count = _bit_search(hi, thr, candidates, bit, K)
+        chosen = hi >= thr
         if count != K:  # keys tie at the threshold's score: the lowest entries among them
-            tied = valid & (hi == thr)
+            tied = hi == thr
             tied_count = tl.sum(tied.to(tl.int32), 0)
             need = K - (count - tied_count)
-            low = tl.where(tied, (key & 4294967295).to(tl.uint32), tl.full((), 0, tl.uint32))
+            if COLUMN_ENTRIES:  # larger = lower column = lower entry
+                low = tl.where(tied, 4294967295 - cols.to(tl.uint32), tl.full((), 0, tl.uint32))
+            else:  # the keys' low words: larger = lower entry
+                low = tl.load(words_ptr + word_offs, mask=tied, other=0).to(tl.uint32, bitcast=True)
             low_thr, _ = _bit_search(low, tl.full((), 0, tl.uint32), tied_count, tl.full((), 31, tl.int32), need)
-            chosen = valid & ((hi > thr) | (tied & (low >= low_thr)))
+            chosen = (hi > thr) | (tied & (low >= low_thr))
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     fill = tl.arange(0, K)
-    picked = tl.sum(chosen.to(tl.int32), 0)
+    picked = tl.minimum(candidates, K)
     if KEYS:
+        key = tl.load(packed_ptr + row * stride + cols, mask=chosen)
         tl.store(out_ptr + row * out_stride + slot, key, mask=chosen)
         tl.store(out_ptr + row * out_stride + fill, tl.full((K,), -9223372036854775808, tl.int64), mask=fill >= picked)
     else:
-        tl.store(out_ptr + row * out_stride + slot, (4294967295 - (key & 4294967295)).to(tl.int32), mask=chosen)
+        if COLUMN_ENTRIES:
+            entry = cols
+        else:
+            entry = 4294967295 - tl.load(words_ptr + word_offs, mask=chosen).to(tl.uint32, bitcast=True).to(tl.int64)
+        tl.store(out_ptr + row * out_stride + slot, entry.to(tl.int32), mask=chosen)
         tl.store(out_ptr + row * out_stride + fill, tl.full((K,), -1, tl.int32), mask=fill >= picked)
 
 
@@ -326,31 +346,35 @@ def select_warps(rows: int, width: int, sms: int) -> int:
     return min(16, warps)
 
 
-def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool) -> None:
+def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, column_entries: bool) -> None:
     rows, cols = packed.shape
     width = triton.next_power_of_2(max(cols, k))
     # the GPU's own SMs; on the CPU (interpreter, the portability matrix's recorded launches) those of its target
     warps = select_warps(rows, width, targets.num_sms(packed.device, targets.target_of(packed.device)))
-    _topk_rows_kernel[(rows,)](packed, out, packed.stride(0), out.stride(0), cols, K=k, C=width, KEYS=keys,
-                               num_warps=warps)
+    words = packed.view(torch.int32)  # (rows, 2 · cols): each key's low, then high word
+    _topk_rows_kernel[(rows,)](packed, words, out, packed.stride(0), out.stride(0), cols, K=k, C=width, KEYS=keys,
+                               COLUMN_ENTRIES=column_entries, num_warps=warps)
 
 
 def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor) -> None:
     """The Triton select: ``out (rows, k)`` int32 := each row's top-``k`` entries of ``packed (rows, num_cols)``,
-    the same set as :func:`topk_from_packed`, listed in entry order, ``-1`` fill. A row longer than
-    :data:`MAX_SELECT_COLS` (``num_cols`` then a multiple of :data:`SELECT_SEGMENT`, ``k`` at most a segment) is
-    selected in two launches or more: each segment's top ``k`` keys, then the top ``k`` of those (the row's top ``k``
-    are among them)."""
+    the same set as :func:`topk_from_packed`, listed in entry order, ``-1`` fill. The rows are the score kernel's:
+    column ``c`` holds entry ``c``'s key (or ``INT64_MIN``). A row longer than :data:`MAX_SELECT_COLS` (``num_cols``
+    then a multiple of :data:`SELECT_SEGMENT`, ``k`` at most a segment) is selected in two launches or more: each
+    segment's top ``k`` keys, then the top ``k`` of those (the row's top ``k`` are among them)."""
     rows, cols = packed.shape
+    if packed.stride(1) != 1:
+        raise ValueError(f"packed must have unit column stride, got strides {packed.stride()}")
+    column_entries = True
     while cols > MAX_SELECT_COLS:
         if cols % SELECT_SEGMENT or k > SELECT_SEGMENT or not packed.is_contiguous():
             raise ValueError(f"a packed row of {cols} columns must be contiguous, a multiple of {SELECT_SEGMENT} "
                              f"columns, and k ({k}) at most {SELECT_SEGMENT}")
         segments = packed.view(rows * (cols // SELECT_SEGMENT), SELECT_SEGMENT)
         winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
-        _launch_select(segments, k, winners, True)
-        packed, cols = winners.view(rows, -1), winners.numel() // rows
-    _launch_select(packed, k, out, False)
+        _launch_select(segments, k, winners, True, column_entries)
+        packed, cols, column_entries = winners.view(rows, -1), winners.numel() // rows, False
+    _launch_select(packed, k, out, False, column_entries)
 
 
 def dot_dtype_for(target: targets.Target, key_format: str, q_format: str) -> torch.dtype:
