@@ -168,16 +168,17 @@ if cli.profile:
     import cProfile
     import pstats
 
+    # ours, then (with --base) the base's copy of the same probe: their call trees side by side
     for name in ("c4a", "sparse_mla.flash_mla (two scopes)", "sparse_attention_decode (two scopes)",
                  "build_step_metadata"):
-        fn = probes[name]
-        fn()
-        torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(300):
+        for label, fn in [(name, probes[name])] + ([(f"base: {name}", base[name])] if name in base else []):
             fn()
-        prof.disable()
-        torch.cuda.synchronize()
-        print("=====", name)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(300):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            print("=====", label)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
