@@ -138,9 +138,10 @@ def test_kernel_two_level_selection_equals_the_reference():
 @needs_kernels
 @pytest.mark.parametrize("rows,cols,k,valid", [(5, 512, 64, 300), (3, 1024, 512, 1024), (4, 640, 512, 100),
                                                (2, 2048, 128, 2048), (3, 256, 256, 256), (2, 32768, 512, 30000),
-                                               (1, 16384 + 8192, 2048, 20000)])
+                                               (1, 16384 + 8192, 2048, 20000), (3, 9216, 512, 9100)])
 def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
-    """Rows in one program, and long rows by segments (two launches), against torch.topk's set."""
+    """Rows in one program (9,216 columns: two tiles, 8,192 + 1,024), and long rows by segments (two launches),
+    against torch.topk's set."""
     from sparse_mla.ops.triton import indexer as kernels
 
     gen = torch.Generator().manual_seed(cols + k)

@@ -261,14 +261,23 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
 
 
 @triton.jit
-def _bit_search(words, thr, count, bit, k):
+def _count_at_or_above(words, tail, cand, HAS_TAIL: tl.constexpr):
+    """How many of ``words`` and (``HAS_TAIL``) ``tail`` are at or above ``cand``."""
+    n = tl.sum((words >= cand).to(tl.int32), 0)
+    if HAS_TAIL:
+        n += tl.sum((tail >= cand).to(tl.int32), 0)
+    return n
+
+
+@triton.jit
+def _bit_search(words, tail, thr, count, bit, k, HAS_TAIL: tl.constexpr):
     """Raise ``thr`` (uint32) bit by bit, from ``bit`` down, to the largest value at or below which ``k`` or more of
-    ``words`` (uint32; those at 0 never count) lie at or above it, stopping as soon as exactly ``k`` do. ``count``: how
-    many are at or above ``thr`` on entry. Returns ``(thr, count)``."""
+    ``words`` and ``tail`` (uint32; those at 0 never count) lie at or above it, stopping as soon as exactly ``k`` do.
+    ``count``: how many are at or above ``thr`` on entry. Returns ``(thr, count)``."""
     one = tl.full((), 1, tl.uint32)
     while (bit >= 0) & (count != k):
         cand = thr | (one << bit)
-        above = tl.sum((words >= cand).to(tl.int32), 0)
+        above = _count_at_or_above(words, tail, cand, HAS_TAIL)
         thr = tl.where(above >= k, cand, thr)
         count = tl.where(above >= k, above, count)
         bit -= 1
@@ -276,63 +285,101 @@ def _bit_search(words, thr, count, bit, k):
 
 
 @triton.jit
+def _high_words(words_ptr, row, stride, cols, num_cols):
+    """The keys' order bits (their high words) with the sign bit flipped, uint32: unsigned order = the scores' order;
+    a non-candidate's (``INT64_MIN``, or a column past the row) is 0."""
+    words = tl.load(words_ptr + 2 * (row * stride + cols) + 1, mask=cols < num_cols, other=-2147483648)
+    return (words ^ -2147483648).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _entry_words(words_ptr, row, stride, cols, mask, COLUMN_ENTRIES: tl.constexpr):
+    """Where ``mask``: the keys' low words, uint32 ``2^32 - 1 - entry`` (larger = lower entry; from the columns where
+    ``COLUMN_ENTRIES``), else 0."""
+    if COLUMN_ENTRIES:
+        low = tl.where(mask, 4294967295 - cols.to(tl.uint32), tl.full((), 0, tl.uint32))
+    else:
+        low = tl.load(words_ptr + 2 * (row * stride + cols), mask=mask, other=0).to(tl.uint32, bitcast=True)
+    return low
+
+
+@triton.jit
+def _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, cols, chosen, slot, KEYS: tl.constexpr,
+                  COLUMN_ENTRIES: tl.constexpr):
+    """The chosen columns' keys (``KEYS``) or entries into their output slots."""
+    if KEYS:
+        key = tl.load(packed_ptr + row * stride + cols, mask=chosen)
+        tl.store(out_ptr + row * out_stride + slot, key, mask=chosen)
+    elif COLUMN_ENTRIES:
+        tl.store(out_ptr + row * out_stride + slot, cols, mask=chosen)
+    else:
+        low = _entry_words(words_ptr, row, stride, cols, chosen, COLUMN_ENTRIES)
+        tl.store(out_ptr + row * out_stride + slot, (4294967295 - low.to(tl.int64)).to(tl.int32), mask=chosen)
+
+
+@triton.jit
 def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_cols, K: tl.constexpr, C: tl.constexpr,
-                      KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr):
+                      TAIL: tl.constexpr, KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
     ``-1`` fill (``KEYS``: ``INT64_MIN``). ``words_ptr``: the same rows as int32 (the keys' low and high words).
-    ``COLUMN_ENTRIES``: column ``c`` of a row holds a key of entry ``c`` plus the row's offset (the score kernel's
-    rows and their segments), so among tied scores the lower column is the lower entry; else (the segments' winners)
-    the entries are read from the keys' low words.
+    The row's columns are held as two tiles, ``C`` and (``TAIL`` > 1) ``TAIL`` more (powers of two: a row of 9,216
+    columns is 8,192 + 1,024, not 16,384). ``COLUMN_ENTRIES``: column ``c`` of a row holds a key of entry ``c`` plus
+    the row's offset (the score kernel's rows and their segments), so among tied scores the lower column is the lower
+    entry and the entry is the column; else (the segments' winners) the entries are read from the keys' low words.
 
     The threshold is searched on the keys' high words (the scores' order bits, 32-bit compares: half the work of the
     64-bit keys') bit by bit from the highest bit where the row's valid words differ (the bits above it are common to
     every candidate), stopping as soon as exactly K words are at or above it. Where several keys share the
     threshold's score, their entries are searched the same way among them. The search loads the high words alone;
     the keys (or their low words) are read again only where the output or a tie needs them."""
+    HAS_TAIL: tl.constexpr = TAIL > 1
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, C)
-    in_row = cols < num_cols
-    word_offs = 2 * (row * stride + cols)  # the key's low word; its high word at + 1 (little-endian)
-    # the order bits with the sign bit flipped: unsigned order = the scores' order; a non-candidate's (INT64_MIN) is 0
-    hi = (tl.load(words_ptr + word_offs + 1, mask=in_row, other=-2147483648) ^ -2147483648).to(tl.uint32,
-                                                                                                 bitcast=True)
-    valid = hi != 0
-    candidates = tl.sum(valid.to(tl.int32), 0)
-    chosen = valid
+    tail_cols = C + tl.arange(0, TAIL)
+    hi = _high_words(words_ptr, row, stride, cols, num_cols)
+    if HAS_TAIL:
+        hi_tail = _high_words(words_ptr, row, stride, tail_cols, num_cols)
+    else:  # a one-column dummy, never read
+        hi_tail = tl.zeros((TAIL,), tl.uint32)
+    zero = tl.full((), 0, tl.uint32)
+    candidates = _count_at_or_above(hi, hi_tail, 1, HAS_TAIL)
+    chosen, chosen_tail = hi != 0, hi_tail != 0
     if candidates > K:
         one = tl.full((), 1, tl.uint32)
+        most = tl.full((), 4294967295, tl.uint32)
         top = tl.max(hi, 0)
-        common = top ^ tl.min(tl.where(valid, hi, tl.full((), 4294967295, tl.uint32)), 0)
+        bottom = tl.min(tl.where(hi != 0, hi, most), 0)
+        if HAS_TAIL:
+            top = tl.maximum(top, tl.max(hi_tail, 0))
+            bottom = tl.minimum(bottom, tl.min(tl.where(hi_tail != 0, hi_tail, most), 0))
+        common = top ^ bottom
         bit = 31
         while (bit >= 0) & (((common >> bit) & one) == 0):  # the highest bit where the valid words differ
             bit -= 1
         below = (tl.full((), 1, tl.uint64) << (bit + 1)) - 1
         thr = (top.to(tl.uint64) & ~below).to(tl.uint32)  # every valid word is at or above it: count of them
-        thr, count = _bit_search(hi, thr, candidates, bit, K)
-        chosen = hi >= thr
+        thr, count = _bit_search(hi, hi_tail, thr, candidates, bit, K, HAS_TAIL)
+        chosen, chosen_tail = hi >= thr, hi_tail >= thr
         if count != K:  # keys tie at the threshold's score: the lowest entries among them
-            tied = hi == thr
-            tied_count = tl.sum(tied.to(tl.int32), 0)
+            tied, tied_tail = hi == thr, hi_tail == thr
+            tied_count = _count_at_or_above(tied.to(tl.uint32), tied_tail.to(tl.uint32), 1, HAS_TAIL)
             need = K - (count - tied_count)
-            if COLUMN_ENTRIES:  # larger = lower column = lower entry
-                low = tl.where(tied, 4294967295 - cols.to(tl.uint32), tl.full((), 0, tl.uint32))
-            else:  # the keys' low words: larger = lower entry
-                low = tl.load(words_ptr + word_offs, mask=tied, other=0).to(tl.uint32, bitcast=True)
-            low_thr, _ = _bit_search(low, tl.full((), 0, tl.uint32), tied_count, tl.full((), 31, tl.int32), need)
+            low = _entry_words(words_ptr, row, stride, cols, tied, COLUMN_ENTRIES)
+            low_tail = _entry_words(words_ptr, row, stride, tail_cols, tied_tail, COLUMN_ENTRIES)
+            low_thr, _ = _bit_search(low, low_tail, zero, tied_count, tl.full((), 31, tl.int32), need, HAS_TAIL)
             chosen = (hi > thr) | (tied & (low >= low_thr))
+            chosen_tail = (hi_tail > thr) | (tied_tail & (low_tail >= low_thr))
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, cols, chosen, slot, KEYS, COLUMN_ENTRIES)
+    if HAS_TAIL:
+        slot_tail = tl.sum(chosen.to(tl.int32), 0) + tl.cumsum(chosen_tail.to(tl.int32), 0) - 1
+        _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, tail_cols, chosen_tail, slot_tail, KEYS,
+                      COLUMN_ENTRIES)
     fill = tl.arange(0, K)
     picked = tl.minimum(candidates, K)
     if KEYS:
-        key = tl.load(packed_ptr + row * stride + cols, mask=chosen)
-        tl.store(out_ptr + row * out_stride + slot, key, mask=chosen)
         tl.store(out_ptr + row * out_stride + fill, tl.full((K,), -9223372036854775808, tl.int64), mask=fill >= picked)
     else:
-        if COLUMN_ENTRIES:
-            entry = cols
-        else:
-            entry = 4294967295 - tl.load(words_ptr + word_offs, mask=chosen).to(tl.uint32, bitcast=True).to(tl.int64)
-        tl.store(out_ptr + row * out_stride + slot, entry.to(tl.int32), mask=chosen)
         tl.store(out_ptr + row * out_stride + fill, tl.full((K,), -1, tl.int32), mask=fill >= picked)
 
 
@@ -346,14 +393,24 @@ def select_warps(rows: int, width: int, sms: int) -> int:
     return min(16, warps)
 
 
+def select_tiles(cols: int, k: int) -> tuple[int, int]:
+    """The select's two tiles for rows of ``cols`` columns and top ``k``: ``(C, TAIL)``, powers of two, ``C`` the
+    largest at most ``max(cols, k)``, ``TAIL`` the rest rounded up (1: none), so a row is padded to at most 1.5x."""
+    width = max(cols, k)
+    main = 1 << (width.bit_length() - 1)
+    return main, (triton.next_power_of_2(width - main) if width > main else 1)
+
+
 def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, column_entries: bool) -> None:
     rows, cols = packed.shape
-    width = triton.next_power_of_2(max(cols, k))
+    main, tail = select_tiles(cols, k)
     # the GPU's own SMs; on the CPU (interpreter, the portability matrix's recorded launches) those of its target
-    warps = select_warps(rows, width, targets.num_sms(packed.device, targets.target_of(packed.device)))
+    width = main + tail if tail > 1 else main
+    warps = select_warps(rows, triton.next_power_of_2(width),
+                         targets.num_sms(packed.device, targets.target_of(packed.device)))
     words = packed.view(torch.int32)  # (rows, 2 · cols): each key's low, then high word
-    _topk_rows_kernel[(rows,)](packed, words, out, packed.stride(0), out.stride(0), cols, K=k, C=width, KEYS=keys,
-                               COLUMN_ENTRIES=column_entries, num_warps=warps)
+    _topk_rows_kernel[(rows,)](packed, words, out, packed.stride(0), out.stride(0), cols, K=k, C=main, TAIL=tail,
+                               KEYS=keys, COLUMN_ENTRIES=column_entries, num_warps=warps)
 
 
 def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor) -> None:
