@@ -61,7 +61,8 @@ def launches(target: targets.Target) -> list[tuple[str, list]]:
 def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[str, list]]:
     """The indexer kernels' launches: the scores over fp8 keys (decode, 64 heads), with ``every`` also bf16 keys and a
     32-head prefill; where the target converts fp8, e4m3 q against the fp8 codes (the layer's choice there); the
-    query prep (V4, with ``every`` V3.2's half-split rope); the select (two launches: 512 of 32768, then of 2048)."""
+    query prep (V4, with ``every`` V3.2's half-split rope); the select (two launches: 512 of 32768, then of 2048;
+    and a row of 9,216 in two tiles)."""
     out = []
     for fmt, heads, qlen in (("fp8", 64, 2), ("bf16", 64, 2), ("fp8", 32, 512))[: 3 if every else 1]:
         cache = IndexerKeyCache(4, fmt)
@@ -89,6 +90,10 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
     with recorded_launches(target) as calls:
         indexer.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32))
     out += [(f"indexer select 512 of {n}", [c]) for n, c in zip((32768, 2048), calls)]
+    packed = torch.zeros(4, 9216, dtype=torch.int64)  # a row in two tiles: 8,192 + 1,024
+    with recorded_launches(target) as calls:
+        indexer.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32))
+    out.append(("indexer select 512 of 9216", calls))
     return out
 
 
