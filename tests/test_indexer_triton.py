@@ -138,16 +138,18 @@ def test_kernel_two_level_selection_equals_the_reference():
 @needs_kernels
 @pytest.mark.parametrize("rows,cols,k,valid", [(5, 512, 64, 300), (3, 1024, 512, 1024), (4, 640, 512, 100),
                                                (2, 2048, 128, 2048), (3, 256, 256, 256), (2, 32768, 512, 30000),
-                                               (1, 16384 + 8192, 2048, 20000), (3, 9216, 512, 9100)])
+                                               (1, 16384 + 8192, 2048, 20000), (3, 9216, 512, 9100),
+                                               (2, 513, 64, 513)])
 def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
-    """Rows in one program (9,216 columns: two tiles, 8,192 + 1,024), and long rows by segments (two launches),
-    against torch.topk's set."""
+    """Rows in one program (9,216 columns: two tiles, 8,192 + 1,024; 513: 512 + 2), and long rows by segments (two
+    launches), against torch.topk's set."""
     from sparse_mla.ops.triton import indexer as kernels
 
     gen = torch.Generator().manual_seed(cols + k)
     scores = torch.randn(rows, cols, generator=gen)
     scores[0, :50] = 0.5  # exact ties: the lowest entries win
     scores[-1, : cols // 2] = 0.0
+    scores[-1, valid - 1] = 50.0  # the last candidate column is a pick (513 columns: the second tile's last lane)
     if cols > 16384:  # segments: the best entries crowd into one of them
         scores[0, 9000:9000 + k] += 10.0
     bits = scores.view(torch.int32).long()

@@ -395,10 +395,11 @@ def select_warps(rows: int, width: int, sms: int) -> int:
 
 def select_tiles(cols: int, k: int) -> tuple[int, int]:
     """The select's two tiles for rows of ``cols`` columns and top ``k``: ``(C, TAIL)``, powers of two, ``C`` the
-    largest at most ``max(cols, k)``, ``TAIL`` the rest rounded up (1: none), so a row is padded to at most 1.5x."""
+    largest at most ``max(cols, k)``, ``TAIL`` the rest rounded up, at least 2 (1: no rest), so a row's lanes are at
+    most 4/3 of its width (one power of two: up to 2x)."""
     width = max(cols, k)
     main = 1 << (width.bit_length() - 1)
-    return main, (triton.next_power_of_2(width - main) if width > main else 1)
+    return main, (max(2, triton.next_power_of_2(width - main)) if width > main else 1)
 
 
 def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, column_entries: bool) -> None:
