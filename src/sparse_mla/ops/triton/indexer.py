@@ -341,7 +341,6 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
         hi_tail = _high_words(words_ptr, row, stride, tail_cols, num_cols)
     else:  # a one-column dummy, never read
         hi_tail = tl.zeros((TAIL,), tl.uint32)
-    zero = tl.full((), 0, tl.uint32)
     candidates = _count_at_or_above(hi, hi_tail, 1, HAS_TAIL)
     chosen, chosen_tail = hi != 0, hi_tail != 0
     if candidates > K:
@@ -366,7 +365,8 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
             need = K - (count - tied_count)
             low = _entry_words(words_ptr, row, stride, cols, tied, COLUMN_ENTRIES)
             low_tail = _entry_words(words_ptr, row, stride, tail_cols, tied_tail, COLUMN_ENTRIES)
-            low_thr, _ = _bit_search(low, low_tail, zero, tied_count, tl.full((), 31, tl.int32), need, HAS_TAIL)
+            low_thr, _ = _bit_search(low, low_tail, tl.full((), 0, tl.uint32), tied_count, tl.full((), 31, tl.int32),
+                                     need, HAS_TAIL)
             chosen = (hi > thr) | (tied & (low >= low_thr))
             chosen_tail = (hi_tail > thr) | (tied_tail & (low_tail >= low_thr))
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
@@ -405,10 +405,9 @@ def select_tiles(cols: int, k: int) -> tuple[int, int]:
 def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, column_entries: bool) -> None:
     rows, cols = packed.shape
     main, tail = select_tiles(cols, k)
+    lanes = 2 * main if tail > 1 else main  # the warps rule's power of two (tail < main)
     # the GPU's own SMs; on the CPU (interpreter, the portability matrix's recorded launches) those of its target
-    width = main + tail if tail > 1 else main
-    warps = select_warps(rows, triton.next_power_of_2(width),
-                         targets.num_sms(packed.device, targets.target_of(packed.device)))
+    warps = select_warps(rows, lanes, targets.num_sms(packed.device, targets.target_of(packed.device)))
     words = packed.view(torch.int32)  # (rows, 2 · cols): each key's low, then high word
     _topk_rows_kernel[(rows,)](packed, words, out, packed.stride(0), out.stride(0), cols, K=k, C=main, TAIL=tail,
                                KEYS=keys, COLUMN_ENTRIES=column_entries, num_warps=warps)
