@@ -92,10 +92,12 @@ def _index_scores_kernel(
         base = tl.where(block_ok, block, 0).to(tl.int64) * (PAGE * D)
         key_ok = e + tl.where(block_ok, 0, PAGE) < PAGE  # the block's validity as a (PAGE,) mask
         code_base = base * (D + 4) // D  # fp8 page: [PAGE × 128 codes][PAGE × float32 scales]
-        if FP8_DOT:  # the codes as they are, (PAGE, 128): dims contiguous
-            codes = tl.load(data_ptr + code_base + e[:, None] * D + d[None, :], mask=key_ok[:, None], other=0)
+        if FP8_DOT:  # the codes as they are, (PAGE, 128): dims contiguous; loaded as e4m3, not bitcast after the
+            # load, so the dot reads them from shared memory (a bitcast made them a register operand: 18 more
+            # registers a thread, and an ldmatrix a page)
+            keys = tl.load(data_ptr.to(tl.pointer_type(tl.float8e4nv)) + code_base + e[:, None] * D + d[None, :],
+                           mask=key_ok[:, None], other=0.0)
             col_scale = tl.load(scale_ptr + code_base // 4 + PAGE * D // 4 + e, mask=key_ok, other=0.0)
-            keys = codes.to(tl.float8e4nv, bitcast=True)
         else:
             if FP8:
                 raw = tl.load(data_ptr + code_base + e[:, None] * D + d[None, :], mask=key_ok[:, None], other=0)
@@ -219,6 +221,8 @@ def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: in
 
 
 SCORE_WARPS, SCORE_STAGES = 4, 4  # the score kernel's launch (benchmarks/probe_indexer_launch.py sweeps them)
+# the fp8 dot's registers: at most 128 a thread, so an SM holds four programs (136 uncapped, no spills at 128: sm_90)
+FP8_DOT_MAXNREG = 128
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, step: StepTokens, out: torch.Tensor,
@@ -257,7 +261,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         t0, t1, q.shape[1], step.ratio, cache.num_blocks, step.block_table.stride(0), step.block_table.shape[1],
         out.stride(0), num_cols,
         HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
-        DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, num_warps=warps, num_stages=stages)
+        DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, num_warps=warps, num_stages=stages,
+        maxnreg=FP8_DOT_MAXNREG if fp8_dot else None)
 
 
 @triton.jit
@@ -383,12 +388,14 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
         tl.store(out_ptr + row * out_stride + fill, tl.full((K,), -1, tl.int32), mask=fill >= picked)
 
 
-def select_warps(rows: int, width: int, sms: int) -> int:
-    """The select's warps for ``rows`` rows of ``width`` (a power of two) keys on a GPU of ``sms`` SMs: at most 64
-    keys a thread (more spill), twice that many threads where the rows do not fill the SMs (a row's rounds are then
-    the launch's latency), 4 to 16. H200, 8,192 keys: 4 warps at 256 rows, 8 at 64 (docs/history.md version 24)."""
-    warps = max(4, width // 2048)
-    if rows < sms:
+def select_warps(rows: int, lanes: int, sms: int) -> int:
+    """The select's warps for ``rows`` rows of ``lanes`` keys (its two tiles' widths summed) on a GPU of ``sms`` SMs:
+    the fewest, a power of two and at least 4, that hold at most 72 keys a thread, doubled (to 8 at most) where the
+    rows do not fill the SMs (a row's rounds are then the launch's latency), 16 at most. Fewer warps a row cost the
+    cross-warp sums of every round less; more keys a thread spill. H200 (docs/history.md version 27): 8,192 keys 4 at
+    256 rows, 8 at 64; 9,216 (8,192 + 1,024) 4 at 3,640 rows (8: 1.5x the time); 16,384 8 at 64 and at 256."""
+    warps = max(4, triton.next_power_of_2(-(-lanes // (72 * 32))))
+    if rows < sms and warps < 8:
         warps *= 2
     return min(16, warps)
 
@@ -405,7 +412,7 @@ def select_tiles(cols: int, k: int) -> tuple[int, int]:
 def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, column_entries: bool) -> None:
     rows, cols = packed.shape
     main, tail = select_tiles(cols, k)
-    lanes = 2 * main if tail > 1 else main  # the warps rule's power of two (tail < main)
+    lanes = main + tail if tail > 1 else main
     # the GPU's own SMs; on the CPU (interpreter, the portability matrix's recorded launches) those of its target
     warps = select_warps(rows, lanes, targets.num_sms(packed.device, targets.target_of(packed.device)))
     words = packed.view(torch.int32)  # (rows, 2 · cols): each key's low, then high word
