@@ -135,6 +135,19 @@ def test_kernel_two_level_selection_equals_the_reference():
     same_sets(later, index_topk_reference(case.q, case.w, case.cache, case.step, 64, kept_blocks=ref_kept), n)
 
 
+def test_select_kernel_refuses_a_segmented_row_whose_k_would_not_shorten_it():
+    """A row past MAX_SELECT_COLS goes in segments, each keeping its top k: with k a whole segment the candidates
+    would be as many as the columns, round after round (it looped forever); refused before any launch."""
+    from sparse_mla.indexer import SELECT_SEGMENT, select_kernel_takes
+    from sparse_mla.ops.triton import indexer as kernels
+
+    assert select_kernel_takes(SELECT_SEGMENT - 1) and not select_kernel_takes(SELECT_SEGMENT)
+    packed = torch.zeros(1, 3 * SELECT_SEGMENT, dtype=torch.int64)
+    out = torch.zeros(1, SELECT_SEGMENT, dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"below {SELECT_SEGMENT}"):
+        kernels.topk_rows(packed, SELECT_SEGMENT, out)
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows,cols,k,valid", [(5, 512, 64, 300), (3, 1024, 512, 1024), (4, 640, 512, 100),
                                                (2, 2048, 128, 2048), (3, 256, 256, 256), (2, 32768, 512, 30000),

@@ -23,7 +23,7 @@ import torch
 from ._checks import check_positive_int, check_tensor
 from .config import COMPRESS_RATIO, PICKS_KINDS, ModelConfig
 from .indexer import (KEPT_BLOCKS, MAX_SELECT_COLS, SELECT_SEGMENT, IndexerSpec, StepTokens, check_step_inputs,
-                      index_topk_reference, prepare_queries, top_blocks_reference)
+                      index_topk_reference, prepare_queries, select_kernel_takes, top_blocks_reference)
 from .indexer_cache import INDEX_FORMATS, IndexerKeyCache
 from .metadata import StepMetadata
 from .ops import targets
@@ -90,7 +90,8 @@ class SparseMLAIndexer(torch.nn.Module):
     weights) or ``"bf16"``; key_format: if given, the key cache must hold it; backend: ``"auto"``, ``"reference"``
     or ``"triton"``; workspace_bytes: the packed-score budget of one token chunk (int64 per token and entry);
     topk_select (Triton backend): ``"triton"`` (the select kernel; picks in entry order) or ``"torch"``
-    (``torch.topk`` over the packed rows; best first); ``"auto"``: the kernel.
+    (``torch.topk`` over the packed rows; best first); ``"auto"``: the kernel. A topk of a segment or more
+    (``SELECT_SEGMENT``, 8,192) always takes ``torch.topk``: the kernel's segments could not shorten a long row.
     """
 
     def __init__(self, kind: str, num_heads: int, topk: int, *, rope: RopeSpec | None = None, q_format: str = "fp8",
@@ -232,7 +233,7 @@ class SparseMLAIndexer(torch.nn.Module):
                 kernels.restrict_to_blocks(packed, plan.kept[t0:t1])
             elif kept_blocks is not None:
                 kernels.restrict_to_blocks(packed, kept_blocks[t0:t1])
-            if self.topk_select == "torch" or self.topk > SELECT_SEGMENT:
+            if self.topk_select == "torch" or not select_kernel_takes(self.topk):
                 plan.picks[t0:t1] = kernels.topk_from_packed(packed, self.topk)
             else:
                 kernels.topk_rows(packed, self.topk, plan.picks[t0:t1])

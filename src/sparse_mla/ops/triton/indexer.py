@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...indexer import BLOCK_ENTRIES, MAX_SELECT_COLS, SELECT_SEGMENT, StepTokens
+from ...indexer import BLOCK_ENTRIES, MAX_SELECT_COLS, SELECT_SEGMENT, StepTokens, select_kernel_takes
 from ...indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from .. import targets
 from ..dispatch import interpreting
@@ -424,16 +424,16 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor) -> None:
     """The Triton select: ``out (rows, k)`` int32 := each row's top-``k`` entries of ``packed (rows, num_cols)``,
     the same set as :func:`topk_from_packed`, listed in entry order, ``-1`` fill. The rows are the score kernel's:
     column ``c`` holds entry ``c``'s key (or ``INT64_MIN``). A row longer than :data:`MAX_SELECT_COLS` (``num_cols``
-    then a multiple of :data:`SELECT_SEGMENT`, ``k`` at most a segment) is selected in two launches or more: each
+    then a multiple of :data:`SELECT_SEGMENT`, ``k`` below a segment) is selected in two launches or more: each
     segment's top ``k`` keys, then the top ``k`` of those (the row's top ``k`` are among them)."""
     rows, cols = packed.shape
     if packed.stride(1) != 1:
         raise ValueError(f"packed must have unit column stride, got strides {packed.stride()}")
     column_entries = True
     while cols > MAX_SELECT_COLS:
-        if cols % SELECT_SEGMENT or k > SELECT_SEGMENT or not packed.is_contiguous():
+        if cols % SELECT_SEGMENT or not select_kernel_takes(k) or not packed.is_contiguous():
             raise ValueError(f"a packed row of {cols} columns must be contiguous, a multiple of {SELECT_SEGMENT} "
-                             f"columns, and k ({k}) at most {SELECT_SEGMENT}")
+                             f"columns, and k ({k}) below {SELECT_SEGMENT} (each segment's top k must shorten it)")
         segments = packed.view(rows * (cols // SELECT_SEGMENT), SELECT_SEGMENT)
         winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
         _launch_select(segments, k, winners, True, column_entries)
