@@ -44,13 +44,13 @@ MIN_HEADS, MAX_HEADS = 1, 128
 # the Triton select (ops/triton/indexer.py): a row of up to MAX_SELECT_COLS entries in one program's registers;
 # longer rows in segments of SELECT_SEGMENT entries, whose top k are the candidates (planning pads rows to segments)
 MAX_SELECT_COLS, SELECT_SEGMENT = 16384, 8192
+ROPE_DIM = 64  # rotated dims of an indexer query (V4 / V4.1: the last 64, V3.2: the first 64)
 
 
 def select_kernel_takes(topk: int) -> bool:
     """Whether the Triton select takes a top-``topk`` of rows of any length: its segments keep ``topk`` of every
     :data:`SELECT_SEGMENT` entries, which shortens a row only when ``topk`` is below a segment (else ``torch.topk``)."""
     return topk < SELECT_SEGMENT
-ROPE_DIM = 64  # rotated dims of an indexer query (V4 / V4.1: the last 64, V3.2: the first 64)
 
 
 @dataclass(frozen=True)

@@ -221,7 +221,8 @@ def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: in
 
 
 SCORE_WARPS, SCORE_STAGES = 4, 4  # the score kernel's launch (benchmarks/probe_indexer_launch.py sweeps them)
-# the fp8 dot's registers: at most 128 a thread, so an SM holds four programs (136 uncapped, no spills at 128: sm_90)
+# the fp8 dot's registers: at most 128 a thread, so an SM holds four programs (sm_90: 136 uncapped; no spills at 128 on
+# sm_89 / 90 / 100 / 120, the compile matrix)
 FP8_DOT_MAXNREG = 128
 
 
