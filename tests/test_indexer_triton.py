@@ -152,10 +152,11 @@ def test_select_kernel_refuses_a_segmented_row_whose_k_would_not_shorten_it():
 @pytest.mark.parametrize("rows,cols,k,valid", [(5, 512, 64, 300), (3, 1024, 512, 1024), (4, 640, 512, 100),
                                                (2, 2048, 128, 2048), (3, 256, 256, 256), (2, 32768, 512, 30000),
                                                (1, 16384 + 8192, 2048, 20000), (3, 9216, 512, 9100),
-                                               (2, 513, 64, 513)])
+                                               (2, 513, 64, 513), (3, 1024, 100, 900), (2, 9216, 1000, 9000),
+                                               (2, 32768, 500, 30000)])
 def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
     """Rows in one program (9,216 columns: two tiles, 8,192 + 1,024; 513: 512 + 2), and long rows by segments (two
-    launches), against torch.topk's set."""
+    launches), against torch.topk's set; k of any size, not only powers of two (100, 500, 1,000)."""
     from sparse_mla.ops.triton import indexer as kernels
 
     gen = torch.Generator().manual_seed(cols + k)
@@ -181,8 +182,34 @@ def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt,select", [("fp8", "triton"), ("bf16", "torch")])
-def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select):
+@pytest.mark.parametrize("backend,debug", [("reference", False), ("triton", True)])
+def test_non_finite_queries_or_weights_are_refused_where_values_are_checked(backend, debug, monkeypatch):
+    """q and weights of the step's tokens must be finite: the reference checks it always, the kernels with
+    SPARSE_MLA_DEBUG=1 (a sync); padding rows may hold anything (here NaN)."""
+    from sparse_mla.scenario import make_scenario
+
+    if debug:
+        monkeypatch.setenv("SPARSE_MLA_DEBUG", "1")
+    sc = make_scenario([(300, 2), (200, 1)], window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,
+                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
+    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device=DEVICE)
+    n = sc.batch.num_tokens
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(sc.batch.token_capacity, 8, 128, generator=gen).to(DEVICE)
+    w = torch.randn(sc.batch.token_capacity, 8, generator=gen).to(DEVICE)
+    q[n:], w[n:] = float("nan"), float("nan")
+    layer = SparseMLAIndexer("c4a", 8, 32, backend=backend)
+    assert (layer(sc.meta, q, w, cache)[n:] == -1).all()
+    for name, bad_q, bad_w, value in [("q", True, False, float("nan")), ("weights", False, True, float("inf"))]:
+        q2, w2 = q.clone(), w.clone()
+        (q2[1, 3, 7] if bad_q else w2[2, 5]).fill_(value)
+        with pytest.raises(ValueError, match=f"{name} must be finite"):
+            layer(sc.meta, q2, w2, cache)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt,select,k", [("fp8", "triton", 64), ("bf16", "torch", 64), ("fp8", "triton", 100)])
+def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select, k):
     from sparse_mla.scenario import make_scenario
 
     lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 9)]
@@ -197,8 +224,8 @@ def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select)
         cache.write(torch.randn(len(entries), 128, generator=gen).to(DEVICE), batch.entry_slots("c4a", r, entries))
     q = torch.randn(batch.token_capacity, 16, 128, generator=gen).to(DEVICE)
     w = torch.randn(batch.token_capacity, 16, generator=gen).to(DEVICE)
-    ref = SparseMLAIndexer("c4a", 16, 64, backend="reference")(sc.meta, q, w, cache).clone()
-    small = SparseMLAIndexer("c4a", 16, 64, backend="triton", workspace_bytes=3 * 8 * 64 * (lengths[0][0] // 256 + 1),
+    ref = SparseMLAIndexer("c4a", 16, k, backend="reference")(sc.meta, q, w, cache).clone()
+    small = SparseMLAIndexer("c4a", 16, k, backend="triton", workspace_bytes=3 * 8 * 64 * (lengths[0][0] // 256 + 1),
                              topk_select=select)
     got = small(sc.meta, q, w, cache)
     assert len(small.step_plan(sc.meta, "triton", fmt).chunks) > 1
@@ -207,6 +234,36 @@ def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select)
     assert (got[batch.num_tokens:] == -1).all()
     (picks, kept) = SparseMLAIndexer("c4a", 16, 64, backend="triton")(sc.meta, q, w, cache, select_blocks=True)
     assert kept.shape == (batch.token_capacity, 2048) and (kept[batch.num_tokens:] == -1).all()
+
+
+@needs_kernels
+def test_kernel_helpers_name_their_bad_arguments():
+    """The kernels' entry points check what they are handed before any launch: an ``out`` too small for the select
+    (it wrote past it), k of 0, int32 rows, q of another dtype or weights of another shape (read as garbage, or past
+    the tensor), a dot dtype it does not know, kept blocks or positions of other rows, rows not of whole blocks."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    packed = torch.randint(0, 1 << 40, (4, 64), device=DEVICE)
+    bad_select = [(packed, 8, torch.empty(2, 8, dtype=torch.int32, device=DEVICE), "out must be"),
+                  (packed, 0, torch.empty(4, 0, dtype=torch.int32, device=DEVICE), "k must be"),
+                  (packed.int(), 8, torch.empty(4, 8, dtype=torch.int32, device=DEVICE), "packed must be")]
+    for rows, k, out, message in bad_select:
+        with pytest.raises(ValueError, match=message):
+            kernels.topk_rows(rows, k, out)
+    spec = IndexerSpec(num_heads=8, topk=64, kind="c4a")
+    case = make_case(torch.Generator().manual_seed(1), [(300, 1)], spec, "fp8", DEVICE)
+    out = torch.empty(1, 128, dtype=torch.int64, device=DEVICE)
+    for q, w, dot, message in [(case.q.double(), case.w, torch.float32, "q must be"),
+                               (case.q, case.w[:, :4].contiguous(), torch.float32, "weights must be"),
+                               (case.q, case.w, torch.float16, "dot_dtype must be")]:
+        with pytest.raises(ValueError, match=message):
+            kernels.index_scores(q, w, case.cache, case.step, out, 0, 1, 1, dot, False)
+    with pytest.raises(ValueError, match="kept_blocks must be"):
+        kernels.restrict_to_blocks(packed, torch.zeros(2, 3, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kernels.top_blocks_from_packed(packed[:, :60], torch.zeros(4, dtype=torch.int32, device=DEVICE), 4, 4)
+    with pytest.raises(ValueError, match="positions must be"):
+        kernels.top_blocks_from_packed(packed, torch.zeros(3, dtype=torch.int32, device=DEVICE), 4, 4)
 
 
 @needs_kernels

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_positive_int, check_tensor
+from ._checks import check_finite, check_positive_int, check_tensor
 from .config import COMPRESS_RATIO, PICKS_KINDS, ModelConfig
 from .indexer import (KEPT_BLOCKS, MAX_SELECT_COLS, SELECT_SEGMENT, IndexerSpec, StepTokens, check_step_inputs,
                       index_topk_reference, prepare_queries, select_kernel_takes, top_blocks_reference)
@@ -28,6 +28,7 @@ from .indexer_cache import INDEX_FORMATS, IndexerKeyCache
 from .metadata import StepMetadata
 from .ops import targets
 from .ops.dispatch import check_backend_name, resolve_backend
+from .ops.validate import debug_checks_enabled
 from .rope import RopeSpec
 
 DEFAULT_INDEXER_WORKSPACE_BYTES = 256 << 20  # the packed scores (int64) of one token chunk
@@ -189,13 +190,20 @@ class SparseMLAIndexer(torch.nn.Module):
         q: ``(T_cap, H, 128)`` the indexer's queries before rope (``W_q^I · qr``); weights: ``(T_cap, H)`` the raw
         head weights (``W_w h``); cache: the layer's :class:`IndexerKeyCache` (V4.1: its kv source's).
         select_blocks (V4.1's last kv source): also return the kept blocks ``(T_cap, 2048)`` int32, picking inside
-        them; kept_blocks (later sources): pick only inside these.
+        them; kept_blocks (later sources): pick only inside these (a block number outside ``[0, blocks)`` selects
+        nothing, like ``-1``: its values are not checked, which would sync). q and weights of the step's tokens must
+        be finite: checked on the reference backend, and with ``SPARSE_MLA_DEBUG=1`` on the kernels (a sync; without
+        it a token with a NaN or infinite score gets picks the reference would not give).
         """
         self._check(meta, q, weights, cache)
         if select_blocks and kept_blocks is not None:
             raise ValueError("select_blocks and kept_blocks exclude each other: select the blocks, or pick inside "
                              "given ones")
         backend = resolve_backend(self.backend, cache.device)
+        if backend == "reference" or debug_checks_enabled():  # values: a sync (docs/checks.md)
+            n = meta.batch.num_tokens  # padding rows may hold anything
+            check_finite("q", q[:n])
+            check_finite("weights", weights[:n])
         plan = self.step_plan(meta, backend, cache.fmt)
         if kept_blocks is not None:
             check_tensor("kept_blocks", kept_blocks, dtype=torch.int32, shape=(plan.picks.shape[0], None),

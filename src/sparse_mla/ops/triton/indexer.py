@@ -220,6 +220,7 @@ def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: in
     return hp, qt, per_program
 
 
+_DOT_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float8_e4m3fn: tl.float8e4nv}
 SCORE_WARPS, SCORE_STAGES = 4, 4  # the score kernel's launch (benchmarks/probe_indexer_launch.py sweeps them)
 # the fp8 dot's registers: at most 128 a thread, so an SM holds four programs (sm_90: 136 uncapped; no spills at 128 on
 # sm_89 / 90 / 100 / 120, the compile matrix)
@@ -244,6 +245,14 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
                          f"{tuple(out.shape)}")
     if not (q.is_contiguous() and weights.is_contiguous()):
         raise ValueError("q and weights must be contiguous (the kernel reads rows of H · 128 and of H)")
+    if q.dtype not in _DOT_TYPES or q.dim() != 3 or q.shape[2] != INDEX_HEAD_DIM:
+        raise ValueError(f"q must be (T, H, {INDEX_HEAD_DIM}) float32, bfloat16 or float8_e4m3fn, got {q.dtype} "
+                         f"{tuple(q.shape)}")
+    if weights.dtype != torch.float32 or tuple(weights.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"weights must be {tuple(q.shape[:2])} float32 (q's tokens and heads), got {weights.dtype} "
+                         f"{tuple(weights.shape)}")
+    if dot_dtype not in _DOT_TYPES:
+        raise ValueError(f"dot_dtype must be one of {tuple(_DOT_TYPES)}, got {dot_dtype}")
     num_reqs = step.query_start_loc.shape[0] - 1
     num_cols = out.shape[1]
     hp, qt, per_program = launch_shape(q.shape[1], max_query_len, num_reqs, num_cols)
@@ -256,7 +265,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     fp8_dot = dot_dtype == torch.float8_e4m3fn
     if fp8_dot and (not fp8 or q.dtype != torch.float8_e4m3fn):
         raise ValueError(f"the fp8 dot needs an fp8 key cache and float8_e4m3fn q, got {cache.fmt} keys, {q.dtype} q")
-    dot = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float8_e4m3fn: tl.float8e4nv}[dot_dtype]
+    dot = _DOT_TYPES[dot_dtype]
     _index_scores_kernel[grid](
         q, weights, cache.data, scale_view, step.positions, step.query_start_loc, step.block_table, out,
         t0, t1, q.shape[1], step.ratio, cache.num_blocks, step.block_table.stride(0), step.block_table.shape[1],
@@ -324,8 +333,8 @@ def _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, cols,
 
 
 @triton.jit
-def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_cols, K: tl.constexpr, C: tl.constexpr,
-                      TAIL: tl.constexpr, KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr):
+def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_cols, K: tl.constexpr, KP: tl.constexpr,
+                      C: tl.constexpr, TAIL: tl.constexpr, KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
     ``-1`` fill (``KEYS``: ``INT64_MIN``). ``words_ptr``: the same rows as int32 (the keys' low and high words).
     The row's columns are held as two tiles, ``C`` and (``TAIL`` > 1) ``TAIL`` more (powers of two: a row of 9,216
@@ -381,12 +390,12 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
         slot_tail = tl.sum(chosen.to(tl.int32), 0) + tl.cumsum(chosen_tail.to(tl.int32), 0) - 1
         _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, tail_cols, chosen_tail, slot_tail, KEYS,
                       COLUMN_ENTRIES)
-    fill = tl.arange(0, K)
-    picked = tl.minimum(candidates, K)
+    fill = tl.arange(0, KP)  # KP: K rounded up to a power of two (an arange's length)
+    unfilled = (fill >= tl.minimum(candidates, K)) & (fill < K)
     if KEYS:
-        tl.store(out_ptr + row * out_stride + fill, tl.full((K,), -9223372036854775808, tl.int64), mask=fill >= picked)
+        tl.store(out_ptr + row * out_stride + fill, tl.full((KP,), -9223372036854775808, tl.int64), mask=unfilled)
     else:
-        tl.store(out_ptr + row * out_stride + fill, tl.full((K,), -1, tl.int32), mask=fill >= picked)
+        tl.store(out_ptr + row * out_stride + fill, tl.full((KP,), -1, tl.int32), mask=unfilled)
 
 
 def select_warps(rows: int, lanes: int, sms: int) -> int:
@@ -417,7 +426,8 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     # the GPU's own SMs; on the CPU (interpreter, the portability matrix's recorded launches) those of its target
     warps = select_warps(rows, lanes, targets.num_sms(packed.device, targets.target_of(packed.device)))
     words = packed.view(torch.int32)  # (rows, 2 · cols): each key's low, then high word
-    _topk_rows_kernel[(rows,)](packed, words, out, packed.stride(0), out.stride(0), cols, K=k, C=main, TAIL=tail,
+    _topk_rows_kernel[(rows,)](packed, words, out, packed.stride(0), out.stride(0), cols, K=k,
+                               KP=triton.next_power_of_2(k), C=main, TAIL=tail,
                                KEYS=keys, COLUMN_ENTRIES=column_entries, num_warps=warps)
 
 
@@ -427,9 +437,16 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor) -> None:
     column ``c`` holds entry ``c``'s key (or ``INT64_MIN``). A row longer than :data:`MAX_SELECT_COLS` (``num_cols``
     then a multiple of :data:`SELECT_SEGMENT`, ``k`` below a segment) is selected in two launches or more: each
     segment's top ``k`` keys, then the top ``k`` of those (the row's top ``k`` are among them)."""
+    if packed.dtype != torch.int64 or packed.dim() != 2 or packed.stride(1) != 1:
+        raise ValueError(f"packed must be (rows, num_cols) int64 with unit column stride, got {packed.dtype} "
+                         f"{tuple(packed.shape)} strides {packed.stride()}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
     rows, cols = packed.shape
-    if packed.stride(1) != 1:
-        raise ValueError(f"packed must have unit column stride, got strides {packed.stride()}")
+    if (out.dtype != torch.int32 or tuple(out.shape) != (rows, k) or out.stride(1) != 1
+            or out.device != packed.device):
+        raise ValueError(f"out must be ({rows}, {k}) int32 with unit column stride on {packed.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}")
     column_entries = True
     while cols > MAX_SELECT_COLS:
         if cols % SELECT_SEGMENT or not select_kernel_takes(k) or not packed.is_contiguous():
@@ -466,11 +483,21 @@ def topk_from_packed(packed: torch.Tensor, k: int) -> torch.Tensor:
     return unpack_entries(torch.topk(packed, k, dim=1, sorted=True).values)
 
 
+def _block_rows(packed: torch.Tensor) -> tuple[int, int]:
+    """``packed``'s ``(rows, num_cols)``, checked: int64 rows of whole blocks of :data:`BLOCK_ENTRIES` entries."""
+    if packed.dtype != torch.int64 or packed.dim() != 2 or packed.shape[1] % BLOCK_ENTRIES:
+        raise ValueError(f"packed must be (rows, num_cols) int64 with num_cols a multiple of {BLOCK_ENTRIES}, got "
+                         f"{packed.dtype} {tuple(packed.shape)}")
+    return packed.shape
+
+
 def top_blocks_from_packed(packed: torch.Tensor, positions: torch.Tensor, ratio: int, num_kept: int) -> torch.Tensor:
     """V4.1's first level on packed rows: ``(rows, num_cols)`` (num_cols a multiple of 8) and the rows' positions
     ``(rows,)`` -> ``(rows, num_kept)`` int32 blocks of 8 entries, best block score (its max) first, the block of the
     newest visible entry pinned first, ties to the lower block (the packed max carries its entry), ``-1`` fill."""
-    rows, cols = packed.shape
+    rows, cols = _block_rows(packed)
+    if positions.shape != (rows,):
+        raise ValueError(f"positions must be ({rows},), one a packed row, got {tuple(positions.shape)}")
     block_max = packed.view(rows, cols // BLOCK_ENTRIES, BLOCK_ENTRIES).amax(-1)
     newest = ((positions.long() + 1).clamp_min(0) // ratio - 1) // BLOCK_ENTRIES  # -1: nothing visible
     pinned = torch.arange(block_max.shape[1], device=packed.device)[None, :] == newest[:, None]
@@ -486,7 +513,10 @@ def top_blocks_from_packed(packed: torch.Tensor, positions: torch.Tensor, ratio:
 def restrict_to_blocks(packed: torch.Tensor, kept_blocks: torch.Tensor) -> None:
     """In place: every entry of ``packed (rows, num_cols)`` outside its row's ``kept_blocks (rows, n)`` (blocks of 8
     entries, ``-1`` none) becomes ``INT64_MIN``."""
-    rows, cols = packed.shape
+    rows, cols = _block_rows(packed)
+    if kept_blocks.dim() != 2 or kept_blocks.shape[0] != rows or kept_blocks.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kept_blocks must be ({rows}, n) int32 or int64, one row a packed row, got "
+                         f"{kept_blocks.dtype} {tuple(kept_blocks.shape)}")
     nb = cols // BLOCK_ENTRIES
     allowed = torch.zeros(rows, nb + 1, dtype=torch.bool, device=packed.device)
     allowed.scatter_(1, torch.where((kept_blocks >= 0) & (kept_blocks < nb), kept_blocks, nb).long(), True)
