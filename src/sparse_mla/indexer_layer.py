@@ -134,11 +134,11 @@ class SparseMLAIndexer(torch.nn.Module):
         if cache.block_size != meta.batch.block_sizes[self.kind]:
             raise ValueError(f"cache.block_size ({cache.block_size}) must equal the {self.kind} cache's block size "
                              f"({meta.batch.block_sizes[self.kind]}): the two share their block numbers")
+        if meta.batch.device != cache.device:
+            raise ValueError(f"cache must be on the step's device {meta.batch.device}, got {cache.device}")
         cap, heads = meta.batch.token_capacity, self.spec.num_heads
         check_tensor("q", q, shape=(cap, heads, 128), device=cache.device)
         check_tensor("weights", weights, shape=(cap, heads), device=cache.device)
-        if meta.batch.device != cache.device:
-            raise ValueError(f"cache must be on the step's device {meta.batch.device}, got {cache.device}")
 
     def step_plan(self, meta: StepMetadata, backend: str, key_format: str = "fp8") -> IndexerPlan:
         """This step's :class:`IndexerPlan` for ``backend`` (``"reference"`` or ``"triton"``) and keys in
