@@ -242,6 +242,36 @@ def test_bad_construction_is_named():
         CompressorStatePool(3, 2)
     with pytest.raises(ValueError, match="eps"):
         KVCompressor(pool, 512, w, 0.0, ape=ape)
+    with pytest.raises(ValueError, match="eps must be a positive finite"):  # every latent would be 0
+        KVCompressor(pool, 512, w, float("inf"), ape=ape)
+    with pytest.raises(ValueError, match="dim must be the int"):  # a float dim was cast silently
+        KVCompressor(pool, 512.0, w, EPS, ape=ape)
+    with pytest.raises(ValueError, match="device must be a torch.device"):
+        CompressorStatePool(4, 2, device="bogus")
+
+
+def test_a_compressor_that_missed_a_step_of_its_pool_is_refused():
+    """Every compressor of a pool runs every step: one that skipped a step would pool from ring slots it never
+    wrote (the skipped step's tokens); refused on the host, nothing written."""
+    feeder, comp, cache, _, _ = make(4, 512, [6, 6])
+    seqs = make_sequences([6, 6], 4, 512)
+    feeder.step([(0, 3), (1, 3)])  # the compressor does not run this step
+    _, _, meta = feeder.step([(0, 3), (1, 3)])
+    kv = torch.cat([seqs[0][0][3:], seqs[1][0][3:]])
+    score = torch.cat([seqs[0][1][3:], seqs[1][1][3:]])
+    before = cache.data.clone()
+    with pytest.raises(ValueError, match="every compressor of a pool runs every step"):
+        comp.forward(kv, score, meta, cache)
+    assert torch.equal(cache.data.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_compress_metadata_names_bad_arguments():
+    feeder = Feeder([6], 4)
+    order, batch, meta = feeder.step([(0, 3)])
+    with pytest.raises(TypeError, match="batch must be a StepBatch"):
+        build_compress_metadata(None, feeder.pool, [0])
+    with pytest.raises(TypeError, match="state_slots must be a sequence"):
+        build_compress_metadata(batch, feeder.pool, 0)
 
 
 def test_metadata_refuses_a_freed_request_and_positions_going_backwards():

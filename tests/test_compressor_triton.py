@@ -117,6 +117,44 @@ def test_index_key_insert_kernel_writes_the_writers_bytes(fmt, rope):
         assert torch.equal(twin.data.view(torch.uint8).cpu(), caches[0])
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_index_key_insert_takes_strided_slots_and_positions(fmt):
+    """slots and positions as strided views (a slice with a step) write what the reference writes: the kernel reads
+    element t at offset t, so it wrote slots [0, 1, 7] for the view [0, 1, 2]."""
+    keys = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    slots = torch.tensor([0, 7, 1, 6, 2, 5], dtype=torch.int32, device=DEVICE)[::2]
+    positions = torch.tensor([4, 100, 8, 200, 12, 300], dtype=torch.int32, device=DEVICE)[::2]
+    caches = []
+    for backend in ("reference", "triton"):
+        cache = IndexerKeyCache(2, fmt, DEVICE, 4)
+        cache.poison()
+        insert_index_keys(keys, cache, slots, positions, backend=backend)
+        caches.append(cache.data.view(torch.uint8).cpu())
+    assert torch.equal(caches[0], caches[1])
+
+
+@pytest.mark.parametrize("backend,debug", [("reference", False), ("triton", True)])
+def test_index_key_insert_checks_values_where_values_are_checked(backend, debug, monkeypatch):
+    """The rows written (slot >= 0) must hold finite keys and positions >= 0: checked on the reference path always
+    and under SPARSE_MLA_DEBUG=1 (the two paths stored a NaN key's row differently, and roped a negative position
+    differently); a skipped row may hold anything."""
+    if debug:
+        monkeypatch.setenv("SPARSE_MLA_DEBUG", "1")
+    cache = IndexerKeyCache(2, "fp8", DEVICE, 4)
+    keys = torch.ones(3, 128, device=DEVICE)
+    slots = torch.tensor([0, -1, 2], dtype=torch.int32, device=DEVICE)
+    keys[1, 5] = float("nan")  # a skipped row
+    insert_index_keys(keys, cache, slots, torch.tensor([0, -5, 3], dtype=torch.int32, device=DEVICE), backend=backend)
+    for bad in (float("nan"), float("inf")):
+        k = keys.clone()
+        k[2, 7] = bad
+        with pytest.raises(ValueError, match="keys must be finite"):
+            insert_index_keys(k, cache, slots, backend=backend)
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        insert_index_keys(keys, cache, slots, torch.tensor([0, 1, -3], dtype=torch.int32, device=DEVICE),
+                          backend=backend)
+
+
 def test_index_key_insert_bad_input_is_named():
     cache = IndexerKeyCache(2, "fp8", DEVICE, 4)
     keys = torch.zeros(3, 128, device=DEVICE)

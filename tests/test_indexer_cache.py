@@ -91,3 +91,5 @@ def test_bad_input_is_named(call, match):
 def test_bad_format_is_named():
     with pytest.raises(ValueError, match="fmt"):
         IndexerKeyCache(2, "fp4")
+    with pytest.raises(ValueError, match="device must be a torch.device"):
+        IndexerKeyCache(2, "fp8", device="bogus")

@@ -57,6 +57,14 @@ def check_tensor(
     return t
 
 
+def check_device(name: str, device: object) -> torch.device:
+    """``device`` as a :class:`torch.device`: a device or a string torch knows (``"cpu"``, ``"cuda:0"``)."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name} must be a torch.device or a device string such as 'cuda:0', got {device!r}") from None
+
+
 def check_index_range(name: str, idx: torch.Tensor, upper: int, valid: torch.Tensor | None = None) -> None:
     """Check every entry of ``idx`` (where ``valid``) is ``-1`` or in ``[0, upper)``."""
     vals = idx if valid is None else idx[valid]

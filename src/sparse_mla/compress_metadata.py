@@ -85,6 +85,13 @@ def build_compress_metadata(batch: StepBatch, pool: CompressorStatePool, state_s
     in ``pool`` (from ``pool.allocate()``). Checks each request continues its state (positions neither going
     backwards nor skipping; its slot allocated) and records the step in the pool. ``out``: metadata of the same
     builder and pool to refill in place (what a captured step reads)."""
+    if not isinstance(batch, StepBatch):
+        raise TypeError(f"batch must be a StepBatch (StepBatchBuilder.build), got {type(batch).__name__}")
+    if not isinstance(pool, CompressorStatePool):
+        raise TypeError(f"pool must be a CompressorStatePool, got {type(pool).__name__}")
+    if not isinstance(state_slots, (Sequence, torch.Tensor)) or isinstance(state_slots, str):
+        raise TypeError(f"state_slots must be a sequence of ints (one slot per request), got "
+                        f"{type(state_slots).__name__}")
     batch.check_current()
     kind = _kind(batch, pool)
     if isinstance(state_slots, torch.Tensor):

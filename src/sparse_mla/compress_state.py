@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from ._checks import check_positive_int, is_int
+from ._checks import check_device, check_positive_int, is_int
 from .cache import CacheFullError
 
 OVERLAP_RATIO = 4  # V4's c4a compressor pools window w-1's first halves with window w's second halves
@@ -62,7 +62,8 @@ class CompressorStatePool:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
         self.ratio = int(ratio)
         self.max_requests = check_positive_int("max_requests", max_requests)
-        self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0": compared with tensors' devices
+        # "cuda" -> "cuda:0": compared with tensors' devices
+        self.device = torch.empty(0, device=check_device("device", device)).device
         self.dtype = dtype
         self.ring = state_tokens(self.ratio)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -27,9 +27,11 @@ kernel); elsewhere in the plain-PyTorch reference below (:func:`compress_referen
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ._checks import check_tensor
+from ._checks import check_tensor, is_int
 from .cache import PagedCache
 from .compress_metadata import CompressMetadata
 from .compress_state import OVERLAP_RATIO, REPEATABLE_STEP_TOKENS, CompressorStatePool, window_slots
@@ -138,12 +140,12 @@ class KVCompressor:
                  ape: torch.Tensor | None = None, rope: RopeSpec = V4_COMPRESS_ROPE, backend: str = "auto") -> None:
         if not isinstance(pool, CompressorStatePool):
             raise TypeError(f"pool must be a CompressorStatePool, got {type(pool).__name__}")
-        if dim not in (INDEX_HEAD_DIM, 512):
-            raise ValueError(f"dim must be 512 (attention) or {INDEX_HEAD_DIM} (indexer), got {dim!r}")
+        if not is_int(dim) or dim not in (INDEX_HEAD_DIM, 512):
+            raise ValueError(f"dim must be the int 512 (attention) or {INDEX_HEAD_DIM} (indexer), got {dim!r}")
         if not isinstance(rope, RopeSpec) or rope.dim > dim:
             raise ValueError(f"rope must be a RopeSpec of at most dim={dim} channels, got {rope!r}")
-        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0):
-            raise ValueError(f"eps must be a positive number, got {eps!r}")
+        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < math.inf):
+            raise ValueError(f"eps must be a positive finite number, got {eps!r}")
         self.pool, self.dim, self.eps, self.rope = pool, int(dim), float(eps), rope
         self.ratio = pool.ratio
         self.coff = 2 if self.ratio == OVERLAP_RATIO else 1
@@ -180,6 +182,9 @@ class KVCompressor:
             raise ValueError(f"meta is step {meta.step} of the pool and this compressor has run step "
                              f"{self._last_step}: a step runs once (again only where no request adds more than "
                              f"{REPEATABLE_STEP_TOKENS} tokens)")
+        if meta.step > self._last_step + 1:  # its state ring would lack the skipped steps' tokens
+            raise ValueError(f"meta is step {meta.step} of the pool and this compressor last ran step "
+                             f"{self._last_step}: every compressor of a pool runs every step")
         check_tensor("kv", kv, dtype=self.pool.dtype, shape=(None, self.width), device=dev)
         lo, hi = meta.batch.num_tokens, meta.batch.token_capacity
         if not lo <= kv.shape[0] <= hi:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_index_range, check_tensor
+from ._checks import check_finite, check_index_range, check_tensor
 from .indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from .ops.dispatch import resolve_backend
 from .ops.validate import debug_checks_enabled
@@ -28,8 +28,9 @@ def insert_index_keys(keys: torch.Tensor, cache: IndexerKeyCache, slots: torch.T
                       backend: str = "auto") -> None:
     """Store ``keys (n, 128)`` (bf16 or float32) at ``slots (n,)`` int32 of ``cache``; ``-1`` skipped. With
     ``positions (n,)`` int32 the keys are first roped (V4's rope: the last ``rope.dim`` channels in interleaved
-    pairs) at those positions (rows with slot ``-1`` may hold any position). Slots are checked on the reference
-    path and under ``SPARSE_MLA_DEBUG=1``; the kernel skips a slot out of range."""
+    pairs) at those positions (rows with slot ``-1`` may hold any position). Values — slots in range, the written
+    rows' keys finite and positions >= 0 — are checked on the reference path and under ``SPARSE_MLA_DEBUG=1`` (a
+    sync); without them the kernel skips a slot out of range."""
     if not isinstance(cache, IndexerKeyCache):
         raise TypeError(f"cache must be an IndexerKeyCache, got {type(cache).__name__}")
     check_tensor("keys", keys, dtype=(torch.bfloat16, torch.float32), shape=(None, INDEX_HEAD_DIM),
@@ -39,7 +40,13 @@ def insert_index_keys(keys: torch.Tensor, cache: IndexerKeyCache, slots: torch.T
         check_tensor("positions", positions, dtype=torch.int32, shape=(keys.shape[0],), device=cache.device)
         if not isinstance(rope, RopeSpec) or rope.dim > INDEX_HEAD_DIM:
             raise ValueError(f"rope must be a RopeSpec of at most {INDEX_HEAD_DIM} channels, got {rope!r}")
-    if resolve_backend(backend, keys.device) == "reference":
+    reference = resolve_backend(backend, keys.device) == "reference"
+    if reference or debug_checks_enabled():  # values: a sync (docs/checks.md)
+        written = slots >= 0
+        check_finite("keys", keys[written])
+        if positions is not None and bool((positions[written] < 0).any()):
+            raise ValueError("positions must be >= 0 where slots are (the rows written)")
+    if reference:
         if positions is not None:
             keys = rotate_interleaved_tail(keys, positions.clamp_min(0), rope)
         cache.write(keys, slots)
@@ -48,6 +55,9 @@ def insert_index_keys(keys: torch.Tensor, cache: IndexerKeyCache, slots: torch.T
         check_index_range("slots", slots, cache.num_slots)
     from .ops.triton import index_cache
 
+    # the kernel reads slot and position t at offset t: a strided view (a slice with a step, an expand) is copied
+    slots = slots.contiguous()
+    positions = None if positions is None else positions.contiguous()
     index_cache.insert_index_keys(keys, cache.data, cache.fmt == "fp8", slots, positions,
                                   None if positions is None else _inv_freq(rope, cache.device))
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_index_range, check_positive_int, check_tensor
+from ._checks import check_device, check_index_range, check_positive_int, check_tensor
 from .cache import BlockAllocator, PagePool
 from .formats import E4M3_MAX, E4M3_NAN, ceil_pow2
 
@@ -68,6 +68,7 @@ class IndexerKeyCache(PagePool):
         self.fmt = fmt
         self.block_size = check_positive_int("block_size", block_size)
         self.allocator = BlockAllocator(num_blocks)
+        device = check_device("device", device)
         if fmt == "fp8":
             self.data = torch.zeros(num_blocks, block_size, FP8_ENTRY_BYTES, dtype=torch.uint8, device=device)
         else:
