@@ -250,6 +250,8 @@ def test_layer_rejects_bad_input_by_name():
         SparseMLAIndexer("dsa", 8, 8)(sc.meta, q, w, cache)
     with pytest.raises(ValueError, match="exclude each other"):
         layer(sc.meta, q, w, cache, select_blocks=True, kept_blocks=torch.zeros(cap, 4, dtype=torch.int32))
+    with pytest.raises(TypeError, match="select_blocks must be a bool"):
+        layer(sc.meta, q, w, cache, select_blocks="no")
     elsewhere = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device="meta")  # named as the cache, not as q
     with pytest.raises(ValueError, match="cache must be on the step's device"):
         layer(sc.meta, q, w, elsewhere)

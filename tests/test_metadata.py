@@ -296,6 +296,25 @@ def test_v41_picks_of_ratios_2_and_1_become_valid_prefixes_of_visible_global_slo
     assert meta.picks_bound[:batch.num_tokens].tolist() == bound
 
 
+def test_picks_of_any_strides_convert_as_their_values_on_the_triton_builders(monkeypatch):
+    """The Triton conversion (a GPU's; here in the interpreter) reads a row's picks at unit stride: a transposed view
+    or a strided slice is copied first, so it converts as its values do (it read other numbers, silently)."""
+    import sparse_mla.picks as picks_module
+
+    monkeypatch.setattr(picks_module, "builders_use_triton", lambda device: True)
+    batch, _ = make_batch([(37, 1), (20, 3), (9, 9)], threshold=3, padding=2, sizes=V41_SIZES)
+    meta = build_step_metadata(batch, MetadataSpec(window=4, topk=6))
+    gen = torch.Generator().manual_seed(2)
+    for kind, ratio in (("c2a", 2), ("c1a", 1)):
+        picks = torch.randint(-1, 40 // ratio, (batch.token_capacity, 6), generator=gen, dtype=torch.int32)
+        want = [t.clone() for t in meta.picks_for(kind, picks)]
+        assert picks_module.step_picks(meta, kind)._launch is not None  # the Triton conversion, not the torch twin
+        wide = torch.full((batch.token_capacity, 12), 7, dtype=torch.int32)
+        wide[:, ::2] = picks
+        for view in (picks.t().contiguous().t(), wide[:, ::2]):
+            assert all(torch.equal(a, b) for a, b in zip(meta.picks_for(kind, view), want)), kind
+
+
 def test_v41_picks_conversion_kernel_matches_its_torch_twin():
     """The Triton picks conversion (the CUDA builders; here in the interpreter) at ratios 2 and 1."""
     from sparse_mla.picks import compressed_picks_torch

@@ -196,6 +196,8 @@ class SparseMLAIndexer(torch.nn.Module):
         it a token with a NaN or infinite score gets picks the reference would not give).
         """
         self._check(meta, q, weights, cache)
+        if not isinstance(select_blocks, bool):
+            raise TypeError(f"select_blocks must be a bool, got {type(select_blocks).__name__}")
         if select_blocks and kept_blocks is not None:
             raise ValueError("select_blocks and kept_blocks exclude each other: select the blocks, or pick inside "
                              "given ones")

@@ -124,6 +124,8 @@ class PicksConversion:
             check_tensor("topk_indices", local, dtype=torch.int32, shape=self.shape, device=self.device)
         if debug_checks_enabled():  # device syncs: only in debug mode, like the ops' index checks
             check_picks(self.meta, local, self.kind)
+        if local.stride(1) != 1:  # the kernel reads a row's picks at unit stride (a transposed view, a strided slice)
+            local = local.contiguous()
         if self._launch is not None:
             self._launch(local)
         else:
