@@ -244,25 +244,25 @@ def test_kernel_helpers_name_their_bad_arguments():
     from sparse_mla.ops.triton import indexer as kernels
 
     packed = torch.randint(0, 1 << 40, (4, 64), device=DEVICE)
-    bad_select = [(packed, 8, torch.empty(2, 8, dtype=torch.int32, device=DEVICE), "out must be"),
+    bad_select = [(packed, 8, torch.empty(2, 8, dtype=torch.int32, device=DEVICE), "out must have shape"),
                   (packed, 0, torch.empty(4, 0, dtype=torch.int32, device=DEVICE), "k must be"),
-                  (packed.int(), 8, torch.empty(4, 8, dtype=torch.int32, device=DEVICE), "packed must be")]
+                  (packed.int(), 8, torch.empty(4, 8, dtype=torch.int32, device=DEVICE), "packed must have dtype")]
     for rows, k, out, message in bad_select:
         with pytest.raises(ValueError, match=message):
             kernels.topk_rows(rows, k, out)
     spec = IndexerSpec(num_heads=8, topk=64, kind="c4a")
     case = make_case(torch.Generator().manual_seed(1), [(300, 1)], spec, "fp8", DEVICE)
     out = torch.empty(1, 128, dtype=torch.int64, device=DEVICE)
-    for q, w, dot, message in [(case.q.double(), case.w, torch.float32, "q must be"),
-                               (case.q, case.w[:, :4].contiguous(), torch.float32, "weights must be"),
+    for q, w, dot, message in [(case.q.double(), case.w, torch.float32, "q must have dtype"),
+                               (case.q, case.w[:, :4].contiguous(), torch.float32, "weights must have shape"),
                                (case.q, case.w, torch.float16, "dot_dtype must be")]:
         with pytest.raises(ValueError, match=message):
             kernels.index_scores(q, w, case.cache, case.step, out, 0, 1, 1, dot, False)
-    with pytest.raises(ValueError, match="kept_blocks must be"):
+    with pytest.raises(ValueError, match="kept_blocks must have shape"):
         kernels.restrict_to_blocks(packed, torch.zeros(2, 3, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="multiple of 8"):
         kernels.top_blocks_from_packed(packed[:, :60], torch.zeros(4, dtype=torch.int32, device=DEVICE), 4, 4)
-    with pytest.raises(ValueError, match="positions must be"):
+    with pytest.raises(ValueError, match="positions must have shape"):
         kernels.top_blocks_from_packed(packed, torch.zeros(3, dtype=torch.int32, device=DEVICE), 4, 4)
 
 

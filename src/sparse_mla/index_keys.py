@@ -55,9 +55,6 @@ def insert_index_keys(keys: torch.Tensor, cache: IndexerKeyCache, slots: torch.T
         check_index_range("slots", slots, cache.num_slots)
     from .ops.triton import index_cache
 
-    # the kernel reads slot and position t at offset t: a strided view (a slice with a step, an expand) is copied
-    slots = slots.contiguous()
-    positions = None if positions is None else positions.contiguous()
     index_cache.insert_index_keys(keys, cache.data, cache.fmt == "fp8", slots, positions,
                                   None if positions is None else _inv_freq(rope, cache.device))
 

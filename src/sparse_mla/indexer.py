@@ -147,9 +147,10 @@ class StepTokens:
 
 
 def check_step_inputs(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, step: StepTokens,
-                      topk: int) -> None:
-    """The scorers' shared checks: prepared ``q (T_cap, H, 128)`` float32 / bf16, ``weights (T_cap, H)`` float32,
-    an :class:`IndexerKeyCache` on q's device and the step's int32 tensors; ``ValueError`` naming the argument."""
+                      topk: int | None = None) -> None:
+    """The scorers' shared checks: prepared ``q (T_cap, H, 128)`` float32 / bf16 / e4m3, ``weights (T_cap, H)``
+    float32, an :class:`IndexerKeyCache` on q's device, the step's int32 tensors and (selecting scorers) ``topk``;
+    ``ValueError`` naming the argument."""
     if not isinstance(cache, IndexerKeyCache):
         raise TypeError(f"cache must be an IndexerKeyCache, got {type(cache).__name__}")
     check_tensor("q", q, dtype=(torch.float32, torch.bfloat16, torch.float8_e4m3fn), ndim=3, device=cache.device)
@@ -163,7 +164,8 @@ def check_step_inputs(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyC
     check_tensor("query_start_loc", step.query_start_loc, dtype=torch.int32, ndim=1, device=cache.device)
     check_tensor("block_table", step.block_table, dtype=torch.int32, shape=(step.query_start_loc.shape[0] - 1, None),
                  device=cache.device)
-    check_positive_int("topk", topk)
+    if topk is not None:
+        check_positive_int("topk", topk)
     check_positive_int("ratio", step.ratio)
 
 

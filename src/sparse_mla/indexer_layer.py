@@ -22,8 +22,8 @@ import torch
 
 from ._checks import check_finite, check_positive_int, check_tensor
 from .config import COMPRESS_RATIO, PICKS_KINDS, ModelConfig
-from .indexer import (KEPT_BLOCKS, MAX_SELECT_COLS, SELECT_SEGMENT, IndexerSpec, StepTokens, check_step_inputs,
-                      index_topk_reference, prepare_queries, select_kernel_takes, top_blocks_reference)
+from .indexer import (KEPT_BLOCKS, MAX_SELECT_COLS, SELECT_SEGMENT, IndexerSpec, StepTokens, index_topk_reference,
+                      prepare_queries, select_kernel_takes, top_blocks_reference)
 from .indexer_cache import INDEX_FORMATS, IndexerKeyCache
 from .metadata import StepMetadata
 from .ops import targets
@@ -229,8 +229,7 @@ class SparseMLAIndexer(torch.nn.Module):
         q, w = q.contiguous(), w.contiguous()  # the prep kernel reads rows of H · 128 and H values
         kernels.prepare_queries(q, w, plan.cos, plan.sin, self.kind == "dsa", self.spec.q_format == "fp8",
                                 self.spec.weight_scale, plan.q, plan.w)
-        q, w = plan.q, plan.w
-        check_step_inputs(q, w, cache, plan.step, self.topk)
+        q, w = plan.q, plan.w  # checked by index_scores (check_step_inputs)
         dot_dtype = q.dtype
         native_fp8 = targets.target_of(cache.device).native_fp8
         for t0, t1, longest in plan.chunks:

@@ -60,6 +60,9 @@ def insert_index_keys(keys: torch.Tensor, data: torch.Tensor, fp8: bool, slots: 
         return
     if keys.stride(1) != 1:
         keys = keys.contiguous()
+    # slot and position t are read at offset t: a strided view (a slice with a step, an expand) is copied
+    slots = slots.contiguous()
+    positions = None if positions is None else positions.contiguous()
     rope = 0 if positions is None else 2 * inv_freq.shape[0]
     launch = cached_launch(_index_insert_kernel, (("BS", data.shape[1]), ("FP8", fp8), ("ROPE", rope)),
                            (("num_warps", 1),))

@@ -30,7 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...indexer import BLOCK_ENTRIES, MAX_SELECT_COLS, SELECT_SEGMENT, StepTokens, select_kernel_takes
+from ..._checks import check_positive_int, check_tensor
+from ...indexer import (BLOCK_ENTRIES, MAX_SELECT_COLS, SELECT_SEGMENT, StepTokens, check_step_inputs,
+                        select_kernel_takes)
 from ...indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from .. import targets
 from ..dispatch import interpreting
@@ -231,13 +233,15 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
                  t0: int, t1: int, max_query_len: int, dot_dtype: torch.dtype, native_fp8: bool,
                  launch: tuple[int, int, int] | None = None) -> None:
     """Packed scores of tokens ``[t0, t1)`` into ``out[: t1 - t0]`` (``(rows, num_cols)`` int64; rows of padding
-    tokens are not written). q ``(T_cap, H, 128)`` (float32 or bf16: the prepared queries), weights ``(T_cap, H)``
-    float32, checked by the caller (:func:`sparse_mla.indexer.check_step_inputs`); max_query_len: an upper bound on
+    tokens are not written). q ``(T_cap, H, 128)`` (float32, bf16 or e4m3: the prepared queries), weights
+    ``(T_cap, H)`` float32, checked here with the cache and step (:func:`sparse_mla.indexer.check_step_inputs`), once
+    per token chunk; max_query_len: an upper bound on
     any request's tokens in ``[t0, t1)`` (host int: the grid). dot_dtype: ``torch.float32`` (the interpreter),
     ``torch.bfloat16``, or ``torch.float8_e4m3fn`` (fp8 keys and e4m3 q on a target with fp8 tensor cores: the codes
     straight into the dot; :func:`dot_dtype_for`); native_fp8: the target converts e4m3 with instructions.
     launch: ``(pages per program, warps, stages)`` in place of :func:`launch_shape`'s pages and the defaults (a
     probe's sweep)."""
+    check_step_inputs(q, weights, cache, step)
     if cache.block_size != 64:
         raise ValueError(f"cache.block_size must be 64 for the Triton indexer, got {cache.block_size}")
     if out.dtype != torch.int64 or out.dim() != 2 or out.shape[0] < t1 - t0 or out.stride(1) != 1:
@@ -245,12 +249,6 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
                          f"{tuple(out.shape)}")
     if not (q.is_contiguous() and weights.is_contiguous()):
         raise ValueError("q and weights must be contiguous (the kernel reads rows of H · 128 and of H)")
-    if q.dtype not in _DOT_TYPES or q.dim() != 3 or q.shape[2] != INDEX_HEAD_DIM:
-        raise ValueError(f"q must be (T, H, {INDEX_HEAD_DIM}) float32, bfloat16 or float8_e4m3fn, got {q.dtype} "
-                         f"{tuple(q.shape)}")
-    if weights.dtype != torch.float32 or tuple(weights.shape) != tuple(q.shape[:2]):
-        raise ValueError(f"weights must be {tuple(q.shape[:2])} float32 (q's tokens and heads), got {weights.dtype} "
-                         f"{tuple(weights.shape)}")
     if dot_dtype not in _DOT_TYPES:
         raise ValueError(f"dot_dtype must be one of {tuple(_DOT_TYPES)}, got {dot_dtype}")
     num_reqs = step.query_start_loc.shape[0] - 1
@@ -437,16 +435,13 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor) -> None:
     column ``c`` holds entry ``c``'s key (or ``INT64_MIN``). A row longer than :data:`MAX_SELECT_COLS` (``num_cols``
     then a multiple of :data:`SELECT_SEGMENT`, ``k`` below a segment) is selected in two launches or more: each
     segment's top ``k`` keys, then the top ``k`` of those (the row's top ``k`` are among them)."""
-    if packed.dtype != torch.int64 or packed.dim() != 2 or packed.stride(1) != 1:
-        raise ValueError(f"packed must be (rows, num_cols) int64 with unit column stride, got {packed.dtype} "
-                         f"{tuple(packed.shape)} strides {packed.stride()}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    check_tensor("packed", packed, dtype=torch.int64, ndim=2)
+    k = check_positive_int("k", k)
     rows, cols = packed.shape
-    if (out.dtype != torch.int32 or tuple(out.shape) != (rows, k) or out.stride(1) != 1
-            or out.device != packed.device):
-        raise ValueError(f"out must be ({rows}, {k}) int32 with unit column stride on {packed.device}, got "
-                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}")
+    check_tensor("out", out, dtype=torch.int32, shape=(rows, k), device=packed.device)
+    if packed.stride(1) != 1 or out.stride(1) != 1:  # the kernel reads and writes rows at unit stride
+        raise ValueError(f"packed and out must have unit column stride, got strides {packed.stride()} and "
+                         f"{out.stride()}")
     column_entries = True
     while cols > MAX_SELECT_COLS:
         if cols % SELECT_SEGMENT or not select_kernel_takes(k) or not packed.is_contiguous():
@@ -485,9 +480,9 @@ def topk_from_packed(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 def _block_rows(packed: torch.Tensor) -> tuple[int, int]:
     """``packed``'s ``(rows, num_cols)``, checked: int64 rows of whole blocks of :data:`BLOCK_ENTRIES` entries."""
-    if packed.dtype != torch.int64 or packed.dim() != 2 or packed.shape[1] % BLOCK_ENTRIES:
-        raise ValueError(f"packed must be (rows, num_cols) int64 with num_cols a multiple of {BLOCK_ENTRIES}, got "
-                         f"{packed.dtype} {tuple(packed.shape)}")
+    check_tensor("packed", packed, dtype=torch.int64, ndim=2)
+    if packed.shape[1] % BLOCK_ENTRIES:
+        raise ValueError(f"packed must have num_cols a multiple of {BLOCK_ENTRIES}, got {tuple(packed.shape)}")
     return packed.shape
 
 
@@ -496,8 +491,7 @@ def top_blocks_from_packed(packed: torch.Tensor, positions: torch.Tensor, ratio:
     ``(rows,)`` -> ``(rows, num_kept)`` int32 blocks of 8 entries, best block score (its max) first, the block of the
     newest visible entry pinned first, ties to the lower block (the packed max carries its entry), ``-1`` fill."""
     rows, cols = _block_rows(packed)
-    if positions.shape != (rows,):
-        raise ValueError(f"positions must be ({rows},), one a packed row, got {tuple(positions.shape)}")
+    check_tensor("positions", positions, shape=(rows,))
     block_max = packed.view(rows, cols // BLOCK_ENTRIES, BLOCK_ENTRIES).amax(-1)
     newest = ((positions.long() + 1).clamp_min(0) // ratio - 1) // BLOCK_ENTRIES  # -1: nothing visible
     pinned = torch.arange(block_max.shape[1], device=packed.device)[None, :] == newest[:, None]
@@ -514,9 +508,7 @@ def restrict_to_blocks(packed: torch.Tensor, kept_blocks: torch.Tensor) -> None:
     """In place: every entry of ``packed (rows, num_cols)`` outside its row's ``kept_blocks (rows, n)`` (blocks of 8
     entries, ``-1`` none) becomes ``INT64_MIN``."""
     rows, cols = _block_rows(packed)
-    if kept_blocks.dim() != 2 or kept_blocks.shape[0] != rows or kept_blocks.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"kept_blocks must be ({rows}, n) int32 or int64, one row a packed row, got "
-                         f"{kept_blocks.dtype} {tuple(kept_blocks.shape)}")
+    check_tensor("kept_blocks", kept_blocks, dtype=(torch.int32, torch.int64), shape=(rows, None))
     nb = cols // BLOCK_ENTRIES
     allowed = torch.zeros(rows, nb + 1, dtype=torch.bool, device=packed.device)
     allowed.scatter_(1, torch.where((kept_blocks >= 0) & (kept_blocks < nb), kept_blocks, nb).long(), True)
