@@ -83,9 +83,13 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
         out.append(("indexer fp8 dot H64 q2", calls))
     for half_split in (False, True)[: 2 if every else 1]:
         q, trig = torch.zeros(2, 64, 128, dtype=torch.bfloat16), torch.zeros(2, 32)
-        with recorded_launches(target) as calls:
-            indexer.prepare_queries(q, torch.zeros(2, 64), trig, trig, half_split, True, 0.01, q, torch.zeros(2, 64))
-        out.append((f"indexer q prep {'V3.2' if half_split else 'V4'}", calls))
+        # the prepared queries in the dot's dtype: bf16 everywhere, e4m3 (the conversion instruction) where the dot is
+        for q_dtype in (torch.bfloat16, torch.float8_e4m3fn)[: 2 if target.native_fp8 else 1]:
+            q_out = torch.zeros(2, 64, 128, dtype=q_dtype)
+            with recorded_launches(target) as calls:
+                indexer.prepare_queries(q, torch.zeros(2, 64), trig, trig, half_split, True, 0.01, q_out,
+                                        torch.zeros(2, 64))
+            out.append((f"indexer q prep {'V3.2' if half_split else 'V4'} into {str(q_dtype)[6:]}", calls))
     packed = torch.zeros(4, 32768, dtype=torch.int64)  # four segments' keys, then the row's entries
     with recorded_launches(target) as calls:
         indexer.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32))

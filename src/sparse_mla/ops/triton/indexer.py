@@ -217,8 +217,7 @@ def prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, s
     grid = (q.shape[0], -(-q.shape[1] // heads))
     _prepare_queries_kernel[grid](q, weights, cos, sin, q_out, w_out, q.shape[1], weight_scale, HB=heads,
                                   D=INDEX_HEAD_DIM, HALF_SPLIT=half_split, FP8_Q=fp8_q, HW_ROUND=not interpreting(),
-                                  num_warps=4,
-                                  enable_fp_fusion=False)
+                                  num_warps=4, enable_fp_fusion=False)
 
 
 def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: int) -> tuple[int, int, int]:
