@@ -245,12 +245,11 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     """Packed scores of tokens ``[t0, t1)`` into ``out[: t1 - t0]`` (``(rows, num_cols)`` int64; rows of padding
     tokens are not written). q ``(T_cap, H, 128)`` (float32, bf16 or e4m3: the prepared queries), weights
     ``(T_cap, H)`` float32, checked here with the cache and step (:func:`sparse_mla.indexer.check_step_inputs`), once
-    per token chunk; max_query_len: an upper bound on
-    any request's tokens in ``[t0, t1)`` (host int: the grid). dot_dtype: ``torch.float32`` (the interpreter),
-    ``torch.bfloat16``, or ``torch.float8_e4m3fn`` (fp8 keys and e4m3 q on a target with fp8 tensor cores: the codes
-    straight into the dot; :func:`dot_dtype_for`); native_fp8: the target converts e4m3 with instructions.
-    launch: ``(pages per program, warps, stages)`` in place of :func:`launch_shape`'s pages and the defaults (a
-    probe's sweep)."""
+    per token chunk; max_query_len: an upper bound on any request's tokens in ``[t0, t1)`` (host int: the grid).
+    dot_dtype: ``torch.float32`` (the interpreter), ``torch.bfloat16``, or ``torch.float8_e4m3fn`` (fp8 keys and
+    e4m3 q on a target with fp8 tensor cores: the codes straight into the dot; :func:`dot_dtype_for`); native_fp8: the
+    target converts e4m3 with instructions. launch: ``(pages per program, warps, stages)`` in place of
+    :func:`launch_shape`'s pages and the defaults (a probe's sweep)."""
     check_step_inputs(q, weights, cache, step)
     if cache.block_size != 64:
         raise ValueError(f"cache.block_size must be 64 for the Triton indexer, got {cache.block_size}")
