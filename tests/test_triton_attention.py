@@ -456,6 +456,18 @@ def test_choose_splits_on_an_h100_sized_gpu(tokens, heads, blocks, want, want_ta
     assert attention_plan.choose_splits(tokens, heads, head_blocks, blocks, 132, tails=True) == want_tails
 
 
+@pytest.mark.parametrize("version, want", [("3.6.0", True), ("3.7.1", False), ("3.9.0", False)])
+def test_persistent_programs_only_where_the_tritons_build_keeps_its_copy_loop_unspilled(version, want, monkeypatch):
+    from sparse_mla.ops.gluon import host
+
+    if host.triton is None:
+        pytest.skip("no Triton")
+    monkeypatch.setattr(host.triton, "__version__", version)
+    # V4-Pro B 128's c4a launch: 256 tokens x 2 head blocks = 512 items of at most 18 key blocks on 132 SMs
+    assert host.persistent(512, 18, 132) is want
+    assert not host.persistent(200, 18, 132) and not host.persistent(512, 25, 132)  # too few items / too long
+
+
 @pytest.mark.parametrize("arch, want", [(("cuda", 90), 32), (("hip", "gfx1201"), 8), (None, 4)])
 def test_a_plan_for_a_target_counts_its_sms(arch, want):
     """A plan made on the CPU for a target splits as on that GPU (targets.Target.sms, the portability report's

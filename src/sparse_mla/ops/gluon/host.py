@@ -73,12 +73,18 @@ VALIDATED_TRITON = tuple(f"{version}." for _, version in VALIDATED_STACKS)  # pr
 # ran 13, 7, 4 and 2 % faster, the V4-Pro decode step at B 128 2 % (BENCHMARKS.md, version 12)
 PERSISTENT_MIN_ROUNDS = 2
 PERSISTENT_MAX_BLOCKS = 24
+# The Triton versions whose persistent build keeps the copy warpgroup's key-block loop free of spills (sm_90, fp8_v4:
+# ``scripts/sm90_report.py --kernel gluon --persistent``): 3.6. Triton 3.7 / 3.8 / 3.9 spill there (10 / 2 / 29 local
+# loads and stores a key block, in the 144 registers left to that warpgroup), and on 3.9 the V4-Pro B 128 step, the one
+# benchmark shape that runs persistent, was 1.33x FlashMLA against 3.6's 1.20x (docs/history.md, version 29)
+PERSISTENT_TRITON = ("3.6.",)
 
 
 def persistent(items: int, max_blocks: int, sms: int) -> bool:
     """Whether a launch of ``items`` work items whose key lists span at most ``max_blocks`` key blocks runs as
-    persistent programs on ``sms`` SMs (else a program per item)."""
-    return items >= PERSISTENT_MIN_ROUNDS * sms and max_blocks <= PERSISTENT_MAX_BLOCKS
+    persistent programs on ``sms`` SMs (else a program per item): only on :data:`PERSISTENT_TRITON`."""
+    return (items >= PERSISTENT_MIN_ROUNDS * sms and max_blocks <= PERSISTENT_MAX_BLOCKS
+            and triton.__version__.startswith(PERSISTENT_TRITON))
 
 
 def narrow_heads(formats: frozenset[str], num_heads: int) -> int:
