@@ -103,9 +103,6 @@ class PicksConversion:
         self.lens = meta.picks_lens if lens is None else lens
         self.kept = meta.picks_local if kept is None else kept
         self._share = (world, rank)
-        # SPARSE_MLA_DEBUG=1 when the step's conversion is made: each call also checks the picks' values (a sync); read
-        # once per step, as the step's layer plans read it (an environment read costs about a microsecond a call)
-        self.debug = debug_checks_enabled()
         outs = (self.indices, self.lens, self.kept)
         # the Triton builders bind their launch once (ops.triton.index) to the builder's buffers, the same every
         # step (a context-parallel rank keeps its conversions across steps); None: the torch twin, per call
@@ -121,12 +118,11 @@ class PicksConversion:
 
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
         """Convert ``local`` ``(T, topk)`` int32 (``-1`` none) into :attr:`indices` / :attr:`lens` / :attr:`kept`;
-        returns :attr:`kept`. No host sync (but where ``SPARSE_MLA_DEBUG=1`` when the step's conversion was made:
-        :func:`check_picks`)."""
+        returns :attr:`kept`. No host sync (but under ``SPARSE_MLA_DEBUG=1``: :func:`check_picks`)."""
         if (type(local) is not torch.Tensor or local.dtype is not torch.int32 or local.shape != self.shape
                 or local.device != self.device):  # the full check only on a miss: it names what is wrong
             check_tensor("topk_indices", local, dtype=torch.int32, shape=self.shape, device=self.device)
-        if self.debug:  # device syncs: only in debug mode, like the ops' index checks
+        if debug_checks_enabled():  # device syncs: only in debug mode, like the ops' index checks
             check_picks(self.meta, local, self.kind)
         if local.stride(1) != 1:  # the kernel reads a row's picks at unit stride (a transposed view, a strided slice)
             local = local.contiguous()
