@@ -75,8 +75,9 @@ PERSISTENT_MIN_ROUNDS = 2
 PERSISTENT_MAX_BLOCKS = 24
 # The Triton versions whose persistent build keeps the copy warpgroup's key-block loop free of spills (sm_90, fp8_v4:
 # ``scripts/sm90_report.py --kernel gluon --persistent``): 3.6. Triton 3.7 / 3.8 / 3.9 spill there (10 / 2 / 29 local
-# loads and stores a key block, in the 144 registers left to that warpgroup), and on 3.9 the V4-Pro B 128 step, the one
-# benchmark shape that runs persistent, was 1.33x FlashMLA against 3.6's 1.20x (docs/history.md, version 29)
+# loads and stores a key block, in the 144 registers left to that warpgroup). On 3.9 the V4-Pro B 128 step, the one
+# benchmark shape that runs persistent, took 1.33x FlashMLA's time with them and 1.25x with a program per item (3.6:
+# 1.20-1.21x with them; its c4a layers ran 2 % slower without them, 3.9's 8 % faster: docs/history.md, version 29)
 PERSISTENT_TRITON = ("3.6.",)
 
 
