@@ -65,7 +65,8 @@ NARROW_COPY_REGS, NARROW_MATH_REGS = 168, 160
 # steps of benchmarks/bench_step.py equal FlashMLA's outputs (rel err <= 2.3e-3) at 0.87x / 0.94x its time
 # 2.11 + 3.8 (H200, 2026-11-29, SPARSE_MLA_GLUON=1): GPU_TESTS=default 112 passed (its sm_80 / sm_89 lowered
 # essentials 3 + 3), GPU_TESTS=more 182 passed, tests/test_gluon_v41.py 45 passed, and the four decode steps of
-# benchmarks/bench_step.py equal FlashMLA's outputs at 0.82x / 0.89x / 1.05x / 1.17x its time (docs/history.md, v29)
+# benchmarks/bench_step.py equal FlashMLA's outputs at 0.82x / 0.89x / 1.05x / 1.21x its time (V4-Pro B 128 1.17x with
+# the persistent programs below; docs/history.md, version 29)
 VALIDATED_STACKS = (("2.11", "3.6"), ("2.11", "3.8"), ("2.11", "3.9"))
 VALIDATED_TRITON = tuple(f"{version}." for _, version in VALIDATED_STACKS)  # prefixes of triton.__version__
 
