@@ -26,9 +26,18 @@ $(TRANSFORMERS_NEXT_DIR)/.installed: $(STAMP)
 	$(PY) -m pip install --no-deps --target $(TRANSFORMERS_NEXT_DIR) transformers==$(TRANSFORMERS_NEXT)
 	touch $@
 
+# the other Tritons the Gluon kernel is validated on (VALIDATED_STACKS in src/sparse_mla/ops/gluon/host.py), each
+# installed on its own (--no-deps) for tests/test_portability.py to build the kernel for sm_90 with (~1 min)
+GLUON_TRITONS := 3.6.0 3.8.0
+GLUON_TRITON_STAMPS := $(foreach version,$(GLUON_TRITONS),$(VENV)/triton-$(version)/.installed)
+
+$(VENV)/triton-%/.installed: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-$* triton==$*
+	touch $@
+
 # two workers that steal each other's queued tests when idle, the longest tests first (tests/conftest.py): on CI's
 # two cores 9 min where xdist's fixed chunks took 12 (one worker's chunk held every long compile)
-test: lint $(TRANSFORMERS_NEXT_DIR)/.installed
+test: lint $(TRANSFORMERS_NEXT_DIR)/.installed $(GLUON_TRITON_STAMPS)
 	$(PY) -m pytest -q -n 2 --dist worksteal $(PYTEST_ARGS) tests
 	PYTHONPATH=$(TRANSFORMERS_NEXT_DIR) $(PY) -c "import transformers as t; assert t.__version__ == '$(TRANSFORMERS_NEXT)', t.__version__"
 	PYTHONPATH=$(TRANSFORMERS_NEXT_DIR) $(PY) -m pytest -q -n 2 $(PYTEST_ARGS) $(TRANSFORMERS_TESTS)

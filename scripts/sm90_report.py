@@ -124,7 +124,8 @@ def main() -> None:
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     print(f"registers {regs.group(1) if regs else '?'}  spill stores {spill.group(1) if spill else '?'} B  "
-          f"spill loads {spill.group(2) if spill else '?'} B  shared {compiled.metadata.shared} B")
+          f"spill loads {spill.group(2) if spill else '?'} B  shared {compiled.metadata.shared} B  "
+          f"(Triton {triton.__version__})")
     ops = next(iter(key_loops(sass)), collections.Counter())  # the first key loop
     print(f"key loop: {sum(ops.values())} instructions per warp per block; "
           + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))

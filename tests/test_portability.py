@@ -36,6 +36,7 @@ import sys
 
 import pytest
 import torch
+import triton
 
 from helpers import compile_child
 from sparse_mla.formats import get_format
@@ -113,15 +114,32 @@ GLUON_VARIANTS = {"fp8_v4 persistent tail": ["--fmt", "fp8_v4", "--persistent", 
                   "fp8_v32 narrow": ["--fmt", "fp8_v32", "--narrow"]}
 
 
+# the Tritons the Gluon kernel is validated on (gluon.VALIDATED_STACKS) besides the installed one: `make test` installs
+# each, --no-deps, into .venv/triton-<version> (Makefile: GLUON_TRITONS), and the kernel is built with it first on the
+# path, so that a change to the kernel that breaks one of them fails here, not on a user's Hopper GPU
+INSTALLED_TRITON = ".".join(triton.__version__.split(".")[:2])
+OTHER_TRITONS = sorted({version for _, version in gluon.VALIDATED_STACKS} - {INSTALLED_TRITON})
+
+
 @pytest.mark.skipif(gluon.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("version", [None, *OTHER_TRITONS])
 @pytest.mark.parametrize("variant", list(GLUON_VARIANTS))
-def test_the_gluon_kernel_compiles_for_sm90_with_this_triton(variant):
-    """The Hopper kernel builds with the installed Triton (3.6 to 3.9: ``ops/gluon/compat.py`` spells the builtins
-    they renamed), whether or not the kernel is enabled on it: Triton compiles it for sm_90a, ptxas assembles it
-    (``scripts/sm90_report.py``) and its shared memory fits sm_90's."""
-    done = compile_child("scripts/sm90_report.py", "--kernel", "gluon", *GLUON_VARIANTS[variant], timeout=600)
-    found = re.search(r"registers (\d+) .* shared (\d+) B", done.stdout)
+def test_the_gluon_kernel_compiles_for_sm90_with_each_validated_triton(variant, version):
+    """The Hopper kernel builds with the installed Triton (``version`` None) and with each other Triton it is validated
+    on (3.6 to 3.9: ``ops/gluon/compat.py`` spells the builtins they renamed): Triton compiles it for sm_90a, ptxas
+    assembles it (``scripts/sm90_report.py``) and its shared memory fits sm_90's."""
+    folder = None
+    if version is not None:
+        folder = next(iter(sorted((ROOT / ".venv").glob(f"triton-{version}.*"))), None)
+        if folder is None:  # CI runs `make test`, which installs it: its absence there is a failure
+            (pytest.fail if os.environ.get("CI") else pytest.skip)(
+                f"Triton {version} is not installed in .venv/triton-{version}.* (`make test` installs it: Makefile, "
+                f"GLUON_TRITONS)")
+    done = compile_child("scripts/sm90_report.py", "--kernel", "gluon", *GLUON_VARIANTS[variant], timeout=600,
+                         first_on_path=folder)
+    found = re.search(r"registers (\d+) .* shared (\d+) B .*\(Triton (\S+)\)", done.stdout)
     assert done.returncode == 0 and found, f"{variant}: {done.stdout[-500:]} {done.stderr[-2000:]}"
+    assert found.group(3).startswith(f"{version or INSTALLED_TRITON}."), found.group(0)  # the Triton asked for
     print(f"\n{variant}: {done.stdout.splitlines()[0]}")
     sm90 = targets.target_for("cuda", 90)
     assert 0 < int(found.group(1)) <= sm90.registers and int(found.group(2)) <= sm90.shared_bytes
