@@ -28,7 +28,7 @@ $(TRANSFORMERS_NEXT_DIR)/.installed: $(STAMP)
 
 # the other Tritons the Gluon kernel is validated on (VALIDATED_STACKS in src/sparse_mla/ops/gluon/host.py), each
 # installed on its own (--no-deps) for tests/test_portability.py to build the kernel for sm_90 with (~1 min)
-GLUON_TRITONS := 3.6.0 3.8.0
+GLUON_TRITONS := 3.6.0 3.7.1 3.8.0
 GLUON_TRITON_STAMPS := $(foreach version,$(GLUON_TRITONS),$(VENV)/triton-$(version)/.installed)
 
 $(VENV)/triton-%/.installed: $(STAMP)

@@ -182,6 +182,51 @@ def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
         assert (got[r, len(chosen):] == -1).all()
 
 
+def _packed_rows(scores: torch.Tensor) -> torch.Tensor:
+    """Packed keys of float32 ``scores (rows, cols)`` as the score kernel stores them (NaN: not a candidate)."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    scores = torch.where(scores == 0, 0.0, scores)  # -0.0 is stored as +0.0
+    bits = scores.view(torch.int32).long()
+    packed = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) << 32) | (0xFFFFFFFF - torch.arange(scores.shape[1]))
+    return torch.where(scores.isnan(), kernels.INT64_MIN, packed)
+
+
+SELECT_VALUES = {  # rows whose scores no interpolation models well: the search must still end, exactly
+    "few distinct values": lambda g, n: torch.randint(-3, 4, (n,), generator=g).float(),
+    "one value": lambda g, n: torch.full((n,), 2.5),
+    "the extremes": lambda g, n: torch.tensor([-3.4e38, 3.4e38, float("inf"), -float("inf"), 1e-45, -1e-45, 0.0,
+                                               1.0])[torch.randint(0, 8, (n,), generator=g)],
+    "a cluster and outliers": lambda g, n: torch.where(torch.rand(n, generator=g) < 0.02, 1e30,
+                                                       1.0 + torch.rand(n, generator=g) * 1e-6),
+    "wide exponents": lambda g, n: torch.randn(n, generator=g) * 10.0 ** torch.randint(-30, 30, (n,), generator=g),
+    "mostly no candidate": lambda g, n: torch.where(torch.rand(n, generator=g) < 0.9, float("nan"),
+                                                    torch.randn(n, generator=g)),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("values", sorted(SELECT_VALUES))
+@pytest.mark.parametrize("cols,k", [(8192, 512), (9216, 1000), (300, 64)])
+def test_select_kernel_is_exact_on_rows_of_ties_and_extreme_scores(values, cols, k):
+    """The select's threshold search interpolates on the scores: heavy ties, a single value, ±inf and the largest and
+    smallest floats, a tight cluster beside outliers, exponents 60 decades apart and rows of few candidates still
+    give torch.topk's set (ties to the lowest entry), in entry order, ``-1`` fill."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    gen = torch.Generator().manual_seed(cols + k + len(values))
+    scores = torch.stack([SELECT_VALUES[values](gen, cols) for _ in range(3)])
+    packed = _packed_rows(scores).to(DEVICE)
+    out = torch.full((3, k), 7, dtype=torch.int32, device=DEVICE)
+    kernels.topk_rows(packed, k, out)
+    want = kernels.topk_from_packed(packed, k).cpu()
+    got = out.cpu()
+    assert torch.equal(got.sort(1).values, want.sort(1).values)
+    for r in range(3):
+        chosen = [x for x in got[r].tolist() if x >= 0]
+        assert chosen == sorted(chosen)
+
+
 @needs_kernels
 @pytest.mark.parametrize("backend,debug", [("reference", False), ("triton", True)])
 def test_non_finite_queries_or_weights_are_refused_where_values_are_checked(backend, debug, monkeypatch):
