@@ -149,6 +149,16 @@ def test_select_kernel_refuses_a_segmented_row_whose_k_would_not_shorten_it():
         kernels.topk_rows(packed, SELECT_SEGMENT, out)
 
 
+def _packed_rows(scores: torch.Tensor) -> torch.Tensor:
+    """Packed keys of float32 ``scores (rows, cols)`` as the score kernel stores them (NaN: not a candidate)."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    scores = torch.where(scores == 0, 0.0, scores)  # -0.0 is stored as +0.0
+    bits = scores.view(torch.int32).long()
+    packed = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) << 32) | (0xFFFFFFFF - torch.arange(scores.shape[1]))
+    return torch.where(scores.isnan(), kernels.INT64_MIN, packed)
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows,cols,k,valid", [(5, 512, 64, 300), (3, 1024, 512, 1024), (4, 640, 512, 100),
                                                (2, 2048, 128, 2048), (3, 256, 256, 256), (2, 32768, 512, 30000),
@@ -167,10 +177,8 @@ def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
     scores[-1, valid - 1] = 50.0  # the last candidate column is a pick (513 columns: the second tile's last lane)
     if cols > 16384:  # segments: the best entries crowd into one of them
         scores[0, 9000:9000 + k] += 10.0
-    bits = scores.view(torch.int32).long()
-    packed = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) << 32) | (0xFFFFFFFF - torch.arange(cols))
-    packed[:, valid:] = kernels.INT64_MIN
-    packed = packed.to(DEVICE)
+    scores[:, valid:] = float("nan")  # not candidates
+    packed = _packed_rows(scores).to(DEVICE)
     out = torch.full((rows, k), 7, dtype=torch.int32, device=DEVICE)
     kernels.topk_rows(packed, k, out)
     want = kernels.topk_from_packed(packed, k)
@@ -182,17 +190,7 @@ def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
         assert (got[r, len(chosen):] == -1).all()
 
 
-def _packed_rows(scores: torch.Tensor) -> torch.Tensor:
-    """Packed keys of float32 ``scores (rows, cols)`` as the score kernel stores them (NaN: not a candidate)."""
-    from sparse_mla.ops.triton import indexer as kernels
-
-    scores = torch.where(scores == 0, 0.0, scores)  # -0.0 is stored as +0.0
-    bits = scores.view(torch.int32).long()
-    packed = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) << 32) | (0xFFFFFFFF - torch.arange(scores.shape[1]))
-    return torch.where(scores.isnan(), kernels.INT64_MIN, packed)
-
-
-SELECT_VALUES = {  # rows whose scores no interpolation models well: the search must still end, exactly
+SELECT_VALUES = {  # rows far from random scores: ties by the thousand, one value, the float range's ends
     "few distinct values": lambda g, n: torch.randint(-3, 4, (n,), generator=g).float(),
     "one value": lambda g, n: torch.full((n,), 2.5),
     "the extremes": lambda g, n: torch.tensor([-3.4e38, 3.4e38, float("inf"), -float("inf"), 1e-45, -1e-45, 0.0,
@@ -209,9 +207,11 @@ SELECT_VALUES = {  # rows whose scores no interpolation models well: the search 
 @pytest.mark.parametrize("values", sorted(SELECT_VALUES))
 @pytest.mark.parametrize("cols,k", [(8192, 512), (9216, 1000), (300, 64)])
 def test_select_kernel_is_exact_on_rows_of_ties_and_extreme_scores(values, cols, k):
-    """The select's threshold search interpolates on the scores: heavy ties, a single value, ±inf and the largest and
-    smallest floats, a tight cluster beside outliers, exponents 60 decades apart and rows of few candidates still
-    give torch.topk's set (ties to the lowest entry), in entry order, ``-1`` fill."""
+    """The select's threshold search on the scores' order words, and its search among tied entries: heavy ties, a
+    single value, ±inf and the largest and smallest floats, a tight cluster beside outliers, exponents 60 decades
+    apart and rows of few candidates give torch.topk's set (ties to the lowest entry), in entry order, ``-1`` fill
+    (the rows a search that guesses its thresholds from the scores' values must get right too: docs/history.md,
+    version 30)."""
     from sparse_mla.ops.triton import indexer as kernels
 
     gen = torch.Generator().manual_seed(cols + k + len(values))
