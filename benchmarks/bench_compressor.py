@@ -89,9 +89,7 @@ class LayerStep:
                 first[k] += blocks_needed(n, k, bs[k])
         self.pool = CompressorStatePool(ratio, len(contexts), device=device)
         slots = [self.pool.allocate() for _ in contexts]
-        self.pool.advance(slots, [0] * len(contexts), [n - new for n in contexts])  # the prefixes, fed before
         self.batch = builder.build([Request(n, new, t) for n, t in zip(contexts, tables)])
-        self.meta = build_compress_metadata(self.batch, self.pool, slots)
         self.parts = []
         for part, dim in parts:
             coff = 2 if ratio == 4 else 1
@@ -106,6 +104,9 @@ class LayerStep:
             kv, score = (torch.randn(self.batch.num_tokens, coff * dim, generator=gen, device=device)
                          .to(torch.bfloat16) for _ in range(2))
             self.parts.append((part, dim, comps, cache, kv, score))
+        # the prefixes, fed before (every compressor made first: their state is the random rings above)
+        self.pool.advance(slots, [0] * len(contexts), [n - new for n in contexts])
+        self.meta = build_compress_metadata(self.batch, self.pool, slots)
         self.ratio, self.kind = ratio, kind
         self.entries = int((self.meta.entry_positions >= 0).sum())
 

@@ -58,11 +58,15 @@ def check_tensor(
 
 
 def check_device(name: str, device: object) -> torch.device:
-    """``device`` as a :class:`torch.device`: a device or a string torch knows (``"cpu"``, ``"cuda:0"``)."""
+    """``device`` as a :class:`torch.device`: a device or a string torch knows (``"cpu"``, ``"cuda:0"``), and (a GPU)
+    one this machine has."""
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"{name} must be a torch.device or a device string such as 'cuda:0', got {device!r}") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"{name} {device!r} is not a GPU of this machine ({torch.cuda.device_count()} visible)")
+    return dev
 
 
 def check_index_range(name: str, idx: torch.Tensor, upper: int, valid: torch.Tensor | None = None) -> None:

@@ -68,6 +68,8 @@ def allocate_compress_metadata(batch: StepBatch, pool: CompressorStatePool) -> C
 
 
 def _kind(batch: StepBatch, pool: CompressorStatePool) -> str:
+    if not isinstance(batch, StepBatch):
+        raise TypeError(f"batch must be a StepBatch (StepBatchBuilder.build), got {type(batch).__name__}")
     if not isinstance(pool, CompressorStatePool):
         raise TypeError(f"pool must be a CompressorStatePool, got {type(pool).__name__}")
     kind = KIND_OF_COMPRESS_RATIO[pool.ratio]
@@ -85,16 +87,14 @@ def build_compress_metadata(batch: StepBatch, pool: CompressorStatePool, state_s
     in ``pool`` (from ``pool.allocate()``). Checks each request continues its state (positions neither going
     backwards nor skipping; its slot allocated) and records the step in the pool. ``out``: metadata of the same
     builder and pool to refill in place (what a captured step reads)."""
-    if not isinstance(batch, StepBatch):
-        raise TypeError(f"batch must be a StepBatch (StepBatchBuilder.build), got {type(batch).__name__}")
-    if not isinstance(pool, CompressorStatePool):
-        raise TypeError(f"pool must be a CompressorStatePool, got {type(pool).__name__}")
     if not isinstance(state_slots, (Sequence, torch.Tensor)) or isinstance(state_slots, str):
         raise TypeError(f"state_slots must be a sequence of ints (one slot per request), got "
                         f"{type(state_slots).__name__}")
-    batch.check_current()
     kind = _kind(batch, pool)
+    batch.check_current()
     if isinstance(state_slots, torch.Tensor):
+        if state_slots.dim() != 1:
+            raise ValueError(f"state_slots must be 1-D (one slot per request), got shape {tuple(state_slots.shape)}")
         state_slots = state_slots.tolist()
     state_slots = list(state_slots)
     if len(state_slots) != batch.num_reqs:

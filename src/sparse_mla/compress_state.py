@@ -94,6 +94,10 @@ class CompressorStatePool:
         self._free.append(slot)
         self._free.sort(reverse=True)
 
+    def holds_tokens(self) -> bool:
+        """Whether a request in the pool has fed tokens (a compressor added now would lack their state)."""
+        return any(self._seen)
+
     def seen(self, slot: int) -> int:
         """Tokens request ``slot`` has fed (the position its next token must have)."""
         self._check_slot("slot", slot)
@@ -107,12 +111,19 @@ class CompressorStatePool:
 
     def advance(self, slots: Sequence[int], prefix_lens: Sequence[int], seq_lens: Sequence[int]) -> None:
         """One step's requests, checked then recorded: request ``i`` (state slot ``slots[i]``) feeds positions
-        ``prefix_lens[i] … seq_lens[i] - 1``, which must start where its state stopped. Nothing is recorded
-        unless every request passes."""
+        ``prefix_lens[i] … seq_lens[i] - 1``, which must start where its state stopped (and end no earlier). Nothing
+        is recorded unless every request passes."""
+        if not len(slots) == len(prefix_lens) == len(seq_lens):
+            raise ValueError(f"state_slots, prefix_lens and seq_lens must have one entry per request, got "
+                             f"{len(slots)}, {len(prefix_lens)} and {len(seq_lens)}")
+        for i, slot in enumerate(slots):
+            self._check_slot(f"state_slots[{i}]", slot)
         if len(set(slots)) != len(slots):
             raise ValueError(f"state_slots names a slot twice: {list(slots)}")
-        for i, (slot, start) in enumerate(zip(slots, prefix_lens)):
-            self._check_slot(f"state_slots[{i}]", slot)
+        for i, (slot, start, end) in enumerate(zip(slots, prefix_lens, seq_lens)):
+            if not (is_int(end) and end >= start):
+                raise ValueError(f"request {i}: seq_lens[{i}] must be an int at least its prefix length {start}, "
+                                 f"got {end!r}")
             seen = self._seen[slot]
             if start != seen:
                 what = "go backwards" if start < seen else "skip positions"

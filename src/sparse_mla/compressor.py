@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ._checks import check_tensor, is_int
+from ._checks import check_finite, check_tensor, is_int
 from .cache import PagedCache
 from .compress_metadata import CompressMetadata
 from .compress_state import OVERLAP_RATIO, REPEATABLE_STEP_TOKENS, CompressorStatePool, window_slots
@@ -40,6 +40,7 @@ from .index_keys import insert_index_keys
 from .indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from .ops import quantize_and_insert
 from .ops.dispatch import resolve_backend
+from .ops.validate import debug_checks_enabled
 from .rope import V4_COMPRESS_ROPE, RopeSpec, rotate_interleaved_tail
 
 APE_RATIOS = (4, 128)  # V4's compressors add a learned position bias; V4.1's (2, 1) do not
@@ -140,6 +141,9 @@ class KVCompressor:
                  ape: torch.Tensor | None = None, rope: RopeSpec = V4_COMPRESS_ROPE, backend: str = "auto") -> None:
         if not isinstance(pool, CompressorStatePool):
             raise TypeError(f"pool must be a CompressorStatePool, got {type(pool).__name__}")
+        if pool.holds_tokens():  # this layer's rings would lack those requests' open windows: wrong entries
+            raise ValueError("pool holds requests that have fed tokens already: make every compressor of a pool "
+                             "before its first step")
         if not is_int(dim) or dim not in (INDEX_HEAD_DIM, 512):
             raise ValueError(f"dim must be the int 512 (attention) or {INDEX_HEAD_DIM} (indexer), got {dim!r}")
         if not isinstance(rope, RopeSpec) or rope.dim > dim:
@@ -152,12 +156,14 @@ class KVCompressor:
         self.width = self.coff * self.dim
         check_tensor("norm_weight", norm_weight, shape=(self.dim,),
                      dtype=(torch.float32, torch.bfloat16, torch.float16))
+        check_finite("norm_weight", norm_weight)  # once (a sync): a NaN weight would make every entry NaN
         self.norm_weight = norm_weight.detach().to(device=pool.device, dtype=torch.float32).contiguous()
         if self.ratio in APE_RATIOS:
             if ape is None:
                 raise ValueError(f"ape is required at ratio {self.ratio} (V4): shape ({self.ratio}, {self.width})")
             check_tensor("ape", ape, shape=(self.ratio, self.width),
                          dtype=(torch.float32, torch.bfloat16, torch.float16))
+            check_finite("ape", ape)
             self.ape = ape.detach().to(device=pool.device, dtype=torch.float32).contiguous()
         elif ape is not None:
             raise ValueError(f"ape must be None at ratio {self.ratio} (V4.1's compressors have no position bias)")
@@ -213,6 +219,11 @@ class KVCompressor:
         if meta.batch.max_block.get(meta.kind, -1) >= cache.num_blocks:
             raise ValueError(f"the batch's {meta.kind!r} block tables name block {meta.batch.max_block[meta.kind]}, "
                              f"past the cache's {cache.num_blocks} blocks")
+        if resolve_backend(self.backend, dev) == "reference" or debug_checks_enabled():  # values: a sync
+            # before the state is touched: a failed call writes nothing (padding rows may hold anything)
+            check_finite("kv", kv[:lo])
+            if score is not None:
+                check_finite("score", score[:lo])
 
     def forward(self, kv: torch.Tensor, score: torch.Tensor | None, meta: CompressMetadata,
                 cache: PagedCache | IndexerKeyCache) -> torch.Tensor:

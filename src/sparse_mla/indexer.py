@@ -164,6 +164,11 @@ def check_step_inputs(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyC
     check_tensor("query_start_loc", step.query_start_loc, dtype=torch.int32, ndim=1, device=cache.device)
     check_tensor("block_table", step.block_table, dtype=torch.int32, shape=(step.query_start_loc.shape[0] - 1, None),
                  device=cache.device)
+    # the score kernel reads them at unit stride (a column-strided view would be read as its neighbours' values)
+    for name, t in (("positions", step.positions), ("token_to_req", step.token_to_req),
+                    ("query_start_loc", step.query_start_loc), ("block_table", step.block_table)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride along its last axis, got strides {t.stride()}")
     if topk is not None:
         check_positive_int("topk", topk)
     check_positive_int("ratio", step.ratio)
@@ -194,9 +199,12 @@ def _chunk_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch
     return torch.einsum("th,the->te", w, torch.relu(torch.einsum("thd,ed->the", q, keys)))
 
 
-def _request_ranges(step: StepTokens) -> list[tuple[int, int, int]]:
-    """``(request, first token, end token)`` per request (a host copy of query_start_loc: the reference syncs)."""
+def _request_ranges(step: StepTokens, capacity: int) -> list[tuple[int, int, int]]:
+    """``(request, first token, end token)`` per request (a host copy of query_start_loc: the reference syncs, so
+    its values are checked here: from 0, non-decreasing, at most the token ``capacity``)."""
     qsl = step.query_start_loc.tolist()
+    if qsl and (qsl[0] < 0 or qsl[-1] > capacity or any(b < a for a, b in zip(qsl, qsl[1:]))):
+        raise ValueError(f"query_start_loc must rise from >= 0 to at most the token capacity {capacity}, got {qsl}")
     return [(r, qsl[r], qsl[r + 1]) for r in range(len(qsl) - 1) if qsl[r + 1] > qsl[r]]
 
 
@@ -208,12 +216,13 @@ def _stream_topk(q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache, step:
     cap = q.shape[0]
     out = torch.full((cap, k), -1, dtype=torch.int64, device=q.device)
     entry_chunk = max(group, entry_chunk // group * group)
-    for r, start, end in _request_ranges(step):
+    held = step.block_table.shape[1] * cache.block_size  # entries a request's table can hold: no candidate past them
+    for r, start, end in _request_ranges(step, cap):
         table_row = step.block_table[r]
         for t0 in range(start, end, token_chunk):
             t1 = min(end, t0 + token_chunk)
             nvis = (step.positions[t0:t1].long() + 1).clamp_min(0) // step.ratio  # (t,) visible entries
-            n_max = int(nvis.max())
+            n_max = min(int(nvis.max()), held)  # a position past the table: its entries there are never read
             best_val = torch.full((t1 - t0, k), float("-inf"), device=q.device)
             best_idx = torch.full((t1 - t0, k), -1, dtype=torch.int64, device=q.device)
             for e0 in range(0, n_max, entry_chunk):
@@ -238,6 +247,12 @@ def _stream_topk(q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache, step:
     return out
 
 
+def _check_chunks(token_chunk: int, entry_chunk: int) -> None:
+    """The reference's workspace chunks (module docstring): positive ints."""
+    check_positive_int("token_chunk", token_chunk)
+    check_positive_int("entry_chunk", entry_chunk)
+
+
 def index_topk_reference(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, step: StepTokens,
                          topk: int, kept_blocks: torch.Tensor | None = None, token_chunk: int = 64,
                          entry_chunk: int = 4096) -> torch.Tensor:
@@ -250,6 +265,7 @@ def index_topk_reference(q: torch.Tensor, weights: torch.Tensor, cache: IndexerK
     (:func:`top_blocks_reference`), ``-1`` none: only entries inside them are candidates. Workspace: module docstring.
     """
     check_step_inputs(q, weights, cache, step, topk)
+    _check_chunks(token_chunk, entry_chunk)
     allowed = None
     if kept_blocks is not None:
         check_tensor("kept_blocks", kept_blocks, dtype=torch.int32, ndim=2, device=cache.device)
@@ -268,5 +284,6 @@ def top_blocks_reference(q: torch.Tensor, weights: torch.Tensor, cache: IndexerK
     score (the max of the block's visible scores), the block of the newest visible entry first; ``(T_cap, num_kept)``
     int32 block numbers (block ``b`` = entries ``8b … 8b + 7``), ``-1`` fill, ties to the lower block."""
     check_step_inputs(q, weights, cache, step, num_kept)
+    _check_chunks(token_chunk, entry_chunk)
     return _stream_topk(q, weights, cache, step, num_kept, BLOCK_ENTRIES, None, token_chunk,
                         entry_chunk).to(torch.int32)

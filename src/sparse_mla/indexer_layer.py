@@ -144,6 +144,12 @@ class SparseMLAIndexer(torch.nn.Module):
         """This step's :class:`IndexerPlan` for ``backend`` (``"reference"`` or ``"triton"``) and keys in
         ``key_format``, made on first use and shared by the indexers of this configuration (heads, top-k, kind, rope,
         query format, workspace)."""
+        if not isinstance(meta, StepMetadata):
+            raise TypeError(f"meta must be a StepMetadata, got {type(meta).__name__}")
+        if backend not in ("reference", "triton"):
+            raise ValueError(f"backend must be 'reference' or 'triton', got {backend!r}")
+        if key_format not in INDEX_FORMATS:
+            raise ValueError(f"key_format must be one of {INDEX_FORMATS}, got {key_format!r}")
         key = ("indexer", self.kind, self.topk, self.spec.num_heads, self.spec.rope_spec, self.spec.q_format, backend,
                self.workspace_bytes, key_format)
         return meta.plan(key, lambda: self._plan(meta, backend, key_format))
@@ -224,9 +230,7 @@ class SparseMLAIndexer(torch.nn.Module):
                 kept_blocks: torch.Tensor | None, select_blocks: bool) -> None:
         from .ops.triton import indexer as kernels  # Triton is imported only where it runs
 
-        check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, torch.float32))
-        check_tensor("weights", w, dtype=(torch.bfloat16, torch.float16, torch.float32))
-        q, w = q.contiguous(), w.contiguous()  # the prep kernel reads rows of H · 128 and H values
+        q, w = q.contiguous(), w.contiguous()  # the prep kernel reads rows of H · 128 and H values (and checks them)
         kernels.prepare_queries(q, w, plan.cos, plan.sin, self.kind == "dsa", self.spec.q_format == "fp8",
                                 self.spec.weight_scale, plan.q, plan.w)
         q, w = plan.q, plan.w  # checked by index_scores (check_step_inputs)

@@ -209,10 +209,26 @@ def _prepare_queries_kernel(
 def prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half_split: bool,
                     fp8_q: bool, weight_scale: float, q_out: torch.Tensor, w_out: torch.Tensor) -> None:
     """:func:`sparse_mla.indexer.prepare_queries` in one launch, the same values: ``q (T, H, 128)``, ``weights (T, H)``
-    (contiguous, checked by the caller), ``cos`` / ``sin`` ``(T, 32)`` float32 of the tokens' positions (the rope's
-    angles, as the reference computes them), into ``q_out (T, H, 128)`` (float32 or bf16: exact) and ``w_out (T, H)``
-    float32.
+    (bf16 / fp16 / float32), ``cos`` / ``sin`` ``(T, 32)`` float32 of the tokens' positions (the rope's angles, as
+    the reference computes them), into ``q_out (T, H, 128)`` (float32 or bf16 holding the values exactly, or
+    float8_e4m3fn the codes) and ``w_out (T, H)`` float32. Each contiguous and on q's device (checked here: the
+    kernel reads and writes whole rows at unit stride).
     """
+    check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, torch.float32), ndim=3)
+    rows, heads_in = q.shape[0], q.shape[1]
+    if q.shape[2] != INDEX_HEAD_DIM:
+        raise ValueError(f"q must have shape (T, H, {INDEX_HEAD_DIM}), got {tuple(q.shape)}")
+    check_tensor("weights", weights, dtype=(torch.bfloat16, torch.float16, torch.float32), shape=(rows, heads_in),
+                 device=q.device)
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(name, t, dtype=torch.float32, shape=(rows, 32), device=q.device)  # the rope's 32 frequencies
+    check_tensor("q_out", q_out, dtype=(torch.float32, torch.bfloat16, torch.float8_e4m3fn), shape=q.shape,
+                 device=q.device)
+    check_tensor("w_out", w_out, dtype=torch.float32, shape=(rows, heads_in), device=q.device)
+    for name, t in (("q", q), ("weights", weights), ("cos", cos), ("sin", sin), ("q_out", q_out), ("w_out", w_out)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the prep kernel reads and writes whole rows), got strides "
+                             f"{t.stride()}")
     heads = min(PREP_HEADS, triton.next_power_of_2(q.shape[1]))
     grid = (q.shape[0], -(-q.shape[1] // heads))
     _prepare_queries_kernel[grid](q, weights, cos, sin, q_out, w_out, q.shape[1], weight_scale, HB=heads,
@@ -251,6 +267,9 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     target converts e4m3 with instructions. launch: ``(pages per program, warps, stages)`` in place of
     :func:`launch_shape`'s pages and the defaults (a probe's sweep)."""
     check_step_inputs(q, weights, cache, step)
+    check_positive_int("max_query_len", max_query_len)  # sizes the grid: 0 would launch nothing, leaving out as it was
+    if not 0 <= t0 < t1 <= q.shape[0]:
+        raise ValueError(f"the token range must satisfy 0 <= t0 < t1 <= {q.shape[0]} (q's rows), got [{t0}, {t1})")
     if cache.block_size != 64:
         raise ValueError(f"cache.block_size must be 64 for the Triton indexer, got {cache.block_size}")
     if out.dtype != torch.int64 or out.dim() != 2 or out.shape[0] < t1 - t0 or out.stride(1) != 1:
@@ -501,6 +520,8 @@ def top_blocks_from_packed(packed: torch.Tensor, positions: torch.Tensor, ratio:
     newest visible entry pinned first, ties to the lower block (the packed max carries its entry), ``-1`` fill."""
     rows, cols = _block_rows(packed)
     check_tensor("positions", positions, shape=(rows,))
+    check_positive_int("ratio", ratio)
+    check_positive_int("num_kept", num_kept)
     block_max = packed.view(rows, cols // BLOCK_ENTRIES, BLOCK_ENTRIES).amax(-1)
     newest = ((positions.long() + 1).clamp_min(0) // ratio - 1) // BLOCK_ENTRIES  # -1: nothing visible
     pinned = torch.arange(block_max.shape[1], device=packed.device)[None, :] == newest[:, None]
