@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ._checks import check_positive_int, is_int
+from ._checks import check_device, check_positive_int, is_int
 from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, V4_KINDS, WINDOWED_KINDS, complete_entries
 
 
@@ -115,6 +115,11 @@ class StepBatch:
         """Slots in the ``kind`` cache of entries (positions for ``swa``) of request(s) ``req``; ``-1`` stays ``-1``."""
         if kind not in self.block_tables:
             raise ValueError(f"kind {kind!r} has no block table in this batch (has {self.kinds})")
+        if is_int(req) and not 0 <= req < self.num_reqs:  # (a negative index would read another request's table)
+            raise ValueError(f"req must be a request of this batch, in [0, {self.num_reqs}), got {req}")
+        if not isinstance(entries, torch.Tensor) or entries.is_floating_point() or entries.is_complex():
+            raise TypeError(f"entries must be an integer tensor, got "
+                            f"{entries.dtype if isinstance(entries, torch.Tensor) else type(entries).__name__}")
         req_t = torch.as_tensor(req, dtype=torch.int32, device=self.device)
         return slots_of(self.block_tables[kind], req_t, entries.to(device=self.device, dtype=torch.int32),
                         self.block_sizes[kind])
@@ -176,6 +181,8 @@ class StepBatchBuilder:
             raise ValueError(f"decode_threshold must be >= 1 (1 + speculative tokens), got {decode_threshold}")
         max_tokens, max_reqs, max_model_len = (check_positive_int(name, v) for name, v in (
             ("max_tokens", max_tokens), ("max_reqs", max_reqs), ("max_model_len", max_model_len)))
+        if max_model_len >= 2**31:  # positions and lengths are int32
+            raise ValueError(f"max_model_len must be below 2^31 (positions are int32), got {max_model_len}")
         if isinstance(kinds, str) or not (tuple(kinds) == ("dsa",) or ("swa" in kinds and set(kinds) <= set(WINDOWED_KINDS))):
             raise ValueError(f"kinds must be V4 kinds including 'swa' (or V4.1's: from {WINDOWED_KINDS}) or V3.2's "
                              f"('dsa',), got {kinds!r}")
@@ -186,7 +193,7 @@ class StepBatchBuilder:
         self.kinds = tuple(kinds)
         self.block_sizes = {k: (block_sizes or {}).get(k, DEFAULT_BLOCK_SIZE[k]) for k in self.kinds}
         self.decode_threshold = decode_threshold
-        self.device = torch.device(device)
+        self.device = check_device("device", device)
         i32 = dict(dtype=torch.int32, device=self.device)
         self._seq_lens = torch.zeros(max_reqs, **i32)
         self._query_lens = torch.zeros(max_reqs, **i32)
@@ -230,7 +237,7 @@ class StepBatchBuilder:
                 if table is None:
                     raise ValueError(f"request {r}: block_tables has no {kind!r} table (keys: {sorted(req.block_tables)}); "
                                      f"every kind in {self.kinds} needs one, empty while seq_len needs no block")
-                if isinstance(table, (str, bytes)) or not hasattr(table, "__len__"):
+                if isinstance(table, (str, bytes, set, frozenset, Mapping)) or not hasattr(table, "__len__"):
                     raise TypeError(f"request {r}: block_tables[{kind!r}] must be a list of block numbers, got "
                                     f"{table!r}")
                 if len(table) < need:
@@ -268,8 +275,13 @@ class StepBatchBuilder:
         fit int32 and, with ``num_blocks``, lie inside the cache; no block may hold two ranges of entries
         (:func:`_check_aliasing`)."""
         width, bs = self._tables[kind].shape[1], self.block_sizes[kind]
-        rows = torch.tensor([list(r.block_tables[kind]) + [-1] * (width - len(r.block_tables[kind]))
-                             for r in requests])
+        try:
+            rows = torch.tensor([list(r.block_tables[kind]) + [-1] * (width - len(r.block_tables[kind]))
+                                 for r in requests])
+        except (TypeError, ValueError, RuntimeError):  # an entry torch cannot read as a number (None, a str, a list)
+            r = next((i for i, req in enumerate(requests) if not all(is_int(b) for b in req.block_tables[kind])), 0)
+            raise TypeError(f"request {r}: block table for {kind!r} must hold int block numbers, got "
+                            f"{list(requests[r].block_tables[kind])[:8]}") from None
         need = torch.tensor([blocks_needed(r.seq_len, kind, bs) for r in requests])
         used = torch.arange(width)[None, :] < need[:, None]
         if rows.dtype != torch.int64:  # a float (or bool) somewhere in the tables
@@ -382,6 +394,7 @@ def slots_of(table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, block_
 
     table: ``(num_reqs, max_blocks)`` int32; req, entry: int32 tensors (req broadcastable to entry).
     """
+    check_positive_int("block_size", block_size)
     ok = entry >= 0
     e = torch.where(ok, entry, 0).long()
     r = req.long().expand_as(e)

@@ -108,6 +108,8 @@ def resolve_cache_once(cache: torch.Tensor, fmt: str | KVFormat | None = None,
 def cache_view(cache: torch.Tensor, layout: KVFormat | None, name: str) -> CacheView:
     """The :class:`CacheView` of a cache tensor whose page layout is ``layout`` (:func:`named_layout` of its pool's
     format; None: as the tensor reads), from :data:`_CACHES` (``ValueError`` / ``TypeError`` naming ``name``)."""
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"{name} must be a cache tensor, got {type(cache).__name__}")
     paged, fmt, aligned, key = _CACHES.get(cache, (cache_stamp(cache), layout),
                                            lambda: _entry(cache, layout, name, "fmt"))
     return CacheView(cache if paged is None else paged, fmt, aligned, key)

@@ -55,7 +55,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_finite, check_kv_scale, check_positive_int, check_tensor, is_int
+from ._checks import check_device, check_finite, check_kv_scale, check_positive_int, check_tensor, is_int
 
 # ---- the byte-layout table: every number of every format, named once (the kernels import these) ----
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -565,6 +565,7 @@ def allocate_cache(fmt: str | KVFormat, num_blocks: int, block_size: int, device
     """A zeroed paged cache ``(num_blocks, block_size, token_bytes)``, a view of one contiguous buffer."""
     f = get_format(fmt, dim)
     num_blocks, block_size = check_positive_int("num_blocks", num_blocks), check_positive_int("block_size", block_size)
+    device = check_device("device", device)
     if f.name == "bf16":
         return torch.zeros(num_blocks, block_size, f.dim, dtype=torch.bfloat16, device=device)
     stride0 = block_bytes(f, block_size)
