@@ -488,6 +488,15 @@ def test_gather_output_sharing_memory_is_a_value_error(one_rank_group, comm):
         gather(out, lse, sink, merged=own)
 
 
+def test_gather_group_and_device_are_named(one_rank_group):
+    """A group that is not a ProcessGroup, and a device torch does not know or this machine lacks."""
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
+        PartialsGather(4, 2, group=3)
+    for device in ("bogus", f"cuda:{torch.cuda.device_count()}"):
+        with pytest.raises(ValueError, match="device"):
+            PartialsGather(4, 2, device=device)
+
+
 @pytest.mark.parametrize("comm", ["allgather", "reduce_scatter"])
 def test_gather_bad_outputs_name_the_argument(one_rank_group, comm):
     """A gather call's bad ``merged`` / ``merged_lse`` is a ValueError naming that argument (not ``out``, which is

@@ -173,6 +173,31 @@ def test_errors(v4):
     assert model.config._attn_implementation == "eager"
 
 
+def test_enabling_twice_is_refused_and_a_second_remove_does_nothing(v4):
+    """A second enable_sparse_mla on an enabled model is a ValueError (two sets of hooks would undo each other); a
+    second remove() leaves a later integration of the model as it is (it detached that one before)."""
+    model = v4[0]
+    for device in ("nonsense", f"cuda:{torch.cuda.device_count()}"):
+        with pytest.raises(ValueError, match="device"):
+            enable_sparse_mla(model, device=device)
+    old = enable_sparse_mla(model)
+    try:
+        with pytest.raises(ValueError, match="already runs sparse-mla"):
+            enable_sparse_mla(model)
+    finally:
+        old.remove()
+    new = enable_sparse_mla(model)
+    try:
+        old.remove()
+        assert model.config._attn_implementation == "sparse_mla"
+        ids, _ = _inputs()
+        with torch.no_grad():
+            model(ids[:1, :4])  # still runs on sparse-mla's layers
+    finally:
+        new.remove()
+    assert model.config._attn_implementation == "eager"
+
+
 def test_sinks_are_copied_not_shared(v4):
     """The layers' sinks are the model's values in memory of their own (a float32 model on the same device would
     otherwise share them): writing either leaves the other as it was, while enabled and after ``remove()``."""

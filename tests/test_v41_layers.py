@@ -191,7 +191,7 @@ def test_v41_kinds_need_their_block_tables_and_their_picks():
                                                        dict(v4.caches, c2a=PagedCache(4, 4)), v4.topk_local)
     with pytest.raises(ValueError, match=r"topk \(the indexer width\) is required for a c1a layer"):
         SparseMLAAttention("c1a", 2)
-    with pytest.raises(ValueError, match=r"compress_ratio 4 does not match kind 'c2a' \(ratio 2\)"):
+    with pytest.raises(ValueError, match=r"compress_ratio must be None or the int 2 \(a c2a layer's ratio\), got 4"):
         SparseMLAAttention("c2a", 2, topk=4, compress_ratio=4)
     sc = make_scenario([(20, 1)], window=4, topk=4, fmt="bf16", block_sizes=SIZES, kinds=V41_KINDS)
     with pytest.raises(ValueError, match=r"topk_indices must be given to a c2a layer"):

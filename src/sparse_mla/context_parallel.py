@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ._checks import check_no_overlap, check_positive_int, check_sink, check_tensor, is_int
+from ._checks import check_device, check_no_overlap, check_positive_int, check_sink, check_tensor, is_int
 from .batch import StepBatch, StepBatchBuilder, blocks_needed
 from .config import DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS
 from .metadata import (ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata,
@@ -331,6 +331,9 @@ class PartialsGather:
             raise ValueError(f"dtype must be one of {PARTIAL_DTYPES}, got {dtype}")
         if comm not in COMM_FORMS:
             raise ValueError(f"comm must be one of {COMM_FORMS}, got {comm!r}")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        device = check_device("device", device)
         self.layout = RankLayout.of_group(group)
         self.group, self.comm = group, comm
         world = self.layout.world

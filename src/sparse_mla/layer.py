@@ -12,7 +12,7 @@ from .cache import PagedCache
 from .config import COMPRESS_RATIO, LAYER_KINDS, PICKS_KINDS, check_scope_formats
 from .context_parallel import PartialsGather, RankStepMetadata
 from .cache_views import cache_stamp
-from .formats import FORMAT_NAMES
+from .formats import FORMAT_NAMES, get_format
 from .index_forms import check_index_form
 from .metadata import StepMetadata
 from .ops.dispatch import check_backend_name
@@ -74,9 +74,9 @@ class SparseMLAAttention(torch.nn.Module):
         super().__init__()
         if kind not in LAYER_KINDS:
             raise ValueError(f"kind must be one of {LAYER_KINDS}, got {kind!r}")
-        if compress_ratio is not None and compress_ratio != COMPRESS_RATIO[kind]:
-            raise ValueError(f"compress_ratio {compress_ratio} does not match kind {kind!r} "
-                             f"(ratio {COMPRESS_RATIO[kind]})")
+        if compress_ratio is not None and (not is_int(compress_ratio) or compress_ratio != COMPRESS_RATIO[kind]):
+            raise ValueError(f"compress_ratio must be None or the int {COMPRESS_RATIO[kind]} (a {kind} layer's "
+                             f"ratio), got {compress_ratio!r}")
         if prefill_mode is None:  # measured on an H100 (BENCHMARKS.md): V4 paged-direct, V3.2 the workspace
             prefill_mode = "workspace" if kind == "dsa" else "paged"
         if prefill_mode not in PREFILL_MODES:
@@ -86,7 +86,7 @@ class SparseMLAAttention(torch.nn.Module):
         if not all(is_int(v) and v >= 1 for v in (num_heads, window)):
             raise ValueError(f"num_heads and window must be positive ints, got {num_heads!r}, {window!r}")
         want_dim = 576 if kind == "dsa" else 512
-        if head_dim != want_dim:
+        if not is_int(head_dim) or head_dim != want_dim:
             raise ValueError(f"head_dim must be {want_dim} for a {kind} layer "
                              f"({'V3.2: 512 latent + 64 rope' if kind == 'dsa' else 'V4'}), got {head_dim!r}")
         if kind == "dsa" and scale is None:
@@ -94,13 +94,19 @@ class SparseMLAAttention(torch.nn.Module):
                              "(get_config('deepseek-v3.2').softmax_scale), not 576 ** -0.5")
         if workspace_bytes < 2 * head_dim:
             raise ValueError(f"workspace_bytes must hold at least one {head_dim}-d bf16 row, got {workspace_bytes}")
-        if kind in PICKS_KINDS and not (is_int(topk) and topk >= 1):
+        if (kind in PICKS_KINDS or topk is not None) and not (is_int(topk) and topk >= 1):
+            # (a kind without picks ignores a valid one: callers may pass one top-k to every compressed kind)
             raise ValueError(f"topk must be a positive int, got {topk!r}")
         if sink is not None:
             _check_layer_sink(sink, num_heads)  # its values once here, not on every step
         check_backend_name(backend)
         if kv_format is not None and kv_format not in FORMAT_NAMES:
             raise ValueError(f"kv_format must be None or one of {FORMAT_NAMES}, got {kv_format!r}")
+        if kv_format is not None:
+            try:  # a format of the other latent width: no cache could ever serve the layer
+                get_format(kv_format, head_dim)
+            except ValueError as error:
+                raise ValueError(f"kv_format {kv_format!r} does not fit this {kind} layer: {error}") from None
         self.kind, self.num_heads, self.head_dim, self.window = kind, num_heads, head_dim, window
         self.topk = topk if kind in PICKS_KINDS else None
         self.compress_ratio = COMPRESS_RATIO[kind]

@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._checks import check_device
 from ..absorption import Absorption
 from ..batch import Request, StepBatch, StepBatchBuilder, blocks_needed
 from ..cache import PagedCache
@@ -169,13 +170,16 @@ class SparseMLAIntegration:
             raise ValueError(f"kv_format must be one of {KV_FORMATS[self.family]} for {name}, got {kv_format!r}")
         if index_format not in INDEX_KEY_FORMATS:
             raise ValueError(f"index_format must be one of {INDEX_KEY_FORMATS}, got {index_format!r}")
+        base = model.model if hasattr(model, "model") else model
+        if any(layer.self_attn in _ATTACHED for layer in base.layers):
+            raise ValueError("model already runs sparse-mla: remove() the integration enable_sparse_mla returned "
+                             "before enabling it again")
         self.model, self.kv_format, self.backend = model, kv_format, backend
         self.pipeline, self.index_format = bool(pipeline), index_format
         self.config = model.config
         if self.pipeline:
             check_pipeline_config(self.config)
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        base = model.model if hasattr(model, "model") else model
+        self.device = check_device("device", device) if device is not None else next(model.parameters()).device
         self.attentions = [layer.self_attn for layer in base.layers]
         self.kinds = self._kinds()
         self.window = self.config.sliding_window if self.family == "v4" else 1
@@ -185,6 +189,7 @@ class SparseMLAIntegration:
         self._sessions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._step: _Step | None = None
         self._previous_impl = self.config._attn_implementation
+        self._removed = False
         self._hooks = [base.register_forward_pre_hook(self._begin_step, with_kwargs=True),
                        base.register_forward_hook(self._end_step, with_kwargs=True)]
         self._replaced: list[torch.nn.Module] = []  # modules whose forward pipeline=True replaced
@@ -207,7 +212,11 @@ class SparseMLAIntegration:
         model.set_attn_implementation(ATTENTION_NAME)
 
     def remove(self) -> None:
-        """Give the model back its previous attention implementation and drop the hooks."""
+        """Give the model back its previous attention implementation and drop the hooks; again, nothing (a later
+        integration of the model stays as it is)."""
+        if self._removed:
+            return
+        self._removed = True
         for hook in self._hooks:
             hook.remove()
         for module in self._replaced:
