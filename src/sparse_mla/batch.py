@@ -279,13 +279,13 @@ class StepBatchBuilder:
             rows = torch.tensor([list(r.block_tables[kind]) + [-1] * (width - len(r.block_tables[kind]))
                                  for r in requests])
         except (TypeError, ValueError, RuntimeError):  # an entry torch cannot read as a number (None, a str, a list)
-            r = next((i for i, req in enumerate(requests) if not all(is_int(b) for b in req.block_tables[kind])), 0)
+            r = _first_non_int_table(requests, kind)
             raise TypeError(f"request {r}: block table for {kind!r} must hold int block numbers, got "
                             f"{list(requests[r].block_tables[kind])[:8]}") from None
         need = torch.tensor([blocks_needed(r.seq_len, kind, bs) for r in requests])
         used = torch.arange(width)[None, :] < need[:, None]
         if rows.dtype != torch.int64:  # a float (or bool) somewhere in the tables
-            r = next((i for i, req in enumerate(requests) if not all(is_int(b) for b in req.block_tables[kind])), 0)
+            r = _first_non_int_table(requests, kind)
             raise ValueError(f"request {r}: block table for {kind!r} holds a block number that is not an int")
         checks = [(rows < 0, "holds a negative block number"),
                   ((rows + 1) * bs > 2**31, f"holds a block number whose slots (block * {bs} + offset) pass int32")]
@@ -386,6 +386,11 @@ def _check_per_kind(name: str, values: Mapping[str, int] | None, kinds: Sequence
             raise ValueError(f"{name} has a value for {kind!r}, which is not among kinds {tuple(kinds)}")
         if not is_int(value) or value < least:
             raise ValueError(f"{name}[{kind!r}] must be an int >= {least}, got {value!r}")
+
+
+def _first_non_int_table(requests: Sequence[Request], kind: str) -> int:
+    """The first request whose ``kind`` block table holds something that is not an int (a table just refused)."""
+    return next((i for i, req in enumerate(requests) if not all(is_int(b) for b in req.block_tables[kind])), 0)
 
 
 def slots_of(table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, block_size: int) -> torch.Tensor:

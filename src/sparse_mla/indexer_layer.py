@@ -137,8 +137,9 @@ class SparseMLAIndexer(torch.nn.Module):
         if meta.batch.device != cache.device:
             raise ValueError(f"cache must be on the step's device {meta.batch.device}, got {cache.device}")
         cap, heads = meta.batch.token_capacity, self.spec.num_heads
-        check_tensor("q", q, shape=(cap, heads, 128), device=cache.device)
-        check_tensor("weights", weights, shape=(cap, heads), device=cache.device)
+        floats = (torch.bfloat16, torch.float16, torch.float32)
+        check_tensor("q", q, dtype=floats, shape=(cap, heads, 128), device=cache.device)
+        check_tensor("weights", weights, dtype=floats, shape=(cap, heads), device=cache.device)
 
     def step_plan(self, meta: StepMetadata, backend: str, key_format: str = "fp8") -> IndexerPlan:
         """This step's :class:`IndexerPlan` for ``backend`` (``"reference"`` or ``"triton"``) and keys in
@@ -230,9 +231,9 @@ class SparseMLAIndexer(torch.nn.Module):
                 kept_blocks: torch.Tensor | None, select_blocks: bool) -> None:
         from .ops.triton import indexer as kernels  # Triton is imported only where it runs
 
-        q, w = q.contiguous(), w.contiguous()  # the prep kernel reads rows of H · 128 and H values (and checks them)
-        kernels.prepare_queries(q, w, plan.cos, plan.sin, self.kind == "dsa", self.spec.q_format == "fp8",
-                                self.spec.weight_scale, plan.q, plan.w)
+        q, w = q.contiguous(), w.contiguous()  # the prep kernel reads rows of H · 128 and H values (checked: _check)
+        kernels.launch_prepare_queries(q, w, plan.cos, plan.sin, self.kind == "dsa", self.spec.q_format == "fp8",
+                                       self.spec.weight_scale, plan.q, plan.w)
         q, w = plan.q, plan.w  # checked by index_scores (check_step_inputs)
         dot_dtype = q.dtype
         native_fp8 = targets.target_of(cache.device).native_fp8

@@ -100,9 +100,9 @@ class SparseMLAAttention(torch.nn.Module):
         if sink is not None:
             _check_layer_sink(sink, num_heads)  # its values once here, not on every step
         check_backend_name(backend)
-        if kv_format is not None and kv_format not in FORMAT_NAMES:
-            raise ValueError(f"kv_format must be None or one of {FORMAT_NAMES}, got {kv_format!r}")
         if kv_format is not None:
+            if kv_format not in FORMAT_NAMES:
+                raise ValueError(f"kv_format must be None or one of {FORMAT_NAMES}, got {kv_format!r}")
             try:  # a format of the other latent width: no cache could ever serve the layer
                 get_format(kv_format, head_dim)
             except ValueError as error:

@@ -229,6 +229,14 @@ def prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, s
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (the prep kernel reads and writes whole rows), got strides "
                              f"{t.stride()}")
+    launch_prepare_queries(q, weights, cos, sin, half_split, fp8_q, weight_scale, q_out, w_out)
+
+
+def launch_prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           half_split: bool, fp8_q: bool, weight_scale: float, q_out: torch.Tensor,
+                           w_out: torch.Tensor) -> None:
+    """:func:`prepare_queries`' launch alone, for a caller that has checked its arguments (the indexer layer: its own
+    q and weights, made contiguous, into its plan's buffers, which the plan made to fit)."""
     heads = min(PREP_HEADS, triton.next_power_of_2(q.shape[1]))
     grid = (q.shape[0], -(-q.shape[1] // heads))
     _prepare_queries_kernel[grid](q, weights, cos, sin, q_out, w_out, q.shape[1], weight_scale, HB=heads,
