@@ -38,7 +38,7 @@ from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.ops import targets
 from sparse_mla.ops.dispatch import interpreting
 
-from harness import Env, main, positive_int, prepare, report, run_info, save_result
+from harness import Env, fill_random_keys, main, positive_int, prepare, report, run_info, save_result
 from timing import graphed, timed
 
 KEY_BYTES = {"fp8": 132, "bf16": 256}
@@ -80,14 +80,7 @@ def make_step(case: Case, device: torch.device):
     batch = builder.build(requests)
     meta = build_step_metadata(batch, MetadataSpec(window=128, topk=case.topk))
     cache = IndexerKeyCache(case.batch * need[case.kind], "fp8", device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    codes = cache.codes()
-    for b0 in range(0, cache.num_blocks, 1024):  # valid e4m3 codes (no NaN: 0x7F / 0xFF), random signs
-        chunk = codes[b0:b0 + 1024]
-        raw = torch.randint(0, 0x7E, chunk.shape, dtype=torch.uint8, device=device, generator=gen)
-        chunk.copy_(raw | (torch.randint(0, 2, chunk.shape, dtype=torch.uint8, device=device, generator=gen) << 7))
-    cache.scales().copy_(torch.exp2(torch.randint(-12, -6, cache.scales().shape, device=device,
-                                                  generator=gen).float()))
+    fill_random_keys(cache, torch.Generator(device=device).manual_seed(0))
     return batch, meta, cache
 
 

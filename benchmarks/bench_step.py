@@ -42,17 +42,20 @@ from sparse_mla.cache import PagedCache
 from sparse_mla.cli import parse_seed
 from sparse_mla.config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS, ModelConfig, get_config
 from sparse_mla.layer import SparseMLAAttention
+from sparse_mla.indexer_cache import IndexerKeyCache
+from sparse_mla.indexer_layer import SparseMLAIndexer
 from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.picks import convert_picks
 from sparse_mla.scenario import random_picks
 from sparse_mla.workspace import fill_workspace, shared_workspace, workspace_indices, workspace_plan
 
-from harness import (Env, Step, fill_random, flash_mla_side, main, output_folder, positive_int, prepare, report,
-                     run_info, save_result)
+from harness import (Env, Step, fill_random, fill_random_keys, flash_mla_side, main, output_folder, positive_int,
+                     prepare, report, run_info, save_result)
 from timing import graphed, host_rounds, load_flash_mla, rel, timed_rounds
 
 D_V = 512
 MTP_TOKENS = 2  # tokens per decode request: 1 + 1 speculative (MTP) draft
+INDEXER_HEADS = 64  # V4's indexer heads (index_n_heads)
 MODELS = {"flash": "deepseek-v4-flash", "pro": "deepseek-v4-pro"}
 DECODE_CASES = {f"{m}-b{b}": (m, b) for m in MODELS for b in (32, 128)}
 PREFILL_CASES = {f"prefill-{m}": m for m in MODELS}
@@ -177,12 +180,14 @@ class FlashMLADecode:
         """Once per step, after the metadata build: the c128a lengths per request (shared by its layers)."""
         torch.amax(self._per_request(self.step.meta.c128a_lens), 1, out=self.lengths["c128a"])
 
-    def call(self, kind: str, q: torch.Tensor) -> torch.Tensor:
-        """One layer of ``kind`` on ``q (T, H, 512)``; returns ``(B, s_q, H, 512)`` bf16."""
+    def call(self, kind: str, q: torch.Tensor, picks: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer of ``kind`` on ``q (T, H, 512)`` (c4a: with ``picks``, default the step's); returns
+        ``(B, s_q, H, 512)`` bf16."""
         meta, caches, layer = self.step.meta, self.step.caches, self.layers[kind]
         extra = (None, None, None)
         if kind == "c4a":
-            idx, lens = meta.c4a_indices(self.step.picks)  # per layer, as our c4a layer converts its picks
+            # per layer, as our c4a layer converts its picks (nothing to launch for the indexer's: indexer_picks)
+            idx, lens = meta.c4a_indices(self.step.picks if picks is None else picks)
             torch.amax(self._per_request(lens), 1, out=self.lengths["c4a"])
             extra = (caches["c4a"].data.unsqueeze(2), self._per_request(idx), self.lengths["c4a"])
         elif kind == "c128a":
@@ -254,21 +259,45 @@ def _step_times(fns: list[Callable[[], None]], env: Env[Sizes]) -> dict[str, lis
     return times
 
 
+def indexer_picks(step: Step, cfg: ModelConfig, env: Env[Sizes]) -> torch.Tensor:
+    """The c4a picks of the library's indexer on the step's current metadata (64 heads, random fp8 keys in a key cache
+    that shares the c4a cache's blocks, random queries and weights). Its select also writes their conversion into
+    the step's picks buffers, so a layer call with them launches no conversion (``PicksConversion.selected``) until
+    the next metadata build."""
+    dev = env.device
+    cache = IndexerKeyCache(step.caches["c4a"].num_blocks, "fp8", device=dev)
+    fill_random_keys(cache, torch.Generator(device=dev).manual_seed(env.seed + 13))
+    gen = torch.Generator().manual_seed(env.seed + 17)
+    t, heads = step.batch.token_capacity, INDEXER_HEADS
+    q = torch.randn(t, heads, 128, generator=gen).to(dev, torch.bfloat16)
+    w = torch.randn(t, heads, generator=gen).to(dev)
+    return SparseMLAIndexer("c4a", heads, cfg.index_topk, backend=env.backend)(step.meta, q, w, cache)
+
+
 def _host_times(step: Step, layers: dict[str, SparseMLAAttention], kinds: list[str], q: dict[str, torch.Tensor],
-                outs: dict[str, torch.Tensor], calls: int, fm_calls: dict[str, Callable[[], object]]
-                ) -> tuple[dict[str, float], dict[str, float]]:
+                outs: dict[str, torch.Tensor], calls: int, fm: FlashMLADecode | None,
+                from_indexer: Callable[[], torch.Tensor] | None) -> tuple[dict[str, float], dict[str, float]]:
     """Host us of one call of each kind's layer and of the step's metadata build, and of FlashMLA's call of each
-    kind (``fm_calls``; empty without FlashMLA), each kind's two sides timed alternating (:func:`host_rounds`)."""
-    def call(kind: str) -> Callable[[], torch.Tensor]:
-        return lambda: layers[kind](q[kind], step.meta, step.caches, step.picks if kind == "c4a" else None,
-                                    out=outs[kind])
+    kind (``fm``: None without FlashMLA), each kind's two sides timed alternating (:func:`host_rounds`); with
+    ``from_indexer`` (it runs the library's indexer on the step's metadata and returns its picks), also a c4a call
+    with those picks (``c4a_indexer_picks``: converted in the indexer's select, nothing converted per call)."""
+    def call(kind: str, picks: torch.Tensor | None = None) -> list[Callable[[], object]]:
+        picks = step.picks if picks is None else picks
+
+        def ours() -> torch.Tensor:
+            return layers[kind](q[kind], step.meta, step.caches, picks if kind == "c4a" else None, out=outs[kind])
+        return [ours] + ([lambda: fm.call(kind, q[kind], picks)] if fm is not None else [])
 
     ours, theirs = {}, {}
     for kind in sorted(set(kinds)):
-        ours[kind], *fm = host_rounds([call(kind)] + ([fm_calls[kind]] if fm_calls else []), calls)
-        if fm:
-            theirs[kind] = fm[0]
-    ours["build_step_metadata"], = host_rounds([step.build], calls)
+        ours[kind], *other = host_rounds(call(kind), calls)
+        if other:
+            theirs[kind] = other[0]
+    if "c4a" in kinds and from_indexer is not None:
+        ours["c4a_indexer_picks"], *other = host_rounds(call("c4a", from_indexer()), calls)
+        if other:
+            theirs["c4a_indexer_picks"] = other[0]
+    ours["build_step_metadata"], = host_rounds([step.build], calls)  # (the last: a build ends the indexer's picks)
     return ours, theirs
 
 
@@ -312,19 +341,20 @@ def decode_case(name: str, env: Env[Sizes]) -> dict:
                heads=heads, topk=cfg.index_topk, batch=len(contexts), tokens=step.batch.num_tokens,
                context=dict(min=min(contexts), max=max(contexts), mean=sum(contexts) / len(contexts)))
 
-    fm_calls = {}  # kind -> FlashMLA's call of that kind's layer, when FlashMLA runs
+    fm_side: list[FlashMLADecode] = []  # FlashMLA's layer calls, when it runs
 
     def set_up() -> Callable[[], None]:
         fm = FlashMLADecode(env.flash_mla, step, layers)
         fm.prepare()
         row["rel_err"] = {k: rel(outs[k], fm.call(k, q[k]).reshape_as(outs[k])) for k in sorted(set(kinds))}
         _warn_if_apart(row["rel_err"], name, env)
-        fm_calls.update({k: lambda k=k: fm.call(k, q[k]) for k in sorted(set(kinds))})
+        fm_side.append(fm)
         return flash_mla_step(step, fm, kinds, q)
 
     fns = [ours] + [fn for fn in (flash_mla_side(row, name, env, set_up),) if fn is not None]
     env.console.log(f"{name}: timing")
-    row["host_us"], fm_host = _host_times(step, layers, kinds, q, outs, env.sizes.host_calls, fm_calls)
+    row["host_us"], fm_host = _host_times(step, layers, kinds, q, outs, env.sizes.host_calls,
+                                          fm_side[0] if fm_side else None, lambda: indexer_picks(step, cfg, env))
     if fm_host:
         row["flashmla_host_us"] = fm_host
     step_calls = max(1, env.sizes.host_calls // 5)  # an eager step launches every layer: fewer calls

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from sparse_mla.batch import StepBatch
 from sparse_mla.cache import PagedCache
+from sparse_mla.indexer_cache import IndexerKeyCache
 from sparse_mla.metadata import MetadataSpec, StepMetadata, build_step_metadata
 
 from timing import warm_up_gpu
@@ -67,6 +68,18 @@ def fill_random(cache: PagedCache, gen: torch.Generator, chunk: int = 1 << 18) -
         slots = torch.arange(start, start + n, dtype=torch.int32, device=cache.device)
         kv = (torch.randn(n, cache.fmt.dim, generator=gen, device=cache.device) * 0.5).to(torch.bfloat16)
         cache.write(kv, slots)
+
+
+def fill_random_keys(cache: IndexerKeyCache, gen: torch.Generator, chunk: int = 1024) -> None:
+    """Fill an fp8 indexer key cache with random keys: valid e4m3 codes (no NaN: 0x7F / 0xFF) of random signs, and
+    power-of-two scales (132 B an entry, as the compressors write them)."""
+    codes = cache.codes()
+    for b0 in range(0, cache.num_blocks, chunk):
+        part = codes[b0:b0 + chunk]
+        raw = torch.randint(0, 0x7E, part.shape, dtype=torch.uint8, device=cache.device, generator=gen)
+        part.copy_(raw | (torch.randint(0, 2, part.shape, dtype=torch.uint8, device=cache.device, generator=gen) << 7))
+    cache.scales().copy_(torch.exp2(torch.randint(-12, -6, cache.scales().shape, device=cache.device,
+                                                  generator=gen).float()))
 
 
 FLASH_MLA_ERRORS = (RuntimeError, AssertionError, TypeError, ValueError)

@@ -1,5 +1,6 @@
 """Host µs of one call, GPU queue kept busy (V4-Flash decode, B requests of 2 tokens, 64 heads): each layer kind
-(default and batch-invariant), build_step_metadata, our FlashMLA-compatible API and, when the sgl-flash-mla wheel
+(default and batch-invariant; c4a also with the library indexer's picks, which its select converts in its own
+launch), build_step_metadata, our FlashMLA-compatible API and, when the sgl-flash-mla wheel
 is installed, FlashMLA's own call on the same inputs (one SWA scope; and two scopes, SWA + C128A, with per-request
 lengths), and the public op ``sparse_attention_decode`` on the same two calls: remembered (a repeated call of one
 signature, ``sparse_mla.ops.memo``) and, for the two scopes, checked and planned anew each call (the memo emptied).
@@ -25,7 +26,8 @@ import torch
 
 import sparse_mla
 
-from timing import host_samples  # benchmarks/timing.py (this script's folder is first on sys.path)
+from harness import fill_random_keys  # benchmarks/ (this script's folder is first on sys.path)
+from timing import host_samples
 
 parser = argparse.ArgumentParser()
 parser.add_argument("b", nargs="?", type=int, default=128)
@@ -73,6 +75,18 @@ def package_probes(pkg: ModuleType, flash_mla: ModuleType | None) -> tuple[dict,
             ref = sc.expected(q, kind, rows, sink, 512 ** -0.5)
             got = layer(q, sc.meta, sc.caches, picks, out=out)[rows].double().cpu()
             errors[name] = ((got - ref).norm() / ref.norm()).item()
+    # a c4a call with the library indexer's picks (its select converts them in its launch where the package does):
+    # on a second, identical step, so that its picks' conversion and the first step's alternate without meeting
+    twin = scenario.make_scenario(lengths, window=128, topk=512, fmt="fp8_v4", decode_threshold=2, device="cuda")
+    keys = import_module(f"{pkg.__name__}.indexer_cache").IndexerKeyCache(twin.caches["c4a"].num_blocks, "fp8",
+                                                                           device="cuda")
+    fill_random_keys(keys, torch.Generator(device="cuda").manual_seed(1))
+    indexer = import_module(f"{pkg.__name__}.indexer_layer").SparseMLAIndexer("c4a", 64, 512)
+    cap = twin.batch.token_capacity
+    indexer_picks = indexer(twin.meta, torch.randn(cap, 64, 128, generator=gen).to(torch.bfloat16).cuda(),
+                            torch.randn(cap, 64, generator=gen).cuda(), keys)
+    layer = layer_mod.SparseMLAAttention("c4a", h, topk=512, sink=sink)
+    probes["c4a, the indexer's picks"] = lambda: layer(q, twin.meta, twin.caches, indexer_picks, out=out)
 
     # the FlashMLA calling convention: q (b, s_q, h, d), 4-D caches, (b, s_q, topk) indices; two scopes with
     # per-request lengths as vLLM's V4 backend passes them

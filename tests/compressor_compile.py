@@ -90,14 +90,24 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
                 indexer.prepare_queries(q, torch.zeros(2, 64), trig, trig, half_split, True, 0.01, q_out,
                                         torch.zeros(2, 64))
             out.append((f"indexer q prep {'V3.2' if half_split else 'V4'} into {str(q_dtype)[6:]}", calls))
-    packed = torch.zeros(4, 32768, dtype=torch.int64)  # four segments' keys, then the row's entries
+    def into(rows: int, k: int):  # the step's conversion buffers, as the indexer layer hands them to its select
+        z = torch.zeros(rows, dtype=torch.int32)
+        return indexer.PicksInto(z, z, torch.zeros(rows, 16, dtype=torch.int32), 64,
+                                 torch.zeros(rows, k, dtype=torch.int32), z.clone(),
+                                 torch.zeros(rows, k, dtype=torch.int32), rows)
+
+    packed = torch.zeros(4, 32768, dtype=torch.int64)  # four segments' keys, then the row's entries (converted)
     with recorded_launches(target) as calls:
-        indexer.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32))
-    out += [(f"indexer select 512 of {n}", [c]) for n, c in zip((32768, 2048), calls)]
+        indexer.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32), into(4, 512))
+    out += [(f"indexer select 512 of {n}", [c]) for n, c in zip((32768, "2048 into slots"), calls)]
     packed = torch.zeros(4, 9216, dtype=torch.int64)  # a row in two tiles: 8,192 + 1,024
     with recorded_launches(target) as calls:
         indexer.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32))
     out.append(("indexer select 512 of 9216", calls))
+    packed = torch.zeros(4, 8192, dtype=torch.int64)  # the V4 decode's rows, converted in the select's launch
+    with recorded_launches(target) as calls:
+        indexer.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32), into(4, 512))
+    out.append(("indexer select 512 of 8192 into slots", calls))
     return out
 
 

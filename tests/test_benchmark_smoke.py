@@ -40,7 +40,7 @@ def test_step_benchmark_smoke_writes_the_expected_json(tmp_path, capsys, monkeyp
     (row,) = result["decode"]
     assert row["case"] == "flash-b32" and row["layers"] == 6 and row["layer_kinds"] == {"swa": 2, "c4a": 2, "c128a": 2}
     assert row["ours_eager_us"] > 0 and "ours_graph_us" not in row  # no graphs on the CPU
-    assert set(row["host_us"]) == {"swa", "c4a", "c128a", "build_step_metadata"}
+    assert set(row["host_us"]) == {"swa", "c4a", "c4a_indexer_picks", "c128a", "build_step_metadata"}
     assert [r["kind"] for r in result["prefill"]] == ["c4a", "c128a"]
     for r in result["prefill"]:
         assert r["paged_us"] > 0 and r["workspace_us"] > 0 and r["rel_err_paged_vs_workspace"] < 1e-2

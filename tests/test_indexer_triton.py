@@ -228,6 +228,109 @@ def test_select_kernel_is_exact_on_rows_of_ties_and_extreme_scores(values, cols,
 
 
 @needs_kernels
+@pytest.mark.parametrize("cols,k,first,ratio", [(640, 64, 0, 4), (16384 + 8192, 512, 3, 1), (9216, 100, 2, 2)])
+def test_select_converts_its_picks_in_its_launch_as_the_conversion_does(cols, k, first, ratio):
+    """``topk_rows(..., into=PicksInto)`` writes the same picks as without it and, for tokens ``[first, first +
+    into.rows)``, their slots, counts and kept picks exactly as the step's conversion (the torch twin) converts those
+    picks: a token of position -1 and the tokens past the packed rows (the step's padding) get empty rows, the tokens
+    before ``first`` nothing; rows of three segments (24,576 columns) convert in the last launch."""
+    from sparse_mla.ops.triton import indexer as kernels
+    from sparse_mla.picks import compressed_picks_torch
+
+    gen = torch.Generator().manual_seed(cols + k + first)
+    rows, pad, reqs, bs = 5, 2, 3, 64
+    tokens = first + rows + pad
+    blocks = -(-cols // bs)
+    table = torch.randperm(reqs * blocks + 4, generator=gen)[: reqs * blocks].view(reqs, blocks).int()
+    table[1, blocks // 2] = -1  # a missing block: its entries are never candidates
+    positions = torch.randint(cols * ratio // 2, cols * ratio, (tokens,), generator=gen, dtype=torch.int32)
+    token_to_req = torch.randint(0, reqs, (tokens,), generator=gen, dtype=torch.int32)
+    positions[first + 1] = -1  # a padding token inside the chunk
+    positions[first + rows:], token_to_req[first + rows:] = -1, -1
+    chunk = slice(first, first + rows)
+    visible = torch.where(positions[chunk] >= 0, (positions[chunk] + 1) // ratio, 0)
+    col = torch.arange(cols)
+    present = table[token_to_req[chunk].clamp_min(0)][:, col // bs] >= 0
+    scores = torch.randn(rows, cols, generator=gen)
+    scores[0, :40] = 0.25  # exact ties
+    scores[(col[None, :] >= visible[:, None]) | ~present] = float("nan")  # what the score kernel packs as no candidate
+    packed = _packed_rows(scores).to(DEVICE)
+    plain = torch.full((rows, k), 7, dtype=torch.int32, device=DEVICE)
+    kernels.topk_rows(packed, k, plain)
+    step = [t.to(DEVICE) for t in (positions, token_to_req, table)]
+    bufs = [torch.full(shape, 99, dtype=torch.int32, device=DEVICE) for shape in ((tokens, k), (tokens,), (tokens, k))]
+    out = torch.full((rows, k), 7, dtype=torch.int32, device=DEVICE)
+    into = kernels.PicksInto(step[0][first:], step[1][first:], step[2], bs, bufs[0][first:], bufs[1][first:],
+                             bufs[2][first:], tokens - first)
+    kernels.topk_rows(packed, k, out, into)
+    assert torch.equal(out, plain)
+    picks = torch.full((tokens, k), -1, dtype=torch.int32, device=DEVICE)
+    picks[chunk] = plain
+    want = [torch.empty_like(b) for b in bufs]
+    compressed_picks_torch(*step[:2], step[2], bs, ratio, picks, *want)
+    for got, expected in zip(bufs, want):
+        assert torch.equal(got[first:].cpu(), expected[first:].cpu())
+        assert (got[:first] == 99).all()
+    assert int(bufs[1][first + 1]) == 0 and (bufs[1][first + rows:] == 0).all()
+    with pytest.raises(ValueError, match="into.rows must be"):
+        kernels.topk_rows(packed, k, out, into._replace(rows=rows - 1))
+    with pytest.raises(ValueError, match=r"into.kept must have at least shape"):
+        kernels.topk_rows(packed, k, out, into._replace(kept=bufs[2][first:, : k - 1]))
+
+
+@needs_kernels
+def test_the_indexer_layer_converts_its_picks_and_the_attention_launches_no_conversion():
+    """The Triton indexer's select writes the step's conversion of its picks (every token's row, padding included,
+    over several chunks) as the conversion would; the attention's call with those picks converts nothing (the
+    buffers poisoned after the select stay), until the picks change in place or another write replaces the
+    buffers; the attention's outputs are the same either way."""
+    from sparse_mla.layer import SparseMLAAttention
+    from sparse_mla.picks import compressed_picks_torch, step_picks
+    from sparse_mla.scenario import make_scenario
+
+    lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 6)]
+    tokens = sum(n for _, n in lengths) + 2
+    every = torch.arange(lengths[0][0] // 4, dtype=torch.int32).expand(tokens, -1).contiguous()  # every entry written
+    sc = make_scenario(lengths, window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2, picks={"c4a": every},
+                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
+    batch, meta = sc.batch, sc.meta
+    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device=DEVICE)
+    cache.poison()
+    gen = torch.Generator().manual_seed(21)
+    for r, (seq, _) in enumerate(lengths):
+        entries = torch.arange(seq // 4, dtype=torch.int32, device=DEVICE)
+        cache.write(torch.randn(len(entries), 128, generator=gen).to(DEVICE), batch.entry_slots("c4a", r, entries))
+    q = torch.randn(batch.token_capacity, 16, 128, generator=gen).to(DEVICE)
+    w = torch.randn(batch.token_capacity, 16, generator=gen).to(DEVICE)
+    indexer = SparseMLAIndexer("c4a", 16, 64, backend="triton", workspace_bytes=3 * 8 * 64 * (lengths[0][0] // 256 + 1))
+    picks = indexer(meta, q, w, cache)
+    assert len(indexer.step_plan(meta, "triton", "fp8").chunks) > 1
+    conversion = step_picks(meta, "c4a")
+    table = batch.block_tables["c4a"]
+    want = [torch.empty_like(b) for b in (conversion.indices, conversion.lens, conversion.kept)]
+    compressed_picks_torch(batch.positions, batch.token_to_req, table, 64, 4, picks, *want)
+    for got, expected in zip((conversion.indices, conversion.lens, conversion.kept), want):
+        assert torch.equal(got.cpu(), expected.cpu())
+    attn = SparseMLAAttention("c4a", 4, window=4, topk=64, backend="reference")
+    q_attn = torch.randn(batch.token_capacity, 4, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    fused = attn(q_attn, meta, sc.caches, picks).clone()
+    assert not fused[: batch.num_tokens].isnan().any()
+    assert torch.equal(fused, attn(q_attn, meta, sc.caches, picks.clone()))  # another tensor: converted again
+    assert torch.equal(conversion.indices.cpu(), want[0].cpu())
+    indexer(meta, q, w, cache)  # the select writes the conversion again
+    conversion.indices[0, 0] = 12345
+    conversion(picks)  # its own picks: no launch
+    assert int(conversion.indices[0, 0]) == 12345
+    picks.add_(0)  # changed in place (its version counter moves): converted again
+    conversion(picks)
+    assert torch.equal(conversion.indices.cpu(), want[0].cpu())
+    SparseMLAIndexer("c4a", 16, 64, backend="triton", topk_select="torch")(meta, q, w, cache)  # no conversion
+    conversion.indices[0, 0] = 12345
+    conversion(picks)
+    assert int(conversion.indices[0, 0]) != 12345
+
+
+@needs_kernels
 @pytest.mark.parametrize("backend,debug", [("reference", False), ("triton", True)])
 def test_non_finite_queries_or_weights_are_refused_where_values_are_checked(backend, debug, monkeypatch):
     """q and weights of the step's tokens must be finite: the reference checks it always, the kernels with
@@ -370,7 +473,7 @@ FAMILIES = ("sm_80", "sm_89", "sm_90", "sm_100", "gfx942")  # every variant comp
 def compile_rows(target_name: str) -> list[dict]:
     """The indexer kernels' launches (``compressor_compile.indexer_launches``: scores over fp8 and bf16 keys, decode
     64 heads and prefill 32 heads; the query prep, V4 and V3.2, into bf16 and where the dot takes e4m3 into e4m3; the
-    select) recorded on CPU tensors and compiled for
+    select, plain and converting its picks in its launch) recorded on CPU tensors and compiled for
     ``target_name`` (``scripts/portability_report.py``'s compile check)."""
     from dataclasses import asdict
 
@@ -388,7 +491,7 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     native = next(t for t in targets.MATRIX if t.name == target).native_fp8
     family = target in FAMILIES  # the V3.2 query prep too
     # where the dot takes e4m3: its score launch and the query prep into e4m3, V4 (and V3.2)
-    assert len(rows) == (8 if family else 5) + native * (3 if family else 2), \
+    assert len(rows) == (9 if family else 6) + native * (3 if family else 2), \
         f"exit {done.returncode}: {done.stderr[-2000:]}"
     for r in rows:
         print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "

@@ -29,6 +29,7 @@ from .metadata import StepMetadata
 from .ops import targets
 from .ops.dispatch import check_backend_name, resolve_backend
 from .ops.validate import debug_checks_enabled
+from .picks import step_picks
 from .rope import RopeSpec
 
 DEFAULT_INDEXER_WORKSPACE_BYTES = 256 << 20  # the packed scores (int64) of one token chunk
@@ -224,11 +225,11 @@ class SparseMLAIndexer(torch.nn.Module):
                 kept_blocks = plan.kept
             plan.picks.copy_(index_topk_reference(q_ready, w_ready, cache, plan.step, self.topk, kept_blocks))
         else:
-            self._triton(plan, q, weights, cache, kept_blocks, select_blocks)
+            self._triton(meta, plan, q, weights, cache, kept_blocks, select_blocks)
         return (plan.picks, plan.kept) if select_blocks else plan.picks
 
-    def _triton(self, plan: IndexerPlan, q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache,
-                kept_blocks: torch.Tensor | None, select_blocks: bool) -> None:
+    def _triton(self, meta: StepMetadata, plan: IndexerPlan, q: torch.Tensor, w: torch.Tensor,
+                cache: IndexerKeyCache, kept_blocks: torch.Tensor | None, select_blocks: bool) -> None:
         from .ops.triton import indexer as kernels  # Triton is imported only where it runs
 
         q, w = q.contiguous(), w.contiguous()  # the prep kernel reads rows of H · 128 and H values (checked: _check)
@@ -237,7 +238,13 @@ class SparseMLAIndexer(torch.nn.Module):
         q, w = plan.q, plan.w  # checked by index_scores (check_step_inputs)
         dot_dtype = q.dtype
         native_fp8 = targets.target_of(cache.device).native_fp8
-        for t0, t1, longest in plan.chunks:
+        kernel_select = self.topk_select != "torch" and select_kernel_takes(self.topk)
+        # the step's conversion of this kind's picks, written by the select in its own launch where it can (the
+        # attention's call with these picks then launches no conversion: PicksConversion.selected)
+        conversion = step_picks(meta, self.kind) if meta.spec.topk == self.topk else None
+        fused = kernel_select and conversion is not None and conversion.takes_select
+        chunks, capacity = plan.chunks, plan.picks.shape[0]
+        for i, (t0, t1, longest) in enumerate(chunks):
             packed = plan.workspace[: t1 - t0]
             kernels.index_scores(q, w, cache, plan.step, packed, t0, t1, longest, dot_dtype, native_fp8)
             # the chunks cover the step's real tokens [0, num_tokens); padding rows keep the plan's -1
@@ -247,9 +254,10 @@ class SparseMLAIndexer(torch.nn.Module):
                 kernels.restrict_to_blocks(packed, plan.kept[t0:t1])
             elif kept_blocks is not None:
                 kernels.restrict_to_blocks(packed, kept_blocks[t0:t1])
-            if self.topk_select == "torch" or not select_kernel_takes(self.topk):
+            if not kernel_select:
                 plan.picks[t0:t1] = kernels.topk_from_packed(packed, self.topk)
-            else:
-                kernels.topk_rows(packed, self.topk, plan.picks[t0:t1])
-
-
+            else:  # the last chunk's launch also writes the padding tokens' empty rows
+                into = conversion.select_into(t0, (capacity if i == len(chunks) - 1 else t1) - t0) if fused else None
+                kernels.topk_rows(packed, self.topk, plan.picks[t0:t1], into)
+        if conversion is not None:
+            conversion.selected(plan.picks if fused and chunks else None)

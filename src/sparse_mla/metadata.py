@@ -12,7 +12,8 @@ decode step can be captured in a CUDA graph.
   slots per layer by :meth:`StepMetadata.picks_for` (``c4a_indices`` for c4a; the conversion:
   :mod:`sparse_mla.picks`); an invisible pick is dropped, not
   an error (a pick below -1 or past ``max_model_len``'s entries is one, checked under ``SPARSE_MLA_DEBUG=1``).
-  Layers that reuse one indexer's picks (V4.1's ``index_source_layer_ids``) each convert the same picks tensor.
+  Layers that reuse one indexer's picks (V4.1's ``index_source_layer_ids``) each convert the same picks tensor,
+  except picks the library's indexer converted in its select (:meth:`~sparse_mla.picks.PicksConversion.selected`: none converts).
 * DSA (V3.2): the indexer's picks are request-local raw positions; a pick after the token's own position is
   dropped; converted per layer by :meth:`StepMetadata.dsa_indices` (the same rule with ratio 1).
 * Decode order (:meth:`StepMetadata.decode_order`): per kind with long lists, the decode tokens longest key

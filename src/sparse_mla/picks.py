@@ -108,6 +108,9 @@ class PicksConversion:
         # step (a context-parallel rank keeps its conversions across steps); None: the torch twin, per call
         self._launch = (triton_index.picks_converter(*self._batch_args(batch), *outs, world, rank)
                         if builders_use_triton(batch.device) else None)
+        # (picks, their version counter): picks whose conversion the indexer's select wrote into these buffers in its
+        # own launch (select_into / selected), so a call with them launches nothing; cleared by every other write
+        self._selected: tuple[torch.Tensor, int] | None = None
 
     def _batch_args(self, batch) -> tuple:
         """What the conversion reads of the step's batch: positions, requests, the kind's block table and block size,
@@ -116,9 +119,40 @@ class PicksConversion:
         return batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind], \
             COMPRESS_RATIO[kind]
 
+    @property
+    def takes_select(self) -> bool:
+        """Whether the indexer's select can write this conversion in its own launch (:meth:`select_into`): not a
+        context-parallel rank's (it keeps the rank's share of the picks)."""
+        return self._share == (1, 0)
+
+    def select_into(self, first: int, rows: int):
+        """Where the indexer's select converts tokens ``[first, first + rows)`` in its own launch
+        (:class:`sparse_mla.ops.triton.indexer.PicksInto`: this conversion's buffers and the step's tensors from
+        ``first``; only where :attr:`takes_select`)."""
+        from .ops.triton.indexer import PicksInto  # Triton is imported only where it runs
+
+        positions, token_to_req, table, block_size, _ = self._batch_args(self.meta.batch)
+        end = first + rows
+        return PicksInto(positions[first:end], token_to_req[first:end], table, block_size, self.indices[first:end],
+                         self.lens[first:end], self.kept[first:end], rows)
+
+    def selected(self, picks: torch.Tensor | None) -> None:
+        """The indexer's select has just written ``picks`` and, through :meth:`select_into`, their conversion into
+        this conversion's buffers for every token (None: it wrote picks without converting them). Until ``picks``
+        changes (an in-place torch op bumps its version counter) or another write, a call with them launches
+        nothing."""
+        self._selected = None if picks is None else (picks, picks._version)
+
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
         """Convert ``local`` ``(T, topk)`` int32 (``-1`` none) into :attr:`indices` / :attr:`lens` / :attr:`kept`;
-        returns :attr:`kept`. No host sync (but under ``SPARSE_MLA_DEBUG=1``: :func:`check_picks`)."""
+        returns :attr:`kept`. No host sync (but under ``SPARSE_MLA_DEBUG=1``: :func:`check_picks`). Picks whose
+        conversion the indexer's select already wrote here (:meth:`selected`) launch nothing."""
+        done = self._selected
+        if done is not None and local is done[0] and local._version == done[1]:
+            if debug_checks_enabled():
+                check_picks(self.meta, local, self.kind)
+            return self.kept
+        self._selected = None  # the buffers now hold another conversion
         if (type(local) is not torch.Tensor or local.dtype is not torch.int32 or local.shape != self.shape
                 or local.device != self.device):  # the full check only on a miss: it names what is wrong
             check_tensor("topk_indices", local, dtype=torch.int32, shape=self.shape, device=self.device)

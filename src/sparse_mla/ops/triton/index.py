@@ -18,7 +18,7 @@ from ..launch import BindOnce, cached_launch
 
 
 @triton.jit
-def _slots(table_row, entry, valid, BS: tl.constexpr, MAX_BLOCKS):
+def table_slots(table_row, entry, valid, BS: tl.constexpr, MAX_BLOCKS):
     """Slots of ``entry`` numbers through one request's block table row (``-1`` where invalid)."""
     col = tl.minimum(tl.where(valid, entry, 0) // BS, MAX_BLOCKS - 1)
     phys = tl.load(table_row + col, mask=valid, other=-1)
@@ -45,7 +45,7 @@ def _window_row(t, pos, req, table_ptr, table_stride, max_blocks, idx_ptr, idx_s
     count = tl.minimum(tl.where(count > skip, (count - skip + world - 1) // world, 0), width)
     entry = start + skip + j * world
     valid = j < count
-    slots = _slots(table_ptr + req.to(tl.int64) * table_stride, entry, valid, BS, max_blocks)
+    slots = table_slots(table_ptr + req.to(tl.int64) * table_stride, entry, valid, BS, max_blocks)
     slots = tl.where(slots >= 0, slots // world, -1)
     tl.store(idx_ptr + t.to(tl.int64) * idx_stride + j, slots, mask=j < width)
     tl.store(len_ptr + t, count)
@@ -96,7 +96,7 @@ def _picks_kernel(pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, local_p
     local = tl.load(local_ptr + t.to(tl.int64) * local_stride + j, mask=j < topk, other=-1)
     visible = tl.where(pos >= 0, (pos + 1) // RATIO, 0)
     keep = (local >= 0) & (local < visible)
-    slots = _slots(table_ptr + req.to(tl.int64) * table_stride, local, keep, BS, max_blocks)
+    slots = table_slots(table_ptr + req.to(tl.int64) * table_stride, local, keep, BS, max_blocks)
     if world > 1:  # (a slot of -1, a missing block, is nobody's)
         keep = keep & (slots >= 0) & (slots % world == rank)
         slots = slots // world

@@ -26,6 +26,8 @@ V4.1's two-level selection works on the same packed rows (:func:`top_blocks_from
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -38,6 +40,7 @@ from .. import targets
 from ..dispatch import interpreting
 from ..fp8 import e4m3_decode, e4m3_gain
 from .cache import round_half_even
+from .index import table_slots
 
 INT64_MIN = -(2 ** 63)  # the packed key of an entry that is not a candidate
 _LOW_MASK = 0xFFFFFFFF
@@ -367,8 +370,38 @@ def _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, cols,
 
 
 @triton.jit
-def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_cols, K: tl.constexpr, KP: tl.constexpr,
-                      C: tl.constexpr, TAIL: tl.constexpr, KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr):
+def _finish_row(out_ptr, out_stride, row, count, conv, K: tl.constexpr, KP: tl.constexpr, KEYS: tl.constexpr,
+                CONVERT: tl.constexpr, BS: tl.constexpr, OUT_ROW: tl.constexpr):
+    """After a row's ``count`` chosen are stored: ``-1`` (``KEYS``: ``INT64_MIN``) after them in the output row
+    (``OUT_ROW``: the row exists) and, ``CONVERT``, the conversion's row ``row`` (``conv``: its tensors, as
+    :func:`_topk_rows_kernel` bundles them): the picks read back from the output row (this program's own stores,
+    visible after the barrier), their cache slots through the request's block-table row (``BS`` entries a block),
+    the picks themselves and their count. Converting the ``K`` compacted picks, not the row's masked columns: a
+    gather and two stores of ``K / (32 · warps)`` values a thread."""
+    fill = tl.arange(0, KP)  # KP: K rounded up to a power of two (an arange's length)
+    unfilled = (fill >= count) & (fill < K)
+    if OUT_ROW:
+        if KEYS:
+            tl.store(out_ptr + row * out_stride + fill, tl.full((KP,), -9223372036854775808, tl.int64), mask=unfilled)
+        else:
+            tl.store(out_ptr + row * out_stride + fill, tl.full((KP,), -1, tl.int32), mask=unfilled)
+    if CONVERT:
+        req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr, kept_stride = conv
+        tl.debug_barrier()  # every thread's stores of the picks done (and visible to the block) before they are read
+        picked = fill < count
+        entry = tl.load(out_ptr + row * out_stride + fill, mask=picked, other=-1)
+        req = tl.maximum(tl.load(req_ptr + row), 0)
+        slots = table_slots(table_ptr + req.to(tl.int64) * table_stride, entry, picked, BS, max_blocks)
+        tl.store(idx_ptr + row * idx_stride + fill, slots, mask=fill < K)
+        tl.store(kept_ptr + row * kept_stride + fill, entry, mask=fill < K)
+        tl.store(len_ptr + row, count)
+
+
+@triton.jit
+def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_cols, num_rows,
+                      pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr,
+                      kept_stride, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr, TAIL: tl.constexpr,
+                      KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr, CONVERT: tl.constexpr, BS: tl.constexpr):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
     ``-1`` fill (``KEYS``: ``INT64_MIN``). ``words_ptr``: the same rows as int32 (the keys' low and high words).
     The row's columns are held as two tiles, ``C`` and (``TAIL`` > 1) ``TAIL`` more (powers of two: a row of 9,216
@@ -380,9 +413,23 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
     64-bit keys') bit by bit from the highest bit where the row's valid words differ (the bits above it are common to
     every candidate), stopping as soon as exactly K words are at or above it. Where several keys share the
     threshold's score, their entries are searched the same way among them. The search loads the high words alone;
-    the keys (or their low words) are read again only where the output or a tie needs them."""
+    the keys (or their low words) are read again only where the output or a tie needs them.
+
+    ``CONVERT`` (the entries, not ``KEYS``): the picks are converted in the same launch, as
+    :class:`sparse_mla.picks.PicksConversion` converts them: row ``r``'s token ``r`` of the conversion's tensors
+    (``pos_ptr`` … ``kept_ptr``: views from the chunk's first token) gets its picks' cache slots through its request's
+    block-table row (``table_ptr``, ``BS`` entries a block), their count and the picks themselves; the programs past
+    the ``num_rows`` packed rows, and tokens of position ``-1``, write empty rows (the padding tokens')."""
     HAS_TAIL: tl.constexpr = TAIL > 1
     row = tl.program_id(0).to(tl.int64)
+    conv = (req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr, kept_stride)
+    if CONVERT:
+        if row >= num_rows:  # a padding token after the chunk: no packed row
+            _finish_row(out_ptr, out_stride, row, 0, conv, K, KP, KEYS, CONVERT, BS, False)
+            return
+        if tl.load(pos_ptr + row) < 0:  # a padding token: no visible entry (its packed row is not written)
+            _finish_row(out_ptr, out_stride, row, 0, conv, K, KP, KEYS, CONVERT, BS, True)
+            return
     cols = tl.arange(0, C)
     tail_cols = C + tl.arange(0, TAIL)
     hi = _high_words(words_ptr, row, stride, cols, num_cols)
@@ -424,12 +471,7 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
         slot_tail = tl.sum(chosen.to(tl.int32), 0) + tl.cumsum(chosen_tail.to(tl.int32), 0) - 1
         _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, tail_cols, chosen_tail, slot_tail, KEYS,
                       COLUMN_ENTRIES)
-    fill = tl.arange(0, KP)  # KP: K rounded up to a power of two (an arange's length)
-    unfilled = (fill >= tl.minimum(candidates, K)) & (fill < K)
-    if KEYS:
-        tl.store(out_ptr + row * out_stride + fill, tl.full((KP,), -9223372036854775808, tl.int64), mask=unfilled)
-    else:
-        tl.store(out_ptr + row * out_stride + fill, tl.full((KP,), -1, tl.int32), mask=unfilled)
+    _finish_row(out_ptr, out_stride, row, tl.minimum(candidates, K), conv, K, KP, KEYS, CONVERT, BS, True)
 
 
 def select_warps(rows: int, lanes: int, sms: int) -> int:
@@ -453,24 +495,70 @@ def select_tiles(cols: int, k: int) -> tuple[int, int]:
     return main, (max(2, triton.next_power_of_2(width - main)) if width > main else 1)
 
 
-def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, column_entries: bool) -> None:
+class PicksInto(NamedTuple):
+    """Where the select converts its picks in its own launch (:func:`topk_rows`), as
+    :class:`sparse_mla.picks.PicksConversion` would: every tensor a view from the chunk's first token, int32, unit
+    column stride. positions / token_to_req ``(>= rows,)``; table ``(R, max_blocks)`` the kind's block table,
+    ``block_size`` entries a block; indices ``(>= rows, k)`` the picks' slots, lens ``(>= rows,)`` their count, kept
+    ``(>= rows, k)`` the picks themselves; rows: the tokens written, at least the packed rows (the rest, the step's
+    padding tokens after the last chunk, get empty rows)."""
+
+    positions: torch.Tensor
+    token_to_req: torch.Tensor
+    table: torch.Tensor
+    block_size: int
+    indices: torch.Tensor
+    lens: torch.Tensor
+    kept: torch.Tensor
+    rows: int
+
+
+def _check_picks_into(into: PicksInto, rows: int, k: int, device: torch.device) -> None:
+    if not isinstance(into, PicksInto):
+        raise TypeError(f"into must be a PicksInto, got {type(into).__name__}")
+    if not (isinstance(into.rows, int) and into.rows >= rows):
+        raise ValueError(f"into.rows must be an int at least the packed rows ({rows}), got {into.rows!r}")
+    check_positive_int("into.block_size", into.block_size)
+    n = into.rows
+    for name, t, shape in (("positions", into.positions, (n,)), ("token_to_req", into.token_to_req, (n,)),
+                           ("table", into.table, (None, None)), ("indices", into.indices, (n, k)),
+                           ("lens", into.lens, (n,)), ("kept", into.kept, (n, k))):
+        check_tensor(f"into.{name}", t, dtype=torch.int32, ndim=len(shape), device=device)
+        if any(want is not None and got < want for got, want in zip(t.shape, shape)) or t.shape[-1] < 1:
+            raise ValueError(f"into.{name} must have at least shape {shape} (None: any), got {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"into.{name} must have unit stride in its last dimension, got {t.stride()}")
+
+
+def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, column_entries: bool,
+                   into: PicksInto | None = None) -> None:
     rows, cols = packed.shape
     main, tail = select_tiles(cols, k)
     lanes = main + tail if tail > 1 else main
     # the GPU's own SMs; on the CPU (interpreter, the portability matrix's recorded launches) those of its target
     warps = select_warps(rows, lanes, targets.num_sms(packed.device, targets.target_of(packed.device)))
     words = packed.view(torch.int32)  # (rows, 2 · cols): each key's low, then high word
-    _topk_rows_kernel[(rows,)](packed, words, out, packed.stride(0), out.stride(0), cols, K=k,
-                               KP=triton.next_power_of_2(k), C=main, TAIL=tail,
-                               KEYS=keys, COLUMN_ENTRIES=column_entries, num_warps=warps)
+    if into is None:  # the conversion's arguments unread (CONVERT off): out stands in for its tensors
+        conv, grid, bs = (out, out, out, 0, 0, out, 0, out, out, 0), rows, 1
+    else:
+        conv = (into.positions, into.token_to_req, into.table, into.table.stride(0), into.table.shape[1],
+                into.indices, into.indices.stride(0), into.lens, into.kept, into.kept.stride(0))
+        grid, bs = into.rows, into.block_size
+    _topk_rows_kernel[(grid,)](packed, words, out, packed.stride(0), out.stride(0), cols, rows, *conv, K=k,
+                               KP=triton.next_power_of_2(k), C=main, TAIL=tail, KEYS=keys,
+                               COLUMN_ENTRIES=column_entries, CONVERT=into is not None, BS=bs, num_warps=warps)
 
 
-def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor) -> None:
+def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto | None = None) -> None:
     """The Triton select: ``out (rows, k)`` int32 := each row's top-``k`` entries of ``packed (rows, num_cols)``,
     the same set as :func:`topk_from_packed`, listed in entry order, ``-1`` fill. The rows are the score kernel's:
     column ``c`` holds entry ``c``'s key (or ``INT64_MIN``). A row longer than :data:`MAX_SELECT_COLS` (``num_cols``
     then a multiple of :data:`SELECT_SEGMENT`, ``k`` below a segment) is selected in two launches or more: each
-    segment's top ``k`` keys, then the top ``k`` of those (the row's top ``k`` are among them)."""
+    segment's top ``k`` keys, then the top ``k`` of those (the row's top ``k`` are among them).
+
+    into: also convert the picks into cache slots in the (last) launch (:class:`PicksInto`), the same values as
+    :class:`sparse_mla.picks.PicksConversion` writes for ``out``'s picks: the picks are visible entries of
+    present blocks by construction (the score kernel packs no other), so the conversion drops none."""
     check_tensor("packed", packed, dtype=torch.int64, ndim=2)
     k = check_positive_int("k", k)
     rows, cols = packed.shape
@@ -478,6 +566,8 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor) -> None:
     if packed.stride(1) != 1 or out.stride(1) != 1:  # the kernel reads and writes rows at unit stride
         raise ValueError(f"packed and out must have unit column stride, got strides {packed.stride()} and "
                          f"{out.stride()}")
+    if into is not None:
+        _check_picks_into(into, rows, k, packed.device)
     column_entries = True
     while cols > MAX_SELECT_COLS:
         if cols % SELECT_SEGMENT or not select_kernel_takes(k) or not packed.is_contiguous():
@@ -487,7 +577,7 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor) -> None:
         winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
         _launch_select(segments, k, winners, True, column_entries)
         packed, cols, column_entries = winners.view(rows, -1), winners.numel() // rows, False
-    _launch_select(packed, k, out, False, column_entries)
+    _launch_select(packed, k, out, False, column_entries, into)
 
 
 def dot_dtype_for(target: targets.Target, key_format: str, q_format: str) -> torch.dtype:
