@@ -66,6 +66,15 @@ def make_case(gen: torch.Generator, requests: list[tuple[int, int]], spec: Index
     return Case(cache, step, keys, q, w, num_tokens, spec)
 
 
+def write_step_keys(cache: IndexerKeyCache, batch, lengths: list[tuple[int, int]], gen: torch.Generator) -> None:
+    """Random keys (``gen``: a CPU generator) for every complete c4a entry of each request ``(seq_len, query_len)`` of
+    ``batch``, into the key cache that shares the c4a cache's blocks."""
+    for r, (seq, _) in enumerate(lengths):
+        entries = torch.arange(seq // 4, dtype=torch.int32, device=cache.device)
+        keys = torch.randn(len(entries), 128, generator=gen).to(cache.device)
+        cache.write(keys, batch.entry_slots("c4a", r, entries))
+
+
 def check_picks(got: torch.Tensor, want: torch.Tensor, q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache,
                 step: StepTokens, rows: int, rel: float = 2e-3) -> None:
     """Row for row the same picks as sets, except entries whose scores (float64 from the prepared ``q``, ``w`` and

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import DEVICE, needs
-from indexer_cases import make_case
+from indexer_cases import make_case, write_step_keys
 from sparse_mla.config import get_config
 from sparse_mla.indexer import IndexerSpec, StepTokens, index_topk_reference, prepare_queries, top_blocks_reference
 from sparse_mla.indexer_cache import IndexerKeyCache
@@ -209,9 +209,7 @@ def test_layer_picks_feed_the_attention_layer_unchanged():
     keys_cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device=DEVICE)
     keys_cache.poison()
     gen = torch.Generator().manual_seed(8)
-    for r, (seq, _) in enumerate(lengths):
-        entries = torch.arange(seq // 4, dtype=torch.int32, device=DEVICE)
-        keys_cache.write(torch.randn(len(entries), 128, generator=gen).to(DEVICE), batch.entry_slots("c4a", r, entries))
+    write_step_keys(keys_cache, batch, lengths, gen)
     indexer = SparseMLAIndexer("c4a", 16, topk, backend="reference")
     q_i = torch.randn(batch.token_capacity, 16, 128, generator=gen).to(DEVICE)
     w_i = torch.randn(batch.token_capacity, 16, generator=gen).to(DEVICE)

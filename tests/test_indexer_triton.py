@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import DEVICE, KERNEL_RUNS, ON_GPU, compile_child, needs, sized  # noqa: E402
-from indexer_cases import check_picks, make_case  # noqa: E402
+from indexer_cases import check_picks, make_case, write_step_keys  # noqa: E402
 from sparse_mla.indexer import (IndexerSpec, StepTokens, index_topk_reference, prepare_queries,  # noqa: E402
                                 top_blocks_reference)
 from sparse_mla.indexer_cache import IndexerKeyCache  # noqa: E402
@@ -297,9 +297,7 @@ def test_the_indexer_layer_converts_its_picks_and_the_attention_launches_no_conv
     cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device=DEVICE)
     cache.poison()
     gen = torch.Generator().manual_seed(21)
-    for r, (seq, _) in enumerate(lengths):
-        entries = torch.arange(seq // 4, dtype=torch.int32, device=DEVICE)
-        cache.write(torch.randn(len(entries), 128, generator=gen).to(DEVICE), batch.entry_slots("c4a", r, entries))
+    write_step_keys(cache, batch, lengths, gen)
     q = torch.randn(batch.token_capacity, 16, 128, generator=gen).to(DEVICE)
     w = torch.randn(batch.token_capacity, 16, generator=gen).to(DEVICE)
     indexer = SparseMLAIndexer("c4a", 16, 64, backend="triton", workspace_bytes=3 * 8 * 64 * (lengths[0][0] // 256 + 1))
@@ -368,9 +366,7 @@ def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select,
     cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, fmt, device=DEVICE)
     cache.poison()
     gen = torch.Generator().manual_seed(12)
-    for r, (seq, _) in enumerate(lengths):
-        entries = torch.arange(seq // 4, dtype=torch.int32, device=DEVICE)
-        cache.write(torch.randn(len(entries), 128, generator=gen).to(DEVICE), batch.entry_slots("c4a", r, entries))
+    write_step_keys(cache, batch, lengths, gen)
     q = torch.randn(batch.token_capacity, 16, 128, generator=gen).to(DEVICE)
     w = torch.randn(batch.token_capacity, 16, generator=gen).to(DEVICE)
     ref = SparseMLAIndexer("c4a", 16, k, backend="reference")(sc.meta, q, w, cache).clone()
@@ -439,9 +435,7 @@ def test_a_decode_step_is_captured_in_a_cuda_graph_and_replays_the_same_picks():
                        block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
     cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device=DEVICE)
     gen = torch.Generator().manual_seed(13)
-    for r, (seq, _) in enumerate(lengths):
-        entries = torch.arange(seq // 4, dtype=torch.int32, device=DEVICE)
-        cache.write(torch.randn(len(entries), 128, generator=gen).to(DEVICE), sc.batch.entry_slots("c4a", r, entries))
+    write_step_keys(cache, sc.batch, lengths, gen)
     cap = sc.batch.token_capacity
     q = torch.randn(cap, 64, 128, generator=gen).to(DEVICE, torch.bfloat16)
     w = torch.randn(cap, 64, generator=gen).to(DEVICE)
