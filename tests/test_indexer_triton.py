@@ -328,6 +328,77 @@ def test_the_indexer_layer_converts_its_picks_and_the_attention_launches_no_conv
     assert int(conversion.indices[0, 0]) != 12345
 
 
+def _v41_step_and_keys(gen: torch.Generator):
+    """A small V4.1 step (c2a and c1a beside the window) and each picks kind's key cache, every entry written."""
+    from sparse_mla.config import V41_KINDS
+    from sparse_mla.scenario import make_scenario
+
+    lengths = [(300, 2), (150, 3)]
+    sc = make_scenario(lengths, window=4, topk=32, fmt="bf16", decode_threshold=2, kinds=V41_KINDS, padding=2,
+                       block_sizes={"swa": 64, "c2a": 64, "c1a": 64}, device=DEVICE)
+    keys = {}
+    for kind, ratio in (("c2a", 2), ("c1a", 1)):
+        keys[kind] = IndexerKeyCache(sc.caches[kind].num_blocks, "fp8", device=DEVICE)
+        keys[kind].poison()
+        for r, (seq, _) in enumerate(lengths):
+            entries = torch.arange(seq // ratio, dtype=torch.int32, device=DEVICE)
+            keys[kind].write(torch.randn(len(entries), 128, generator=gen).to(DEVICE),
+                             sc.batch.entry_slots(kind, r, entries))
+    return sc, keys
+
+
+def _converted(meta, kind: str, picks: torch.Tensor) -> list[torch.Tensor]:
+    """The step's conversion of ``picks`` for ``kind`` by the torch twin: (indices, lens, kept), on the CPU."""
+    from sparse_mla.config import COMPRESS_RATIO
+    from sparse_mla.picks import compressed_picks_torch
+
+    b = meta.batch
+    out = [torch.empty_like(t) for t in (meta.picks_indices, meta.picks_lens, meta.picks_local)]
+    compressed_picks_torch(b.positions, b.token_to_req, b.block_tables[kind], b.block_sizes[kind],
+                           COMPRESS_RATIO[kind], picks, *out)
+    return [t.cpu() for t in out]
+
+
+@needs_kernels
+@pytest.mark.parametrize("between", ["the other kind's indexer", "the other kind's conversion", "the combined form",
+                                     "inference mode"])
+def test_picks_converted_by_the_select_are_not_reused_once_the_step_s_buffers_hold_others(between):
+    """The step's picks buffers are shared by V4.1's two picks kinds (and their kept picks by the combined form's
+    conversion): after c2a's select converted its picks, a c1a indexer, a c1a conversion or a combined-form conversion
+    of other picks rewrites them, and the c2a picks handed on afterwards are converted again, not skipped; under
+    ``torch.inference_mode`` (no version counters: an engine's usual mode) the select's picks still convert nothing
+    and give the conversion's values."""
+    import contextlib
+
+    from sparse_mla.index_forms import CombinedPicks, step_combined
+
+    gen = torch.Generator().manual_seed(3)
+    mode = torch.inference_mode() if between == "inference mode" else contextlib.nullcontext()
+    with mode:
+        sc, keys = _v41_step_and_keys(gen)
+        meta, cap = sc.meta, sc.batch.token_capacity
+
+        def index(kind):
+            return SparseMLAIndexer(kind, 8, 32, q_format="bf16", backend="triton")(
+                meta, torch.randn(cap, 8, 128, generator=gen).to(DEVICE), torch.randn(cap, 8, generator=gen).to(DEVICE),
+                keys[kind])
+
+        picks = index("c2a")
+        other = torch.full((cap, 32), -1, dtype=torch.int32, device=DEVICE)
+        other[:, 0] = 0
+        if between == "the other kind's indexer":
+            index("c1a")
+        elif between == "the other kind's conversion":
+            meta.picks_for("c1a", other)
+        elif between == "the combined form":
+            rows = step_combined(meta, "c2a", meta.picks_indices, meta.picks_lens, fill=False)
+            CombinedPicks(meta, "c2a", *rows)(other)
+        idx, lens = meta.picks_for("c2a", picks)
+        want = _converted(meta, "c2a", picks)
+        assert torch.equal(idx.cpu(), want[0]) and torch.equal(lens.cpu(), want[1])
+        assert torch.equal(meta.picks_local.cpu(), want[2])
+
+
 @needs_kernels
 @pytest.mark.parametrize("backend,debug", [("reference", False), ("triton", True)])
 def test_non_finite_queries_or_weights_are_refused_where_values_are_checked(backend, debug, monkeypatch):

@@ -108,9 +108,14 @@ class PicksConversion:
         # step (a context-parallel rank keeps its conversions across steps); None: the torch twin, per call
         self._launch = (triton_index.picks_converter(*self._batch_args(batch), *outs, world, rank)
                         if builders_use_triton(batch.device) else None)
-        # (picks, their version counter): picks whose conversion the indexer's select wrote into these buffers in its
-        # own launch (select_into / selected), so a call with them launches nothing; cleared by every other write
-        self._selected: tuple[torch.Tensor, int] | None = None
+        # the step's picks buffers are shared by every picks kind's conversion (V4.1's c2a and c1a) and, for the kept
+        # picks, by the combined form's: which picks they hold converted by the indexer's select is one record of
+        # the step (``[(kind, picks, version counter or None)]`` or ``[None]``), which every conversion that writes
+        # any of them clears, and only the conversion writing exactly them (the kind's default) may skip on
+        shared = (meta.picks_indices, meta.picks_lens, meta.picks_local)
+        self._owns_shared = all(a is b for a, b in zip(outs, shared))
+        self._writes_shared = any(a is b for a, b in zip(outs, shared))
+        self._selected: list = meta.plan(("picks", "selected"), lambda: [None])
 
     def _batch_args(self, batch) -> tuple:
         """What the conversion reads of the step's batch: positions, requests, the kind's block table and block size,
@@ -121,9 +126,10 @@ class PicksConversion:
 
     @property
     def takes_select(self) -> bool:
-        """Whether the indexer's select can write this conversion in its own launch (:meth:`select_into`): not a
-        context-parallel rank's (it keeps the rank's share of the picks)."""
-        return self._share == (1, 0)
+        """Whether the indexer's select can write this conversion in its own launch (:meth:`select_into`): the
+        kind's conversion into the step's picks buffers, not a context-parallel rank's (it keeps the rank's share of
+        the picks) nor the combined form's."""
+        return self._share == (1, 0) and self._owns_shared
 
     def select_into(self, first: int, rows: int):
         """Where the indexer's select converts tokens ``[first, first + rows)`` in its own launch
@@ -138,21 +144,29 @@ class PicksConversion:
 
     def selected(self, picks: torch.Tensor | None) -> None:
         """The indexer's select has just written ``picks`` and, through :meth:`select_into`, their conversion into
-        this conversion's buffers for every token (None: it wrote picks without converting them). Until ``picks``
-        changes (an in-place torch op bumps its version counter) or another write, a call with them launches
-        nothing."""
-        self._selected = None if picks is None else (picks, picks._version)
+        the step's picks buffers for every token (None: it wrote picks without converting them). Until another
+        conversion writes those buffers, or ``picks`` changes in place (a torch op moves its version counter;
+        inside ``torch.inference_mode`` tensors keep none, so there a write into the indexer's buffer goes unseen:
+        change a copy), a call of this kind with them launches nothing."""
+        self._selected[0] = None if picks is None else (
+            self.kind, picks, None if picks.is_inference() else picks._version)
+
+    def _holds(self, local: torch.Tensor) -> bool:
+        """Whether the step's picks buffers hold this kind's conversion of ``local``, written by the select."""
+        done = self._selected[0]
+        return (done is not None and done[1] is local and done[0] == self.kind and self._owns_shared
+                and (done[2] is None or local._version == done[2]))
 
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
         """Convert ``local`` ``(T, topk)`` int32 (``-1`` none) into :attr:`indices` / :attr:`lens` / :attr:`kept`;
         returns :attr:`kept`. No host sync (but under ``SPARSE_MLA_DEBUG=1``: :func:`check_picks`). Picks whose
         conversion the indexer's select already wrote here (:meth:`selected`) launch nothing."""
-        done = self._selected
-        if done is not None and local is done[0] and local._version == done[1]:
+        if self._holds(local):
             if debug_checks_enabled():
                 check_picks(self.meta, local, self.kind)
             return self.kept
-        self._selected = None  # the buffers now hold another conversion
+        if self._writes_shared:  # the step's picks buffers now hold another conversion
+            self._selected[0] = None
         if (type(local) is not torch.Tensor or local.dtype is not torch.int32 or local.shape != self.shape
                 or local.device != self.device):  # the full check only on a miss: it names what is wrong
             check_tensor("topk_indices", local, dtype=torch.int32, shape=self.shape, device=self.device)

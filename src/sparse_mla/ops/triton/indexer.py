@@ -521,7 +521,7 @@ def _check_picks_into(into: PicksInto, rows: int, k: int, device: torch.device) 
     check_positive_int("into.block_size", into.block_size)
     n = into.rows
     for name, t, shape in (("positions", into.positions, (n,)), ("token_to_req", into.token_to_req, (n,)),
-                           ("table", into.table, (None, None)), ("indices", into.indices, (n, k)),
+                           ("table", into.table, (1, 1)), ("indices", into.indices, (n, k)),
                            ("lens", into.lens, (n,)), ("kept", into.kept, (n, k))):
         check_tensor(f"into.{name}", t, dtype=torch.int32, ndim=len(shape), device=device)
         if any(want is not None and got < want for got, want in zip(t.shape, shape)) or t.shape[-1] < 1:
@@ -557,8 +557,9 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto |
     segment's top ``k`` keys, then the top ``k`` of those (the row's top ``k`` are among them).
 
     into: also convert the picks into cache slots in the (last) launch (:class:`PicksInto`), the same values as
-    :class:`sparse_mla.picks.PicksConversion` writes for ``out``'s picks: the picks are visible entries of
-    present blocks by construction (the score kernel packs no other), so the conversion drops none."""
+    :class:`sparse_mla.picks.PicksConversion` writes for ``out``'s picks, provided every candidate of a row is an
+    entry its token may see on a present block: true of the score kernel's rows (it packs no other as a candidate),
+    so the conversion drops nothing; rows packed otherwise must hold ``INT64_MIN`` there."""
     check_tensor("packed", packed, dtype=torch.int64, ndim=2)
     k = check_positive_int("k", k)
     rows, cols = packed.shape
