@@ -22,6 +22,7 @@ from .ops.validate import debug_checks_enabled
 
 if TYPE_CHECKING:
     from .metadata import StepMetadata
+    from .ops.triton.indexer import PicksInto
 
 
 def compact_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +132,7 @@ class PicksConversion:
         the picks) nor the combined form's."""
         return self._share == (1, 0) and self._owns_shared
 
-    def select_into(self, first: int, rows: int):
+    def select_into(self, first: int, rows: int) -> PicksInto:
         """Where the indexer's select converts tokens ``[first, first + rows)`` in its own launch
         (:class:`sparse_mla.ops.triton.indexer.PicksInto`: this conversion's buffers and the step's tensors from
         ``first``; only where :attr:`takes_select`)."""
