@@ -283,7 +283,8 @@ def test_the_indexer_layer_converts_its_picks_and_the_attention_launches_no_conv
     """The Triton indexer's select writes the step's conversion of its picks (every token's row, padding included,
     over several chunks) as the conversion would; the attention's call with those picks converts nothing (the
     buffers poisoned after the select stay), until the picks change in place or another write replaces the
-    buffers; the attention's outputs are the same either way."""
+    buffers; the attention's outputs are the same either way, in each index form (the ragged form reads the
+    padded conversion, the combined form converts into its own rows)."""
     from sparse_mla.layer import SparseMLAAttention
     from sparse_mla.picks import compressed_picks_torch, step_picks
     from sparse_mla.scenario import make_scenario
@@ -309,12 +310,14 @@ def test_the_indexer_layer_converts_its_picks_and_the_attention_launches_no_conv
     compressed_picks_torch(batch.positions, batch.token_to_req, table, 64, 4, picks, *want)
     for got, expected in zip((conversion.indices, conversion.lens, conversion.kept), want):
         assert torch.equal(got.cpu(), expected.cpu())
-    attn = SparseMLAAttention("c4a", 4, window=4, topk=64, backend="reference")
     q_attn = torch.randn(batch.token_capacity, 4, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
-    fused = attn(q_attn, meta, sc.caches, picks).clone()
-    assert not fused[: batch.num_tokens].isnan().any()
-    assert torch.equal(fused, attn(q_attn, meta, sc.caches, picks.clone()))  # another tensor: converted again
-    assert torch.equal(conversion.indices.cpu(), want[0].cpu())
+    for form in ("padded", "ragged", "combined"):  # the index forms read the padded conversion, or convert anew
+        attn = SparseMLAAttention("c4a", 4, window=4, topk=64, backend="reference", index_form=form)
+        indexer(meta, q, w, cache)
+        fused = attn(q_attn, meta, sc.caches, picks).clone()
+        assert not fused[: batch.num_tokens].isnan().any()
+        assert torch.equal(fused, attn(q_attn, meta, sc.caches, picks.clone()))  # another tensor: converted again
+        assert torch.equal(conversion.indices.cpu(), want[0].cpu())
     indexer(meta, q, w, cache)  # the select writes the conversion again
     conversion.indices[0, 0] = 12345
     conversion(picks)  # its own picks: no launch
