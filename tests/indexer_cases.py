@@ -75,6 +75,14 @@ def write_step_keys(cache: IndexerKeyCache, batch, lengths: list[tuple[int, int]
         cache.write(keys, batch.entry_slots("c4a", r, entries))
 
 
+def packed_rows(scores: torch.Tensor) -> torch.Tensor:
+    """Packed keys of float32 ``scores (rows, cols)`` as the score kernel stores them (NaN: not a candidate)."""
+    scores = torch.where(scores == 0, 0.0, scores)  # -0.0 is stored as +0.0
+    bits = scores.view(torch.int32).long()
+    packed = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) << 32) | (0xFFFFFFFF - torch.arange(scores.shape[1]))
+    return torch.where(scores.isnan(), -(2 ** 63), packed)  # INT64_MIN: not a candidate
+
+
 def check_picks(got: torch.Tensor, want: torch.Tensor, q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache,
                 step: StepTokens, rows: int, rel: float = 2e-3) -> None:
     """Row for row the same picks as sets, except entries whose scores (float64 from the prepared ``q``, ``w`` and

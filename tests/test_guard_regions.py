@@ -290,3 +290,44 @@ def test_token_order_ragged_builder_and_picks():
         assert all(o.intact() for o in outs) and picks.intact() and table.intact()
         results.append([o.t for o in outs])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_select_converting_its_picks():
+    """The indexer's select converting its picks in its own launch (``PicksInto``): candidates anywhere in the rows,
+    a token of position -1, the padding tokens' programs past the packed rows, a block-table entry of -1; every
+    tensor guarded (a packed row's guards hold the best possible key, which a read past the row would pick), against
+    the conversion's torch twin of the picks it wrote."""
+    from indexer_cases import packed_rows
+    from sparse_mla.ops.triton import indexer as triton_indexer
+
+    sizes = {"swa": 64, "c4a": 64, "c128a": 2}
+    lengths = [(1200, 2), (700, 2)]
+    reqs = [Request(s, q, {k: [40 * r + b for b in range(blocks_needed(s, k, sizes[k]))] for k in sizes})
+            for r, (s, q) in enumerate(lengths)]
+    batch = StepBatchBuilder(6, 2, 2048, block_sizes=sizes, device=DEVICE).build(reqs)  # 4 tokens, 2 padding
+    positions = batch.positions.clone()
+    positions[1] = -1  # a token of the chunk without a position: an empty row, whatever its packed row holds
+    table = batch.block_tables["c4a"].clone()
+    table[1, 2] = -1  # a missing block: its entries are never candidates
+    rows, cols, k = 4, 320, 64
+    gen = torch.Generator().manual_seed(17)
+    visible = (positions[:rows].cpu() + 1).clamp_min(0) // 4
+    col = torch.arange(cols)
+    present = table.cpu()[batch.token_to_req[:rows].cpu().clamp_min(0)][:, col // 64] >= 0
+    scores = torch.randn(rows, cols, generator=gen)
+    scores[(col[None, :] >= visible[:, None]) | ~present] = float("nan")
+    packed = Guarded(packed_rows(scores).to(DEVICE), 0x7FFFFFFF00000000)
+    out = Guarded(torch.full((rows, k), -9, **I32), -9)
+    conv = [Guarded(torch.full(shape, -9, **I32), -9) for shape in ((6, k), (6,), (6, k))]
+    tensors = [Guarded(t, 7) for t in (positions, batch.token_to_req, table)]
+    into = triton_indexer.PicksInto(tensors[0].t, tensors[1].t, tensors[2].t, 64, *(c.t for c in conv), 6)
+    triton_indexer.topk_rows(packed.t, k, out.t, into)
+    assert all(g.intact() for g in (packed, out, *conv, *tensors))
+    picks = torch.full((6, k), -1, **I32)
+    picks[:rows] = out.t
+    want = [torch.empty_like(c.t) for c in conv]
+    compressed_picks_torch(positions, batch.token_to_req, table, 64, 4, picks, *want)
+    assert all(torch.equal(c.t, w) for c, w in zip(conv, want))
+    expected = triton_indexer.topk_from_packed(packed.t, k)
+    expected[1] = -1
+    assert torch.equal(out.t.sort(1).values, expected.sort(1).values)

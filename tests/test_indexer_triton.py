@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import DEVICE, KERNEL_RUNS, ON_GPU, compile_child, needs, sized  # noqa: E402
-from indexer_cases import check_picks, make_case, write_step_keys  # noqa: E402
+from indexer_cases import check_picks, make_case, packed_rows, write_step_keys  # noqa: E402
 from sparse_mla.indexer import (IndexerSpec, StepTokens, index_topk_reference, prepare_queries,  # noqa: E402
                                 top_blocks_reference)
 from sparse_mla.indexer_cache import IndexerKeyCache  # noqa: E402
@@ -149,16 +149,6 @@ def test_select_kernel_refuses_a_segmented_row_whose_k_would_not_shorten_it():
         kernels.topk_rows(packed, SELECT_SEGMENT, out)
 
 
-def _packed_rows(scores: torch.Tensor) -> torch.Tensor:
-    """Packed keys of float32 ``scores (rows, cols)`` as the score kernel stores them (NaN: not a candidate)."""
-    from sparse_mla.ops.triton import indexer as kernels
-
-    scores = torch.where(scores == 0, 0.0, scores)  # -0.0 is stored as +0.0
-    bits = scores.view(torch.int32).long()
-    packed = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) << 32) | (0xFFFFFFFF - torch.arange(scores.shape[1]))
-    return torch.where(scores.isnan(), kernels.INT64_MIN, packed)
-
-
 @needs_kernels
 @pytest.mark.parametrize("rows,cols,k,valid", [(5, 512, 64, 300), (3, 1024, 512, 1024), (4, 640, 512, 100),
                                                (2, 2048, 128, 2048), (3, 256, 256, 256), (2, 32768, 512, 30000),
@@ -178,7 +168,7 @@ def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
     if cols > 16384:  # segments: the best entries crowd into one of them
         scores[0, 9000:9000 + k] += 10.0
     scores[:, valid:] = float("nan")  # not candidates
-    packed = _packed_rows(scores).to(DEVICE)
+    packed = packed_rows(scores).to(DEVICE)
     out = torch.full((rows, k), 7, dtype=torch.int32, device=DEVICE)
     kernels.topk_rows(packed, k, out)
     want = kernels.topk_from_packed(packed, k)
@@ -216,7 +206,7 @@ def test_select_kernel_is_exact_on_rows_of_ties_and_extreme_scores(values, cols,
 
     gen = torch.Generator().manual_seed(cols + k + len(values))
     scores = torch.stack([SELECT_VALUES[values](gen, cols) for _ in range(3)])
-    packed = _packed_rows(scores).to(DEVICE)
+    packed = packed_rows(scores).to(DEVICE)
     out = torch.full((3, k), 7, dtype=torch.int32, device=DEVICE)
     kernels.topk_rows(packed, k, out)
     want = kernels.topk_from_packed(packed, k).cpu()
@@ -254,7 +244,7 @@ def test_select_converts_its_picks_in_its_launch_as_the_conversion_does(cols, k,
     scores = torch.randn(rows, cols, generator=gen)
     scores[0, :40] = 0.25  # exact ties
     scores[(col[None, :] >= visible[:, None]) | ~present] = float("nan")  # what the score kernel packs as no candidate
-    packed = _packed_rows(scores).to(DEVICE)
+    packed = packed_rows(scores).to(DEVICE)
     plain = torch.full((rows, k), 7, dtype=torch.int32, device=DEVICE)
     kernels.topk_rows(packed, k, plain)
     step = [t.to(DEVICE) for t in (positions, token_to_req, table)]
