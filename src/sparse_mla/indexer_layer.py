@@ -258,6 +258,7 @@ class SparseMLAIndexer(torch.nn.Module):
                 plan.picks[t0:t1] = kernels.topk_from_packed(packed, self.topk)
             else:  # the last chunk's launch also writes the padding tokens' empty rows
                 into = conversion.select_into(t0, (capacity if i == len(chunks) - 1 else t1) - t0) if fused else None
-                kernels.topk_rows(packed, self.topk, plan.picks[t0:t1], into)
+                # the plan's own buffers and the step conversion's (each made to fit): launched unchecked
+                kernels.launch_topk_rows(packed, self.topk, plan.picks[t0:t1], into)
         if conversion is not None:
             conversion.selected(plan.picks if fused and chunks else None)

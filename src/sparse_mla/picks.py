@@ -117,6 +117,7 @@ class PicksConversion:
         self._owns_shared = all(a is b for a, b in zip(outs, shared))
         self._writes_shared = any(a is b for a, b in zip(outs, shared))
         self._selected: list = meta.plan(("picks", "selected"), lambda: [None])
+        self._into: dict[tuple[int, int], PicksInto] = {}  # select_into's views, by (first token, rows)
 
     def _batch_args(self, batch) -> tuple:
         """What the conversion reads of the step's batch: positions, requests, the kind's block table and block size,
@@ -136,12 +137,16 @@ class PicksConversion:
         """Where the indexer's select converts tokens ``[first, first + rows)`` in its own launch
         (:class:`sparse_mla.ops.triton.indexer.PicksInto`: this conversion's buffers and the step's tensors from
         ``first``; only where :attr:`takes_select`)."""
-        from .ops.triton.indexer import PicksInto  # Triton is imported only where it runs
+        into = self._into.get((first, rows))
+        if into is None:  # the step's chunks: the same views for every layer of the step
+            from .ops.triton.indexer import PicksInto  # Triton is imported only where it runs
 
-        positions, token_to_req, table, block_size, _ = self._batch_args(self.meta.batch)
-        end = first + rows
-        return PicksInto(positions[first:end], token_to_req[first:end], table, block_size, self.indices[first:end],
-                         self.lens[first:end], self.kept[first:end], rows)
+            positions, token_to_req, table, block_size, _ = self._batch_args(self.meta.batch)
+            end = first + rows
+            into = self._into[first, rows] = PicksInto(
+                positions[first:end], token_to_req[first:end], table, block_size, self.indices[first:end],
+                self.lens[first:end], self.kept[first:end], rows)
+        return into
 
     def selected(self, picks: torch.Tensor | None) -> None:
         """The indexer's select has just written ``picks`` and, through :meth:`select_into`, their conversion into

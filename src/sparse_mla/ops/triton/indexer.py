@@ -569,6 +569,13 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto |
                          f"{out.stride()}")
     if into is not None:
         _check_picks_into(into, rows, k, packed.device)
+    launch_topk_rows(packed, k, out, into)
+
+
+def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto | None = None) -> None:
+    """:func:`topk_rows`' launches alone, for a caller that made its arguments to fit (the indexer layer: its own
+    workspace and picks buffer, the step conversion's :class:`PicksInto`)."""
+    rows, cols = packed.shape
     column_entries = True
     while cols > MAX_SELECT_COLS:
         if cols % SELECT_SEGMENT or not select_kernel_takes(k) or not packed.is_contiguous():
