@@ -90,7 +90,8 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
                 indexer.prepare_queries(q, torch.zeros(2, 64), trig, trig, half_split, True, 0.01, q_out,
                                         torch.zeros(2, 64))
             out.append((f"indexer q prep {'V3.2' if half_split else 'V4'} into {str(q_dtype)[6:]}", calls))
-    def into(rows: int, k: int):  # the step's conversion buffers, as the indexer layer hands them to its select
+    def into(rows: int, k: int) -> indexer.PicksInto:
+        """The step's conversion buffers, as the indexer layer hands them to its select."""
         z = torch.zeros(rows, dtype=torch.int32)
         return indexer.PicksInto(z, z, torch.zeros(rows, 16, dtype=torch.int32), 64,
                                  torch.zeros(rows, k, dtype=torch.int32), z.clone(),

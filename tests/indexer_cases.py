@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparse_mla.batch import StepBatch
 from sparse_mla.indexer import IndexerSpec, StepTokens, prepare_queries
 from sparse_mla.indexer_cache import IndexerKeyCache
 
@@ -66,7 +67,8 @@ def make_case(gen: torch.Generator, requests: list[tuple[int, int]], spec: Index
     return Case(cache, step, keys, q, w, num_tokens, spec)
 
 
-def write_step_keys(cache: IndexerKeyCache, batch, lengths: list[tuple[int, int]], gen: torch.Generator) -> None:
+def write_step_keys(cache: IndexerKeyCache, batch: StepBatch, lengths: list[tuple[int, int]],
+                    gen: torch.Generator) -> None:
     """Random keys (``gen``: a CPU generator) for every complete c4a entry of each request ``(seq_len, query_len)`` of
     ``batch``, into the key cache that shares the c4a cache's blocks."""
     for r, (seq, _) in enumerate(lengths):

@@ -78,7 +78,8 @@ class StepMetadata:
     ``(T, ceil(max_model_len/128))`` + c128a_lens (``None`` when the batch has no c128a block table).
     picks_indices / picks_lens / picks_local ``(T, topk)``, ``(T,)``, ``(T, topk)``: the last converted picks
     of a picks kind (c4a, c2a, c1a or dsa), filled per layer by :meth:`picks_for` (:meth:`c4a_indices`,
-    :meth:`dsa_indices`); every picks kind of the batch shares them (each layer converts before it attends);
+    :meth:`dsa_indices`); every picks kind of the batch shares them (each layer converts before it attends, but for
+    the picks the indexer's select converted itself);
     picks_bound ``(T,)``: ``min(topk, entries visible to the token)`` at the smallest ratio of the batch's picks
     kinds, what any layer's picks count can reach (the decode order's estimate). decode_orders: ``(T,)`` per ordered kind, see
     :meth:`decode_order`.

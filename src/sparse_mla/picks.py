@@ -5,7 +5,8 @@ A pick ``w`` of a token at position ``p`` is kept only if entry ``w`` is complet
 picks keep their order, compacted to a valid prefix, and become slots through the kind's block table. One step's
 conversion of one kind is a :class:`PicksConversion`, made once per step (:func:`step_picks`) and called per layer:
 it writes the buffers it names (``indices``, ``lens``, ``kept``), by default the step metadata's picks buffers, so
-that every layer of the step, and a CUDA graph captured with them, reads the same tensors.
+that every layer of the step, and a CUDA graph captured with them, reads the same tensors — unless the indexer's
+select already wrote them for those picks (:meth:`PicksConversion.selected`).
 """
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def compressed_picks_torch(positions: torch.Tensor, token_to_req: torch.Tensor, 
 
 class PicksConversion:
     """One step's conversion of a picks kind's picks: everything but the picks is bound once, so a layer call pays
-    one launch (the Triton builders) or a few torch ops, and attribute checks.
+    one launch (the Triton builders) or a few torch ops, and attribute checks; none where the indexer's select
+    already wrote the conversion of those picks (:meth:`selected`).
 
     indices ``(T, topk)`` / lens ``(T,)`` / kept ``(T, topk)`` int32: the buffers each call writes (the picks'
     slots, their count, the kept picks themselves; each row a valid prefix): by default the step's picks buffers

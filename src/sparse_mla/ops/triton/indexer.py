@@ -417,9 +417,10 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
 
     ``CONVERT`` (the entries, not ``KEYS``): the picks are converted in the same launch, as
     :class:`sparse_mla.picks.PicksConversion` converts them: row ``r``'s token ``r`` of the conversion's tensors
-    (``pos_ptr`` … ``kept_ptr``: views from the chunk's first token) gets its picks' cache slots through its request's
-    block-table row (``table_ptr``, ``BS`` entries a block), their count and the picks themselves; the programs past
-    the ``num_rows`` packed rows, and tokens of position ``-1``, write empty rows (the padding tokens')."""
+    (``pos_ptr`` … ``kept_ptr``: views from the chunk's first token, but the block table whole) gets its picks'
+    cache slots through its request's block-table row (``table_ptr``, ``BS`` entries a block), their count and the
+    picks themselves; the programs past the ``num_rows`` packed rows, and tokens of position ``-1``, write empty
+    rows (the padding tokens')."""
     HAS_TAIL: tl.constexpr = TAIL > 1
     row = tl.program_id(0).to(tl.int64)
     conv = (req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr, kept_stride)
@@ -524,8 +525,8 @@ def _check_picks_into(into: PicksInto, rows: int, k: int, device: torch.device) 
                            ("table", into.table, (1, 1)), ("indices", into.indices, (n, k)),
                            ("lens", into.lens, (n,)), ("kept", into.kept, (n, k))):
         check_tensor(f"into.{name}", t, dtype=torch.int32, ndim=len(shape), device=device)
-        if any(want is not None and got < want for got, want in zip(t.shape, shape)) or t.shape[-1] < 1:
-            raise ValueError(f"into.{name} must have at least shape {shape} (None: any), got {tuple(t.shape)}")
+        if any(got < want for got, want in zip(t.shape, shape)):
+            raise ValueError(f"into.{name} must have at least shape {shape}, got {tuple(t.shape)}")
         if t.stride(-1) != 1:
             raise ValueError(f"into.{name} must have unit stride in its last dimension, got {t.stride()}")
 
