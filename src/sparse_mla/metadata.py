@@ -13,7 +13,8 @@ decode step can be captured in a CUDA graph.
   :mod:`sparse_mla.picks`); an invisible pick is dropped, not
   an error (a pick below -1 or past ``max_model_len``'s entries is one, checked under ``SPARSE_MLA_DEBUG=1``).
   Layers that reuse one indexer's picks (V4.1's ``index_source_layer_ids``) each convert the same picks tensor,
-  except picks the library's indexer converted in its select (:meth:`~sparse_mla.picks.PicksConversion.selected`: none converts).
+  except picks the library's indexer converted in its select (none converts them:
+  :meth:`~sparse_mla.picks.PicksConversion.selected`).
 * DSA (V3.2): the indexer's picks are request-local raw positions; a pick after the token's own position is
   dropped; converted per layer by :meth:`StepMetadata.dsa_indices` (the same rule with ratio 1).
 * Decode order (:meth:`StepMetadata.decode_order`): per kind with long lists, the decode tokens longest key
@@ -78,8 +79,8 @@ class StepMetadata:
     ``(T, ceil(max_model_len/128))`` + c128a_lens (``None`` when the batch has no c128a block table).
     picks_indices / picks_lens / picks_local ``(T, topk)``, ``(T,)``, ``(T, topk)``: the last converted picks
     of a picks kind (c4a, c2a, c1a or dsa), filled per layer by :meth:`picks_for` (:meth:`c4a_indices`,
-    :meth:`dsa_indices`); every picks kind of the batch shares them (each layer converts before it attends, but for
-    the picks the indexer's select converted itself);
+    :meth:`dsa_indices`); every picks kind of the batch shares them (each layer converts before it attends, but
+    for the picks the indexer's select converted itself);
     picks_bound ``(T,)``: ``min(topk, entries visible to the token)`` at the smallest ratio of the batch's picks
     kinds, what any layer's picks count can reach (the decode order's estimate). decode_orders: ``(T,)`` per ordered kind, see
     :meth:`decode_order`.

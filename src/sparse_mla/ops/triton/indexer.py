@@ -498,10 +498,10 @@ def select_tiles(cols: int, k: int) -> tuple[int, int]:
 
 class PicksInto(NamedTuple):
     """Where the select converts its picks in its own launch (:func:`topk_rows`), as
-    :class:`sparse_mla.picks.PicksConversion` would: every tensor a view from the chunk's first token, int32, unit
-    column stride. positions / token_to_req ``(>= rows,)``; table ``(R, max_blocks)`` the kind's block table,
-    ``block_size`` entries a block; indices ``(>= rows, k)`` the picks' slots, lens ``(>= rows,)`` their count, kept
-    ``(>= rows, k)`` the picks themselves; rows: the tokens written, at least the packed rows (the rest, the step's
+    :class:`sparse_mla.picks.PicksConversion` would: every tensor but the table a view from the chunk's first token,
+    int32, unit column stride. positions / token_to_req ``(rows,)``; table ``(R, max_blocks)`` the kind's block
+    table, ``block_size`` entries a block; indices ``(rows, k)`` the picks' slots, lens ``(rows,)`` their count, kept
+    ``(rows, k)`` the picks themselves; rows: the tokens written, at least the packed rows (the rest, the step's
     padding tokens after the last chunk, get empty rows)."""
 
     positions: torch.Tensor
@@ -522,13 +522,13 @@ def _check_picks_into(into: PicksInto, rows: int, k: int, device: torch.device) 
     check_positive_int("into.block_size", into.block_size)
     n = into.rows
     for name, t, shape in (("positions", into.positions, (n,)), ("token_to_req", into.token_to_req, (n,)),
-                           ("table", into.table, (1, 1)), ("indices", into.indices, (n, k)),
+                           ("table", into.table, (None, None)), ("indices", into.indices, (n, k)),
                            ("lens", into.lens, (n,)), ("kept", into.kept, (n, k))):
-        check_tensor(f"into.{name}", t, dtype=torch.int32, ndim=len(shape), device=device)
-        if any(got < want for got, want in zip(t.shape, shape)):
-            raise ValueError(f"into.{name} must have at least shape {shape}, got {tuple(t.shape)}")
+        check_tensor(f"into.{name}", t, dtype=torch.int32, shape=shape, device=device)
         if t.stride(-1) != 1:
             raise ValueError(f"into.{name} must have unit stride in its last dimension, got {t.stride()}")
+    if 0 in into.table.shape:
+        raise ValueError(f"into.table must have a row and a column, got shape {tuple(into.table.shape)}")
 
 
 def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, column_entries: bool,
