@@ -445,6 +445,16 @@ def test_attention_kernel_names_what_runs():
     (256, 64, 10, (1, 0), (1, 0)),  # two whole waves
     (4096, 64, 20, (1, 0), (1, 0)),  # large grids stay unsplit
     (40, 64, 32, (3, 40), (3, 40)),  # a third of the SMs: every list split to fill them (132 // 40)
+    # V4-Flash decode (2 tokens a request, 64 heads; c4a lists 10 blocks, c128a 6): B 32 stays whole (two pieces
+    # and the combine cost what half a list saves), B 24's c4a and B 16's both split (H200, docs/history.md v32)
+    (64, 64, 10, (1, 0), (1, 0)),
+    (64, 64, 6, (1, 0), (1, 0)),
+    (48, 64, 10, (2, 48), (2, 48)),
+    (48, 64, 6, (1, 0), (1, 0)),
+    (32, 64, 10, (4, 32), (4, 32)),
+    (32, 64, 6, (3, 32), (3, 32)),
+    (16, 64, 10, (5, 16), (5, 16)),
+    (32, 128, 18, (2, 32), (2, 32)),  # V4-Pro B 16's c4a (64 programs): half of 18 blocks pays for the split
     (40, 64, 1, (1, 0), (1, 0)),  # a one-block list is never split
     (0, 64, 32, (1, 0), (1, 0)),  # no token
 ])
@@ -468,12 +478,13 @@ def test_persistent_programs_only_on_the_tritons_whose_build_ran_faster_for_them
     assert not host.persistent(200, 18, 132) and not host.persistent(512, 25, 132)  # too few items / too long
 
 
-@pytest.mark.parametrize("arch, want", [(("cuda", 90), 32), (("hip", "gfx1201"), 8), (None, 4)])
+@pytest.mark.parametrize("arch, want", [(("cuda", 90), 22), (("hip", "gfx1201"), 8), (None, 4)])
 def test_a_plan_for_a_target_counts_its_sms(arch, want):
     """A plan made on the CPU for a target splits as on that GPU (targets.Target.sms, the portability report's
-    plans): one token of 64 heads over a 4096-key list is cut into as many pieces as the SMs take its programs, at
-    most 32 — an H100's 132 SMs one program of 64 heads (32 pieces), an RX 9070 XT's 32 WGPs four of 16 heads (8
-    each); the interpreter (no target) counts 4."""
+    plans): one token of 64 heads over a 128 + 4096-key list (66 blocks) is cut into as many pieces as the SMs take
+    its programs, at most 32, the fewest that give the shortest piece — an H100's 132 SMs one program of 64 heads (22
+    pieces of 3 blocks: 32 would leave 10 empty), an RX 9070 XT's 32 WGPs four of 16 heads (8 each); the interpreter
+    (no target) counts 4."""
     from sparse_mla.formats import get_format
     from sparse_mla.ops import attention_plan, targets
 

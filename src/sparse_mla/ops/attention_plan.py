@@ -31,10 +31,16 @@ def choose_splits(num_tokens: int, num_heads: int, head_blocks: int, max_blocks:
 
     num_heads: a token's heads (all its head blocks'); max_blocks: the longest key list the widths allow, in key
     blocks (the scopes' widths summed). A program holds a whole SM (its accumulators fill the register file), so
-    the grid runs in waves of one program per SM. A grid that leaves at least half the SMs idle is split to fill
-    them. A larger grid is split, into pieces of at least 4 blocks, only where that cuts its estimated time by over
-    15 %, counted in key-block times: ``waves × blocks per program``, plus per piece (none when unsplit) one block
-    for its prologue and one per 32 heads for its float32 partial rows, written and read again by the combine.
+    the grid runs in waves of one program per SM. A grid that leaves at least half the SMs idle may be split to fill
+    them, into as many pieces as fit (at least two blocks each; the fewest that give the shortest piece), where that
+    cuts its estimated time, in key-block times, by over 10 %: the piece's blocks, plus 2 for the combine's launch
+    and the pieces' prologues and 4.5 × (heads a program / 64) × programs / SMs for the partial rows written and
+    read again (a fit to the Gluon kernel on an H200, V4-Flash decode at B 8-32: 64 tokens of 64 heads and 10
+    blocks, B 32's c4a, take 35.7 µs unsplit and 36.0 in two pieces, so they stay whole and skip the combine's
+    launch; 32 tokens of 6 blocks 21.6 and 17.9 in three; docs/history.md version 32). A larger grid is split, into
+    pieces of at least 4 blocks, only where that cuts its estimated time by over 15 %, counted in key-block times:
+    ``waves × blocks per program``, plus per piece (none when unsplit) one block for its prologue and one per 32
+    heads for its float32 partial rows, written and read again by the combine.
     E.g. 148 tokens of 16 heads and 32 blocks on 132 SMs take 2 waves × 32 = 64 block times unsplit and
     5 × 8 + 4 × 1.5 = 46 with every token in four pieces; grids of whole waves (128 or 256 programs on an H100), and
     large ones, whose last wave is a small part of their time, stay unsplit.
@@ -50,8 +56,12 @@ def choose_splits(num_tokens: int, num_heads: int, head_blocks: int, max_blocks:
     if max_blocks <= 1 or programs == 0:
         return 1, 0
     if 2 * programs <= sms:
-        pieces = max(1, min(sms // programs, max_blocks // 2, 32))
-        return (pieces, num_tokens) if pieces > 1 else (1, 0)
+        most = min(sms // programs, max_blocks // 2, 32)
+        pieces = min(range(2, most + 1), key=lambda p: triton.cdiv(max_blocks, p), default=1)
+        split_cost = 2 + 4.5 * num_heads / head_blocks / 64 * programs / sms
+        if pieces > 1 and triton.cdiv(max_blocks, pieces) + split_cost < 0.9 * max_blocks:
+            return pieces, num_tokens
+        return 1, 0
     per_piece = 1 + num_heads / 32
     sizes = [p for p in (2, 4, 8) if 4 * p <= max_blocks]
     unsplit = triton.cdiv(programs, sms) * max_blocks
