@@ -454,6 +454,8 @@ def test_attention_kernel_names_what_runs():
     (32, 64, 10, (4, 32), (4, 32)),
     (32, 64, 6, (3, 32), (3, 32)),
     (16, 64, 10, (5, 16), (5, 16)),
+    (16, 64, 6, (3, 16), (3, 16)),
+    (16, 64, 4, (1, 0), (1, 0)),  # 4 blocks: two pieces of 2 and the combine cost more than the 2 blocks saved
     (32, 128, 18, (2, 32), (2, 32)),  # V4-Pro B 16's c4a (64 programs): half of 18 blocks pays for the split
     (40, 64, 1, (1, 0), (1, 0)),  # a one-block list is never split
     (0, 64, 32, (1, 0), (1, 0)),  # no token

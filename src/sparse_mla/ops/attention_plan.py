@@ -32,12 +32,13 @@ def choose_splits(num_tokens: int, num_heads: int, head_blocks: int, max_blocks:
     num_heads: a token's heads (all its head blocks'); max_blocks: the longest key list the widths allow, in key
     blocks (the scopes' widths summed). A program holds a whole SM (its accumulators fill the register file), so
     the grid runs in waves of one program per SM. A grid that leaves at least half the SMs idle may be split to fill
-    them, into as many pieces as fit (at least two blocks each; the fewest that give the shortest piece), where that
-    cuts its estimated time, in key-block times, by over 10 %: the piece's blocks, plus 2 for the combine's launch
-    and the pieces' prologues and 4.5 × (heads a program / 64) × programs / SMs for the partial rows written and
-    read again (a fit to the Gluon kernel on an H200, V4-Flash decode at B 8-32: 64 tokens of 64 heads and 10
-    blocks, B 32's c4a, take 35.7 µs unsplit and 36.0 in two pieces, so they stay whole and skip the combine's
-    launch; 32 tokens of 6 blocks 21.6 and 17.9 in three; docs/history.md version 32). A larger grid is split, into
+    them — up to as many pieces as fit and ``max_blocks // 2`` (two blocks a piece on average); of those, the fewest
+    that give the shortest piece — where that cuts its estimated time, in key-block times, by over 10 %: the
+    longest piece's blocks, plus 2 for the combine's launch and the pieces' prologues and 4.5 × (heads a program /
+    64) × programs / SMs for the partial rows written and read again (a fit to the Gluon kernel on an H200, V4-Flash
+    decode at B 8-32: 64 tokens of 64 heads and 10 blocks, B 32's c4a, take 35.7 µs unsplit and 36.0 in two pieces,
+    so they stay whole and skip the combine's launch; 32 tokens of 6 blocks 21.5 and 17.9 in three; docs/history.md
+    version 32; other GPUs and the Triton kernel not measured). A larger grid is split, into
     pieces of at least 4 blocks, only where that cuts its estimated time by over 15 %, counted in key-block times:
     ``waves × blocks per program``, plus per piece (none when unsplit) one block for its prologue and one per 32
     heads for its float32 partial rows, written and read again by the combine.
