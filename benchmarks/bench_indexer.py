@@ -165,16 +165,20 @@ def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
     dot = plan.q.dtype  # the layer's dot operands (e4m3 where the target has fp8 tensor cores)
     q_dot = q_ready.to(dot)
     native = targets.target_of(dev).native_fp8
-    (t0, t1, longest), = plan.chunks[:1] if len(plan.chunks) == 1 else [(0, 0, 0)]
+    words = layer.scores_as_words(plan)  # the layer's scores: words or packed keys, in their chunks
+    chunks = plan.word_chunks if words else plan.chunks
+    (t0, t1, longest), = chunks[:1] if len(chunks) == 1 else [(0, 0, 0)]
     parts = {"layer_us": lambda: layer(meta, q, w, cache),
              "prep_us": lambda: kernels.prepare_queries(q, w, plan.cos, plan.sin, case.kind == "dsa", True,
                                                         layer.spec.weight_scale, plan.q, plan.w)}
-    if len(plan.chunks) == 1:  # the parts of a one-chunk call
-        packed = plan.workspace[: t1 - t0]
-        parts["scores_us"] = lambda: kernels.index_scores(q_dot, w_ready, cache, step, packed, t0, t1, longest, dot,
+    if len(chunks) == 1:  # the parts of a one-chunk call, as the layer scores and selects
+        scores = plan.scores(t1 - t0, words)
+        parts["scores_us"] = lambda: kernels.index_scores(q_dot, w_ready, cache, step, scores, t0, t1, longest, dot,
                                                           native)
         # the select, without the conversion the layer's launch adds
-        parts["topk_us"] = lambda: kernels.topk_rows(packed, case.topk, plan.picks[t0:t1])
+        parts["topk_us"] = lambda: kernels.topk_rows(scores, case.topk, plan.picks[t0:t1])
+        packed = torch.empty(t1 - t0, plan.num_cols, dtype=torch.int64, device=dev)  # torch.topk's: packed keys
+        kernels.index_scores(q_dot, w_ready, cache, step, packed, t0, t1, longest, dot, native)
         parts["topk_torch_us"] = lambda: kernels.topk_from_packed(packed, case.topk)
     parts["torch_us"] = lambda: torch_path(q_ready, w_ready, cache, step, case)
     for name, fn in parts.items():

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import DEVICE, KERNEL_RUNS, ON_GPU, compile_child, needs, sized  # noqa: E402
 from indexer_cases import check_picks, make_case, packed_rows, write_step_keys  # noqa: E402
-from sparse_mla.indexer import (IndexerSpec, StepTokens, index_topk_reference, prepare_queries,  # noqa: E402
-                                top_blocks_reference)
+from sparse_mla.indexer import (SELECT_SEGMENT, IndexerSpec, StepTokens, index_topk_reference,  # noqa: E402
+                                prepare_queries, top_blocks_reference)
 from sparse_mla.indexer_cache import IndexerKeyCache  # noqa: E402
 from sparse_mla.indexer_layer import SparseMLAIndexer  # noqa: E402
 from sparse_mla.ops import targets  # noqa: E402
@@ -31,8 +31,17 @@ needs_kernels = pytest.mark.skipif(not KERNEL_RUNS, reason="needs a GPU or TRITO
 needs_gpu = needs("gpu")
 
 
-def kernel_picks(case, topk: int, kept=None, select=False, rows=None, num_kept=2048):
-    """Picks through the kernels: packed scores of every token (``rows`` tokens per launch), then the select."""
+def words_of(packed: torch.Tensor) -> torch.Tensor:
+    """The score kernel's words of packed keys, computed apart from it: the high word with its sign bit flipped (an
+    unsigned order), 0 for ``INT64_MIN``, a candidate's at least 1; int32 bits."""
+    high = (packed >> 32) + 2 ** 31  # int64: the high word's unsigned order, 0 .. 2^32 - 1
+    word = torch.where(packed == torch.iinfo(torch.int64).min, 0, high.clamp_min(1))
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+
+
+def kernel_picks(case, topk: int, kept=None, select=False, rows=None, num_kept=2048, words=False):
+    """Picks through the kernels: packed scores of every token (``rows`` tokens per launch), then the select
+    (``words``: the score kernel's words, then the Triton select)."""
     from sparse_mla.ops.triton import indexer as kernels
 
     target = targets.target_of(case.cache.device)
@@ -48,8 +57,11 @@ def kernel_picks(case, topk: int, kept=None, select=False, rows=None, num_kept=2
     for t0 in range(0, case.num_tokens, rows):
         t1 = min(case.num_tokens, t0 + rows)
         longest = max(min(qsl[r + 1], t1) - max(qsl[r], t0) for r in range(len(qsl) - 1))
-        packed = torch.empty(t1 - t0, cols, dtype=torch.int64, device=DEVICE)
+        packed = torch.empty(t1 - t0, cols, dtype=torch.int32 if words else torch.int64, device=DEVICE)
         kernels.index_scores(case.q.to(dot), case.w, case.cache, step, packed, t0, t1, max(1, longest), dot, native)
+        if words:
+            kernels.topk_rows(packed, topk, picks[t0:t1])
+            continue
         if select:
             blocks[t0:t1] = kernels.top_blocks_from_packed(packed, step.positions[t0:t1], step.ratio, num_kept)
             kernels.restrict_to_blocks(packed, blocks[t0:t1])
@@ -87,6 +99,29 @@ def test_kernel_picks_equal_the_reference_on_poisoned_caches(kind, heads, topk, 
     check_picks(got, ref, case.q, case.w, case.cache, case.step, case.num_tokens)
     got, _ = kernel_picks(case, topk, rows=3)  # three tokens per launch: chunks that split requests
     check_picks(got, ref, case.q, case.w, case.cache, case.step, case.num_tokens)
+    got, _ = kernel_picks(case, topk, rows=3, words=True)  # scored as words, the Triton select on them
+    check_picks(got, ref, case.q, case.w, case.cache, case.step, case.num_tokens)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind,heads,fmt,q_format", [("c4a", 64, "fp8", "fp8"), ("dsa", 8, "bf16", "bf16")])
+def test_the_score_kernel_s_words_are_its_packed_keys_order_bits(kind, heads, fmt, q_format):
+    """The words a score launch writes equal those of the packed keys it writes, bit for bit: the order bits, 0 for
+    every non-candidate (a missing page, entries the token does not see), the entry being the column."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    spec = IndexerSpec(num_heads=heads, topk=64, kind=kind, q_format=q_format)
+    case = make_case(torch.Generator().manual_seed(heads), [(700, 2), (300, 5)], spec, fmt, DEVICE, bad_block=True)
+    case.step.block_table[0, 1] = -1
+    target = targets.target_of(case.cache.device)
+    dot = kernels.dot_dtype_for(target, fmt, q_format)
+    n, cols = case.num_tokens, 768
+    packed = torch.full((n, cols), 5, dtype=torch.int64, device=DEVICE)
+    words = torch.full((n, cols), 5, dtype=torch.int32, device=DEVICE)
+    for out in (packed, words):
+        kernels.index_scores(case.q.to(dot), case.w, case.cache, case.step, out, 0, n, 5, dot, target.native_fp8)
+    assert torch.equal(words.cpu(), words_of(packed).cpu())
+    assert (words == 0).any() and (words != 0).any()
 
 
 @needs_kernels
@@ -212,6 +247,9 @@ def test_select_kernel_is_exact_on_rows_of_ties_and_extreme_scores(values, cols,
     want = kernels.topk_from_packed(packed, k).cpu()
     got = out.cpu()
     assert torch.equal(got.sort(1).values, want.sort(1).values)
+    from_words = torch.full((3, k), 7, dtype=torch.int32, device=DEVICE)
+    kernels.topk_rows(words_of(packed), k, from_words)  # the same rows as the score kernel's words
+    assert torch.equal(from_words.cpu(), got)
     for r in range(3):
         chosen = [x for x in got[r].tolist() if x >= 0]
         assert chosen == sorted(chosen)
@@ -269,7 +307,8 @@ def test_select_converts_its_picks_in_its_launch_as_the_conversion_does(cols, k,
 
 
 @needs_kernels
-def test_the_indexer_layer_converts_its_picks_and_the_attention_launches_no_conversion():
+@pytest.mark.parametrize("words", [False, True])
+def test_the_indexer_layer_converts_its_picks_and_the_attention_launches_no_conversion(words, monkeypatch):
     """The Triton indexer's select writes the step's conversion of its picks (every token's row, padding included,
     over several chunks) as the conversion would; the attention's call with those picks converts nothing (the
     buffers poisoned after the select stay), until the picks change in place or another write replaces the
@@ -279,6 +318,8 @@ def test_the_indexer_layer_converts_its_picks_and_the_attention_launches_no_conv
     from sparse_mla.picks import step_picks
     from sparse_mla.scenario import make_scenario
 
+    if words:
+        as_if_the_dot_took_e4m3(monkeypatch)
     lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 6)]
     tokens = sum(n for _, n in lengths) + 2
     every = torch.arange(lengths[0][0] // 4, dtype=torch.int32).expand(tokens, -1).contiguous()  # every entry written
@@ -293,7 +334,9 @@ def test_the_indexer_layer_converts_its_picks_and_the_attention_launches_no_conv
     w = torch.randn(batch.token_capacity, 16, generator=gen).to(DEVICE)
     indexer = SparseMLAIndexer("c4a", 16, 64, backend="triton", workspace_bytes=3 * 8 * 64 * (lengths[0][0] // 256 + 1))
     picks = indexer(meta, q, w, cache)
-    assert len(indexer.step_plan(meta, "triton", "fp8").chunks) > 1
+    plan = indexer.step_plan(meta, "triton", "fp8")
+    assert indexer.scores_as_words(plan) == words
+    assert len(plan.word_chunks if words else plan.chunks) > 1  # the chunks it took
     conversion = step_picks(meta, "c4a")
     want = _converted(meta, "c4a", picks)
     for got, expected in zip((conversion.indices, conversion.lens, conversion.kept), want):
@@ -416,10 +459,25 @@ def test_non_finite_queries_or_weights_are_refused_where_values_are_checked(back
             layer(sc.meta, q2, w2, cache)
 
 
+def as_if_the_dot_took_e4m3(monkeypatch) -> None:
+    """The layer's choice of words made as on a target whose dot takes e4m3 (the interpreter's dot is float32)."""
+    import dataclasses
+
+    choose = SparseMLAIndexer.scores_as_words
+    monkeypatch.setattr(SparseMLAIndexer, "scores_as_words", lambda self, plan, two_level=False: choose(
+        self, dataclasses.replace(plan, q=plan.q.to(torch.float8_e4m3fn)), two_level))
+
+
 @needs_kernels
+@pytest.mark.parametrize("words", [False, True])
 @pytest.mark.parametrize("fmt,select,k", [("fp8", "triton", 64), ("bf16", "torch", 64), ("fp8", "triton", 100)])
-def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select, k):
+def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select, k, words, monkeypatch):
+    """Several chunks of a small workspace (of packed keys, and of words twice as long where the layer takes them)
+    give the reference's picks."""
     from sparse_mla.scenario import make_scenario
+
+    if words:
+        as_if_the_dot_took_e4m3(monkeypatch)
 
     lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 9)]
     sc = make_scenario(lengths, window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,
@@ -435,7 +493,9 @@ def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select,
     small = SparseMLAIndexer("c4a", 16, k, backend="triton", workspace_bytes=3 * 8 * 64 * (lengths[0][0] // 256 + 1),
                              topk_select=select)
     got = small(sc.meta, q, w, cache)
-    assert len(small.step_plan(sc.meta, "triton", fmt).chunks) > 1
+    plan = small.step_plan(sc.meta, "triton", fmt)
+    assert small.scores_as_words(plan) == (words and select == "triton")
+    assert len(plan.chunks) > 1 and len(plan.word_chunks) > 1  # (the words: twice the tokens a chunk)
     q_ready, w_ready = prepare_queries(q, w, batch.positions, small.spec)
     check_picks(got, ref, q_ready, w_ready, cache, StepTokens.of(batch, "c4a"), batch.num_tokens)
     assert (got[batch.num_tokens:] == -1).all()
@@ -443,17 +503,39 @@ def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select,
     assert kept.shape == (batch.token_capacity, 2048) and (kept[batch.num_tokens:] == -1).all()
 
 
+def test_the_layer_scores_as_words_where_the_dot_takes_e4m3_and_the_select_takes_rows_whole():
+    """``scores_as_words``: the e4m3 dot, the Triton select, no V4.1 block restriction, rows of at most
+    ``MAX_SELECT_COLS``; any other call keeps packed keys."""
+    import dataclasses
+
+    from sparse_mla.indexer import MAX_SELECT_COLS
+    from sparse_mla.indexer_layer import IndexerPlan
+
+    def plan(dot: torch.dtype, cols: int = 8192) -> IndexerPlan:
+        return IndexerPlan(None, cols, [], None, torch.empty(0), torch.empty(0), torch.empty(1, 1, 1, dtype=dot))
+
+    layer = SparseMLAIndexer("c4a", 8, 512)
+    assert layer.scores_as_words(plan(torch.float8_e4m3fn))
+    assert not layer.scores_as_words(plan(torch.float8_e4m3fn), two_level=True)
+    assert not layer.scores_as_words(plan(torch.float8_e4m3fn, MAX_SELECT_COLS + SELECT_SEGMENT))
+    assert not any(layer.scores_as_words(plan(dot)) for dot in (torch.bfloat16, torch.float32))
+    assert not layer.scores_as_words(dataclasses.replace(plan(torch.float8_e4m3fn), q=None))  # the reference's plan
+    assert not SparseMLAIndexer("c4a", 8, 512, topk_select="torch").scores_as_words(plan(torch.float8_e4m3fn))
+    assert not SparseMLAIndexer("c4a", 8, SELECT_SEGMENT).scores_as_words(plan(torch.float8_e4m3fn))
+
+
 @needs_kernels
 def test_kernel_helpers_name_their_bad_arguments():
-    """The kernels' entry points check what they are handed before any launch: an ``out`` too small for the select
-    (it wrote past it), k of 0, int32 rows, q of another dtype or weights of another shape (read as garbage, or past
-    the tensor), a dot dtype it does not know, kept blocks or positions of other rows, rows not of whole blocks."""
+    """The kernels' entry points check what they are handed before any launch: an ``out`` too small for the select (it
+    wrote past it), k of 0, float rows (neither packed keys nor words), q of another dtype or weights of another shape
+    (read as garbage, or past the tensor), a dot dtype it does not know, kept blocks or positions of other rows, rows
+    not of whole blocks."""
     from sparse_mla.ops.triton import indexer as kernels
 
     packed = torch.randint(0, 1 << 40, (4, 64), device=DEVICE)
     bad_select = [(packed, 8, torch.empty(2, 8, dtype=torch.int32, device=DEVICE), "out must have shape"),
                   (packed, 0, torch.empty(4, 0, dtype=torch.int32, device=DEVICE), "k must be"),
-                  (packed.int(), 8, torch.empty(4, 8, dtype=torch.int32, device=DEVICE), "packed must have dtype")]
+                  (packed.float(), 8, torch.empty(4, 8, dtype=torch.int32, device=DEVICE), "packed must have dtype")]
     for rows, k, out, message in bad_select:
         with pytest.raises(ValueError, match=message):
             kernels.topk_rows(rows, k, out)
@@ -479,6 +561,9 @@ def test_kernel_rejects_a_workspace_of_the_wrong_kind():
 
     spec = IndexerSpec(num_heads=8, topk=64, kind="c4a")
     case = make_case(torch.Generator().manual_seed(1), [(300, 1)], spec, "fp8", DEVICE)
+    with pytest.raises(ValueError, match="a row of words must be at most"):
+        kernels.topk_rows(torch.zeros(1, 16384 + 64, dtype=torch.int32, device=DEVICE), 64,
+                          torch.empty(1, 64, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="out must be int64"):
         kernels.index_scores(case.q, case.w, case.cache, case.step, torch.empty(1, 128, device=DEVICE), 0, 1, 1,
                              torch.float32, False)
@@ -602,9 +687,10 @@ def test_the_plan_bounds_the_workspace_for_a_16k_chunk_on_a_1m_context():
     layer = SparseMLAIndexer("c4a", 64, 512, workspace_bytes=256 << 20)
     plan = layer.step_plan(meta, "triton")
     assert plan.num_cols == seq // 4 and plan.workspace.numel() * 8 <= 256 << 20
-    covered = [t for t0, t1, _ in plan.chunks for t in range(t0, t1)]
-    assert covered == list(range(batch.num_tokens))
-    assert all(longest <= t1 - t0 for t0, t1, longest in plan.chunks)
+    for chunks, most in ((plan.chunks, plan.workspace.shape[0]), (plan.word_chunks, 2 * plan.workspace.shape[0])):
+        covered = [t for t0, t1, _ in chunks for t in range(t0, t1)]
+        assert covered == list(range(batch.num_tokens))
+        assert all(longest <= t1 - t0 <= most for t0, t1, longest in chunks)
 
 
 @needs_gpu

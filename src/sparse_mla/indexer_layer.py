@@ -32,17 +32,18 @@ from .ops.validate import debug_checks_enabled
 from .picks import step_picks
 from .rope import RopeSpec
 
-DEFAULT_INDEXER_WORKSPACE_BYTES = 256 << 20  # the packed scores (int64) of one token chunk
+DEFAULT_INDEXER_WORKSPACE_BYTES = 256 << 20  # the scores of one token chunk (int64 packed keys, or int32 words)
 TOPK_SELECTS = ("auto", "triton", "torch")
 
 
 @dataclass
 class IndexerPlan:
     """One step's indexer plan for one configuration: the token tensors, the column count of the packed scores
-    (``num_cols``, a multiple of 64, at least topk), the token chunks ``[(t0, t1, max_query_len)]``, the workspace
-    ``(rows, num_cols)`` int64, the output buffers ``picks (T_cap, topk)`` / ``kept (T_cap, 2048)`` int32, and (Triton)
-    the prepared queries ``q (T_cap, H, 128)`` in the dot dtype, weights ``w (T_cap, H)`` float32 and the rope's
-    ``cos`` / ``sin`` ``(T_cap, 32)`` at the step's positions (once per step, for every layer)."""
+    (``num_cols``, a multiple of 64, at least topk), the token chunks ``[(t0, t1, max_query_len)]`` of packed keys and
+    (``word_chunks``) of words, twice as long (:meth:`scores`), the workspace ``(rows, num_cols)`` int64, the output
+    buffers ``picks (T_cap, topk)`` / ``kept (T_cap, 2048)`` int32, and (Triton) the prepared queries ``q (T_cap, H,
+    128)`` in the dot dtype, weights ``w (T_cap, H)`` float32 and the rope's ``cos`` / ``sin`` ``(T_cap, 32)`` at the
+    step's positions (once per step, for every layer)."""
 
     step: StepTokens
     num_cols: int
@@ -54,6 +55,14 @@ class IndexerPlan:
     w: torch.Tensor | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    word_chunks: list[tuple[int, int, int]] | None = None
+
+    def scores(self, rows: int, words: bool) -> torch.Tensor:
+        """The workspace's first ``rows`` rows of scores: packed keys ``(rows, num_cols)`` int64, or (``words``)
+        the score kernel's words ``(rows, num_cols)`` int32, rows back to back (twice the packed rows fit)."""
+        if not words:
+            return self.workspace[:rows]
+        return self.workspace.view(torch.int32).view(-1)[: rows * self.num_cols].view(rows, self.num_cols)
 
 
 @dataclass(frozen=True)
@@ -90,9 +99,10 @@ class SparseMLAIndexer(torch.nn.Module):
     its heads (H_I, 1-128: 64 V4 / V3.2, 32 V4.1); topk: picks per token; rope: its queries' rope (default: the
     kind's, see :class:`IndexerSpec`); q_format: ``"fp8"`` (per (token, head) power-of-two scales folded into the
     weights) or ``"bf16"``; key_format: if given, the key cache must hold it; backend: ``"auto"``, ``"reference"``
-    or ``"triton"``; workspace_bytes: the packed-score budget of one token chunk (int64 per token and entry);
-    topk_select (Triton backend): ``"triton"`` (the select kernel; picks in entry order) or ``"torch"``
-    (``torch.topk`` over the packed rows; best first); ``"auto"``: the kernel. A topk of a segment or more
+    or ``"triton"``; workspace_bytes: the score budget of one token chunk (an int64 packed key per token and
+    entry; where the select takes the rows whole, an int32 word: twice the tokens a chunk); topk_select (Triton
+    backend): ``"triton"`` (the select kernel; picks in entry order) or ``"torch"`` (``torch.topk`` over the packed
+    rows; best first); ``"auto"``: the kernel. A topk of a segment or more
     (``SELECT_SEGMENT``, 8,192) always takes ``torch.topk``: the kernel's segments could not shorten a long row.
     """
 
@@ -170,13 +180,19 @@ class SparseMLAIndexer(torch.nn.Module):
         kept = torch.full((cap, KEPT_BLOCKS), -1, dtype=torch.int32, device=dev)
         if backend == "reference":
             return IndexerPlan(step, num_cols, [], None, picks, kept)
-        rows = max(1, min(batch.num_tokens, self.workspace_bytes // (8 * num_cols)))
         qsl = batch.query_start_loc_host
-        chunks = []
-        for t0 in range(0, batch.num_tokens, rows):
-            t1 = min(batch.num_tokens, t0 + rows)
-            longest = max(min(qsl[r + 1], t1) - max(qsl[r], t0) for r in range(batch.num_reqs))
-            chunks.append((t0, t1, max(1, longest)))
+
+        rows = max(1, min(batch.num_tokens, self.workspace_bytes // (8 * num_cols)))  # packed keys: 8 B an entry
+
+        def chunks_of(rows: int) -> list[tuple[int, int, int]]:  # the step's tokens, ``rows`` at most a chunk
+            chunks = []
+            for t0 in range(0, batch.num_tokens, rows):
+                t1 = min(batch.num_tokens, t0 + rows)
+                longest = max(min(qsl[r + 1], t1) - max(qsl[r], t0) for r in range(batch.num_reqs))
+                chunks.append((t0, t1, max(1, longest)))
+            return chunks
+
+        chunks = chunks_of(rows)
         workspace = torch.empty(rows, num_cols, dtype=torch.int64, device=dev)
         from .ops.triton import indexer as kernels  # Triton is imported only where it runs
 
@@ -185,7 +201,8 @@ class SparseMLAIndexer(torch.nn.Module):
         q = torch.empty(cap, heads, 128, dtype=dot, device=dev)
         w = torch.empty(cap, heads, dtype=torch.float32, device=dev)
         angles = step.positions.clamp_min(0).float()[:, None] * self.spec.rope_spec.inv_freq(dev)  # as cos_sin
-        return IndexerPlan(step, num_cols, chunks, workspace, picks, kept, q, w, angles.cos(), angles.sin())
+        return IndexerPlan(step, num_cols, chunks, workspace, picks, kept, q, w, angles.cos(), angles.sin(),
+                           chunks_of(2 * rows))  # words: 4 B an entry, twice the rows in the same workspace
 
     def forward(self, meta: StepMetadata, q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, *,
                 kept_blocks: torch.Tensor | None = None, select_blocks: bool = False
@@ -228,6 +245,22 @@ class SparseMLAIndexer(torch.nn.Module):
             self._triton(meta, plan, q, weights, cache, kept_blocks, select_blocks)
         return (plan.picks, plan.kept) if select_blocks else plan.picks
 
+    def _kernel_select(self) -> bool:
+        """Whether the Triton select picks (else ``torch.topk`` over the packed rows)."""
+        return self.topk_select != "torch" and select_kernel_takes(self.topk)
+
+    def scores_as_words(self, plan: IndexerPlan, two_level: bool = False) -> bool:
+        """Whether a Triton call with ``plan`` scores its tokens as words (``ops.triton.indexer``: half the bytes of
+        packed keys, read contiguously by the select) and chunks them by ``plan.word_chunks``: where the score
+        kernel's dot takes e4m3 (sm_89 and later, gfx950), the Triton select takes each row whole (at most
+        ``MAX_SELECT_COLS`` columns) and no V4.1 block restriction (``two_level``: ``select_blocks`` or
+        ``kept_blocks``) works on the packed keys. The e4m3 dot's score kernel is bound by its memory traffic, which
+        words shorten (an H200: V4-Flash B 128 87.5 -> 85.5 us a layer); the bf16 dot's (the codes decoded in
+        registers) by its instructions, and under the sm_80 lowering the words' kernel spent 5 % more a page (its
+        score 213 -> 228 us at B 128), so those keep packed keys (docs/history.md version 33)."""
+        e4m3_dot = plan.q is not None and plan.q.dtype == torch.float8_e4m3fn
+        return e4m3_dot and self._kernel_select() and not two_level and plan.num_cols <= MAX_SELECT_COLS
+
     def _triton(self, meta: StepMetadata, plan: IndexerPlan, q: torch.Tensor, w: torch.Tensor,
                 cache: IndexerKeyCache, kept_blocks: torch.Tensor | None, select_blocks: bool) -> None:
         from .ops.triton import indexer as kernels  # Triton is imported only where it runs
@@ -238,14 +271,15 @@ class SparseMLAIndexer(torch.nn.Module):
         q, w = plan.q, plan.w  # checked by index_scores (check_step_inputs)
         dot_dtype = q.dtype
         native_fp8 = targets.target_of(cache.device).native_fp8
-        kernel_select = self.topk_select != "torch" and select_kernel_takes(self.topk)
+        kernel_select = self._kernel_select()
         # the step's conversion of this kind's picks, written by the select in its own launch where it can (the
         # attention's call with these picks then launches no conversion: PicksConversion.selected)
         conversion = step_picks(meta, self.kind) if meta.spec.topk == self.topk else None
         fused = kernel_select and conversion is not None and conversion.takes_select
-        chunks, capacity = plan.chunks, plan.picks.shape[0]
+        words = self.scores_as_words(plan, select_blocks or kept_blocks is not None)
+        chunks, capacity = (plan.word_chunks if words else plan.chunks), plan.picks.shape[0]
         for i, (t0, t1, longest) in enumerate(chunks):
-            packed = plan.workspace[: t1 - t0]
+            packed = plan.scores(t1 - t0, words)
             kernels.index_scores(q, w, cache, plan.step, packed, t0, t1, longest, dot_dtype, native_fp8)
             # the chunks cover the step's real tokens [0, num_tokens); padding rows keep the plan's -1
             if select_blocks:

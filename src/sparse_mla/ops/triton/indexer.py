@@ -12,17 +12,22 @@ are read once for all its tokens and heads; the program's block numbers are read
 Each score is stored *packed* into an int64 with its entry: ``(order-preserving bits of the float32 score) << 32 |
 (2^32 - 1 - entry)``, so every key of a row is distinct, larger means a higher score and, among equal scores, a lower
 entry; an entry the token may not see (``(w + 1)·r > p + 1``, a block number ``-1`` or past the cache) stores
-``INT64_MIN``. The top-k of a row is then a unique set, ties to the lowest entry, whatever the select's order of
-work: the Triton select (:func:`topk_rows`) or ``torch.topk`` over the int64 keys (:func:`topk_from_packed`), both
-CUDA-graph capturable. -0.0 is stored as +0.0 (ReLU zeros weighted by a negative weight), so the order is the float
-order.
+``INT64_MIN``. The top-k of a row is then a unique set, ties to the lowest entry, whatever the select's order of work:
+the Triton select (:func:`topk_rows`) or ``torch.topk`` over the int64 keys (:func:`topk_from_packed`), both CUDA-graph
+capturable. -0.0 is stored as +0.0 (ReLU zeros weighted by a negative weight), so the order is the float order. Rows the
+Triton select takes whole (at most :data:`MAX_SELECT_COLS` columns, no V4.1 block restriction) may be stored as *words*
+instead: int32, the high word's order bits alone as an unsigned value (the sign bit flipped; 0: no candidate, a
+candidate at least 1: the one score whose bits would give 0, a NaN of all ones, counts as 1), the entry being the
+column. Half the bytes written and read; the select's loads of them are contiguous (16 B each), where the packed rows'
+high words lie 8 B apart (docs/history.md version 33; the layer decides where:
+:meth:`sparse_mla.indexer_layer.SparseMLAIndexer.scores_as_words`).
 
 The query prep (:func:`prepare_queries`) is one launch per layer, bit for bit the reference's.
 
-The workspace is ``(rows, num_cols)`` int64 with ``num_cols`` ≥ the step's longest request's entries (a multiple of
-64, at least ``topk``): the layer sizes the row chunk to its workspace budget (:mod:`sparse_mla.indexer_layer`).
-V4.1's two-level selection works on the same packed rows (:func:`top_blocks_from_packed`,
-:func:`restrict_to_blocks`).
+The workspace is ``(rows, num_cols)`` int64 (or twice the rows of words) with ``num_cols`` ≥ the step's longest
+request's entries (a multiple of 64, at least ``topk``): the layer sizes the row chunk to its workspace budget
+(:mod:`sparse_mla.indexer_layer`). V4.1's two-level selection works on the same packed rows
+(:func:`top_blocks_from_packed`, :func:`restrict_to_blocks`).
 """
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ def _index_scores_kernel(
     t0, t1, H, ratio, num_blocks, table_stride, max_pages, out_stride, num_cols,
     HP: tl.constexpr, QT: tl.constexpr, PAGES: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, WORDS: tl.constexpr = False,
 ):
     """Packed scores of one request's tile of ``QT`` tokens × ``HP`` heads against ``PAGES`` key pages, one dot per
     page. The page's entries are the dot's rows and the (token, head) pairs its columns, so the weighted sum over
@@ -125,10 +130,16 @@ def _index_scores_kernel(
         ok = key_ok[None, :] & (cols[None, :] < visible[:, None])
         bits = score.to(tl.int32, bitcast=True)
         ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order = float order
-        packed = (ordered.to(tl.int64) << 32) | (4294967295 - cols.to(tl.int64))[None, :]
-        packed = tl.where(ok, packed, -9223372036854775808)
-        tl.store(out_ptr + out_rows[:, None] + cols[None, :], packed,
-                 mask=tok_ok[:, None] & (cols < num_cols)[None, :])
+        if WORDS:  # the order bits alone, unsigned (sign flipped), 0 for no candidate, a candidate at least 1
+            word = tl.maximum((ordered ^ -2147483648).to(tl.uint32, bitcast=True), 1)
+            word = tl.where(ok, word, 0).to(tl.int32, bitcast=True)
+            tl.store(out_ptr + out_rows[:, None] + cols[None, :], word,
+                     mask=tok_ok[:, None] & (cols < num_cols)[None, :])
+        else:
+            packed = (ordered.to(tl.int64) << 32) | (4294967295 - cols.to(tl.int64))[None, :]
+            packed = tl.where(ok, packed, -9223372036854775808)
+            tl.store(out_ptr + out_rows[:, None] + cols[None, :], packed,
+                     mask=tok_ok[:, None] & (cols < num_cols)[None, :])
 
 
 @triton.jit
@@ -269,9 +280,10 @@ FP8_DOT_MAXNREG = 128
 def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, step: StepTokens, out: torch.Tensor,
                  t0: int, t1: int, max_query_len: int, dot_dtype: torch.dtype, native_fp8: bool,
                  launch: tuple[int, int, int] | None = None) -> None:
-    """Packed scores of tokens ``[t0, t1)`` into ``out[: t1 - t0]`` (``(rows, num_cols)`` int64; rows of padding
-    tokens are not written). q ``(T_cap, H, 128)`` (float32, bf16 or e4m3: the prepared queries), weights
-    ``(T_cap, H)`` float32, checked here with the cache and step (:func:`sparse_mla.indexer.check_step_inputs`), once
+    """Packed scores of tokens ``[t0, t1)`` into ``out[: t1 - t0]`` (``(rows, num_cols)`` int64, or int32 for the words
+    the module docstring describes; rows of padding tokens are not written). q ``(T_cap, H, 128)`` (float32, bf16 or
+    e4m3: the prepared queries), weights ``(T_cap, H)`` float32, checked here with the cache and step
+    (:func:`sparse_mla.indexer.check_step_inputs`), once
     per token chunk; max_query_len: an upper bound on any request's tokens in ``[t0, t1)`` (host int: the grid).
     dot_dtype: ``torch.float32`` (the interpreter), ``torch.bfloat16``, or ``torch.float8_e4m3fn`` (fp8 keys and
     e4m3 q on a target with fp8 tensor cores: the codes straight into the dot; :func:`dot_dtype_for`); native_fp8: the
@@ -283,9 +295,9 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         raise ValueError(f"the token range must satisfy 0 <= t0 < t1 <= {q.shape[0]} (q's rows), got [{t0}, {t1})")
     if cache.block_size != 64:
         raise ValueError(f"cache.block_size must be 64 for the Triton indexer, got {cache.block_size}")
-    if out.dtype != torch.int64 or out.dim() != 2 or out.shape[0] < t1 - t0 or out.stride(1) != 1:
-        raise ValueError(f"out must be int64 (>= {t1 - t0}, num_cols) with unit column stride, got {out.dtype} "
-                         f"{tuple(out.shape)}")
+    if out.dtype not in (torch.int64, torch.int32) or out.dim() != 2 or out.shape[0] < t1 - t0 or out.stride(1) != 1:
+        raise ValueError(f"out must be int64 (packed keys) or int32 (words) of shape (>= {t1 - t0}, num_cols) with "
+                         f"unit column stride, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if not (q.is_contiguous() and weights.is_contiguous()):
         raise ValueError("q and weights must be contiguous (the kernel reads rows of H · 128 and of H)")
     if dot_dtype not in _DOT_TYPES:
@@ -308,7 +320,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         t0, t1, q.shape[1], step.ratio, cache.num_blocks, step.block_table.stride(0), step.block_table.shape[1],
         out.stride(0), num_cols,
         HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
-        DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, num_warps=warps, num_stages=stages,
+        DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, WORDS=out.dtype == torch.int32, num_warps=warps,
+        num_stages=stages,
         maxnreg=FP8_DOT_MAXNREG if fp8_dot else None)
 
 
@@ -337,11 +350,16 @@ def _bit_search(words, tail, thr, count, bit, k, HAS_TAIL: tl.constexpr):
 
 
 @triton.jit
-def _high_words(words_ptr, row, stride, cols, num_cols):
+def _high_words(words_ptr, row, stride, cols, num_cols, WORDS: tl.constexpr):
     """The keys' order bits (their high words) with the sign bit flipped, uint32: unsigned order = the scores' order;
-    a non-candidate's (``INT64_MIN``, or a column past the row) is 0."""
-    words = tl.load(words_ptr + 2 * (row * stride + cols) + 1, mask=cols < num_cols, other=-2147483648)
-    return (words ^ -2147483648).to(tl.uint32, bitcast=True)
+    a non-candidate's (``INT64_MIN``, or a column past the row) is 0. ``WORDS``: the rows hold these words already
+    (int32, ``stride`` words a row), read contiguously."""
+    if WORDS:
+        words = tl.load(words_ptr + row * stride + cols, mask=cols < num_cols, other=0).to(tl.uint32, bitcast=True)
+    else:
+        words = tl.load(words_ptr + 2 * (row * stride + cols) + 1, mask=cols < num_cols, other=-2147483648)
+        words = (words ^ -2147483648).to(tl.uint32, bitcast=True)
+    return words
 
 
 @triton.jit
@@ -401,9 +419,12 @@ def _finish_row(out_ptr, out_stride, row, count, conv, K: tl.constexpr, KP: tl.c
 def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_cols, num_rows,
                       pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr,
                       kept_stride, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr, TAIL: tl.constexpr,
-                      KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr, CONVERT: tl.constexpr, BS: tl.constexpr):
+                      KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr, CONVERT: tl.constexpr, BS: tl.constexpr,
+                      WORDS: tl.constexpr = False):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
-    ``-1`` fill (``KEYS``: ``INT64_MIN``). ``words_ptr``: the same rows as int32 (the keys' low and high words).
+    ``-1`` fill (``KEYS``: ``INT64_MIN``). ``words_ptr``: the same rows as int32 (the keys' low and high words);
+    ``WORDS``: the rows are the score kernel's words (``stride`` of them a row; ``COLUMN_ENTRIES``, not ``KEYS``),
+    with no packed keys beside them.
     The row's columns are held as two tiles, ``C`` and (``TAIL`` > 1) ``TAIL`` more (powers of two: a row of 9,216
     columns is 8,192 + 1,024, not 16,384). ``COLUMN_ENTRIES``: column ``c`` of a row holds a key of entry ``c`` plus
     the row's offset (the score kernel's rows and their segments), so among tied scores the lower column is the lower
@@ -433,9 +454,9 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
             return
     cols = tl.arange(0, C)
     tail_cols = C + tl.arange(0, TAIL)
-    hi = _high_words(words_ptr, row, stride, cols, num_cols)
+    hi = _high_words(words_ptr, row, stride, cols, num_cols, WORDS)
     if HAS_TAIL:
-        hi_tail = _high_words(words_ptr, row, stride, tail_cols, num_cols)
+        hi_tail = _high_words(words_ptr, row, stride, tail_cols, num_cols, WORDS)
     else:  # a one-column dummy, never read
         hi_tail = tl.zeros((TAIL,), tl.uint32)
     candidates = _count_at_or_above(hi, hi_tail, 1, HAS_TAIL)
@@ -538,7 +559,9 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     lanes = main + tail if tail > 1 else main
     # the GPU's own SMs; on the CPU (interpreter, the portability matrix's recorded launches) those of its target
     warps = select_warps(rows, lanes, targets.num_sms(packed.device, targets.target_of(packed.device)))
-    words = packed.view(torch.int32)  # (rows, 2 · cols): each key's low, then high word
+    words_in = packed.dtype == torch.int32  # the score kernel's words: the search's words themselves
+    # packed keys: (rows, 2 · cols) int32, each key's low, then high word (the kernel takes the int64 row stride)
+    words = packed if words_in else packed.view(torch.int32)
     if into is None:  # the conversion's arguments unread (CONVERT off): out stands in for its tensors
         conv, grid, bs = (out, out, out, 0, 0, out, 0, out, out, 0), rows, 1
     else:
@@ -547,23 +570,29 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
         grid, bs = into.rows, into.block_size
     _topk_rows_kernel[(grid,)](packed, words, out, packed.stride(0), out.stride(0), cols, rows, *conv, K=k,
                                KP=triton.next_power_of_2(k), C=main, TAIL=tail, KEYS=keys,
-                               COLUMN_ENTRIES=column_entries, CONVERT=into is not None, BS=bs, num_warps=warps)
+                               COLUMN_ENTRIES=column_entries, CONVERT=into is not None, BS=bs, WORDS=words_in,
+                               num_warps=warps)
 
 
 def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto | None = None) -> None:
     """The Triton select: ``out (rows, k)`` int32 := each row's top-``k`` entries of ``packed (rows, num_cols)``,
     the same set as :func:`topk_from_packed`, listed in entry order, ``-1`` fill. The rows are the score kernel's:
-    column ``c`` holds entry ``c``'s key (or ``INT64_MIN``). A row longer than :data:`MAX_SELECT_COLS` (``num_cols``
-    then a multiple of :data:`SELECT_SEGMENT`, ``k`` below a segment) is selected in two launches or more: each
-    segment's top ``k`` keys, then the top ``k`` of those (the row's top ``k`` are among them).
+    column ``c`` holds entry ``c``'s key (or ``INT64_MIN``), or (int32) its word (0: none; the module docstring).
+    A row of packed keys longer than :data:`MAX_SELECT_COLS` (``num_cols`` then a multiple of
+    :data:`SELECT_SEGMENT`, ``k`` below a segment) is selected in two launches or more: each segment's top ``k``
+    keys, then the top ``k`` of those (the row's top ``k`` are among them); a row of words is at most
+    :data:`MAX_SELECT_COLS` long.
 
     into: also convert the picks into cache slots in the (last) launch (:class:`PicksInto`), the same values as
     :class:`sparse_mla.picks.PicksConversion` writes for ``out``'s picks, provided every candidate of a row is an
     entry its token may see on a present block: true of the score kernel's rows (it packs no other as a candidate),
     so the conversion drops nothing; rows packed otherwise must hold ``INT64_MIN`` there."""
-    check_tensor("packed", packed, dtype=torch.int64, ndim=2)
+    check_tensor("packed", packed, dtype=(torch.int64, torch.int32), ndim=2)
     k = check_positive_int("k", k)
     rows, cols = packed.shape
+    if packed.dtype == torch.int32 and cols > MAX_SELECT_COLS:
+        raise ValueError(f"a row of words must be at most {MAX_SELECT_COLS} columns (longer rows are selected in "
+                         f"segments of packed keys), got {cols}")
     check_tensor("out", out, dtype=torch.int32, shape=(rows, k), device=packed.device)
     if packed.stride(1) != 1 or out.stride(1) != 1:  # the kernel reads and writes rows at unit stride
         raise ValueError(f"packed and out must have unit column stride, got strides {packed.stride()} and "
@@ -579,9 +608,11 @@ def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: Pick
     rows, cols = packed.shape
     column_entries = True
     while cols > MAX_SELECT_COLS:
-        if cols % SELECT_SEGMENT or not select_kernel_takes(k) or not packed.is_contiguous():
-            raise ValueError(f"a packed row of {cols} columns must be contiguous, a multiple of {SELECT_SEGMENT} "
-                             f"columns, and k ({k}) below {SELECT_SEGMENT} (each segment's top k must shorten it)")
+        if cols % SELECT_SEGMENT or not select_kernel_takes(k) or not packed.is_contiguous() or \
+                packed.dtype != torch.int64:
+            raise ValueError(f"a row of {cols} columns must be packed keys, contiguous, a multiple of "
+                             f"{SELECT_SEGMENT} columns, and k ({k}) below {SELECT_SEGMENT} (each segment's top k must "
+                             f"shorten it)")
         segments = packed.view(rows * (cols // SELECT_SEGMENT), SELECT_SEGMENT)
         winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
         _launch_select(segments, k, winners, True, column_entries)
