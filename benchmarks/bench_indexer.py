@@ -166,7 +166,7 @@ def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
     q_dot = q_ready.to(dot)
     native = targets.target_of(dev).native_fp8
     words = layer.scores_as_words(plan)  # the layer's scores: words or packed keys, in their chunks
-    chunks = plan.word_chunks if words else plan.chunks
+    chunks = plan.chunks_for(words)
     (t0, t1, longest), = chunks[:1] if len(chunks) == 1 else [(0, 0, 0)]
     parts = {"layer_us": lambda: layer(meta, q, w, cache),
              "prep_us": lambda: kernels.prepare_queries(q, w, plan.cos, plan.sin, case.kind == "dsa", True,

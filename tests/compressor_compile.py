@@ -61,9 +61,10 @@ def launches(target: targets.Target) -> list[tuple[str, list]]:
 def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[str, list]]:
     """The indexer kernels' launches: the scores over fp8 keys (decode, 64 heads), with ``every`` also bf16 keys and a
     32-head prefill, as packed keys; where the target converts fp8, e4m3 q against the fp8 codes (the layer's choice
-    there), as words (``SparseMLAIndexer.scores_as_words``); the query prep (V4, with ``every`` V3.2's half-split
-    rope); the select (two launches over packed keys: 512 of 32768, then of 2048; a row of 9,216 in two tiles and the
-    V4 decode's 8,192 converted in its launch, over words where the target's dot takes e4m3, else packed keys)."""
+    there) as packed keys (V4.1's two-level calls, rows of segments) and as words (``SparseMLAIndexer
+    .scores_as_words``); the query prep (V4, with ``every`` V3.2's half-split rope); the select over packed keys (two
+    launches: 512 of 32768, then of 2048; a row of 9,216 in two tiles; the V4 decode's 8,192 converted in its launch)
+    and, where the dot takes e4m3, the last two over words."""
     out = []
     for fmt, heads, qlen in (("fp8", 64, 2), ("bf16", 64, 2), ("fp8", 32, 512))[: 3 if every else 1]:
         cache = IndexerKeyCache(4, fmt)
@@ -78,10 +79,11 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
         cache = IndexerKeyCache(4, "fp8")
         step = StepTokens(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
                           torch.tensor([0, 2], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 4)
-        with recorded_launches(target) as calls:
-            indexer.index_scores(torch.zeros(2, 64, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 64), cache, step,
-                                 torch.empty(2, 512, dtype=torch.int32), 0, 2, 2, torch.float8_e4m3fn, True)
-        out.append(("indexer fp8 dot H64 q2 words", calls))
+        for rows, name in ((torch.int64, ""), (torch.int32, " words")):
+            with recorded_launches(target) as calls:
+                indexer.index_scores(torch.zeros(2, 64, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 64), cache,
+                                     step, torch.empty(2, 512, dtype=rows), 0, 2, 2, torch.float8_e4m3fn, True)
+            out.append((f"indexer fp8 dot H64 q2{name}", calls))
     for half_split in (False, True)[: 2 if every else 1]:
         q, trig = torch.zeros(2, 64, 128, dtype=torch.bfloat16), torch.zeros(2, 32)
         # the prepared queries in the dot's dtype: bf16 everywhere, e4m3 (the conversion instruction) where the dot is
@@ -102,13 +104,14 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
     with recorded_launches(target) as calls:
         indexer.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32), into(4, 512))
     out += [(f"indexer select 512 of {n}", [c]) for n, c in zip((32768, "2048 into slots"), calls)]
-    rows, words = (torch.int32, " words") if target.native_fp8 else (torch.int64, "")  # as the layer scores them
-    with recorded_launches(target) as calls:  # a row in two tiles: 8,192 + 1,024
-        indexer.topk_rows(torch.zeros(4, 9216, dtype=rows), 512, torch.zeros(4, 512, dtype=torch.int32))
-    out.append((f"indexer select 512 of 9216{words}", calls))
-    with recorded_launches(target) as calls:  # the V4 decode's rows, converted in the select's launch
-        indexer.topk_rows(torch.zeros(4, 8192, dtype=rows), 512, torch.zeros(4, 512, dtype=torch.int32), into(4, 512))
-    out.append((f"indexer select 512 of 8192{words} into slots", calls))
+    for rows, words in ((torch.int64, ""), (torch.int32, " words"))[: 2 if target.native_fp8 else 1]:
+        with recorded_launches(target) as calls:  # a row in two tiles: 8,192 + 1,024
+            indexer.topk_rows(torch.zeros(4, 9216, dtype=rows), 512, torch.zeros(4, 512, dtype=torch.int32))
+        out.append((f"indexer select 512 of 9216{words}", calls))
+        with recorded_launches(target) as calls:  # the V4 decode's rows, converted in the select's launch
+            indexer.topk_rows(torch.zeros(4, 8192, dtype=rows), 512, torch.zeros(4, 512, dtype=torch.int32),
+                              into(4, 512))
+        out.append((f"indexer select 512 of 8192{words} into slots", calls))
     return out
 
 

@@ -318,8 +318,7 @@ def test_the_indexer_layer_converts_its_picks_and_the_attention_launches_no_conv
     from sparse_mla.picks import step_picks
     from sparse_mla.scenario import make_scenario
 
-    if words:
-        as_if_the_dot_took_e4m3(monkeypatch)
+    as_if_the_dot_took(monkeypatch, words)
     lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 6)]
     tokens = sum(n for _, n in lengths) + 2
     every = torch.arange(lengths[0][0] // 4, dtype=torch.int32).expand(tokens, -1).contiguous()  # every entry written
@@ -459,13 +458,15 @@ def test_non_finite_queries_or_weights_are_refused_where_values_are_checked(back
             layer(sc.meta, q2, w2, cache)
 
 
-def as_if_the_dot_took_e4m3(monkeypatch) -> None:
-    """The layer's choice of words made as on a target whose dot takes e4m3 (the interpreter's dot is float32)."""
+def as_if_the_dot_took(monkeypatch, e4m3: bool) -> None:
+    """The layer's choice of words made as on a target whose dot takes e4m3 (words where the select takes the rows)
+    or bf16 (packed keys), whatever this one's (the interpreter's dot is float32, an H200's e4m3): the kernels then
+    run with the test's dot, the decision as the rule makes it on that target."""
     import dataclasses
 
-    choose = SparseMLAIndexer.scores_as_words
+    choose, dot = SparseMLAIndexer.scores_as_words, torch.float8_e4m3fn if e4m3 else torch.bfloat16
     monkeypatch.setattr(SparseMLAIndexer, "scores_as_words", lambda self, plan, two_level=False: choose(
-        self, dataclasses.replace(plan, q=plan.q.to(torch.float8_e4m3fn)), two_level))
+        self, dataclasses.replace(plan, q=plan.q[:0].to(dot)), two_level))
 
 
 @needs_kernels
@@ -476,8 +477,7 @@ def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select,
     give the reference's picks."""
     from sparse_mla.scenario import make_scenario
 
-    if words:
-        as_if_the_dot_took_e4m3(monkeypatch)
+    as_if_the_dot_took(monkeypatch, words)
 
     lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 9)]
     sc = make_scenario(lengths, window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,
@@ -501,6 +501,12 @@ def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select,
     assert (got[batch.num_tokens:] == -1).all()
     (picks, kept) = SparseMLAIndexer("c4a", 16, 64, backend="triton")(sc.meta, q, w, cache, select_blocks=True)
     assert kept.shape == (batch.token_capacity, 2048) and (kept[batch.num_tokens:] == -1).all()
+    # picking inside kept blocks: packed keys, even where the layer would score its plain calls as words
+    kept = kept.clone()
+    kept[:, 1:] = -1  # one block a token: the restriction decides the picks
+    inside = SparseMLAIndexer("c4a", 16, 8, backend="triton")(sc.meta, q, w, cache, kept_blocks=kept)
+    want = index_topk_reference(q_ready, w_ready, cache, StepTokens.of(batch, "c4a"), 8, kept)
+    check_picks(inside, want, q_ready, w_ready, cache, StepTokens.of(batch, "c4a"), batch.num_tokens)
 
 
 def test_the_layer_scores_as_words_where_the_dot_takes_e4m3_and_the_select_takes_rows_whole():
@@ -631,8 +637,9 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     native = next(t for t in targets.MATRIX if t.name == target).native_fp8
     family = target in FAMILIES  # the V3.2 query prep too
-    # where the dot takes e4m3: its score launch and the query prep into e4m3, V4 (and V3.2)
-    assert len(rows) == (9 if family else 6) + native * (3 if family else 2), \
+    # where the dot takes e4m3: its score launch (packed keys and words), the query prep into e4m3, V4 (and V3.2),
+    # and the two selects over words
+    assert len(rows) == (9 if family else 6) + native * (6 if family else 5), \
         f"exit {done.returncode}: {done.stderr[-2000:]}"
     for r in rows:
         print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "

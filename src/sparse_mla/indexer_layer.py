@@ -57,6 +57,10 @@ class IndexerPlan:
     sin: torch.Tensor | None = None
     word_chunks: list[tuple[int, int, int]] | None = None
 
+    def chunks_for(self, words: bool) -> list[tuple[int, int, int]]:
+        """The token chunks of scores as words (:attr:`word_chunks`) or as packed keys (:attr:`chunks`)."""
+        return self.word_chunks if words else self.chunks
+
     def scores(self, rows: int, words: bool) -> torch.Tensor:
         """The workspace's first ``rows`` rows of scores: packed keys ``(rows, num_cols)`` int64, or (``words``)
         the score kernel's words ``(rows, num_cols)`` int32, rows back to back (twice the packed rows fit)."""
@@ -256,8 +260,9 @@ class SparseMLAIndexer(torch.nn.Module):
         ``MAX_SELECT_COLS`` columns) and no V4.1 block restriction (``two_level``: ``select_blocks`` or
         ``kept_blocks``) works on the packed keys. The e4m3 dot's score kernel is bound by its memory traffic, which
         words shorten (an H200: V4-Flash B 128 87.5 -> 85.5 us a layer); the bf16 dot's (the codes decoded in
-        registers) by its instructions, and under the sm_80 lowering the words' kernel spent 5 % more a page (its
-        score 213 -> 228 us at B 128), so those keep packed keys (docs/history.md version 33)."""
+        registers) by its instructions, and under the sm_80 lowering the words' kernel ran 5.6 % more instructions a
+        page and 7 % slower (its scores 213 -> 228 us at B 128), so those keep packed keys (docs/history.md version
+        33)."""
         e4m3_dot = plan.q is not None and plan.q.dtype == torch.float8_e4m3fn
         return e4m3_dot and self._kernel_select() and not two_level and plan.num_cols <= MAX_SELECT_COLS
 
@@ -277,7 +282,7 @@ class SparseMLAIndexer(torch.nn.Module):
         conversion = step_picks(meta, self.kind) if meta.spec.topk == self.topk else None
         fused = kernel_select and conversion is not None and conversion.takes_select
         words = self.scores_as_words(plan, select_blocks or kept_blocks is not None)
-        chunks, capacity = (plan.word_chunks if words else plan.chunks), plan.picks.shape[0]
+        chunks, capacity = plan.chunks_for(words), plan.picks.shape[0]
         for i, (t0, t1, longest) in enumerate(chunks):
             packed = plan.scores(t1 - t0, words)
             kernels.index_scores(q, w, cache, plan.step, packed, t0, t1, longest, dot_dtype, native_fp8)

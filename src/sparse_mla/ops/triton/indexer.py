@@ -17,9 +17,10 @@ the Triton select (:func:`topk_rows`) or ``torch.topk`` over the int64 keys (:fu
 capturable. -0.0 is stored as +0.0 (ReLU zeros weighted by a negative weight), so the order is the float order. Rows the
 Triton select takes whole (at most :data:`MAX_SELECT_COLS` columns, no V4.1 block restriction) may be stored as *words*
 instead: int32, the high word's order bits alone as an unsigned value (the sign bit flipped; 0: no candidate, a
-candidate at least 1: the one score whose bits would give 0, a NaN of all ones, counts as 1), the entry being the
-column. Half the bytes written and read; the select's loads of them are contiguous (16 B each), where the packed rows'
-high words lie 8 B apart (docs/history.md version 33; the layer decides where:
+candidate at least 1: the one score whose bits would give 0, a NaN of all ones, counts as 1, as ``torch.topk`` keeps it,
+where the select over packed keys, reading their high words alone, takes it for none — non-finite scores only), the
+entry being the column. Half the bytes written and read; the select's loads of them are contiguous (16 B each), where
+the packed rows' high words lie 8 B apart (docs/history.md version 33; the layer decides where:
 :meth:`sparse_mla.indexer_layer.SparseMLAIndexer.scores_as_words`).
 
 The query prep (:func:`prepare_queries`) is one launch per layer, bit for bit the reference's.
@@ -62,10 +63,10 @@ def _index_scores_kernel(
     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr,
     STAGES: tl.constexpr, WORDS: tl.constexpr = False,
 ):
-    """Packed scores of one request's tile of ``QT`` tokens × ``HP`` heads against ``PAGES`` key pages, one dot per
-    page. The page's entries are the dot's rows and the (token, head) pairs its columns, so the weighted sum over
-    heads reduces along each thread's own columns (and a few lane shuffles), not across the warps' rows through
-    shared memory (the other orientation: 1.4x slower on an H200, docs/history.md version 23)."""
+    """Packed scores (``WORDS``: words) of one request's tile of ``QT`` tokens × ``HP`` heads against ``PAGES`` key
+    pages, one dot per page. The page's entries are the dot's rows and the (token, head) pairs its columns, so the
+    weighted sum over heads reduces along each thread's own columns (and a few lane shuffles), not across the warps'
+    rows through shared memory (the other orientation: 1.4x slower on an H200, docs/history.md version 23)."""
     req = tl.program_id(0)
     tile = tl.program_id(1)
     group = tl.program_id(2)
@@ -280,7 +281,7 @@ FP8_DOT_MAXNREG = 128
 def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, step: StepTokens, out: torch.Tensor,
                  t0: int, t1: int, max_query_len: int, dot_dtype: torch.dtype, native_fp8: bool,
                  launch: tuple[int, int, int] | None = None) -> None:
-    """Packed scores of tokens ``[t0, t1)`` into ``out[: t1 - t0]`` (``(rows, num_cols)`` int64, or int32 for the words
+    """Scores of tokens ``[t0, t1)`` into ``out[: t1 - t0]`` (``(rows, num_cols)`` int64, or int32 for the words
     the module docstring describes; rows of padding tokens are not written). q ``(T_cap, H, 128)`` (float32, bf16 or
     e4m3: the prepared queries), weights ``(T_cap, H)`` float32, checked here with the cache and step
     (:func:`sparse_mla.indexer.check_step_inputs`), once
@@ -442,6 +443,7 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
     cache slots through its request's block-table row (``table_ptr``, ``BS`` entries a block), their count and the
     picks themselves; the programs past the ``num_rows`` packed rows, and tokens of position ``-1``, write empty
     rows (the padding tokens')."""
+    tl.static_assert(not WORDS or (COLUMN_ENTRIES and not KEYS), "words rows: the entries are their columns")
     HAS_TAIL: tl.constexpr = TAIL > 1
     row = tl.program_id(0).to(tl.int64)
     conv = (req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr, kept_stride)
@@ -586,7 +588,7 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto |
     into: also convert the picks into cache slots in the (last) launch (:class:`PicksInto`), the same values as
     :class:`sparse_mla.picks.PicksConversion` writes for ``out``'s picks, provided every candidate of a row is an
     entry its token may see on a present block: true of the score kernel's rows (it packs no other as a candidate),
-    so the conversion drops nothing; rows packed otherwise must hold ``INT64_MIN`` there."""
+    so the conversion drops nothing; rows made otherwise must hold no candidate there (``INT64_MIN``; a word 0)."""
     check_tensor("packed", packed, dtype=(torch.int64, torch.int32), ndim=2)
     k = check_positive_int("k", k)
     rows, cols = packed.shape
