@@ -103,11 +103,11 @@ class SparseMLAIndexer(torch.nn.Module):
     its heads (H_I, 1-128: 64 V4 / V3.2, 32 V4.1); topk: picks per token; rope: its queries' rope (default: the
     kind's, see :class:`IndexerSpec`); q_format: ``"fp8"`` (per (token, head) power-of-two scales folded into the
     weights) or ``"bf16"``; key_format: if given, the key cache must hold it; backend: ``"auto"``, ``"reference"``
-    or ``"triton"``; workspace_bytes: the score budget of one token chunk (an int64 packed key per token and
-    entry; where the select takes the rows whole, an int32 word: twice the tokens a chunk); topk_select (Triton
-    backend): ``"triton"`` (the select kernel; picks in entry order) or ``"torch"`` (``torch.topk`` over the packed
-    rows; best first); ``"auto"``: the kernel. A topk of a segment or more
-    (``SELECT_SEGMENT``, 8,192) always takes ``torch.topk``: the kernel's segments could not shorten a long row.
+    or ``"triton"``; workspace_bytes: the score budget of one token chunk (an int64 packed key per token and entry;
+    where the layer scores as words, :meth:`scores_as_words`, an int32 word: twice the tokens a chunk); topk_select
+    (Triton backend): ``"triton"`` (the select kernel; picks in entry order) or ``"torch"`` (``torch.topk`` over the
+    packed rows; best first); ``"auto"``: the kernel. A topk of a segment or more (``SELECT_SEGMENT``, 8,192) always
+    takes ``torch.topk``: the kernel's segments could not shorten a long row.
     """
 
     def __init__(self, kind: str, num_heads: int, topk: int, *, rope: RopeSpec | None = None, q_format: str = "fp8",
