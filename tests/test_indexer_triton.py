@@ -335,7 +335,7 @@ def test_the_indexer_layer_converts_its_picks_and_the_attention_launches_no_conv
     picks = indexer(meta, q, w, cache)
     plan = indexer.step_plan(meta, "triton", "fp8")
     assert indexer.scores_as_words(plan) == words
-    assert len(plan.word_chunks if words else plan.chunks) > 1  # the chunks it took
+    assert len(plan.chunks_for(words)) > 1  # the chunks it took
     conversion = step_picks(meta, "c4a")
     want = _converted(meta, "c4a", picks)
     for got, expected in zip((conversion.indices, conversion.lens, conversion.kept), want):

@@ -64,9 +64,7 @@ class IndexerPlan:
     def scores(self, rows: int, words: bool) -> torch.Tensor:
         """The workspace's first ``rows`` rows of scores: packed keys ``(rows, num_cols)`` int64, or (``words``)
         the score kernel's words ``(rows, num_cols)`` int32, rows back to back (twice the packed rows fit)."""
-        if not words:
-            return self.workspace[:rows]
-        return self.workspace.view(torch.int32).view(-1)[: rows * self.num_cols].view(rows, self.num_cols)
+        return (self.workspace.view(torch.int32).view(-1, self.num_cols) if words else self.workspace)[:rows]
 
 
 @dataclass(frozen=True)

@@ -132,15 +132,12 @@ def _index_scores_kernel(
         bits = score.to(tl.int32, bitcast=True)
         ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order = float order
         if WORDS:  # the order bits alone, unsigned (sign flipped), 0 for no candidate, a candidate at least 1
-            word = tl.maximum((ordered ^ -2147483648).to(tl.uint32, bitcast=True), 1)
-            word = tl.where(ok, word, 0).to(tl.int32, bitcast=True)
-            tl.store(out_ptr + out_rows[:, None] + cols[None, :], word,
-                     mask=tok_ok[:, None] & (cols < num_cols)[None, :])
+            stored = tl.maximum((ordered ^ -2147483648).to(tl.uint32, bitcast=True), 1)
+            stored = tl.where(ok, stored, 0).to(tl.int32, bitcast=True)
         else:
-            packed = (ordered.to(tl.int64) << 32) | (4294967295 - cols.to(tl.int64))[None, :]
-            packed = tl.where(ok, packed, -9223372036854775808)
-            tl.store(out_ptr + out_rows[:, None] + cols[None, :], packed,
-                     mask=tok_ok[:, None] & (cols < num_cols)[None, :])
+            stored = (ordered.to(tl.int64) << 32) | (4294967295 - cols.to(tl.int64))[None, :]
+            stored = tl.where(ok, stored, -9223372036854775808)
+        tl.store(out_ptr + out_rows[:, None] + cols[None, :], stored, mask=tok_ok[:, None] & (cols < num_cols)[None, :])
 
 
 @triton.jit
@@ -592,9 +589,6 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto |
     check_tensor("packed", packed, dtype=(torch.int64, torch.int32), ndim=2)
     k = check_positive_int("k", k)
     rows, cols = packed.shape
-    if packed.dtype == torch.int32 and cols > MAX_SELECT_COLS:
-        raise ValueError(f"a row of words must be at most {MAX_SELECT_COLS} columns (longer rows are selected in "
-                         f"segments of packed keys), got {cols}")
     check_tensor("out", out, dtype=torch.int32, shape=(rows, k), device=packed.device)
     if packed.stride(1) != 1 or out.stride(1) != 1:  # the kernel reads and writes rows at unit stride
         raise ValueError(f"packed and out must have unit column stride, got strides {packed.stride()} and "
@@ -609,12 +603,13 @@ def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: Pick
     workspace and picks buffer, the step conversion's :class:`PicksInto`)."""
     rows, cols = packed.shape
     column_entries = True
+    if packed.dtype == torch.int32 and cols > MAX_SELECT_COLS:  # words carry no entry: no segments' second pass
+        raise ValueError(f"a row of words must be at most {MAX_SELECT_COLS} columns (longer rows are selected in "
+                         f"segments of packed keys), got {cols}")
     while cols > MAX_SELECT_COLS:
-        if cols % SELECT_SEGMENT or not select_kernel_takes(k) or not packed.is_contiguous() or \
-                packed.dtype != torch.int64:
-            raise ValueError(f"a row of {cols} columns must be packed keys, contiguous, a multiple of "
-                             f"{SELECT_SEGMENT} columns, and k ({k}) below {SELECT_SEGMENT} (each segment's top k must "
-                             f"shorten it)")
+        if cols % SELECT_SEGMENT or not select_kernel_takes(k) or not packed.is_contiguous():
+            raise ValueError(f"a packed row of {cols} columns must be contiguous, a multiple of {SELECT_SEGMENT} "
+                             f"columns, and k ({k}) below {SELECT_SEGMENT} (each segment's top k must shorten it)")
         segments = packed.view(rows * (cols // SELECT_SEGMENT), SELECT_SEGMENT)
         winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
         _launch_select(segments, k, winners, True, column_entries)
