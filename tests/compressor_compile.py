@@ -60,21 +60,22 @@ def launches(target: targets.Target) -> list[tuple[str, list]]:
 
 def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[str, list]]:
     """The indexer kernels' launches: the scores over fp8 keys (decode, 64 heads), with ``every`` also bf16 keys and a
-    32-head prefill, as packed keys; where the target converts fp8, e4m3 q against the fp8 codes (the layer's choice
-    there) as packed keys (V4.1's two-level calls, rows of segments) and as words (``SparseMLAIndexer
-    .scores_as_words``); the query prep (V4, with ``every`` V3.2's half-split rope); the select over packed keys (two
-    launches: 512 of 32768, then of 2048; a row of 9,216 in two tiles; the V4 decode's 8,192 converted in its launch)
-    and, where the dot takes e4m3, the last two over words."""
+    32-head prefill, each as packed keys (V4.1's two-level calls, rows of segments) and as words (the calls whose
+    select takes rows whole, ``SparseMLAIndexer.scores_as_words``); where the target converts fp8, e4m3 q against the
+    fp8 codes (the layer's dot there), packed and as words; the query prep (V4, with ``every`` V3.2's half-split
+    rope); the select over packed keys (two launches: 512 of 32768, then of 2048) and, over packed keys and over
+    words, a row of 9,216 in two tiles and the V4 decode's 8,192 converted in its launch."""
     out = []
     for fmt, heads, qlen in (("fp8", 64, 2), ("bf16", 64, 2), ("fp8", 32, 512))[: 3 if every else 1]:
         cache = IndexerKeyCache(4, fmt)
         step = StepTokens(torch.zeros(qlen, dtype=torch.int32), torch.zeros(qlen, dtype=torch.int32),
                           torch.tensor([0, qlen], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 4)
         q = torch.zeros(qlen, heads, 128, dtype=torch.bfloat16)
-        with recorded_launches(target) as calls:
-            indexer.index_scores(q, torch.zeros(qlen, heads), cache, step, torch.empty(qlen, 512, dtype=torch.int64),
-                                 0, qlen, qlen, torch.bfloat16, targets.target_of(cache.device).native_fp8)
-        out.append((f"indexer {fmt} H{heads} q{qlen}", calls))
+        for rows, name in ((torch.int64, ""), (torch.int32, " words")):
+            with recorded_launches(target) as calls:
+                indexer.index_scores(q, torch.zeros(qlen, heads), cache, step, torch.empty(qlen, 512, dtype=rows),
+                                     0, qlen, qlen, torch.bfloat16, targets.target_of(cache.device).native_fp8)
+            out.append((f"indexer {fmt} H{heads} q{qlen}{name}", calls))
     if target.native_fp8:
         cache = IndexerKeyCache(4, "fp8")
         step = StepTokens(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
@@ -104,7 +105,7 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
     with recorded_launches(target) as calls:
         indexer.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32), into(4, 512))
     out += [(f"indexer select 512 of {n}", [c]) for n, c in zip((32768, "2048 into slots"), calls)]
-    for rows, words in ((torch.int64, ""), (torch.int32, " words"))[: 2 if target.native_fp8 else 1]:
+    for rows, words in ((torch.int64, ""), (torch.int32, " words")):
         with recorded_launches(target) as calls:  # a row in two tiles: 8,192 + 1,024
             indexer.topk_rows(torch.zeros(4, 9216, dtype=rows), 512, torch.zeros(4, 512, dtype=torch.int32))
         out.append((f"indexer select 512 of 9216{words}", calls))

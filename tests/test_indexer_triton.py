@@ -318,7 +318,7 @@ def test_the_indexer_layer_converts_its_picks_and_the_attention_launches_no_conv
     from sparse_mla.picks import step_picks
     from sparse_mla.scenario import make_scenario
 
-    as_if_the_dot_took(monkeypatch, words)
+    scoring_as_words(monkeypatch, words)
     lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 6)]
     tokens = sum(n for _, n in lengths) + 2
     every = torch.arange(lengths[0][0] // 4, dtype=torch.int32).expand(tokens, -1).contiguous()  # every entry written
@@ -458,15 +458,12 @@ def test_non_finite_queries_or_weights_are_refused_where_values_are_checked(back
             layer(sc.meta, q2, w2, cache)
 
 
-def as_if_the_dot_took(monkeypatch, e4m3: bool) -> None:
-    """The layer's choice of words made as on a target whose dot takes e4m3 (words where the select takes the rows)
-    or bf16 (packed keys), whatever this one's (the interpreter's dot is float32, an H200's e4m3): the kernels then
-    run with the test's dot, the decision as the rule makes it on that target."""
-    import dataclasses
-
-    choose, dot = SparseMLAIndexer.scores_as_words, torch.float8_e4m3fn if e4m3 else torch.bfloat16
-    monkeypatch.setattr(SparseMLAIndexer, "scores_as_words", lambda self, plan, two_level=False: choose(
-        self, dataclasses.replace(plan, q=plan.q[:0].to(dot)), two_level))
+def scoring_as_words(monkeypatch, words: bool) -> None:
+    """The layer's choice of words as its rule makes it (``words``) or forced off (packed keys), so that a test runs
+    both score formats on any target."""
+    choose = SparseMLAIndexer.scores_as_words
+    monkeypatch.setattr(SparseMLAIndexer, "scores_as_words",
+                        lambda self, plan, two_level=False: words and choose(self, plan, two_level))
 
 
 @needs_kernels
@@ -477,7 +474,7 @@ def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select,
     give the reference's picks."""
     from sparse_mla.scenario import make_scenario
 
-    as_if_the_dot_took(monkeypatch, words)
+    scoring_as_words(monkeypatch, words)
 
     lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 9)]
     sc = make_scenario(lengths, window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,
@@ -509,9 +506,9 @@ def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select,
     check_picks(inside, want, q_ready, w_ready, cache, StepTokens.of(batch, "c4a"), batch.num_tokens)
 
 
-def test_the_layer_scores_as_words_where_the_dot_takes_e4m3_and_the_select_takes_rows_whole():
-    """``scores_as_words``: the e4m3 dot, the Triton select, no V4.1 block restriction, rows of at most
-    ``MAX_SELECT_COLS``; any other call keeps packed keys."""
+def test_the_layer_scores_as_words_where_the_select_takes_rows_whole():
+    """``scores_as_words``: the Triton select, no V4.1 block restriction, rows of at most ``MAX_SELECT_COLS``, on
+    every dot; any other call (and the reference's plan) keeps packed keys."""
     import dataclasses
 
     from sparse_mla.indexer import MAX_SELECT_COLS
@@ -521,13 +518,14 @@ def test_the_layer_scores_as_words_where_the_dot_takes_e4m3_and_the_select_takes
         return IndexerPlan(None, cols, [], None, torch.empty(0), torch.empty(0), torch.empty(1, 1, 1, dtype=dot))
 
     layer = SparseMLAIndexer("c4a", 8, 512)
-    assert layer.scores_as_words(plan(torch.float8_e4m3fn))
-    assert not layer.scores_as_words(plan(torch.float8_e4m3fn), two_level=True)
-    assert not layer.scores_as_words(plan(torch.float8_e4m3fn, MAX_SELECT_COLS + SELECT_SEGMENT))
-    assert not any(layer.scores_as_words(plan(dot)) for dot in (torch.bfloat16, torch.float32))
-    assert not layer.scores_as_words(dataclasses.replace(plan(torch.float8_e4m3fn), q=None))  # the reference's plan
-    assert not SparseMLAIndexer("c4a", 8, 512, topk_select="torch").scores_as_words(plan(torch.float8_e4m3fn))
-    assert not SparseMLAIndexer("c4a", 8, SELECT_SEGMENT).scores_as_words(plan(torch.float8_e4m3fn))
+    for dot in (torch.float8_e4m3fn, torch.bfloat16, torch.float32):
+        assert layer.scores_as_words(plan(dot))
+        assert layer.scores_as_words(plan(dot, MAX_SELECT_COLS))
+        assert not layer.scores_as_words(plan(dot), two_level=True)
+        assert not layer.scores_as_words(plan(dot, MAX_SELECT_COLS + SELECT_SEGMENT))
+        assert not SparseMLAIndexer("c4a", 8, 512, topk_select="torch").scores_as_words(plan(dot))
+        assert not SparseMLAIndexer("c4a", 8, SELECT_SEGMENT).scores_as_words(plan(dot))
+    assert not layer.scores_as_words(dataclasses.replace(plan(torch.bfloat16), q=None))  # the reference's plan
 
 
 @needs_kernels
@@ -619,9 +617,9 @@ FAMILIES = ("sm_80", "sm_89", "sm_90", "sm_100", "gfx942")  # every variant comp
 
 def compile_rows(target_name: str) -> list[dict]:
     """The indexer kernels' launches (``compressor_compile.indexer_launches``: scores over fp8 and bf16 keys, decode
-    64 heads and prefill 32 heads; the query prep, V4 and V3.2, into bf16 and where the dot takes e4m3 into e4m3; the
-    select, plain and converting its picks in its launch) recorded on CPU tensors and compiled for
-    ``target_name`` (``scripts/portability_report.py``'s compile check)."""
+    64 heads and prefill 32 heads, as packed keys and as words; the query prep, V4 and V3.2, into bf16 and where the
+    dot takes e4m3 into e4m3; the select over both, plain and converting its picks in its launch) recorded on CPU
+    tensors and compiled for ``target_name`` (``scripts/portability_report.py``'s compile check)."""
     from dataclasses import asdict
 
     from compressor_compile import compile_launch, indexer_launches
@@ -637,9 +635,10 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     native = next(t for t in targets.MATRIX if t.name == target).native_fp8
     family = target in FAMILIES  # the V3.2 query prep too
-    # where the dot takes e4m3: its score launch (packed keys and words), the query prep into e4m3, V4 (and V3.2),
-    # and the two selects over words
-    assert len(rows) == (9 if family else 6) + native * (6 if family else 5), \
+    # the score launches packed and as words (fp8 keys; with the family bf16 keys and a prefill), the V4 prep (and
+    # V3.2's), the selects (two of a segmented row; over packed keys and words, two each); where the dot takes e4m3,
+    # its score launch packed and as words and the prep into e4m3 (V4, and V3.2)
+    assert len(rows) == (14 if family else 9) + native * (4 if family else 3), \
         f"exit {done.returncode}: {done.stderr[-2000:]}"
     for r in rows:
         print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "

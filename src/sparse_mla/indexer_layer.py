@@ -253,16 +253,13 @@ class SparseMLAIndexer(torch.nn.Module):
 
     def scores_as_words(self, plan: IndexerPlan, two_level: bool = False) -> bool:
         """Whether a Triton call with ``plan`` scores its tokens as words (``ops.triton.indexer``: half the bytes of
-        packed keys, read contiguously by the select) and chunks them by ``plan.word_chunks``: where the score
-        kernel's dot takes e4m3 (sm_89 and later, gfx950), the Triton select takes each row whole (at most
-        ``MAX_SELECT_COLS`` columns) and no V4.1 block restriction (``two_level``: ``select_blocks`` or
-        ``kept_blocks``) works on the packed keys. The e4m3 dot's score kernel is bound by its memory traffic, which
-        words shorten (an H200: V4-Flash B 128 87.5 -> 85.5 us a layer); the bf16 dot's (the codes decoded in
-        registers) by its instructions, and under the sm_80 lowering the words' kernel ran 5.6 % more instructions a
-        page and 7 % slower (its scores 213 -> 228 us at B 128), so those keep packed keys (docs/history.md version
-        33)."""
-        e4m3_dot = plan.q is not None and plan.q.dtype == torch.float8_e4m3fn
-        return e4m3_dot and self._kernel_select() and not two_level and plan.num_cols <= MAX_SELECT_COLS
+        packed keys, read contiguously by the select) and chunks them by ``plan.word_chunks``: where the Triton select
+        takes each row whole (at most ``MAX_SELECT_COLS`` columns) and no V4.1 block restriction (``two_level``:
+        ``select_blocks`` or ``kept_blocks``) works on the packed keys, whatever the dot. An H200, the two formats
+        alternating in one process (docs/history.md version 34), packed -> words, us a layer: V4-Flash B 128 87.8 ->
+        84.3 on the e4m3 dot, 243.5 -> 240.2 under the sm_80 lowering (the bf16 dot); V4.1-Flash B 128 146.1 ->
+        139.5 and 275.9 -> 272.7; the 4K prefill chunk 1,133 -> 1,083 and 3,933 -> 3,865."""
+        return plan.q is not None and self._kernel_select() and not two_level and plan.num_cols <= MAX_SELECT_COLS
 
     def _triton(self, meta: StepMetadata, plan: IndexerPlan, q: torch.Tensor, w: torch.Tensor,
                 cache: IndexerKeyCache, kept_blocks: torch.Tensor | None, select_blocks: bool) -> None:
