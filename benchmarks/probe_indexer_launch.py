@@ -2,9 +2,10 @@
 
     python benchmarks/probe_indexer_launch.py [--cases v4-flash-b128 v4-flash-b32] [--out results/]
 
-For each case of bench_indexer.py, the score kernel alone (CUDA-graph replays) at every launch of the sweep,
-against the key bytes at the copy rate of the same run; the packed scores of every launch are checked equal to the
-first launch's (the launch changes no arithmetic). JSON to ``--out/probe_indexer_launch.json``.
+For each case of bench_indexer.py, the score kernel alone (CUDA-graph replays) at every launch of the sweep, writing
+the scores as the layer does (words or packed keys, ``SparseMLAIndexer.scores_as_words``), against the key bytes at
+the copy rate of the same run; the scores of every launch are checked equal to the first launch's (the launch changes
+no arithmetic). JSON to ``--out/probe_indexer_launch.json``.
 """
 from __future__ import annotations
 
@@ -40,14 +41,15 @@ def main() -> None:
         layer = SparseMLAIndexer(case.kind, case.heads, case.topk)
         layer(meta, q, w, cache)
         plan = layer.step_plan(meta, "triton")
-        (t0, t1, longest), = plan.chunks
+        words = layer.scores_as_words(plan)
+        (t0, t1, longest), = plan.chunks_for(words)
         step = StepTokens.of(batch, case.kind)
         q_ready, w_ready = prepare_queries(q, w, batch.positions, layer.spec)
         q_dot, native = q_ready.to(plan.q.dtype), targets.target_of(dev).native_fp8
-        packed = plan.workspace[: t1 - t0]
+        packed = plan.scores(t1 - t0, words)
         key_us = case.batch * (case.context // 4) * KEY_BYTES[cache.fmt] / rate / 1e3
         expect = None
-        for pages, warps, stages in itertools.product((8, 16), (4, 8), (1, 2, 3, 4)):
+        for pages, warps, stages in itertools.product((4, 8, 16, 32), (4, 8), (2, 3, 4)):
             def run(launch=(pages, warps, stages)):
                 kernels.index_scores(q_dot, w_ready, cache, step, packed, t0, t1, longest, plan.q.dtype, native,
                                      launch=launch)
@@ -60,8 +62,8 @@ def main() -> None:
             except Exception as err:  # a launch that does not fit (shared memory, registers): noted, not fatal
                 results.append(dict(case=case.name, pages=pages, warps=warps, stages=stages, error=str(err)[:200]))
                 continue
-            results.append(dict(case=case.name, pages=pages, warps=warps, stages=stages, us=us, same=same,
-                                over_key_read=us / key_us))
+            results.append(dict(case=case.name, words=words, pages=pages, warps=warps, stages=stages, us=us,
+                                same=same, over_key_read=us / key_us))
             print(f"{case.name:16s} pages {pages:2d} warps {warps} stages {stages}: {us:7.1f} us "
                   f"({us / key_us:.2f}x key read){'' if same else '  DIFFERENT BITS'}", flush=True)
     os.makedirs(args.out, exist_ok=True)

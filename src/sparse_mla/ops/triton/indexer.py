@@ -272,7 +272,10 @@ def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: in
 
 
 _DOT_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float8_e4m3fn: tl.float8e4nv}
-SCORE_WARPS, SCORE_STAGES = 4, 4  # the score kernel's launch (benchmarks/probe_indexer_launch.py sweeps them)
+# the score kernel's launch (benchmarks/probe_indexer_launch.py sweeps them): 3 stages, two pages in flight, ran
+# faster than 4 on every case of the sweep over words on an H200 (V4-Flash B 32 23.0 -> 21.2 us, B 128 53.6 -> 53.2,
+# V4.1-Flash B 128 87.0 -> 86.1, the 4K prefill chunk 800 -> 775; docs/history.md version 34)
+SCORE_WARPS, SCORE_STAGES = 4, 3
 # the fp8 dot's registers: at most 128 a thread, so an SM holds four programs (sm_90: 136 uncapped; no spills at 128 on
 # sm_89 / 90 / 100 / 120, the compile matrix)
 FP8_DOT_MAXNREG = 128
