@@ -46,21 +46,22 @@ def main() -> None:
         step = StepTokens.of(batch, case.kind)
         q_ready, w_ready = prepare_queries(q, w, batch.positions, layer.spec)
         q_dot, native = q_ready.to(plan.q.dtype), targets.target_of(dev).native_fp8
-        packed = plan.scores(t1 - t0, words)
+        scores = plan.scores(t1 - t0, words)
         key_us = case.batch * (case.context // 4) * KEY_BYTES[cache.fmt] / rate / 1e3
         expect = None
         for pages, warps, stages in itertools.product((4, 8, 16, 32), (4, 8), (2, 3, 4)):
             def run(launch=(pages, warps, stages)):
-                kernels.index_scores(q_dot, w_ready, cache, step, packed, t0, t1, longest, plan.q.dtype, native,
+                kernels.index_scores(q_dot, w_ready, cache, step, scores, t0, t1, longest, plan.q.dtype, native,
                                      launch=launch)
             try:
                 run()
                 if expect is None:
-                    expect = packed.clone()
-                same = bool(torch.equal(packed, expect))
+                    expect = scores.clone()
+                same = bool(torch.equal(scores, expect))
                 us = timed(graphed(run), 50)
             except Exception as err:  # a launch that does not fit (shared memory, registers): noted, not fatal
-                results.append(dict(case=case.name, pages=pages, warps=warps, stages=stages, error=str(err)[:200]))
+                results.append(dict(case=case.name, words=words, pages=pages, warps=warps, stages=stages,
+                                    error=str(err)[:200]))
                 continue
             results.append(dict(case=case.name, words=words, pages=pages, warps=warps, stages=stages, us=us,
                                 same=same, over_key_read=us / key_us))

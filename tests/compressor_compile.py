@@ -74,7 +74,7 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
         for rows, name in ((torch.int64, ""), (torch.int32, " words")):
             with recorded_launches(target) as calls:
                 indexer.index_scores(q, torch.zeros(qlen, heads), cache, step, torch.empty(qlen, 512, dtype=rows),
-                                     0, qlen, qlen, torch.bfloat16, targets.target_of(cache.device).native_fp8)
+                                     0, qlen, qlen, torch.bfloat16, target.native_fp8)
             out.append((f"indexer {fmt} H{heads} q{qlen}{name}", calls))
     if target.native_fp8:
         cache = IndexerKeyCache(4, "fp8")

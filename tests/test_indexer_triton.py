@@ -318,7 +318,7 @@ def test_the_indexer_layer_converts_its_picks_and_the_attention_launches_no_conv
     from sparse_mla.picks import step_picks
     from sparse_mla.scenario import make_scenario
 
-    scoring_as_words(monkeypatch, words)
+    packed_keys_unless(monkeypatch, words)
     lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 6)]
     tokens = sum(n for _, n in lengths) + 2
     every = torch.arange(lengths[0][0] // 4, dtype=torch.int32).expand(tokens, -1).contiguous()  # every entry written
@@ -458,12 +458,11 @@ def test_non_finite_queries_or_weights_are_refused_where_values_are_checked(back
             layer(sc.meta, q2, w2, cache)
 
 
-def scoring_as_words(monkeypatch, words: bool) -> None:
-    """The layer's choice of words as its rule makes it (``words``) or forced off (packed keys), so that a test runs
-    both score formats on any target."""
-    choose = SparseMLAIndexer.scores_as_words
-    monkeypatch.setattr(SparseMLAIndexer, "scores_as_words",
-                        lambda self, plan, two_level=False: words and choose(self, plan, two_level))
+def packed_keys_unless(monkeypatch, words: bool) -> None:
+    """Scores as the layer's rule chooses them (``words``: words where it takes them), or packed keys forced (``not
+    words``), so that a test runs both score formats on any target."""
+    if not words:
+        monkeypatch.setattr(SparseMLAIndexer, "scores_as_words", lambda self, plan, two_level=False: False)
 
 
 @needs_kernels
@@ -474,7 +473,7 @@ def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select,
     give the reference's picks."""
     from sparse_mla.scenario import make_scenario
 
-    scoring_as_words(monkeypatch, words)
+    packed_keys_unless(monkeypatch, words)
 
     lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 9)]
     sc = make_scenario(lengths, window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,

@@ -259,7 +259,8 @@ class SparseMLAIndexer(torch.nn.Module):
         alternating in one process (docs/history.md version 34), packed -> words, us a layer: V4-Flash B 128 87.8 ->
         84.3 on the e4m3 dot, 243.5 -> 240.2 under the sm_80 lowering (the bf16 dot); V4.1-Flash B 128 146.1 ->
         139.5 and 275.9 -> 272.7; the 4K prefill chunk 1,133 -> 1,083 and 3,933 -> 3,865."""
-        return plan.q is not None and self._kernel_select() and not two_level and plan.num_cols <= MAX_SELECT_COLS
+        triton_plan = plan.q is not None  # the reference's plan has no prepared queries
+        return triton_plan and self._kernel_select() and not two_level and plan.num_cols <= MAX_SELECT_COLS
 
     def _triton(self, meta: StepMetadata, plan: IndexerPlan, q: torch.Tensor, w: torch.Tensor,
                 cache: IndexerKeyCache, kept_blocks: torch.Tensor | None, select_blocks: bool) -> None:

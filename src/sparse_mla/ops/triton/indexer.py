@@ -20,7 +20,7 @@ instead: int32, the high word's order bits alone as an unsigned value (the sign 
 candidate at least 1: the one score whose bits would give 0, a NaN of all ones, counts as 1, as ``torch.topk`` keeps it,
 where the select over packed keys, reading their high words alone, takes it for none — non-finite scores only), the
 entry being the column. Half the bytes written and read; the select's loads of them are contiguous (16 B each), where
-the packed rows' high words lie 8 B apart (docs/history.md version 33; the layer decides where:
+the packed rows' high words lie 8 B apart (docs/history.md versions 33-34; the layer decides where:
 :meth:`sparse_mla.indexer_layer.SparseMLAIndexer.scores_as_words`).
 
 The query prep (:func:`prepare_queries`) is one launch per layer, bit for bit the reference's.
@@ -132,11 +132,12 @@ def _index_scores_kernel(
         bits = score.to(tl.int32, bitcast=True)
         ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order = float order
         if WORDS:  # the order bits alone, unsigned (sign flipped), 0 for no candidate, a candidate at least 1;
-            # formed in int64 and narrowed: Triton then converts the score tile's layout on the 32-bit order bits
-            # before the mask, as for the packed keys (a 32-bit mask stayed in the dot's replicated layout, 8
-            # registers a thread: 5.6 % more instructions a page under the sm_80 lowering, docs/history.md 33-34)
+            # formed in int64 and narrowed: Triton (3.6, 3.9) then converts the score tile's layout on the 32-bit
+            # order bits before the mask, as for the packed keys (a 32-bit mask stayed in the dot's replicated
+            # layout, 8 registers a thread: 5.6 % more instructions a page under the sm_80 lowering,
+            # docs/history.md versions 33-34)
             stored = tl.maximum((ordered ^ -2147483648).to(tl.uint32, bitcast=True).to(tl.int64), 1)
-            stored = tl.where(ok, stored, 0).to(tl.uint32).to(tl.int32, bitcast=True)
+            stored = tl.where(ok, stored, 0).to(tl.int32)  # the low 32 bits
         else:
             stored = (ordered.to(tl.int64) << 32) | (4294967295 - cols.to(tl.int64))[None, :]
             stored = tl.where(ok, stored, -9223372036854775808)
