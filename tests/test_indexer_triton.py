@@ -527,6 +527,27 @@ def test_the_layer_scores_as_words_where_the_select_takes_rows_whole():
     assert not layer.scores_as_words(dataclasses.replace(plan(torch.bfloat16), q=None))  # the reference's plan
 
 
+@pytest.mark.parametrize("shape,pages,programs", [
+    ((64, 2, 32, 8192), 8, 512),        # V4-Flash B 32: full tiles, about one wave
+    ((64, 2, 128, 8192), 32, 512),      # B 128: 16 pages would leave two waves' programs
+    ((64, 2, 64, 8192), 16, 512),       # B 64: one wave at 16
+    ((64, 2, 8, 131072), 32, 512),      # 512K contexts: B 128's work
+    ((64, 4096, 1, 9216), 16, 18432),   # a 4K prefill chunk: many waves, 16 pages
+    ((32, 2, 128, 16384), 16, 2048),    # V4.1's 64-row tiles: 1024 programs at least, 16 pages at most
+    ((32, 2, 32, 16384), 8, 1024),
+    ((64, 1, 1, 64), 1, 1),             # one page
+])
+def test_the_score_launch_takes_pages_by_its_tiles_and_work(shape, pages, programs):
+    """``launch_shape``: the pages a program and the grid they give (full tiles of 128 rows aim at 512 programs and
+    take 32 pages where 16 would leave one to two times as many; other tiles aim at 1024, 16 pages at most)."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    heads, query_len, reqs, cols = shape
+    hp, qt, got = kernels.launch_shape(heads, query_len, reqs, cols)
+    assert got == pages
+    assert reqs * -(-query_len // qt) * -(-(cols // 64) // got) == programs
+
+
 @needs_kernels
 def test_kernel_helpers_name_their_bad_arguments():
     """The kernels' entry points check what they are handed before any launch: an ``out`` too small for the select (it

@@ -53,6 +53,12 @@ _LOW_MASK = 0xFFFFFFFF
 ROWS_PER_TILE = 128  # M: query rows (tokens × padded heads) per program's dot
 MAX_PAGES_PER_PROGRAM = 16
 TARGET_PROGRAMS = 1024  # grid size the pages-per-program choice aims at (several waves on a 132-SM GPU)
+# full tiles (ROWS_PER_TILE rows: 64 heads): about one wave at four programs an SM on a 132-SM GPU, and 32 pages a
+# program where 16 would leave one to two waves' programs more (an H200, alternating with 1024 programs and 16 pages
+# at most: V4-Flash B 32 38.1 -> 37.0 us a layer at 8 pages, B 128 83.4 -> 81.9 at 32; the 4K prefill chunk, a grid
+# of many waves, ran 4 % slower at 32 pages and keeps 16; V4.1's 64-row tiles keep the rule above, docs/history.md
+# version 34)
+FULL_TILE_PROGRAMS, FULL_TILE_MAX_PAGES = 512, 32
 
 
 @triton.jit
@@ -261,14 +267,22 @@ def launch_prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Te
 
 
 def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: int) -> tuple[int, int, int]:
-    """``(HP, QT, PAGES)``: padded heads, tokens per tile, pages per program for one launch."""
+    """``(HP, QT, PAGES)``: padded heads, tokens per tile, pages per program for one launch. The pages a program
+    double from one while the grid keeps at least :data:`TARGET_PROGRAMS` programs (:data:`FULL_TILE_PROGRAMS` for
+    tiles of :data:`ROWS_PER_TILE` rows), up to :data:`MAX_PAGES_PER_PROGRAM`; a grid of full tiles takes
+    :data:`FULL_TILE_MAX_PAGES` where that leaves it one to two times :data:`FULL_TILE_PROGRAMS` programs."""
     hp = triton.next_power_of_2(num_heads)
     qt = max(max(1, 16 // hp), min(max(1, ROWS_PER_TILE // hp), triton.next_power_of_2(max_query_len)))
     pages = -(-num_cols // 64)
     work = num_reqs * -(-max_query_len // qt) * pages
+    full = qt * hp >= ROWS_PER_TILE
+    target = FULL_TILE_PROGRAMS if full else TARGET_PROGRAMS
     per_program = 1
-    while per_program < MAX_PAGES_PER_PROGRAM and work // (2 * per_program) >= TARGET_PROGRAMS:
+    while per_program < MAX_PAGES_PER_PROGRAM and work // (2 * per_program) >= target:
         per_program *= 2
+    if full and per_program == MAX_PAGES_PER_PROGRAM and \
+            FULL_TILE_PROGRAMS <= -(-work // FULL_TILE_MAX_PAGES) < 2 * FULL_TILE_PROGRAMS:
+        per_program = FULL_TILE_MAX_PAGES
     return hp, qt, per_program
 
 
