@@ -665,7 +665,7 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
               f"in loop {r['loop_spills']} shared {r['shared']}/{r['shared_limit']}")
     failed = [f"{r['variant']}: {r['error']}" for r in rows if r["status"] != "ok"]
     assert not failed, f"{target}: " + "; ".join(failed)
-    if target in ("sm_80", "sm_86", "sm_89", "gfx942", "gfx950"):
+    if target.startswith("sm_") or target in ("gfx942", "gfx950"):  # the score launches' page loop as a decode runs it
         assert all(not r["loop_spills"] for r in rows), "no spills inside the key loop"
 
 

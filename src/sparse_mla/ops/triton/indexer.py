@@ -291,9 +291,11 @@ _DOT_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # faster than 4 on every case of the sweep over words on an H200 (V4-Flash B 32 23.0 -> 21.2 us, B 128 53.6 -> 53.2,
 # V4.1-Flash B 128 87.0 -> 86.1, the 4K prefill chunk 800 -> 775; docs/history.md version 34)
 SCORE_WARPS, SCORE_STAGES = 4, 3
-# the fp8 dot's registers: at most 128 a thread, so an SM holds four programs (sm_90: 136 uncapped; no spills at 128 on
-# sm_89 / 90 / 100 / 120, the compile matrix)
-FP8_DOT_MAXNREG = 128
+# the fp8 dot's registers on sm_89 / sm_90: at most 128 a thread, so an SM holds four programs (sm_90 on Triton 3.6:
+# 136 uncapped; no spills at 128 there, the compile matrix). Not on sm_100 / sm_120: at 128 their page loops spilled
+# (sm_100 110-122 B a thread inside the loop, sm_120 4-6, Triton 3.6 and 3.9); uncapped they take 159-168 registers
+# and spill nothing (docs/history.md version 34)
+FP8_DOT_MAXNREG, FP8_DOT_CAPPED = 128, ("sm_89", "sm_90")
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, step: StepTokens, out: torch.Tensor,
@@ -341,7 +343,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
         DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, WORDS=out.dtype == torch.int32, num_warps=warps,
         num_stages=stages,
-        maxnreg=FP8_DOT_MAXNREG if fp8_dot else None)
+        maxnreg=FP8_DOT_MAXNREG if fp8_dot and targets.target_of(cache.device).name in FP8_DOT_CAPPED else None)
 
 
 @triton.jit
