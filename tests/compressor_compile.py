@@ -66,8 +66,9 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
     rope); the select over packed keys (two launches: 512 of 32768, then of 2048) and, over packed keys and over
     words, a row of 9,216 in two tiles and the V4 decode's 8,192 converted in its launch."""
     out = []
-    # the page loop as a decode runs it: 16 pages a program, pipelined (a recorded call of a few pages would compile
-    # the loop of one page, which the pipeliner leaves alone: too few registers to show the real loop's spills)
+    # the page loop as a decode runs it: 16 pages a program (the e4m3 dot's: 32, as on sm_90), pipelined (a recorded
+    # call of a few pages would compile the loop of one page, which the pipeliner leaves alone: too few registers to
+    # show the real loop's spills)
     pipelined = (indexer.MAX_PAGES_PER_PROGRAM, indexer.SCORE_WARPS, indexer.SCORE_STAGES)
     for fmt, heads, qlen in (("fp8", 64, 2), ("bf16", 64, 2), ("fp8", 32, 512))[: 3 if every else 1]:
         cache = IndexerKeyCache(4, fmt)
@@ -87,7 +88,7 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
             with recorded_launches(target) as calls:
                 indexer.index_scores(torch.zeros(2, 64, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 64), cache,
                                      step, torch.empty(2, 512, dtype=rows), 0, 2, 2, torch.float8_e4m3fn, True,
-                                     launch=pipelined)
+                                     launch=(indexer.WAVE_MAX_PAGES,) + pipelined[1:])
             out.append((f"indexer fp8 dot H64 q2{name}", calls))
     for half_split in (False, True)[: 2 if every else 1]:
         q, trig = torch.zeros(2, 64, 128, dtype=torch.bfloat16), torch.zeros(2, 32)

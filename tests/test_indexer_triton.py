@@ -527,25 +527,28 @@ def test_the_layer_scores_as_words_where_the_select_takes_rows_whole():
     assert not layer.scores_as_words(dataclasses.replace(plan(torch.bfloat16), q=None))  # the reference's plan
 
 
-@pytest.mark.parametrize("shape,pages,programs", [
-    ((64, 2, 32, 8192), 8, 512),        # V4-Flash B 32: full tiles, about one wave
-    ((64, 2, 128, 8192), 32, 512),      # B 128: 16 pages would leave two waves' programs
-    ((64, 2, 64, 8192), 16, 512),       # B 64: one wave at 16
-    ((64, 2, 8, 131072), 32, 512),      # 512K contexts: B 128's work
-    ((64, 4096, 1, 9216), 16, 18432),   # a 4K prefill chunk: many waves, 16 pages
-    ((32, 2, 128, 16384), 16, 2048),    # V4.1's 64-row tiles: 1024 programs at least, 16 pages at most
-    ((32, 2, 32, 16384), 8, 1024),
-    ((64, 1, 1, 64), 1, 1),             # one page
+@pytest.mark.parametrize("shape,wave,pages,programs", [
+    ((64, 2, 32, 8192), 0, 4, 1024),          # V4-Flash B 32, no known wave: 1024 programs at least
+    ((64, 2, 32, 8192), 528, 8, 512),         # an H200's wave (the e4m3 dot: 4 an SM): two waves become one
+    ((64, 2, 128, 8192), 0, 16, 1024),        # B 128: 16 pages at most ...
+    ((64, 2, 128, 8192), 528, 32, 512),       # ... but 32 where they fit one wave
+    ((64, 2, 96, 8192), 528, 8, 1536),        # B 96: 16 pages would leave 768, more than a wave
+    ((64, 2, 128, 8256), 528, 16, 1152),      # columns not a multiple of 2,048: 32 pages would leave 640
+    ((64, 1, 128, 8192), 528, 16, 1024),      # one token a request: 64-row tiles keep the rule
+    ((32, 2, 32, 16384), 528, 8, 1024),       # V4.1's 64-row tiles keep the rule
+    ((64, 4096, 1, 9216), 528, 16, 18432),    # a 4K prefill chunk: many waves
+    ((64, 1, 1, 64), 528, 1, 1),              # one page
 ])
-def test_the_score_launch_takes_pages_by_its_tiles_and_work(shape, pages, programs):
-    """``launch_shape``: the pages a program and the grid they give (full tiles of 128 rows aim at 512 programs and
-    take 32 pages where 16 would leave one to two times as many; other tiles aim at 1024, 16 pages at most)."""
+def test_the_score_launch_takes_pages_by_its_grid_and_the_gpu_s_wave(shape, wave, pages, programs):
+    """``launch_shape``: the pages a program double while the grid keeps 1024 programs, up to 16; where the wave is
+    known (the e4m3 dot on sm_90), a grid of full tiles (128 rows) over one wave that twice the pages fit in one takes
+    them (up to 32). ``programs``: the launch's grid, as ``index_scores`` makes it."""
     from sparse_mla.ops.triton import indexer as kernels
 
     heads, query_len, reqs, cols = shape
-    hp, qt, got = kernels.launch_shape(heads, query_len, reqs, cols)
+    hp, qt, got = kernels.launch_shape(heads, query_len, reqs, cols, wave)
     assert got == pages
-    assert reqs * -(-query_len // qt) * -(-(cols // 64) // got) == programs
+    assert reqs * -(-query_len // qt) * -(-cols // (64 * got)) == programs
 
 
 @needs_kernels
@@ -665,7 +668,7 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
               f"in loop {r['loop_spills']} shared {r['shared']}/{r['shared_limit']}")
     failed = [f"{r['variant']}: {r['error']}" for r in rows if r["status"] != "ok"]
     assert not failed, f"{target}: " + "; ".join(failed)
-    if target.startswith("sm_") or target in ("gfx942", "gfx950"):  # the score launches' page loop as a decode runs it
+    if target.startswith("sm_") or target in ("gfx942", "gfx950"):  # (AMD's compiles attribute no spill to a loop)
         assert all(not r["loop_spills"] for r in rows), "no spills inside the key loop"
 
 

@@ -53,12 +53,11 @@ _LOW_MASK = 0xFFFFFFFF
 ROWS_PER_TILE = 128  # M: query rows (tokens × padded heads) per program's dot
 MAX_PAGES_PER_PROGRAM = 16
 TARGET_PROGRAMS = 1024  # grid size the pages-per-program choice aims at (several waves on a 132-SM GPU)
-# full tiles (ROWS_PER_TILE rows: 64 heads): about one wave at four programs an SM on a 132-SM GPU, and 32 pages a
-# program where 16 would leave one to two waves' programs more (an H200, alternating with 1024 programs and 16 pages
-# at most: V4-Flash B 32 38.1 -> 37.0 us a layer at 8 pages, B 128 83.4 -> 81.9 at 32; the 4K prefill chunk, a grid
-# of many waves, ran 4 % slower at 32 pages and keeps 16; V4.1's 64-row tiles keep the rule above, docs/history.md
-# version 34)
-FULL_TILE_PROGRAMS, FULL_TILE_MAX_PAGES = 512, 32
+# where the GPU's wave is known (the e4m3 dot on sm_90: four programs an SM, the register cap), a grid of full tiles
+# (ROWS_PER_TILE rows) just over one wave takes twice the pages, up to 32, and fits one: an H200, alternating with the
+# rule above, V4-Flash B 32 38.1 -> 37.0 us a layer (4 -> 8 pages, 1,024 -> 512 programs), B 128 83.4 -> 81.9 (16 ->
+# 32); a 4K prefill chunk (18,432 programs) ran 4 % slower at 32 pages, and keeps 16 (docs/history.md version 34)
+WAVE_PROGRAMS_PER_SM, WAVE_MAX_PAGES = 4, 32
 
 
 @triton.jit
@@ -266,23 +265,28 @@ def launch_prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Te
                                   num_warps=4, enable_fp_fusion=False)
 
 
-def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: int) -> tuple[int, int, int]:
+def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: int, wave: int = 0
+                 ) -> tuple[int, int, int]:
     """``(HP, QT, PAGES)``: padded heads, tokens per tile, pages per program for one launch. The pages a program
-    double from one while the grid keeps at least :data:`TARGET_PROGRAMS` programs (:data:`FULL_TILE_PROGRAMS` for
-    tiles of :data:`ROWS_PER_TILE` rows), up to :data:`MAX_PAGES_PER_PROGRAM`; a grid of full tiles takes
-    :data:`FULL_TILE_MAX_PAGES` where that leaves it one to two times :data:`FULL_TILE_PROGRAMS` programs."""
+    double from one while the grid keeps at least :data:`TARGET_PROGRAMS` programs, up to
+    :data:`MAX_PAGES_PER_PROGRAM`. ``wave``: the programs the GPU runs at once, where known (0: not known); a grid of
+    full tiles (:data:`ROWS_PER_TILE` rows) of more than one wave that twice the pages (up to :data:`WAVE_MAX_PAGES`)
+    fit in one wave takes them."""
     hp = triton.next_power_of_2(num_heads)
     qt = max(max(1, 16 // hp), min(max(1, ROWS_PER_TILE // hp), triton.next_power_of_2(max_query_len)))
     pages = -(-num_cols // 64)
-    work = num_reqs * -(-max_query_len // qt) * pages
-    full = qt * hp >= ROWS_PER_TILE
-    target = FULL_TILE_PROGRAMS if full else TARGET_PROGRAMS
+    tiles = num_reqs * -(-max_query_len // qt)
+    work = tiles * pages
     per_program = 1
-    while per_program < MAX_PAGES_PER_PROGRAM and work // (2 * per_program) >= target:
+    while per_program < MAX_PAGES_PER_PROGRAM and work // (2 * per_program) >= TARGET_PROGRAMS:
         per_program *= 2
-    if full and per_program == MAX_PAGES_PER_PROGRAM and \
-            FULL_TILE_PROGRAMS <= -(-work // FULL_TILE_MAX_PAGES) < 2 * FULL_TILE_PROGRAMS:
-        per_program = FULL_TILE_MAX_PAGES
+
+    def programs(per: int) -> int:
+        return tiles * -(-pages // per)
+
+    if (wave and qt * hp >= ROWS_PER_TILE and 2 * per_program <= WAVE_MAX_PAGES
+            and programs(per_program) > wave >= programs(2 * per_program)):
+        per_program *= 2
     return hp, qt, per_program
 
 
@@ -291,10 +295,10 @@ _DOT_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # faster than 4 on every case of the sweep over words on an H200 (V4-Flash B 32 23.0 -> 21.2 us, B 128 53.6 -> 53.2,
 # V4.1-Flash B 128 87.0 -> 86.1, the 4K prefill chunk 800 -> 775; docs/history.md version 34)
 SCORE_WARPS, SCORE_STAGES = 4, 3
-# the fp8 dot's registers on sm_89 / sm_90: at most 128 a thread, so an SM holds four programs (sm_90 on Triton 3.6:
-# 136 uncapped; no spills at 128 there, the compile matrix). Not on sm_100 / sm_120: at 128 their page loops spilled
-# (sm_100 110-122 B a thread inside the loop, sm_120 4-6, Triton 3.6 and 3.9); uncapped they take 159-168 registers
-# and spill nothing (docs/history.md version 34)
+# the fp8 dot's registers on sm_89 / sm_90: at most 128 a thread, so an sm_90 SM holds four programs (136 uncapped on
+# Triton 3.6; sm_89's 100 KB of shared memory holds two; no spills at 128 on either, the compile matrix). Not on
+# sm_100 / sm_120: at 128 their page loops spilled (sm_100 110-122 B a thread inside the loop, sm_120 4-6, Triton 3.6
+# and 3.9); uncapped they take 159-168 registers and spill nothing (docs/history.md version 34)
 FP8_DOT_MAXNREG, FP8_DOT_CAPPED = 128, ("sm_89", "sm_90")
 
 
@@ -325,14 +329,16 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         raise ValueError(f"dot_dtype must be one of {tuple(_DOT_TYPES)}, got {dot_dtype}")
     num_reqs = step.query_start_loc.shape[0] - 1
     num_cols = out.shape[1]
-    hp, qt, per_program = launch_shape(q.shape[1], max_query_len, num_reqs, num_cols)
+    target = targets.target_of(cache.device)
+    fp8_dot = dot_dtype == torch.float8_e4m3fn
+    wave = WAVE_PROGRAMS_PER_SM * targets.num_sms(cache.device, target) if fp8_dot and target.hopper else 0
+    hp, qt, per_program = launch_shape(q.shape[1], max_query_len, num_reqs, num_cols, wave)
     warps, stages = SCORE_WARPS, SCORE_STAGES
     if launch is not None:
         per_program, warps, stages = launch
     fp8 = cache.fmt == "fp8"
     scale_view = cache.data.view(torch.float32) if fp8 else cache.data
     grid = (num_reqs, -(-max_query_len // qt), -(-num_cols // (64 * per_program)))
-    fp8_dot = dot_dtype == torch.float8_e4m3fn
     if fp8_dot and (not fp8 or q.dtype != torch.float8_e4m3fn):
         raise ValueError(f"the fp8 dot needs an fp8 key cache and float8_e4m3fn q, got {cache.fmt} keys, {q.dtype} q")
     dot = _DOT_TYPES[dot_dtype]
@@ -343,7 +349,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
         DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, WORDS=out.dtype == torch.int32, num_warps=warps,
         num_stages=stages,
-        maxnreg=FP8_DOT_MAXNREG if fp8_dot and targets.target_of(cache.device).name in FP8_DOT_CAPPED else None)
+        maxnreg=FP8_DOT_MAXNREG if fp8_dot and target.name in FP8_DOT_CAPPED else None)
 
 
 @triton.jit
