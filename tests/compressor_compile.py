@@ -70,26 +70,21 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
     # call of a few pages would compile the loop of one page, which the pipeliner leaves alone: too few registers to
     # show the real loop's spills)
     pipelined = (indexer.MAX_PAGES_PER_PROGRAM, indexer.SCORE_WARPS, indexer.SCORE_STAGES)
-    for fmt, heads, qlen in (("fp8", 64, 2), ("bf16", 64, 2), ("fp8", 32, 512))[: 3 if every else 1]:
+    scores = [(fmt, heads, qlen, torch.bfloat16, pipelined, f"indexer {fmt} H{heads} q{qlen}")
+              for fmt, heads, qlen in (("fp8", 64, 2), ("bf16", 64, 2), ("fp8", 32, 512))[: 3 if every else 1]]
+    if target.native_fp8:
+        scores.append(("fp8", 64, 2, torch.float8_e4m3fn, (indexer.WAVE_MAX_PAGES,) + pipelined[1:],
+                       "indexer fp8 dot H64 q2"))
+    for fmt, heads, qlen, dot, launch, name in scores:
         cache = IndexerKeyCache(4, fmt)
         step = StepTokens(torch.zeros(qlen, dtype=torch.int32), torch.zeros(qlen, dtype=torch.int32),
                           torch.tensor([0, qlen], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 4)
-        q = torch.zeros(qlen, heads, 128, dtype=torch.bfloat16)
-        for rows, name in ((torch.int64, ""), (torch.int32, " words")):
+        for rows, form in ((torch.int64, ""), (torch.int32, " words")):
             with recorded_launches(target) as calls:
-                indexer.index_scores(q, torch.zeros(qlen, heads), cache, step, torch.empty(qlen, 512, dtype=rows),
-                                     0, qlen, qlen, torch.bfloat16, target.native_fp8, launch=pipelined)
-            out.append((f"indexer {fmt} H{heads} q{qlen}{name}", calls))
-    if target.native_fp8:
-        cache = IndexerKeyCache(4, "fp8")
-        step = StepTokens(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
-                          torch.tensor([0, 2], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 4)
-        for rows, name in ((torch.int64, ""), (torch.int32, " words")):
-            with recorded_launches(target) as calls:
-                indexer.index_scores(torch.zeros(2, 64, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 64), cache,
-                                     step, torch.empty(2, 512, dtype=rows), 0, 2, 2, torch.float8_e4m3fn, True,
-                                     launch=(indexer.WAVE_MAX_PAGES,) + pipelined[1:])
-            out.append((f"indexer fp8 dot H64 q2{name}", calls))
+                indexer.index_scores(torch.zeros(qlen, heads, 128, dtype=dot), torch.zeros(qlen, heads), cache, step,
+                                     torch.empty(qlen, 512, dtype=rows), 0, qlen, qlen, dot, target.native_fp8,
+                                     launch=launch)
+            out.append((name + form, calls))
     for half_split in (False, True)[: 2 if every else 1]:
         q, trig = torch.zeros(2, 64, 128, dtype=torch.bfloat16), torch.zeros(2, 32)
         # the prepared queries in the dot's dtype: bf16 everywhere, e4m3 (the conversion instruction) where the dot is
