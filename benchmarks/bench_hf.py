@@ -3,6 +3,8 @@
     python benchmarks/bench_hf.py --out results/                 # H100: 8K and 32K prompts, ~2-4 min
     python benchmarks/bench_hf.py --smoke --out /tmp/smoke       # tiny on the CPU, reference backend (~10 s)
     python benchmarks/bench_hf.py --impls eager sparse_mla_pipeline --contexts 8192 --index-heads 64 --out results/
+    python benchmarks/bench_hf.py --impls eager sparse_mla_graphs --contexts 8192 --index-heads 64 --index-format fp8 \
+        --new-tokens 32 --out results/                           # decode steps as CUDA-graph replays
     python benchmarks/bench_hf.py --impls sparse_mla_pipeline --contexts 131072 --index-heads 64 --index-format fp8 \
         --new-tokens 4 --out results/128k                         # a 128K-token prompt on one GPU
     python benchmarks/bench_hf.py ... --profile                  # + each run's prefill and decode steps under cProfile
@@ -25,6 +27,8 @@ For each prompt length (``--contexts``) and implementation, batch 1, one greedy 
   ``--index-format`` (default bf16 and fp8 keys; the row's ``index_format``): the compressors write the library's
   caches and its indexer makes the picks (docs/transformers.md); HF's compressors / indexer do not run, so no dense
   ``(S, heads, S/4)`` scores.
+* ``sparse_mla_graphs``: the pipeline with ``cuda_graphs=True``: decode steps replay a CUDA graph of the model's
+  layers (the row's ``graph_counts``: captures and replays over the timed run).
 
 Timing: a streamer whose ``put`` (called by ``generate`` with the prompt, then with each new token, after
 its ``.cpu()`` copy) synchronises CUDA and stamps ``time.perf_counter()``. ``prefill_s`` = prompt put ->
@@ -58,7 +62,8 @@ from harness import main, report, save_result
 
 
 LAYER_CYCLE = ("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention")
-IMPLS = ("eager", "sdpa", "sparse_mla", "sparse_mla_pipeline")
+IMPLS = ("eager", "sdpa", "sparse_mla", "sparse_mla_pipeline", "sparse_mla_graphs")
+PIPELINE_IMPLS = ("sparse_mla_pipeline", "sparse_mla_graphs")  # a row per --index-format
 GIB = 1024**3
 
 
@@ -215,12 +220,13 @@ def run_impl(impl: str, model, args: argparse.Namespace, sizes: Sizes, device: t
     integration, reason = None, None
     if impl == "sdpa":
         reason = try_sdpa(model)
-    elif impl in ("sparse_mla", "sparse_mla_pipeline"):
+    elif impl in ("sparse_mla", *PIPELINE_IMPLS):
         from sparse_mla.integrations.transformers import enable_sparse_mla
 
         try:
             integration = enable_sparse_mla(model, kv_format=args.kv_format, backend=args.backend,
-                                            pipeline=index_format is not None, index_format=index_format or "bf16")
+                                            pipeline=index_format is not None, index_format=index_format or "bf16",
+                                            cuda_graphs=impl == "sparse_mla_graphs")
         except Exception as e:  # noqa: BLE001
             reason = f"{type(e).__name__}: {e}"[:600]
     if reason is not None:
@@ -244,8 +250,11 @@ def run_impl(impl: str, model, args: argparse.Namespace, sizes: Sizes, device: t
                 warm_up(context)
             console.log(f"{label}: context {context}, {args.new_tokens} new tokens")
             row = dict(base, context=context)
+            before = dict(integration.graph_counts) if integration is not None else {}
             row.update(guarded(lambda: timed_generate(model, context, args.new_tokens, device, sizes.vocab,
                                                       args.seed + context), console, f"{label} {context}"))
+            if integration is not None and integration.cuda_graphs:  # the timed run's own
+                row["graph_counts"] = {k: v - before[k] for k, v in integration.graph_counts.items()}
             if args.profile and row["status"] == "ok":
                 name = f"profile-{label.replace(' ', '_').replace('(', '').replace(')', '')}-{context}.txt"
                 to = os.path.join(args.out, name)
@@ -301,7 +310,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-format", default=None, help="sparse-mla cache format (default fp8_v4)")
     parser.add_argument("--backend", default=None, help="sparse-mla backend (default auto)")
     parser.add_argument("--index-format", nargs="+", default=None, choices=("bf16", "fp8"),
-                        help="sparse_mla_pipeline's indexer key cache formats, a row each (default bf16 fp8; "
+                        help="the pipeline rows' indexer key cache formats, a row each (default bf16 fp8; "
                              "--smoke bf16)")
     parser.add_argument("--warmup-context", type=int, default=None,
                         help="warm-up prompt length (0: none; -1, the GPU's default: each timed length first)")
@@ -361,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
     console.log(f"{params / 1e6:.1f} M parameters" +
                 (f", {result['weights_gib']:.2f} GiB on the GPU" if result["weights_gib"] is not None else ""))
     for impl in args.impls:
-        for index_format in args.index_format if impl == "sparse_mla_pipeline" else [None]:
+        for index_format in args.index_format if impl in PIPELINE_IMPLS else [None]:
             run_impl(impl, model, args, sizes, device, console, write, index_format)
     save_result(path, result, start)
     return report(console, path, result, [table(result)])

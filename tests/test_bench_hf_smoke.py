@@ -27,8 +27,10 @@ def test_bench_hf_smoke_writes_the_expected_json(tmp_path, capsys, monkeypatch):
     assert result["smoke"] and result["kv_format"] == "bf16" and result["contexts"] == [160]
     assert result["index_format"] == ["bf16"]
     rows = {r["impl"]: r for r in result["rows"]}
-    assert set(rows) == {"eager", "sdpa", "sparse_mla", "sparse_mla_pipeline"}
+    assert set(rows) == {"eager", "sdpa", "sparse_mla", "sparse_mla_pipeline", "sparse_mla_graphs"}
     assert rows["sdpa"]["status"] == "unsupported" and rows["sdpa"]["reason"]
+    assert rows["sparse_mla_graphs"]["status"] == "unsupported"  # CUDA graphs: not on the CPU
+    assert "cuda_graphs=True needs a CUDA device" in rows["sparse_mla_graphs"]["reason"]
     for impl in ("eager", "sparse_mla", "sparse_mla_pipeline"):
         r = rows[impl]
         assert r["status"] == "ok" and r["generated"] == 2 and r["prefill_s"] > 0 and r["decode_ms"] > 0

@@ -265,6 +265,20 @@ def test_a_compressor_that_missed_a_step_of_its_pool_is_refused():
     assert torch.equal(cache.data.view(torch.uint8), before.view(torch.uint8))
 
 
+def test_a_step_a_cuda_graph_replayed_counts_as_run():
+    """A replay runs no Python: ``replayed(meta)`` records the step as run, so the eager call of the step after it
+    is taken (without it: refused as a missed step); another pool's metadata is refused."""
+    feeder, comp, cache, _, _ = make(4, 512, [6, 6])
+    seqs = make_sequences([6, 6], 4, 512)
+    _, _, replayed = feeder.step([(0, 3), (1, 3)])  # as a captured step's replay would run it: no Python
+    comp.replayed(replayed)
+    _, _, meta = feeder.step([(0, 3), (1, 3)])
+    comp.forward(torch.cat([seqs[0][0][3:], seqs[1][0][3:]]), torch.cat([seqs[0][1][3:], seqs[1][1][3:]]), meta, cache)
+    other = make(4, 512, [6, 6])[0].step([(0, 3), (1, 3)])[2]
+    with pytest.raises(ValueError, match="meta must be CompressMetadata of this compressor's pool"):
+        comp.replayed(other)
+
+
 def test_compress_metadata_names_bad_arguments():
     feeder = Feeder([6], 4)
     order, batch, meta = feeder.step([(0, 3)])

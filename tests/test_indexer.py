@@ -343,3 +343,18 @@ def test_picks_match_transformers_deepseek_v32_indexer():
     differ = sum(len({x for x in got[t].tolist() if x >= 0} ^ {x for x in want[t].tolist() if x <= t})
                  for t in range(seq))
     assert differ == 0, f"{differ} picks differ"
+
+
+def test_a_captured_plan_names_the_batches_it_cannot_replay():
+    """A Triton plan's launches are sized on the host from the planning step (its columns from the longest request,
+    each chunk's grid from its longest run of one request's tokens): ``replay_mismatch`` says when a later batch
+    exceeds them (a CUDA graph replaying it would score that batch short) and is None while it fits."""
+    plan = SparseMLAIndexer("c4a", 4, 64).step_plan(make_scenario([(300, 1), (200, 1)], topk=64).meta, "triton")
+    assert plan.num_cols == 128 and plan.chunks == [(0, 2, 1)]
+    for lengths in ([(512, 1), (200, 1)], [(1, 1), (4, 1)]):  # at most 128 entries, one token a request
+        assert plan.replay_mismatch(make_scenario(lengths, topk=64).batch) is None
+    longer = make_scenario([(516, 1), (200, 1)], topk=64).batch
+    assert plan.replay_mismatch(longer) == ("a request sees 129 entries, the captured indexer scores 128 a row: "
+                                            "capture another graph")
+    two_tokens = make_scenario([(300, 2)], topk=64, decode_threshold=2).batch
+    assert "tokens [0, 2) hold a request's run longer than the captured 1" in plan.replay_mismatch(two_tokens)

@@ -392,3 +392,57 @@ def test_v4_pipeline_chunked_prefill_picks_equal_hf(v4_pipeline):
                 assert max(gaps) < 1e-2, (t, sorted(a), sorted(b), gaps)
     print(f"V4 pipeline, two chunks: {flips} near-tied picks differ from HF's")
     assert flips <= 2, flips
+
+
+# ---------------------------------------------------------------- cuda_graphs=True: decode steps replayed
+
+def test_cuda_graphs_errors(v4, v4_pipeline):
+    """cuda_graphs=True names what it needs (pipeline=True, a CUDA device, V4) before it changes the model."""
+    with pytest.raises(ValueError, match="cuda_graphs=True needs pipeline=True"):
+        enable_sparse_mla(v4[0], cuda_graphs=True)
+    if DEVICE.type != "cuda":
+        with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device, got cpu"):
+            enable_sparse_mla(v4_pipeline[0], pipeline=True, cuda_graphs=True)
+    from test_hf_v32_parity import v32_config
+
+    cfg = v32_config(1)
+    cfg.index_head_dim = 128  # what pipeline=True needs
+    v32 = transformers.DeepseekV32ForCausalLM(cfg).eval()
+    with pytest.raises(ValueError, match="cuda_graphs=True supports DeepseekV4 models"):
+        enable_sparse_mla(v32, pipeline=True, cuda_graphs=True)
+    assert v4[0].config._attn_implementation == "eager" and "forward" not in v4[0].model.__dict__
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
+def test_v4_pipeline_decode_steps_replay_a_cuda_graph():
+    """generate() with cuda_graphs=True: a left-padded batch of bf16 prompts whose decode steps cross a builder's
+    length (256: a new builder, so an eager step, then a capture) and the indexer's captured columns (260 tokens: 65
+    c4a entries past the 64 it scores, the same); tokens, logits and each step's hidden states (the graph's tensors,
+    handed out as copies: a replay rewrites them) equal those of the same pipeline run eagerly."""
+    model = _v4_model(index_head_dim=128, index_heads=16).to(torch.bfloat16)
+    ids = torch.randint(1, 128, (2, 252), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :PADS] = 0
+    runs, counts = [], []
+    for graphs in (False, True):
+        integration = enable_sparse_mla(model, pipeline=True, cuda_graphs=graphs)
+        try:
+            with torch.no_grad():
+                runs.append(model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                           output_logits=True, output_hidden_states=True,
+                                           return_dict_in_generate=True))
+        finally:
+            integration.remove()
+        counts.append(dict(integration.graph_counts))
+    assert "forward" not in model.model.__dict__
+    eager, replayed = runs
+    assert torch.equal(eager.sequences, replayed.sequences)
+    for a, b in zip(eager.logits, replayed.logits):
+        assert torch.equal(a, b)
+    assert len(replayed.hidden_states) == 12
+    for a, b in zip(eager.hidden_states, replayed.hidden_states):  # a tuple a step: the embeddings, each layer's
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # 11 decode steps: 252 -> 253 a new builder (eager), capture at 254, 256 -> 257 a new builder (eager), capture
+    # at 258, 259 -> 260 the indexer's columns (eager), capture at 261; the rest replays
+    assert counts[0] == {"captures": 0, "replays": 0}
+    assert counts[1] == {"captures": 3, "replays": 8}, counts

@@ -225,6 +225,16 @@ class KVCompressor:
             if score is not None:
                 check_finite("score", score[:lo])
 
+    def replayed(self, meta: CompressMetadata) -> None:
+        """A CUDA graph holding one of this compressor's calls replayed for ``meta``'s step: record the step as
+        run, as the call would (a replay runs no Python), so an eager call after it checks its step against it."""
+        if not isinstance(meta, CompressMetadata) or meta.pool is not self.pool:
+            raise ValueError("meta must be CompressMetadata of this compressor's pool")
+        if meta.step < self._last_step:
+            raise ValueError(f"meta is step {meta.step} of the pool and this compressor has run step "
+                             f"{self._last_step}")
+        self._last_step = meta.step
+
     def forward(self, kv: torch.Tensor, score: torch.Tensor | None, meta: CompressMetadata,
                 cache: PagedCache | IndexerKeyCache) -> torch.Tensor:
         """Compress one step: ``kv``, ``score`` ``(T, coff·dim)`` in the pool's dtype, rows the batch's tokens

@@ -31,6 +31,12 @@ def batch_shape(batch: StepBatch) -> tuple[int, int, int, int]:
     return batch.num_reqs, batch.num_decodes, batch.num_decode_tokens, batch.num_tokens
 
 
+def sized_plans(meta: StepMetadata) -> list:
+    """The plans of ``meta``'s step whose launches were sized from its batch's lengths (the indexer's), each with
+    ``replay_mismatch(batch) -> str | None``: whether a later batch still fits them."""
+    return [plan for plan in meta._plans.values() if hasattr(plan, "replay_mismatch")]
+
+
 class StepGraph:
     """``step(batch)`` (build the metadata into ``meta`` with ``out=meta``, run the layers) captured in one CUDA
     graph; :meth:`replay` runs it again for a new batch of the same builder and shape.
@@ -49,7 +55,8 @@ class StepGraph:
         if batch.num_prefills:
             raise ValueError(f"a captured step takes decode requests only; the batch has {batch.num_prefills} "
                              f"prefill request(s)")
-        self.step, self.meta, self.shape, self.builder = step, meta, batch_shape(batch), batch.builder
+        # the step function is not kept: what it closes over (a model's cache, say) stays the caller's to free
+        self.meta, self.shape, self.builder = meta, batch_shape(batch), batch.builder
         stream = torch.cuda.Stream(device=batch.device)
         stream.wait_stream(torch.cuda.current_stream(batch.device))
         with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture asks
@@ -68,20 +75,35 @@ class StepGraph:
         for plan in meta._plans.values():
             for kind, n in getattr(plan, "num_blocks", {}).items():
                 self.num_blocks[kind] = min(n, self.num_blocks.get(kind, n))
+        self.sized = sized_plans(meta)
 
-    def replay(self, batch: StepBatch) -> None:
-        """Run the captured step for ``batch``: the current batch of the same builder, of the captured shape."""
+    def mismatch(self, batch: StepBatch) -> str | None:
+        """Why :meth:`replay` would refuse ``batch`` (None: it replays it): another builder, another shape, a block
+        past a captured cache, or lengths past what a captured plan was sized for. The batch must be its builder's
+        current one (else ``ValueError``)."""
         if batch.builder is not self.builder:
-            raise ValueError("batch comes from another StepBatchBuilder than the captured step's: the graph reads "
-                             "the capturing builder's buffers")
+            return ("batch comes from another StepBatchBuilder than the captured step's: the graph reads the "
+                    "capturing builder's buffers")
         batch.check_current()
         if batch_shape(batch) != self.shape:
-            raise ValueError(f"batch has shape {batch_shape(batch)} (requests, decode requests, decode tokens, "
-                             f"tokens), the captured step {self.shape}: capture another graph for it")
+            return (f"batch has shape {batch_shape(batch)} (requests, decode requests, decode tokens, tokens), the "
+                    f"captured step {self.shape}: capture another graph for it")
         for kind, n in self.num_blocks.items():  # eager calls check this in each step's plan; a replay makes none
             if batch.max_block.get(kind, -1) >= n:
-                raise ValueError(f"batch's {kind!r} block tables name block {batch.max_block[kind]}, but the captured "
-                                 f"step reads a {kind!r} cache of {n} blocks")
+                return (f"batch's {kind!r} block tables name block {batch.max_block[kind]}, but the captured step "
+                        f"reads a {kind!r} cache of {n} blocks")
+        for plan in self.sized:
+            reason = plan.replay_mismatch(batch)
+            if reason is not None:
+                return reason
+        return None
+
+    def replay(self, batch: StepBatch) -> None:
+        """Run the captured step for ``batch``: the current batch of the same builder, of the captured shape, within
+        the captured caches and plans (else ``ValueError`` saying why: :meth:`mismatch`)."""
+        reason = self.mismatch(batch)
+        if reason is not None:
+            raise ValueError(reason)
         check_sinks_kept(self.sinks)  # a few hundred ns per layer with a sink
         self.graph.replay()
         self.meta.batch = batch

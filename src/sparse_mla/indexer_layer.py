@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import check_finite, check_positive_int, check_tensor
+from .batch import StepBatch
 from .config import COMPRESS_RATIO, PICKS_KINDS, ModelConfig
 from .indexer import (KEPT_BLOCKS, MAX_SELECT_COLS, SELECT_SEGMENT, IndexerSpec, StepTokens, index_topk_reference,
                       prepare_queries, select_kernel_takes, top_blocks_reference)
@@ -57,6 +58,24 @@ class IndexerPlan:
     sin: torch.Tensor | None = None
     word_chunks: list[tuple[int, int, int]] | None = None
 
+    def replay_mismatch(self, batch: StepBatch) -> str | None:
+        """Why a CUDA graph captured with this plan cannot replay ``batch`` (None: it can). Its launches were sized
+        on the host from the capturing step: ``num_cols`` from its longest request, each chunk's grid from its
+        longest run of one request's tokens; a batch past either would be scored short, silently
+        (:meth:`sparse_mla.graphs.StepGraph.replay` asks every plan of the captured step)."""
+        ratio = self.step.ratio
+        entries = max((s // ratio for s in batch.seq_lens_host), default=0)
+        if entries > self.num_cols:
+            return (f"a request sees {entries} entries, the captured indexer scores {self.num_cols} a row: capture "
+                    f"another graph")
+        qsl = batch.query_start_loc_host
+        for captured in (self.chunks, self.word_chunks or []):
+            for t0, t1, longest in captured:
+                if _longest_run(qsl, batch.num_reqs, t0, t1) > longest:
+                    return (f"tokens [{t0}, {t1}) hold a request's run longer than the captured {longest}: capture "
+                            f"another graph")
+        return None
+
     def chunks_for(self, words: bool) -> list[tuple[int, int, int]]:
         """The token chunks of scores as words (:attr:`word_chunks`) or as packed keys (:attr:`chunks`)."""
         return self.word_chunks if words else self.chunks
@@ -65,6 +84,11 @@ class IndexerPlan:
         """The workspace's first ``rows`` rows of scores: packed keys ``(rows, num_cols)`` int64, or (``words``)
         the score kernel's words ``(rows, num_cols)`` int32, rows back to back (twice the packed rows fit)."""
         return (self.workspace.view(torch.int32).view(-1, self.num_cols) if words else self.workspace)[:rows]
+
+
+def _longest_run(qsl: list[int], num_reqs: int, t0: int, t1: int) -> int:
+    """The most tokens one request has in ``[t0, t1)`` (``qsl``: the step's query start offsets, host ints)."""
+    return max(min(qsl[r + 1], t1) - max(qsl[r], t0) for r in range(num_reqs))
 
 
 @dataclass(frozen=True)
@@ -187,12 +211,9 @@ class SparseMLAIndexer(torch.nn.Module):
         rows = max(1, min(batch.num_tokens, self.workspace_bytes // (8 * num_cols)))  # packed keys: 8 B an entry
 
         def chunks_of(rows: int) -> list[tuple[int, int, int]]:  # the step's tokens, ``rows`` at most a chunk
-            chunks = []
-            for t0 in range(0, batch.num_tokens, rows):
-                t1 = min(batch.num_tokens, t0 + rows)
-                longest = max(min(qsl[r + 1], t1) - max(qsl[r], t0) for r in range(batch.num_reqs))
-                chunks.append((t0, t1, max(1, longest)))
-            return chunks
+            return [(t0, min(batch.num_tokens, t0 + rows),
+                     max(1, _longest_run(qsl, batch.num_reqs, t0, min(batch.num_tokens, t0 + rows))))
+                    for t0 in range(0, batch.num_tokens, rows)]
 
         chunks = chunks_of(rows)
         workspace = torch.empty(rows, num_cols, dtype=torch.int64, device=dev)

@@ -88,15 +88,17 @@ class Pipeline:
         return KVCompressor(pool, dim, module.kv_norm.weight.detach(), module.kv_norm.variance_epsilon,
                             ape=module.position_bias.detach(), rope=self.rope, backend=backend)
 
-    def grow(self, layer: int, num_blocks: int) -> None:
-        """Layer ``layer``'s key cache enlarged to ``num_blocks`` pages (contents kept), as its block table grew."""
+    def grow(self, layer: int, num_blocks: int) -> bool:
+        """Layer ``layer``'s key cache enlarged to ``num_blocks`` pages (contents kept), as its block table grew;
+        whether a new cache replaced it."""
         old = self.index_caches.get(layer)
         if old is not None and old.num_blocks >= num_blocks:
-            return
+            return False
         new = IndexerKeyCache(num_blocks, self.index_format, self.device)
         if old is not None:
             new.data[: old.num_blocks].copy_(old.data)
         self.index_caches[layer] = new
+        return True
 
     def begin_step(self, batch: StepBatch, req_rows: list[int]) -> None:
         """This step's compression metadata of every pool (request ``i`` is HF batch row ``req_rows[i]``), refilling
@@ -108,6 +110,13 @@ class Pipeline:
         if self.family == "v32":
             positions = batch.positions.clamp_min(0)
             self.key_rope = positions, self.rope.cos_sin(positions)
+
+    def replayed(self) -> None:
+        """A captured decode step replayed this step: every compressor records it as run
+        (:meth:`KVCompressor.replayed`)."""
+        for comps in self.compressors.values():
+            for comp in comps.values():
+                comp.replayed(self.metas[comp.pool.ratio])
 
     def compress_v4(self, layer: int, module: torch.nn.Module, h: torch.Tensor, q_residual: torch.Tensor,
                     caches: dict, meta: StepMetadata) -> torch.Tensor | None:

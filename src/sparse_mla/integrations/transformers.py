@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -75,6 +76,7 @@ from ..absorption import Absorption
 from ..batch import Request, StepBatch, StepBatchBuilder, blocks_needed
 from ..cache import PagedCache
 from ..config import DEFAULT_BLOCK_SIZE
+from ..graphs import StepGraph, sized_plans
 from ..layer import SparseMLAAttention
 from ..metadata import MetadataSpec, StepMetadata, build_step_metadata
 from .hf_pipeline import INDEX_KEY_FORMATS, Pipeline, check_pipeline_config
@@ -128,6 +130,12 @@ class _Session:
     pipeline: Pipeline | None = None  # pipeline=True: the library's compressors and indexers of this generation
     builder: StepBatchBuilder | None = None  # the last step's builder, reused while its capacities fit
     meta: StepMetadata | None = None  # the last step's metadata, refilled in place by steps of the same builder
+    seen: int = 0  # tokens of the HF batch's rows so far, pads included (HF's cache stops counting under a replay)
+    # cuda_graphs=True: bumped whenever a new builder or a new cache replaces one a captured step reads
+    version: int = 0
+    graph: "_DecodeGraph | None" = None  # the captured decode step
+    warm: tuple | None = None  # the key of the last eager decode step (a capture follows one of the same key)
+    warm_plans: list = field(default_factory=list)  # its size-bound plans (graphs.sized_plans)
 
 
 @dataclass
@@ -156,7 +164,7 @@ class SparseMLAIntegration:
     """What :func:`enable_sparse_mla` set up on a model; :meth:`remove` undoes it."""
 
     def __init__(self, model: torch.nn.Module, kv_format: str, device: torch.device | str | None,
-                 backend: str, pipeline: bool = False, index_format: str = "bf16") -> None:
+                 backend: str, pipeline: bool = False, index_format: str = "bf16", cuda_graphs: bool = False) -> None:
         check_transformers_version()
         name = type(model).__name__
         if name in ("DeepseekV4ForCausalLM", "DeepseekV4Model"):
@@ -180,6 +188,11 @@ class SparseMLAIntegration:
         if self.pipeline:
             check_pipeline_config(self.config)
         self.device = check_device("device", device) if device is not None else next(model.parameters()).device
+        self.cuda_graphs = bool(cuda_graphs)
+        if self.cuda_graphs:
+            _check_graph_config(self.family, self.pipeline, self.device)
+        # captures and replays of decode steps (cuda_graphs=True): how many ran, for a caller to see they do
+        self.graph_counts = {"captures": 0, "replays": 0}
         self.attentions = [layer.self_attn for layer in base.layers]
         self.kinds = self._kinds()
         self.window = self.config.sliding_window if self.family == "v4" else 1
@@ -193,6 +206,10 @@ class SparseMLAIntegration:
         self._hooks = [base.register_forward_pre_hook(self._begin_step, with_kwargs=True),
                        base.register_forward_hook(self._end_step, with_kwargs=True)]
         self._replaced: list[torch.nn.Module] = []  # modules whose forward pipeline=True replaced
+        self._base = base
+        self._base_forward = base.forward  # the class's forward, bound (cuda_graphs=True puts ours in front)
+        if self.cuda_graphs:
+            base.forward = self._graph_forward
         for i, attn in enumerate(self.attentions):
             _ATTACHED[attn] = (self, self.layers[i])
             if self.pipeline:
@@ -219,6 +236,7 @@ class SparseMLAIntegration:
         self._removed = True
         for hook in self._hooks:
             hook.remove()
+        self._base.__dict__.pop("forward", None)  # cuda_graphs=True's forward, if set
         for module in self._replaced:
             module.__dict__.pop("forward", None)  # the class's forward again
         self._replaced = []
@@ -292,7 +310,9 @@ class SparseMLAIntegration:
         x = ids if ids is not None else kwargs["inputs_embeds"]
         num_rows, seq = x.shape[0], x.shape[1]
         cache = _model_cache(kwargs)
-        past = cache.get_seq_length() if cache is not None else 0
+        session = self._sessions.get(cache) if cache is not None else None
+        # the session's own count: a replayed step runs none of HF's cache code, so its count stops there
+        past = session.seen if session is not None else cache.get_seq_length() if cache is not None else 0
         mask = kwargs.get("attention_mask")
         if isinstance(mask, dict) or (mask is not None and mask.dim() != 2):
             raise ValueError("sparse-mla needs the 2-D attention_mask (or none), as generate() passes with a "
@@ -314,7 +334,6 @@ class SparseMLAIntegration:
         if positions is not None and not bool((positions.cpu().expand_as(ours) == ours)[real].all()):
             raise ValueError("position_ids must count the real tokens of each row (attention_mask.cumsum(-1) - 1), "
                              "the positions of sparse-mla's requests")
-        session = self._sessions.get(cache) if cache is not None else None
         if session is None:
             if past:
                 raise ValueError("the model's cache (cache / past_key_values) holds tokens sparse-mla's caches never "
@@ -325,6 +344,7 @@ class SparseMLAIntegration:
                 session.pipeline = Pipeline(self.config, self.family, self.attentions, [la.kind for la in self.layers],
                                             num_rows, self.device, dtype, self.index_format, self.backend)
         self._step = self._build_step(session, mask, seq)
+        session.seen = past + seq
 
     def _end_step(self, module, args, kwargs, output) -> None:
         cache = _model_cache(output)
@@ -365,6 +385,7 @@ class SparseMLAIntegration:
                 and old.num_blocks == num_blocks):
             return old
         max_len = -(-longest // MODEL_LEN_STEP) * MODEL_LEN_STEP
+        session.version += 1
         session.builder = StepBatchBuilder(tokens, reqs, max_len, kinds=self.kinds, device=self.device,
                                            num_blocks=num_blocks)
         return session.builder
@@ -393,10 +414,11 @@ class SparseMLAIntegration:
                 if old is not None:
                     new.data[: old.num_blocks].copy_(old.data)
                 caches[kind] = new
+                session.version += 1
             sizes.update({kind: c.num_blocks for kind, c in caches.items()})
             if session.pipeline is not None and self.layers[layer].kind in ("c4a", "dsa"):
                 # the layer's indexer keys share its c4a / dsa block table
-                session.pipeline.grow(layer, caches[self.layers[layer].kind].num_blocks)
+                session.version += session.pipeline.grow(layer, caches[self.layers[layer].kind].num_blocks)
         return sizes
 
     def _layer_kinds(self, layer: int) -> tuple[str, ...]:
@@ -464,6 +486,34 @@ class SparseMLAIntegration:
         out[: step.batch.num_tokens] = flat[step.rows]
         return out
 
+    # ------------------------------------------------------------------ cuda_graphs=True
+
+    def _graph_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The base model's forward under ``cuda_graphs=True`` (our pre-hook has built the step). A decode step
+        (:func:`_replayable`) replays the session's captured graph of the layers where it fits; where it does not, the
+        step runs eagerly the first time and is captured the next time the same key comes back (the eager step
+        compiled its kernels and sized its plans); any other forward runs eagerly."""
+        step = self._step
+        if step is None or not _replayable(step, args, kwargs):
+            return self._base_forward(*args, **kwargs)
+        session, batch = step.session, step.batch
+        key = _graph_key(session, kwargs)
+        graph = session.graph
+        if graph is not None and (graph.key != key or graph.steps.mismatch(batch) is not None):
+            session.graph = graph = None  # its memory freed before the next capture
+        if graph is None:
+            if session.warm != key or any(plan.replay_mismatch(batch) for plan in session.warm_plans):
+                out = self._base_forward(*args, **kwargs)
+                session.warm, session.warm_plans = key, sized_plans(step.meta)
+                return out
+            graph = session.graph = _DecodeGraph.capture(self._base_forward, step, key, kwargs)
+            session.warm, session.warm_plans = None, []  # a later capture follows its own eager step
+            self.graph_counts["captures"] += 1
+        self.graph_counts["replays"] += 1
+        out = graph.replay(batch, kwargs)
+        session.pipeline.replayed()
+        return out
+
     def _current_step(self) -> _Step:
         if self._step is None:
             raise RuntimeError("a sparse-mla compressor / indexer ran outside a forward of the model it was enabled on")
@@ -492,6 +542,102 @@ class SparseMLAIntegration:
             step.picks[layer] = step.session.pipeline.index_v32(
                 layer, module, self._tokens(step, hidden_states), self._tokens(step, q_resid), step.meta)
         return torch.zeros(*hidden_states.shape[:2], 0, dtype=torch.int32, device=hidden_states.device)
+
+
+# the forward keywords a captured decode step takes as tensors: copied into its own before each replay (the ids and
+# positions), handed over as they are (the cache) or not read (the 2-D mask: the step is built from it on the host)
+_GRAPH_TENSORS = ("input_ids", "position_ids", "attention_mask", *CACHE_KEYWORDS)
+
+
+def _check_graph_config(family: str, pipeline: bool, device: torch.device) -> None:
+    """``ValueError`` naming what ``cuda_graphs=True`` needs: V4, ``pipeline=True`` (HF's own compressors keep their
+    windows in Python lists a replay would not advance), a CUDA device."""
+    if family != "v4":
+        raise ValueError("cuda_graphs=True supports DeepseekV4 models (V3.2's attention reads a mask HF builds in "
+                         "each forward)")
+    if not pipeline:
+        raise ValueError("cuda_graphs=True needs pipeline=True: HF's own compressors and indexer keep their state in "
+                         "Python, which a replayed step would not advance")
+    if device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs a CUDA device, got {device}")
+
+
+def _replayable(step: _Step, args: tuple, kwargs: dict) -> bool:
+    """Whether a forward can run as a captured decode step: no gradient, keywords only, ids and positions of one
+    token a row, every row a real decode token (the step's tokens are the HF batch's, in order), no other tensor."""
+    ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
+    return (not torch.is_grad_enabled() and not args and isinstance(ids, torch.Tensor) and ids.dim() == 2
+            and ids.shape[1] == 1 and isinstance(positions, torch.Tensor) and positions.shape == ids.shape
+            and step.rows is None and step.batch.num_prefills == 0
+            and not any(isinstance(v, torch.Tensor) for k, v in kwargs.items() if k not in _GRAPH_TENSORS))
+
+
+def _graph_key(session: _Session, kwargs: dict) -> tuple:
+    """What a captured decode step is bound to beside its plans: the session's builder and caches (its version),
+    the batch rows and the forward's other keywords."""
+    rest = tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k not in _GRAPH_TENSORS))
+    return session.version, kwargs["input_ids"].shape[0], rest
+
+
+class _DecodeGraph:
+    """One captured decode step of the base model: its layers (HF's code and the library's, one CUDA graph,
+    :class:`~sparse_mla.graphs.StepGraph`) read the ids and positions from its own tensors and the step from the
+    session's builder, metadata and caches, which each step refills on the host before the replay (the pre-hook).
+
+    It keeps no reference to the model's cache (the session's key), only the tensors HF's sliding-window cache
+    layers held when captured: the graph reads them (the window's old keys, which our attention never uses) and
+    their memory must stay allocated."""
+
+    def __init__(self, steps: StepGraph, key: tuple, ids: torch.Tensor, positions: torch.Tensor, output_type: type,
+                 fields: dict, cache_field: str, kept: list[torch.Tensor]) -> None:
+        self.steps, self.key, self.ids, self.positions = steps, key, ids, positions
+        # the output's fields but the cache: the graph's tensors (its last hidden states, and any hidden states or
+        # router logits the forward was asked for), which each replay rewrites: handed out as copies
+        self.output_type, self.fields, self.cache_field, self.kept = output_type, fields, cache_field, kept
+
+    @classmethod
+    def capture(cls, forward, step: _Step, key: tuple, kwargs: dict) -> "_DecodeGraph":
+        """Capture ``forward`` (the base model's class forward, hooks not run: the step is built) for ``step``."""
+        cache = _model_cache(kwargs)
+        ids, positions = kwargs["input_ids"].clone(), kwargs["position_ids"].clone()
+        # a mask dict is taken as built: HF makes none (ours is None for V4) and reads no mask on the host
+        static = dict(kwargs, input_ids=ids, position_ids=positions, attention_mask={"sliding_attention": None})
+        kept = [t for layer in getattr(cache, "layers", ()) for t in vars(layer).values()
+                if isinstance(t, torch.Tensor)]
+        held = {}
+
+        def run(batch: StepBatch) -> None:
+            held["out"] = forward(**static)
+
+        try:
+            steps = StepGraph(run, step.batch, step.meta, warmup=0)  # the eager step before it warmed it up
+        except Exception as e:
+            raise RuntimeError(f"cuda_graphs=True: the decode step could not be captured in a CUDA graph ({e}); "
+                               f"enable_sparse_mla(..., cuda_graphs=False) runs it eagerly") from e
+        finally:
+            static.clear()  # the model's cache: not kept
+        out = held.pop("out")
+        field_name = next(n for n in CACHE_KEYWORDS if getattr(out, n, None) is cache)
+        fields = {name: value for name, value in out.items() if name != field_name}
+        return cls(steps, key, ids, positions, type(out), fields, field_name, kept)
+
+    def replay(self, batch: StepBatch, kwargs: dict) -> Any:
+        """This step (its batch refilled on the host, ``kwargs`` its forward's): ids and positions copied in, the
+        graph replayed; the base model's output: the graph's tensors and the model's cache."""
+        self.ids.copy_(kwargs["input_ids"])
+        self.positions.copy_(kwargs["position_ids"])
+        self.steps.replay(batch)
+        fields = {name: _copied(value) for name, value in self.fields.items()}
+        return self.output_type(**fields, **{self.cache_field: _model_cache(kwargs)})
+
+
+def _copied(value: Any) -> Any:
+    """A tensor, or a tuple of them (HF's per-layer hidden states), copied; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple):
+        return tuple(_copied(v) for v in value)
+    return value
 
 
 def _pad_picks(picks: torch.Tensor, topk: int) -> torch.Tensor:
@@ -525,8 +671,8 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def enable_sparse_mla(model: torch.nn.Module, kv_format: str = "bf16", device: torch.device | str | None = None,
-                      backend: str = "auto", pipeline: bool = False, index_format: str = "bf16"
-                      ) -> SparseMLAIntegration:
+                      backend: str = "auto", pipeline: bool = False, index_format: str = "bf16",
+                      cuda_graphs: bool = False) -> SparseMLAIntegration:
     """Make a ``DeepseekV4ForCausalLM`` / ``DeepseekV32ForCausalLM`` attend through sparse-mla (transformers 5.23.0 or
     5.24.0; another version: ``RuntimeError`` naming those).
 
@@ -536,7 +682,11 @@ def enable_sparse_mla(model: torch.nn.Module, kv_format: str = "bf16", device: t
     pipeline: also run the model's compressors and indexers through the library (:mod:`.hf_pipeline`: keys in
     the library's caches, scores and top-k by :class:`SparseMLAIndexer`; HF's own compressor / indexer forwards do
     not run); index_format: its indexer key caches' format, ``"bf16"`` or ``"fp8"``.
+    cuda_graphs: decode steps (one token a row, no gradient) replay a CUDA graph of the model's layers — HF's code
+    and the library's — captured once per generation and cache size, the step's batch and metadata refilled on the
+    host before each replay (V4 with ``pipeline=True`` on a CUDA device; else ``ValueError``). The first decode step
+    of a builder runs eagerly, the next is captured; ``graph_counts`` counts the captures and replays.
     Call it after the weights are loaded (the sinks and ``kv_b_proj`` are read here). Returns the
     integration; its ``remove()`` restores the model's previous attention and modules.
     """
-    return SparseMLAIntegration(model, kv_format, device, backend, pipeline, index_format)
+    return SparseMLAIntegration(model, kv_format, device, backend, pipeline, index_format, cuda_graphs)
