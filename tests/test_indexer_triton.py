@@ -632,6 +632,47 @@ def test_a_decode_step_is_captured_in_a_cuda_graph_and_replays_the_same_picks():
     check_picks(picks, ref, q_ready, w_ready, cache, StepTokens.of(sc.batch, "c4a"), sc.batch.num_tokens)
 
 
+@needs_gpu
+def test_a_captured_step_replays_later_decodes_and_refuses_one_past_its_columns():
+    """A decode step with an indexer captured once (``StepGraph``): a later step of the same builder whose rows fit
+    the captured columns replays the eager picks; one whose longest row sees more entries than the capture scored
+    is refused, naming why (a replay would have scored it short)."""
+    from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+    from sparse_mla.graphs import StepGraph
+    from sparse_mla.metadata import MetadataSpec, build_step_metadata
+
+    sizes = {"swa": 64, "c4a": 64, "c128a": 2}
+    builder = StepBatchBuilder(2, 2, 1152, block_sizes=sizes, device=DEVICE)
+    tables = [{k: list(range(r * 40, r * 40 + blocks_needed(1152, k, sizes[k]))) for k in sizes} for r in range(2)]
+    cache = IndexerKeyCache(80, "fp8", DEVICE)
+    gen = torch.Generator().manual_seed(21)
+    write_step_keys(cache, builder.build([Request(1152, 1, t) for t in tables]), [(1152, 1)] * 2, gen)
+    q = torch.randn(2, 64, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    w = torch.randn(2, 64, generator=gen).to(DEVICE)
+    layer, spec, picks = SparseMLAIndexer("c4a", 64, 64), MetadataSpec(window=64, topk=64), torch.empty(
+        2, 64, dtype=torch.int32, device=DEVICE)
+    meta = None
+
+    def step(batch):
+        build_step_metadata(batch, spec, out=meta)
+        picks.copy_(layer(meta, q, w, cache))
+
+    first = builder.build([Request(1000, 1, tables[0]), Request(700, 1, tables[1])])  # 250 entries: 256 columns
+    meta = build_step_metadata(first, spec)
+    graph = StepGraph(step, first, meta)
+    later = builder.build([Request(1020, 1, tables[0]), Request(900, 1, tables[1])])  # 255: within them
+    assert graph.mismatch(later) is None
+    graph.replay(later)
+    replayed = picks.clone()
+    step(later)
+    assert torch.equal(replayed, picks)
+    past = builder.build([Request(1030, 1, tables[0]), Request(900, 1, tables[1])])  # 257
+    reason = "a request sees 257 entries, the captured indexer scores 256 a row: capture another graph"
+    assert graph.mismatch(past) == reason
+    with pytest.raises(ValueError, match=reason):
+        graph.replay(past)
+
+
 # ---- every target of the portability matrix ------------------------------------------------------------------------
 
 

@@ -413,6 +413,18 @@ def test_cuda_graphs_errors(v4, v4_pipeline):
     assert v4[0].config._attn_implementation == "eager" and "forward" not in v4[0].model.__dict__
 
 
+def test_remove_leaves_an_instance_forward_it_did_not_set(v4):
+    """Without cuda_graphs the base model's forward is not touched: a wrapper someone set on the instance stays."""
+    model = v4[0]
+    wrapper = model.model.forward
+    model.model.forward = wrapper
+    try:
+        enable_sparse_mla(model).remove()
+        assert model.model.__dict__["forward"] is wrapper
+    finally:
+        del model.model.forward
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
 def test_v4_pipeline_decode_steps_replay_a_cuda_graph():
     """generate() with cuda_graphs=True: a left-padded batch of bf16 prompts whose decode steps cross a builder's
@@ -424,6 +436,8 @@ def test_v4_pipeline_decode_steps_replay_a_cuda_graph():
     mask = torch.ones_like(ids)
     mask[1, :PADS] = 0
     runs, counts = [], []
+    wrapper = model.model.forward  # an instance forward of someone else's: run, and given back by remove()
+    model.model.forward = wrapper
     for graphs in (False, True):
         integration = enable_sparse_mla(model, pipeline=True, cuda_graphs=graphs)
         try:
@@ -434,8 +448,11 @@ def test_v4_pipeline_decode_steps_replay_a_cuda_graph():
         finally:
             integration.remove()
         counts.append(dict(integration.graph_counts))
-    assert "forward" not in model.model.__dict__
+        assert model.model.__dict__["forward"] is wrapper
+    del model.model.forward
     eager, replayed = runs
+    # HF's cache counts the tokens it was fed (252 + 11) through the replays as through eager steps
+    assert getattr(eager, CACHE).get_seq_length() == getattr(replayed, CACHE).get_seq_length() == 263
     assert torch.equal(eager.sequences, replayed.sequences)
     for a, b in zip(eager.logits, replayed.logits):
         assert torch.equal(a, b)
@@ -446,3 +463,5 @@ def test_v4_pipeline_decode_steps_replay_a_cuda_graph():
     # at 258, 259 -> 260 the indexer's columns (eager), capture at 261; the rest replays
     assert counts[0] == {"captures": 0, "replays": 0}
     assert counts[1] == {"captures": 3, "replays": 8}, counts
+    # the last eager step's: row 0's 65th entry needs a c4a block past the cache (grown), with the indexer's columns
+    assert integration.graph_miss == "a new builder or cache, or other forward arguments"

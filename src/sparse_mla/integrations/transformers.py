@@ -130,7 +130,6 @@ class _Session:
     pipeline: Pipeline | None = None  # pipeline=True: the library's compressors and indexers of this generation
     builder: StepBatchBuilder | None = None  # the last step's builder, reused while its capacities fit
     meta: StepMetadata | None = None  # the last step's metadata, refilled in place by steps of the same builder
-    seen: int = 0  # tokens of the HF batch's rows so far, pads included (HF's cache stops counting under a replay)
     # cuda_graphs=True: bumped whenever a new builder or a new cache replaces one a captured step reads
     version: int = 0
     graph: "_DecodeGraph | None" = None  # the captured decode step
@@ -191,8 +190,10 @@ class SparseMLAIntegration:
         self.cuda_graphs = bool(cuda_graphs)
         if self.cuda_graphs:
             _check_graph_config(self.family, self.pipeline, self.device)
-        # captures and replays of decode steps (cuda_graphs=True): how many ran, for a caller to see they do
+        # captures and replays of decode steps (cuda_graphs=True): how many ran, for a caller to see they do; and why
+        # the last decode step that ran eagerly was not replayed
         self.graph_counts = {"captures": 0, "replays": 0}
+        self.graph_miss: str | None = None
         self.attentions = [layer.self_attn for layer in base.layers]
         self.kinds = self._kinds()
         self.window = self.config.sliding_window if self.family == "v4" else 1
@@ -207,9 +208,13 @@ class SparseMLAIntegration:
                        base.register_forward_hook(self._end_step, with_kwargs=True)]
         self._replaced: list[torch.nn.Module] = []  # modules whose forward pipeline=True replaced
         self._base = base
-        self._base_forward = base.forward  # the class's forward, bound (cuda_graphs=True puts ours in front)
+        # the base model's forward as it stands (the class's, or a wrapper someone set on the instance): what a step
+        # that is not replayed runs, and what remove() puts back where cuda_graphs=True put its own in front
+        self._base_forward = base.forward
+        self._previous_forward = base.__dict__.get("forward")
+        self._own_forward = self._graph_forward  # one bound method object: remove() recognises it
         if self.cuda_graphs:
-            base.forward = self._graph_forward
+            base.forward = self._own_forward
         for i, attn in enumerate(self.attentions):
             _ATTACHED[attn] = (self, self.layers[i])
             if self.pipeline:
@@ -236,7 +241,11 @@ class SparseMLAIntegration:
         self._removed = True
         for hook in self._hooks:
             hook.remove()
-        self._base.__dict__.pop("forward", None)  # cuda_graphs=True's forward, if set
+        if self._base.__dict__.get("forward") is self._own_forward:  # cuda_graphs=True's, still in place
+            if self._previous_forward is None:
+                del self._base.forward
+            else:
+                self._base.forward = self._previous_forward
         for module in self._replaced:
             module.__dict__.pop("forward", None)  # the class's forward again
         self._replaced = []
@@ -311,8 +320,7 @@ class SparseMLAIntegration:
         num_rows, seq = x.shape[0], x.shape[1]
         cache = _model_cache(kwargs)
         session = self._sessions.get(cache) if cache is not None else None
-        # the session's own count: a replayed step runs none of HF's cache code, so its count stops there
-        past = session.seen if session is not None else cache.get_seq_length() if cache is not None else 0
+        past = cache.get_seq_length() if cache is not None else 0
         mask = kwargs.get("attention_mask")
         if isinstance(mask, dict) or (mask is not None and mask.dim() != 2):
             raise ValueError("sparse-mla needs the 2-D attention_mask (or none), as generate() passes with a "
@@ -344,7 +352,6 @@ class SparseMLAIntegration:
                 session.pipeline = Pipeline(self.config, self.family, self.attentions, [la.kind for la in self.layers],
                                             num_rows, self.device, dtype, self.index_format, self.backend)
         self._step = self._build_step(session, mask, seq)
-        session.seen = past + seq
 
     def _end_step(self, module, args, kwargs, output) -> None:
         cache = _model_cache(output)
@@ -418,7 +425,8 @@ class SparseMLAIntegration:
             sizes.update({kind: c.num_blocks for kind, c in caches.items()})
             if session.pipeline is not None and self.layers[layer].kind in ("c4a", "dsa"):
                 # the layer's indexer keys share its c4a / dsa block table
-                session.version += session.pipeline.grow(layer, caches[self.layers[layer].kind].num_blocks)
+                if session.pipeline.grow(layer, caches[self.layers[layer].kind].num_blocks):
+                    session.version += 1
         return sizes
 
     def _layer_kinds(self, layer: int) -> tuple[str, ...]:
@@ -498,11 +506,18 @@ class SparseMLAIntegration:
             return self._base_forward(*args, **kwargs)
         session, batch = step.session, step.batch
         key = _graph_key(session, kwargs)
-        graph = session.graph
-        if graph is not None and (graph.key != key or graph.steps.mismatch(batch) is not None):
-            session.graph = graph = None  # its memory freed before the next capture
-        if graph is None:
-            if session.warm != key or any(plan.replay_mismatch(batch) for plan in session.warm_plans):
+        graph, miss = session.graph, None
+        if graph is not None:
+            miss = ("a new builder or cache, or other forward arguments" if graph.key != key
+                    else graph.steps.mismatch(batch))
+            if miss is not None:
+                session.graph = graph = None  # its memory freed before the next capture
+        captured = graph is None
+        if captured:
+            warm_miss = "no eager step of this builder, these caches and arguments yet" if session.warm != key else \
+                next(filter(None, (plan.replay_mismatch(batch) for plan in session.warm_plans)), None)
+            if warm_miss is not None:
+                self.graph_miss = miss or warm_miss
                 out = self._base_forward(*args, **kwargs)
                 session.warm, session.warm_plans = key, sized_plans(step.meta)
                 return out
@@ -510,7 +525,7 @@ class SparseMLAIntegration:
             session.warm, session.warm_plans = None, []  # a later capture follows its own eager step
             self.graph_counts["captures"] += 1
         self.graph_counts["replays"] += 1
-        out = graph.replay(batch, kwargs)
+        out = graph.replay(batch, kwargs, count_tokens=not captured)
         session.pipeline.replayed()
         return out
 
@@ -612,23 +627,35 @@ class _DecodeGraph:
         try:
             steps = StepGraph(run, step.batch, step.meta, warmup=0)  # the eager step before it warmed it up
         except Exception as e:
-            raise RuntimeError(f"cuda_graphs=True: the decode step could not be captured in a CUDA graph ({e}); "
-                               f"enable_sparse_mla(..., cuda_graphs=False) runs it eagerly") from e
+            raise RuntimeError(f"cuda_graphs=True: the decode step could not be captured in a CUDA graph ({e}). "
+                               f"This generation's caches are not usable after it: remove() the integration and "
+                               f"start the generation again with enable_sparse_mla(..., cuda_graphs=False), or make "
+                               f"the model's code capturable (HF's experts: not experts_implementation='eager')") from e
         finally:
             static.clear()  # the model's cache: not kept
         out = held.pop("out")
-        field_name = next(n for n in CACHE_KEYWORDS if getattr(out, n, None) is cache)
+        field_name = next((n for n in CACHE_KEYWORDS if getattr(out, n, None) is cache), None)
+        if field_name is None:
+            raise RuntimeError("cuda_graphs=True: the base model's output does not hold the model's cache (use_cache "
+                               "off?): a decode step is replayed only within a cached generation")
         fields = {name: value for name, value in out.items() if name != field_name}
         return cls(steps, key, ids, positions, type(out), fields, field_name, kept)
 
-    def replay(self, batch: StepBatch, kwargs: dict) -> Any:
+    def replay(self, batch: StepBatch, kwargs: dict, count_tokens: bool) -> Any:
         """This step (its batch refilled on the host, ``kwargs`` its forward's): ids and positions copied in, the
-        graph replayed; the base model's output: the graph's tensors and the model's cache."""
+        graph replayed; the base model's output: the graph's tensors and the model's cache. ``count_tokens``: the
+        step's tokens added to the cache layers' counts (``get_seq_length``), as HF's cache code, which a replay
+        does not run, would (not for the step just captured: the capture ran it)."""
         self.ids.copy_(kwargs["input_ids"])
         self.positions.copy_(kwargs["position_ids"])
         self.steps.replay(batch)
+        cache = _model_cache(kwargs)
+        if count_tokens:
+            for layer in getattr(cache, "layers", ()):
+                if isinstance(getattr(layer, "cumulative_length", None), int):
+                    layer.cumulative_length += self.ids.shape[1]
         fields = {name: _copied(value) for name, value in self.fields.items()}
-        return self.output_type(**fields, **{self.cache_field: _model_cache(kwargs)})
+        return self.output_type(**fields, **{self.cache_field: cache})
 
 
 def _copied(value: Any) -> Any:
@@ -683,9 +710,11 @@ def enable_sparse_mla(model: torch.nn.Module, kv_format: str = "bf16", device: t
     the library's caches, scores and top-k by :class:`SparseMLAIndexer`; HF's own compressor / indexer forwards do
     not run); index_format: its indexer key caches' format, ``"bf16"`` or ``"fp8"``.
     cuda_graphs: decode steps (one token a row, no gradient) replay a CUDA graph of the model's layers — HF's code
-    and the library's — captured once per generation and cache size, the step's batch and metadata refilled on the
-    host before each replay (V4 with ``pipeline=True`` on a CUDA device; else ``ValueError``). The first decode step
-    of a builder runs eagerly, the next is captured; ``graph_counts`` counts the captures and replays.
+    and the library's —, the step's batch and metadata refilled on the host before each replay (V4 with
+    ``pipeline=True`` on a CUDA device; else ``ValueError``). A step the captured graph does not fit (a new builder:
+    a row past the next multiple of 128 tokens; a grown cache; the indexer's captured columns passed) runs eagerly
+    and the next is captured; ``graph_counts`` counts the captures and replays, ``graph_miss`` says why the last
+    eager decode step was not replayed.
     Call it after the weights are loaded (the sinks and ``kv_b_proj`` are read here). Returns the
     integration; its ``remove()`` restores the model's previous attention and modules.
     """
