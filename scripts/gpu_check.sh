@@ -30,9 +30,10 @@
 #               (pip download --no-deps nvidia-cuda-sanitizer-api==13.*, which ships the binary)
 #   hf          needs transformers 5.23.0 (the box has 5.17): carry in .whl/ the wheels of
 #               pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
-#                   transformers==5.23.0 "huggingface-hub>=1.31,<3" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" \
-#                   "regex>=2025.10.22" typer
-#               (transformers 5.23.0's Requires-Dist newer than the box may have); the call prints any unmet
+#                   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl transformers==5.23.0 \
+#                   "huggingface-hub>=1.31,<2" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" "regex>=2025.10.22" typer
+#               (transformers 5.23.0's Requires-Dist newer than the box may have; huggingface-hub 2.x imports httpx2,
+#               which the box lacks); the call prints any unmet
 #   cp          2 or 4 GPUs: the context-parallel test (NCCL, 2 ranks and, with 4 GPUs, 4; both exchange forms,
 #               eager and a CUDA graph) and, unless BENCH=none, the context-parallel benchmark instead of the step
 #               one (1, 2 and, with 4 GPUs, 4 ranks; ~3 min)
