@@ -32,8 +32,9 @@ def batch_shape(batch: StepBatch) -> tuple[int, int, int, int]:
 
 
 def sized_plans(meta: StepMetadata) -> list:
-    """The plans of ``meta``'s step whose launches were sized from its batch's lengths (the indexer's), each with
-    ``replay_mismatch(batch) -> str | None``: whether a later batch still fits them."""
+    """The plans of ``meta``'s step that bound what a replay of it may read (the layers': the caches' blocks; the
+    indexer's: the lengths its launches were sized from), each with ``replay_mismatch(batch) -> str | None``: whether
+    a later batch still fits them."""
     return [plan for plan in meta._plans.values() if hasattr(plan, "replay_mismatch")]
 
 
@@ -70,11 +71,6 @@ class StepGraph:
         self.sinks = list({id(layer): (layer, seen) for layer, seen in sinks}.values())
         if meta.batch is not batch:
             raise ValueError("the step function must build the metadata into meta (build_step_metadata(..., out=meta))")
-        # the smallest cache of each kind the captured layers read: a replayed batch must not name a block past it
-        self.num_blocks: dict[str, int] = {}
-        for plan in meta._plans.values():
-            for kind, n in getattr(plan, "num_blocks", {}).items():
-                self.num_blocks[kind] = min(n, self.num_blocks.get(kind, n))
         self.sized = sized_plans(meta)
 
     def mismatch(self, batch: StepBatch) -> str | None:
@@ -88,10 +84,6 @@ class StepGraph:
         if batch_shape(batch) != self.shape:
             return (f"batch has shape {batch_shape(batch)} (requests, decode requests, decode tokens, tokens), the "
                     f"captured step {self.shape}: capture another graph for it")
-        for kind, n in self.num_blocks.items():  # eager calls check this in each step's plan; a replay makes none
-            if batch.max_block.get(kind, -1) >= n:
-                return (f"batch's {kind!r} block tables name block {batch.max_block[kind]}, but the captured step "
-                        f"reads a {kind!r} cache of {n} blocks")
         for plan in self.sized:
             reason = plan.replay_mismatch(batch)
             if reason is not None:

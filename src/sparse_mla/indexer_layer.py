@@ -68,12 +68,14 @@ class IndexerPlan:
         if entries > self.num_cols:
             return (f"a request sees {entries} entries, the captured indexer scores {self.num_cols} a row: capture "
                     f"another graph")
+        captured = self.chunks + (self.word_chunks or [])
+        if max(batch.query_lens_host, default=0) <= min((longest for _, _, longest in captured), default=0):
+            return None  # no request has more tokens than any chunk's grid takes (every decode step of its shape)
         qsl = batch.query_start_loc_host
-        for captured in (self.chunks, self.word_chunks or []):
-            for t0, t1, longest in captured:
-                if _longest_run(qsl, batch.num_reqs, t0, t1) > longest:
-                    return (f"tokens [{t0}, {t1}) hold a request's run longer than the captured {longest}: capture "
-                            f"another graph")
+        for t0, t1, longest in captured:
+            if _longest_run(qsl, batch.num_reqs, t0, t1) > longest:
+                return (f"tokens [{t0}, {t1}) hold a request's run longer than the captured {longest}: capture "
+                        f"another graph")
         return None
 
     def chunks_for(self, words: bool) -> list[tuple[int, int, int]]:
@@ -211,9 +213,11 @@ class SparseMLAIndexer(torch.nn.Module):
         rows = max(1, min(batch.num_tokens, self.workspace_bytes // (8 * num_cols)))  # packed keys: 8 B an entry
 
         def chunks_of(rows: int) -> list[tuple[int, int, int]]:  # the step's tokens, ``rows`` at most a chunk
-            return [(t0, min(batch.num_tokens, t0 + rows),
-                     max(1, _longest_run(qsl, batch.num_reqs, t0, min(batch.num_tokens, t0 + rows))))
-                    for t0 in range(0, batch.num_tokens, rows)]
+            chunks = []
+            for t0 in range(0, batch.num_tokens, rows):
+                t1 = min(batch.num_tokens, t0 + rows)
+                chunks.append((t0, t1, max(1, _longest_run(qsl, batch.num_reqs, t0, t1))))
+            return chunks
 
         chunks = chunks_of(rows)
         workspace = torch.empty(rows, num_cols, dtype=torch.int64, device=dev)

@@ -168,7 +168,7 @@ class LayerPlan:
         self.kind, self.head_dim, self.backend = layer.kind, layer.head_dim, layer.backend
         self.workspace_bytes, self.batch_invariant = layer.workspace_bytes, layer.batch_invariant
         self.impl = resolve_backend(layer.backend, batch.device)
-        # the block count of each cache (what a replayed CUDA graph of this plan may index: graphs.StepGraph)
+        # the block count of each cache: what a replayed CUDA graph of this plan may index (replay_mismatch)
         self.num_blocks = {kind: view.tensor.shape[0] for kind, view in views.items()}
         self.n_dec, self.n_tok, self.capacity = batch.num_decode_tokens, batch.num_tokens, batch.token_capacity
         scopes = []  # (kind, indices, lens)
@@ -225,6 +225,16 @@ class LayerPlan:
             lse = torch.empty(self.capacity, layer.num_heads, dtype=torch.float32, device=batch.device)
         self.lse = lse.fill_(float("inf"))
         self._part_lse = [self.lse[rows] for rows, *_ in self.parts]  # each part's rows (its launch writes from row 0)
+
+    def replay_mismatch(self, batch) -> str | None:
+        """Why a CUDA graph captured with this plan cannot replay ``batch`` (None: it can): a block its tables name
+        past a cache the plan read (eager calls check this when they plan; a replay plans nothing:
+        :meth:`sparse_mla.graphs.StepGraph.mismatch`)."""
+        for kind, n in self.num_blocks.items():
+            if batch.max_block.get(kind, -1) >= n:
+                return (f"batch's {kind!r} block tables name block {batch.max_block[kind]}, but the captured step "
+                        f"reads a {kind!r} cache of {n} blocks")
+        return None
 
     def _form_lists(self, meta) -> list | tuple | None:
         """The index form's step buffers: ragged, per scope ``(flat, indptr)``; combined, ``(indices, lens)``."""
