@@ -551,6 +551,27 @@ def test_the_score_launch_takes_pages_by_its_grid_and_the_gpu_s_wave(shape, wave
     assert reqs * -(-query_len // qt) * -(-cols // (64 * got)) == programs
 
 
+@pytest.mark.parametrize("target", [t.name for t in targets.MATRIX])
+def test_the_indexer_s_kernels_launch_as_dependents_on_sm90_and_later_only(target, monkeypatch):
+    """``dependent.launch_options``: programmatic dependent launch (``griddepcontrol``) on NVIDIA sm_90 and later, not
+    on sm_80-89 (their PTX has no such instruction) nor AMD, not under the interpreter, and off with
+    ``SPARSE_MLA_DEPENDENT_LAUNCH=0``."""
+    from sparse_mla.ops.triton import dependent
+
+    chosen = next(t for t in targets.MATRIX if t.name == target)
+    monkeypatch.setattr(targets, "target_of", lambda device: chosen)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("SPARSE_MLA_DEPENDENT_LAUNCH", raising=False)
+    on = target in ("sm_90", "sm_100", "sm_120")
+    assert dependent.launch_options(torch.device("cpu")) == (
+        {"DEPENDENT": True, "launch_pdl": True} if on else {"DEPENDENT": False})
+    monkeypatch.setenv("SPARSE_MLA_DEPENDENT_LAUNCH", "0")
+    assert dependent.launch_options(torch.device("cpu")) == {"DEPENDENT": False}
+    monkeypatch.setenv("SPARSE_MLA_DEPENDENT_LAUNCH", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dependent.launch_options(torch.device("cpu")) == {"DEPENDENT": False}
+
+
 @needs_kernels
 def test_kernel_helpers_name_their_bad_arguments():
     """The kernels' entry points check what they are handed before any launch: an ``out`` too small for the select (it
@@ -630,6 +651,44 @@ def test_a_decode_step_is_captured_in_a_cuda_graph_and_replays_the_same_picks():
     ref = SparseMLAIndexer("c4a", 64, 512, backend="reference")(sc.meta, q, w, cache)
     q_ready, w_ready = prepare_queries(q, w, sc.batch.positions, layer.spec)
     check_picks(picks, ref, q_ready, w_ready, cache, StepTokens.of(sc.batch, "c4a"), sc.batch.num_tokens)
+
+
+@needs_gpu
+@pytest.mark.parametrize("words", [True, False])
+def test_dependent_launches_give_the_plain_launches_picks_eager_and_in_a_graph(words, monkeypatch):
+    """The indexer's three kernels launched as programmatic dependents (sm_90 and later; elsewhere both runs are plain)
+    give the picks of plain launches, eagerly and as a CUDA-graph replay: with the Triton select (the scores as words,
+    three dependent kernels) and with ``torch.topk`` (packed keys, read by a plain launch after the dependent scores);
+    a step of decodes and a prefill chunk."""
+    from sparse_mla.scenario import make_scenario
+
+    lengths = [(6000 + 131 * r, 2) for r in range(24)] + [(700, 37)]
+    sc = make_scenario(lengths, window=4, topk=512, fmt="bf16", decode_threshold=2,
+                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
+    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device=DEVICE)
+    gen = torch.Generator().manual_seed(29)
+    write_step_keys(cache, sc.batch, lengths, gen)
+    cap = sc.batch.token_capacity
+    q = torch.randn(cap, 64, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    w = torch.randn(cap, 64, generator=gen).to(DEVICE)
+    runs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("SPARSE_MLA_DEPENDENT_LAUNCH", setting)
+        layer = SparseMLAIndexer("c4a", 64, 512, topk_select="triton" if words else "torch")
+        eager = layer(sc.meta, q, w, cache).clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            picks = layer(sc.meta, q, w, cache)
+        picks.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        runs[setting] = (eager, picks.clone())
+    assert torch.equal(runs["1"][0], runs["0"][0]) and torch.equal(runs["1"][1], runs["0"][0])
+    assert torch.equal(runs["0"][1], runs["0"][0])
+    if words:
+        ref = SparseMLAIndexer("c4a", 64, 512, backend="reference")(sc.meta, q, w, cache)
+        q_ready, w_ready = prepare_queries(q, w, sc.batch.positions, layer.spec)
+        check_picks(runs["1"][1], ref, q_ready, w_ready, cache, StepTokens.of(sc.batch, "c4a"), sc.batch.num_tokens)
 
 
 @needs_gpu

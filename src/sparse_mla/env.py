@@ -16,6 +16,8 @@ VARIABLES: dict[str, tuple[tuple[str, ...], str]] = {
                                          "validated"),
     "SPARSE_MLA_FAST_LAUNCH": (("", "0", "1"), "0: launch through Triton's launcher only; 1 or unset: call "
                                                "compiled binaries directly"),
+    "SPARSE_MLA_DEPENDENT_LAUNCH": (("", "0", "1"), "0: launch the indexer's kernels plainly; 1 or unset: as "
+                                                    "programmatic dependents where the GPU has them (sm_90 and later)"),
     "SPARSE_MLA_LOWERING": (("", "sm80", "sm86", "sm89"), "the GPU tests: lower every kernel as for this NVIDIA "
                                                           "target; unset: natively"),
 }

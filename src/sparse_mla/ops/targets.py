@@ -64,6 +64,13 @@ class Target:
         """An NVIDIA sm_90 GPU (H100, H200, H20, H800): the Gluon kernel's target."""
         return self.backend == "cuda" and self.arch == 90
 
+    @property
+    def dependent_launch(self) -> bool:
+        """Whether kernels may be launched as programmatic dependents (NVIDIA sm_90 and later: a kernel's programs
+        start while the kernel before it finishes, and wait in ``griddepcontrol.wait`` before touching memory;
+        :mod:`sparse_mla.ops.triton.dependent`)."""
+        return self.backend == "cuda" and int(self.arch) >= 90
+
     def gpu_target(self):
         """Triton's ``GPUTarget`` for compiling to this target without a device."""
         from triton.backends.compiler import GPUTarget

@@ -23,7 +23,9 @@ entry being the column. Half the bytes written and read; the select's loads of t
 the packed rows' high words lie 8 B apart (docs/history.md versions 33-34; the layer decides where:
 :meth:`sparse_mla.indexer_layer.SparseMLAIndexer.scores_as_words`).
 
-The query prep (:func:`prepare_queries`) is one launch per layer, bit for bit the reference's.
+The query prep (:func:`prepare_queries`) is one launch per layer, bit for bit the reference's. The three kernels
+are launched as programmatic dependents where the GPU has them (:mod:`.dependent`: each starts while the one before
+it finishes).
 
 The workspace is ``(rows, num_cols)`` int64 (or twice the rows of words) with ``num_cols`` ≥ the step's longest
 request's entries (a multiple of 64, at least ``topk``): the layer sizes the row chunk to its workspace budget
@@ -46,6 +48,7 @@ from .. import targets
 from ..dispatch import interpreting
 from ..fp8 import e4m3_decode, e4m3_gain
 from .cache import round_half_even
+from .dependent import launch_options, wait_for_previous
 from .index import table_slots
 
 INT64_MIN = -(2 ** 63)  # the packed key of an entry that is not a candidate
@@ -66,12 +69,13 @@ def _index_scores_kernel(
     t0, t1, H, ratio, num_blocks, table_stride, max_pages, out_stride, num_cols,
     HP: tl.constexpr, QT: tl.constexpr, PAGES: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr,
-    STAGES: tl.constexpr, WORDS: tl.constexpr = False,
+    STAGES: tl.constexpr, WORDS: tl.constexpr = False, DEPENDENT: tl.constexpr = False,
 ):
     """Packed scores (``WORDS``: words) of one request's tile of ``QT`` tokens × ``HP`` heads against ``PAGES`` key
     pages, one dot per page. The page's entries are the dot's rows and the (token, head) pairs its columns, so the
     weighted sum over heads reduces along each thread's own columns (and a few lane shuffles), not across the warps'
     rows through shared memory (the other orientation: 1.4x slower on an H200, docs/history.md version 23)."""
+    wait_for_previous(DEPENDENT)  # before any early return: the kernel completes after the one before it
     req = tl.program_id(0)
     tile = tl.program_id(1)
     group = tl.program_id(2)
@@ -175,6 +179,7 @@ PREP_HEADS = 8  # heads per query-prep program: 8 × 128 values, 8 a thread at 4
 def _prepare_queries_kernel(
     q_ptr, w_ptr, cos_ptr, sin_ptr, q_out_ptr, w_out_ptr, H, weight_scale,
     HB: tl.constexpr, D: tl.constexpr, HALF_SPLIT: tl.constexpr, FP8_Q: tl.constexpr, HW_ROUND: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
     """One token's heads ``[HB · j, HB · (j + 1))``: rope (V4: dims 64..127 in pairs (2i, 2i+1); V3.2: dims 0..63, i
     with i + 32), the bf16 round, then (fp8) per head the power-of-two scale and the e4m3 values; the weights times
@@ -182,6 +187,7 @@ def _prepare_queries_kernel(
     launch took 10-15 µs for a few MB (docs/history.md version 26). ``HW_ROUND``: the bf16 and e4m3 rounds by the
     conversion instructions (round to nearest even, the reference's), not integer operations (the interpreter's
     casts truncate): B 128 11.7 -> 9.7 µs on an H200, the same bits (docs/history.md version 28)."""
+    wait_for_previous(DEPENDENT)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HB + tl.arange(0, HB)
     d = tl.arange(0, D)
@@ -262,7 +268,7 @@ def launch_prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Te
     grid = (q.shape[0], -(-q.shape[1] // heads))
     _prepare_queries_kernel[grid](q, weights, cos, sin, q_out, w_out, q.shape[1], weight_scale, HB=heads,
                                   D=INDEX_HEAD_DIM, HALF_SPLIT=half_split, FP8_Q=fp8_q, HW_ROUND=not interpreting(),
-                                  num_warps=4, enable_fp_fusion=False)
+                                  num_warps=4, enable_fp_fusion=False, **launch_options(q.device))
 
 
 def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: int, wave: int = 0
@@ -348,7 +354,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         out.stride(0), num_cols,
         HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
         DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, WORDS=out.dtype == torch.int32, num_warps=warps,
-        num_stages=stages,
+        num_stages=stages, **launch_options(q.device),
         maxnreg=FP8_DOT_MAXNREG if fp8_dot and target.name in FP8_DOT_CAPPED else None)
 
 
@@ -447,7 +453,7 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
                       pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr,
                       kept_stride, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr, TAIL: tl.constexpr,
                       KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr, CONVERT: tl.constexpr, BS: tl.constexpr,
-                      WORDS: tl.constexpr = False):
+                      WORDS: tl.constexpr = False, DEPENDENT: tl.constexpr = False):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
     ``-1`` fill (``KEYS``: ``INT64_MIN``). ``words_ptr``: the same rows as int32 (the keys' low and high words);
     ``WORDS``: the rows are the score kernel's words (``stride`` of them a row; ``COLUMN_ENTRIES``, not ``KEYS``),
@@ -471,6 +477,7 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
     rows (the padding tokens')."""
     tl.static_assert(not WORDS or (COLUMN_ENTRIES and not KEYS), "words rows: the entries are their columns")
     HAS_TAIL: tl.constexpr = TAIL > 1
+    wait_for_previous(DEPENDENT)  # before any early return: the kernel completes after the one before it
     row = tl.program_id(0).to(tl.int64)
     conv = (req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr, kept_stride)
     if CONVERT:
@@ -599,7 +606,7 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     _topk_rows_kernel[(grid,)](packed, words, out, packed.stride(0), out.stride(0), cols, rows, *conv, K=k,
                                KP=triton.next_power_of_2(k), C=main, TAIL=tail, KEYS=keys,
                                COLUMN_ENTRIES=column_entries, CONVERT=into is not None, BS=bs, WORDS=words_in,
-                               num_warps=warps)
+                               num_warps=warps, **launch_options(packed.device))
 
 
 def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto | None = None) -> None:
