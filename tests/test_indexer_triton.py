@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import DEVICE, KERNEL_RUNS, ON_GPU, compile_child, needs, sized  # noqa: E402
 from indexer_cases import check_picks, make_case, packed_rows, write_step_keys  # noqa: E402
-from sparse_mla.indexer import (SELECT_SEGMENT, IndexerSpec, StepTokens, index_topk_reference,  # noqa: E402
+from sparse_mla.indexer import (MAX_SELECT_COLS, SELECT_SEGMENT, IndexerSpec, StepTokens, index_topk_reference,  # noqa: E402
                                 prepare_queries, top_blocks_reference)
 from sparse_mla.indexer_cache import IndexerKeyCache  # noqa: E402
 from sparse_mla.indexer_layer import SparseMLAIndexer  # noqa: E402
@@ -223,6 +223,9 @@ SELECT_VALUES = {  # rows far from random scores: ties by the thousand, one valu
     "a cluster and outliers": lambda g, n: torch.where(torch.rand(n, generator=g) < 0.02, 1e30,
                                                        1.0 + torch.rand(n, generator=g) * 1e-6),
     "wide exponents": lambda g, n: torch.randn(n, generator=g) * 10.0 ** torch.randint(-30, 30, (n,), generator=g),
+    # the threshold's ties among entries past the first segment (8,192): entries before it all score lower
+    "ties past the first 8,192": lambda g, n: torch.where(torch.arange(n) < 8192, -1.0,
+                                                          torch.randint(0, 2, (n,), generator=g).float()),
     "mostly no candidate": lambda g, n: torch.where(torch.rand(n, generator=g) < 0.9, float("nan"),
                                                     torch.randn(n, generator=g)),
 }
@@ -230,13 +233,14 @@ SELECT_VALUES = {  # rows far from random scores: ties by the thousand, one valu
 
 @needs_kernels
 @pytest.mark.parametrize("values", sorted(SELECT_VALUES))
-@pytest.mark.parametrize("cols,k", [(8192, 512), (9216, 1000), (300, 64)])
+@pytest.mark.parametrize("cols,k", [(8192, 512), (9216, 1000), (300, 64), (16384 + 8192, 512)])
 def test_select_kernel_is_exact_on_rows_of_ties_and_extreme_scores(values, cols, k):
     """The select's threshold search on the scores' order words, and its search among tied entries: heavy ties, a
     single value, ±inf and the largest and smallest floats, a tight cluster beside outliers, exponents 60 decades
     apart and rows of few candidates give torch.topk's set (ties to the lowest entry), in entry order, ``-1`` fill
     (the rows a search that guesses its thresholds from the scores' values must get right too: docs/history.md,
-    version 30)."""
+    version 30); rows of three segments (24,576 columns: ties among the segments' winners, entries read from their
+    keys). Rows of words are at most 16,384 columns: those of 24,576 are selected as packed keys alone."""
     from sparse_mla.ops.triton import indexer as kernels
 
     gen = torch.Generator().manual_seed(cols + k + len(values))
@@ -247,9 +251,10 @@ def test_select_kernel_is_exact_on_rows_of_ties_and_extreme_scores(values, cols,
     want = kernels.topk_from_packed(packed, k).cpu()
     got = out.cpu()
     assert torch.equal(got.sort(1).values, want.sort(1).values)
-    from_words = torch.full((3, k), 7, dtype=torch.int32, device=DEVICE)
-    kernels.topk_rows(words_of(packed), k, from_words)  # the same rows as the score kernel's words
-    assert torch.equal(from_words.cpu(), got)
+    if cols <= MAX_SELECT_COLS:
+        from_words = torch.full((3, k), 7, dtype=torch.int32, device=DEVICE)
+        kernels.topk_rows(words_of(packed), k, from_words)  # the same rows as the score kernel's words
+        assert torch.equal(from_words.cpu(), got)
     for r in range(3):
         chosen = [x for x in got[r].tolist() if x >= 0]
         assert chosen == sorted(chosen)

@@ -453,7 +453,7 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
                       pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr,
                       kept_stride, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr, TAIL: tl.constexpr,
                       KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr, CONVERT: tl.constexpr, BS: tl.constexpr,
-                      WORDS: tl.constexpr = False, DEPENDENT: tl.constexpr = False):
+                      ENTRY_BITS: tl.constexpr, WORDS: tl.constexpr = False, DEPENDENT: tl.constexpr = False):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
     ``-1`` fill (``KEYS``: ``INT64_MIN``). ``words_ptr``: the same rows as int32 (the keys' low and high words);
     ``WORDS``: the rows are the score kernel's words (``stride`` of them a row; ``COLUMN_ENTRIES``, not ``KEYS``),
@@ -518,8 +518,11 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
             need = K - (count - tied_count)
             low = _entry_words(words_ptr, row, stride, cols, tied, COLUMN_ENTRIES)
             low_tail = _entry_words(words_ptr, row, stride, tail_cols, tied_tail, COLUMN_ENTRIES)
-            low_thr, _ = _bit_search(low, low_tail, tl.full((), 0, tl.uint32), tied_count, tl.full((), 31, tl.int32),
-                                     need, HAS_TAIL)
+            # every tied entry is below 2^ENTRY_BITS, so its low word has every bit from ENTRY_BITS up set: the
+            # search starts there (from bit 31 it spent 32 - ENTRY_BITS rounds, 19 at 8,192 columns, confirming them)
+            high_ones: tl.constexpr = (4294967295 >> ENTRY_BITS) << ENTRY_BITS
+            low_thr, _ = _bit_search(low, low_tail, tl.full((), high_ones, tl.uint32), tied_count,
+                                     tl.full((), ENTRY_BITS - 1, tl.int32), need, HAS_TAIL)
             chosen = (hi > thr) | (tied & (low >= low_thr))
             chosen_tail = (hi_tail > thr) | (tied_tail & (low_tail >= low_thr))
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
@@ -588,7 +591,9 @@ def _check_picks_into(into: PicksInto, rows: int, k: int, device: torch.device) 
 
 
 def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, column_entries: bool,
-                   into: PicksInto | None = None) -> None:
+                   entries: int, into: PicksInto | None = None) -> None:
+    """One select launch over ``packed``'s rows; ``entries``: a bound on the entries the rows hold (their columns, or
+    for the segments' winners the whole row's)."""
     rows, cols = packed.shape
     main, tail = select_tiles(cols, k)
     lanes = main + tail if tail > 1 else main
@@ -606,6 +611,7 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     _topk_rows_kernel[(grid,)](packed, words, out, packed.stride(0), out.stride(0), cols, rows, *conv, K=k,
                                KP=triton.next_power_of_2(k), C=main, TAIL=tail, KEYS=keys,
                                COLUMN_ENTRIES=column_entries, CONVERT=into is not None, BS=bs, WORDS=words_in,
+                               ENTRY_BITS=max(1, (entries - 1).bit_length()),
                                num_warps=warps, **launch_options(packed.device))
 
 
@@ -638,7 +644,7 @@ def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: Pick
     """:func:`topk_rows`' launches alone, for a caller that made its arguments to fit (the indexer layer: its own
     workspace and picks buffer, the step conversion's :class:`PicksInto`)."""
     rows, cols = packed.shape
-    column_entries = True
+    column_entries, entries = True, cols  # the row's entries, its columns: below cols in every launch
     if packed.dtype == torch.int32 and cols > MAX_SELECT_COLS:  # words carry no entry: no segments' second pass
         raise ValueError(f"a row of words must be at most {MAX_SELECT_COLS} columns (longer rows are selected in "
                          f"segments of packed keys), got {cols}")
@@ -648,9 +654,9 @@ def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: Pick
                              f"columns, and k ({k}) below {SELECT_SEGMENT} (each segment's top k must shorten it)")
         segments = packed.view(rows * (cols // SELECT_SEGMENT), SELECT_SEGMENT)
         winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
-        _launch_select(segments, k, winners, True, column_entries)
+        _launch_select(segments, k, winners, True, column_entries, SELECT_SEGMENT)
         packed, cols, column_entries = winners.view(rows, -1), winners.numel() // rows, False
-    _launch_select(packed, k, out, False, column_entries, into)
+    _launch_select(packed, k, out, False, column_entries, entries, into)
 
 
 def dot_dtype_for(target: targets.Target, key_format: str, q_format: str) -> torch.dtype:

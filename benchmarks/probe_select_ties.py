@@ -1,0 +1,59 @@
+"""The select over rows whose threshold ties (the scores' low bits cleared), its tie search started at the entries'
+bits against from bit 31 (docs/history.md version 36): one-off probe.
+
+    python benchmarks/probe_select_ties.py [--out results/]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from sparse_mla.indexer_layer import SparseMLAIndexer
+from sparse_mla.ops.triton import indexer as kernels
+
+from bench_indexer import cases, make_step
+from timing import graphed, timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    rows_out = []
+    for case in (c for c in cases(False) if c.name in ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128")):
+        batch, meta, cache = make_step(case, dev)
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(batch.token_capacity, case.heads, 128, generator=gen).to(dev, torch.bfloat16)
+        w = torch.randn(batch.token_capacity, case.heads, generator=gen).to(dev)
+        layer = SparseMLAIndexer(case.kind, case.heads, case.topk)
+        layer(meta, q, w, cache)
+        plan = layer.step_plan(meta, "triton")
+        (t0, t1, _), = plan.chunks_for(True)
+        words = plan.scores(t1 - t0, True).clone()
+        picks = plan.picks[t0:t1]
+        for cleared in (0, 12, 16, 20):
+            mask = -(1 << cleared)
+            tied = torch.where(words != 0, torch.clamp_min(words & mask, 1), 0) if cleared else words
+            got = {}
+            for name, entries in (("from bit 31", 2 ** 32), ("from the entries' bits", tied.shape[1])):
+                kernels._launch_select(tied, case.topk, picks, False, True, entries)
+                got[name] = picks.clone()
+                fn = graphed(lambda entries=entries: kernels._launch_select(tied, case.topk, picks, False, True,
+                                                                            entries))
+                got[name + " us"] = [round(timed(fn, 40), 2) for _ in range(2)]
+            row = dict(case=case.name, cleared_bits=cleared, same=bool(torch.equal(got["from bit 31"],
+                                                                                   got["from the entries' bits"])),
+                       before_us=got["from bit 31 us"], after_us=got["from the entries' bits us"])
+            rows_out.append(row)
+            print(row, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "probe_select_ties.json"), "w") as f:
+        json.dump(rows_out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
