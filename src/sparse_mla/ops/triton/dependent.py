@@ -11,8 +11,9 @@ before it in the stream. A kernel launched plainly after a dependent waits for i
 dependency (stream capture records it as a programmatic edge).
 
 An H200 (docs/history.md version 36, benchmarks/results/probe_group_bound-h200-v36.json), the indexer layer as
-CUDA-graph replays, plain against dependent launches alternating in one process: V4-Flash B 32 37.6 -> 36.3 us, B 128 81.8 -> 80.1, V4-Pro B 32 38.2 -> 36.8, V4.1-Flash
-B 128 136.2 -> 135.1; a 4K prefill chunk unchanged (1,060 us). The picks are the same bits.
+CUDA-graph replays, plain against dependent launches alternating in one process: V4-Flash B 32 37.6 -> 36.3 us,
+B 128 81.8 -> 80.1, V4-Pro B 32 38.2 -> 36.8, V4.1-Flash B 128 136.2 -> 135.1; a 4K prefill chunk unchanged
+(1,060 us). The picks are the same bits.
 """
 from __future__ import annotations
 
