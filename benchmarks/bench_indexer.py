@@ -84,6 +84,23 @@ def make_step(case: Case, device: torch.device):
     return batch, meta, cache
 
 
+def case_queries(case: Case, capacity: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random indexer queries ``(capacity, heads, 128)`` bf16 and head weights ``(capacity, heads)`` float32."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(capacity, case.heads, 128, generator=gen).to(device, torch.bfloat16)
+    return q, torch.randn(capacity, case.heads, generator=gen).to(device)
+
+
+def scored_layer(case: Case, device: torch.device, seed: int = 0):
+    """The case's step (:func:`make_step`), queries (:func:`case_queries`) and a Triton ``SparseMLAIndexer`` called
+    once on them, with its step plan: ``(batch, meta, cache, q, w, layer, plan)`` (the probes' common start)."""
+    batch, meta, cache = make_step(case, device)
+    q, w = case_queries(case, batch.token_capacity, device, seed)
+    layer = SparseMLAIndexer(case.kind, case.heads, case.topk)
+    layer(meta, q, w, cache)
+    return batch, meta, cache, q, w, layer, layer.step_plan(meta, "triton")
+
+
 def torch_path(q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache, step: StepTokens, case: Case,
                token_chunk: int = 512) -> torch.Tensor:
     """Plain PyTorch, every request alike (``case``): keys gathered through the block table and dequantised, one
@@ -141,10 +158,7 @@ def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
 
     dev = env.device
     batch, meta, cache = make_step(case, dev)
-    cap = batch.token_capacity
-    gen = torch.Generator().manual_seed(env.seed)
-    q = torch.randn(cap, case.heads, 128, generator=gen).to(dev, torch.bfloat16)
-    w = torch.randn(cap, case.heads, generator=gen).to(dev)
+    q, w = case_queries(case, batch.token_capacity, dev, env.seed)
     layer = SparseMLAIndexer(case.kind, case.heads, case.topk, backend=env.backend)
     picks = layer(meta, q, w, cache).clone()
     step = StepTokens.of(batch, case.kind)

@@ -17,11 +17,10 @@ import os
 import torch
 
 from sparse_mla.indexer import StepTokens, prepare_queries
-from sparse_mla.indexer_layer import SparseMLAIndexer
 from sparse_mla.ops import targets
 from sparse_mla.ops.triton import indexer as kernels
 
-from bench_indexer import KEY_BYTES, cases, copy_gbs, make_step
+from bench_indexer import KEY_BYTES, cases, copy_gbs, scored_layer
 from timing import graphed, timed
 
 
@@ -34,13 +33,7 @@ def main() -> None:
     rate = copy_gbs(dev, 50)
     results = []
     for case in (c for c in cases(False) if c.name in args.cases):
-        batch, meta, cache = make_step(case, dev)
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(batch.token_capacity, case.heads, 128, generator=gen).to(dev, torch.bfloat16)
-        w = torch.randn(batch.token_capacity, case.heads, generator=gen).to(dev)
-        layer = SparseMLAIndexer(case.kind, case.heads, case.topk)
-        layer(meta, q, w, cache)
-        plan = layer.step_plan(meta, "triton")
+        batch, meta, cache, q, w, layer, plan = scored_layer(case, dev)
         words = layer.scores_as_words(plan)
         (t0, t1, longest), = plan.chunks_for(words)
         step = StepTokens.of(batch, case.kind)

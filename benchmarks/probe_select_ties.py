@@ -11,10 +11,9 @@ import os
 
 import torch
 
-from sparse_mla.indexer_layer import SparseMLAIndexer
 from sparse_mla.ops.triton import indexer as kernels
 
-from bench_indexer import cases, make_step
+from bench_indexer import cases, scored_layer
 from timing import graphed, timed
 
 
@@ -25,13 +24,7 @@ def main() -> None:
     dev = torch.device("cuda")
     rows_out = []
     for case in (c for c in cases(False) if c.name in ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128")):
-        batch, meta, cache = make_step(case, dev)
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(batch.token_capacity, case.heads, 128, generator=gen).to(dev, torch.bfloat16)
-        w = torch.randn(batch.token_capacity, case.heads, generator=gen).to(dev)
-        layer = SparseMLAIndexer(case.kind, case.heads, case.topk)
-        layer(meta, q, w, cache)
-        plan = layer.step_plan(meta, "triton")
+        plan = scored_layer(case, dev)[-1]
         (t0, t1, _), = plan.chunks_for(True)
         words = plan.scores(t1 - t0, True).clone()
         picks = plan.picks[t0:t1]

@@ -626,20 +626,25 @@ def test_kernel_rejects_a_workspace_of_the_wrong_kind():
                              0, 1, 1, torch.float32, False)
 
 
-@needs_gpu
-def test_a_decode_step_is_captured_in_a_cuda_graph_and_replays_the_same_picks():
+def v4_step(lengths: list[tuple[int, int]], seed: int):
+    """A V4 step of ``lengths`` ((seq_len, new tokens) a request) with its fp8 indexer key cache written and random
+    64-head queries and weights: ``(scenario, cache, q, w)``."""
     from sparse_mla.scenario import make_scenario
 
-    lengths = [(8000 + 97 * r, 2) for r in range(16)]
     sc = make_scenario(lengths, window=4, topk=512, fmt="bf16", decode_threshold=2,
                        block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
     cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device=DEVICE)
-    gen = torch.Generator().manual_seed(13)
+    gen = torch.Generator().manual_seed(seed)
     write_step_keys(cache, sc.batch, lengths, gen)
     cap = sc.batch.token_capacity
     q = torch.randn(cap, 64, 128, generator=gen).to(DEVICE, torch.bfloat16)
-    w = torch.randn(cap, 64, generator=gen).to(DEVICE)
-    layer = SparseMLAIndexer("c4a", 64, 512)
+    return sc, cache, q, torch.randn(cap, 64, generator=gen).to(DEVICE)
+
+
+def eager_and_replayed(layer: SparseMLAIndexer, sc, q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's picks for the step eagerly, and from a CUDA graph of the call (captured after a warm-up on a side
+    stream, its output poisoned before the replay)."""
     eager = layer(sc.meta, q, w, cache).clone()  # plans the step (outside the capture)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -652,10 +657,23 @@ def test_a_decode_step_is_captured_in_a_cuda_graph_and_replays_the_same_picks():
     picks.fill_(-7)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(picks, eager)
-    ref = SparseMLAIndexer("c4a", 64, 512, backend="reference")(sc.meta, q, w, cache)
+    return eager, picks.clone()
+
+
+def check_against_reference(picks: torch.Tensor, sc, q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache):
+    """``picks`` against the reference backend's on the step (:func:`indexer_cases.check_picks`)."""
+    layer = SparseMLAIndexer("c4a", 64, 512, backend="reference")
+    ref = layer(sc.meta, q, w, cache)
     q_ready, w_ready = prepare_queries(q, w, sc.batch.positions, layer.spec)
     check_picks(picks, ref, q_ready, w_ready, cache, StepTokens.of(sc.batch, "c4a"), sc.batch.num_tokens)
+
+
+@needs_gpu
+def test_a_decode_step_is_captured_in_a_cuda_graph_and_replays_the_same_picks():
+    sc, cache, q, w = v4_step([(8000 + 97 * r, 2) for r in range(16)], 13)
+    eager, replayed = eager_and_replayed(SparseMLAIndexer("c4a", 64, 512), sc, q, w, cache)
+    assert torch.equal(replayed, eager)
+    check_against_reference(replayed, sc, q, w, cache)
 
 
 @needs_gpu
@@ -665,35 +683,16 @@ def test_dependent_launches_give_the_plain_launches_picks_eager_and_in_a_graph(w
     give the picks of plain launches, eagerly and as a CUDA-graph replay: with the Triton select (the scores as words,
     three dependent kernels) and with ``torch.topk`` (packed keys, read by a plain launch after the dependent scores);
     a step of decodes and a prefill chunk."""
-    from sparse_mla.scenario import make_scenario
-
-    lengths = [(6000 + 131 * r, 2) for r in range(24)] + [(700, 37)]
-    sc = make_scenario(lengths, window=4, topk=512, fmt="bf16", decode_threshold=2,
-                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
-    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device=DEVICE)
-    gen = torch.Generator().manual_seed(29)
-    write_step_keys(cache, sc.batch, lengths, gen)
-    cap = sc.batch.token_capacity
-    q = torch.randn(cap, 64, 128, generator=gen).to(DEVICE, torch.bfloat16)
-    w = torch.randn(cap, 64, generator=gen).to(DEVICE)
+    sc, cache, q, w = v4_step([(6000 + 131 * r, 2) for r in range(24)] + [(700, 37)], 29)
     runs = {}
     for setting in ("0", "1"):
         monkeypatch.setenv("SPARSE_MLA_DEPENDENT_LAUNCH", setting)
         layer = SparseMLAIndexer("c4a", 64, 512, topk_select="triton" if words else "torch")
-        eager = layer(sc.meta, q, w, cache).clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            picks = layer(sc.meta, q, w, cache)
-        picks.fill_(-7)
-        graph.replay()
-        torch.cuda.synchronize()
-        runs[setting] = (eager, picks.clone())
-    assert torch.equal(runs["1"][0], runs["0"][0]) and torch.equal(runs["1"][1], runs["0"][0])
-    assert torch.equal(runs["0"][1], runs["0"][0])
+        runs[setting] = eager_and_replayed(layer, sc, q, w, cache)
+    plain = runs["0"][0]
+    assert all(torch.equal(picks, plain) for picks in (runs["0"][1], *runs["1"]))
     if words:
-        ref = SparseMLAIndexer("c4a", 64, 512, backend="reference")(sc.meta, q, w, cache)
-        q_ready, w_ready = prepare_queries(q, w, sc.batch.positions, layer.spec)
-        check_picks(runs["1"][1], ref, q_ready, w_ready, cache, StepTokens.of(sc.batch, "c4a"), sc.batch.num_tokens)
+        check_against_reference(runs["1"][1], sc, q, w, cache)
 
 
 @needs_gpu
