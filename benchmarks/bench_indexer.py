@@ -24,6 +24,7 @@ import argparse
 import os
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from rich.console import Console
@@ -91,14 +92,26 @@ def case_queries(case: Case, capacity: int, device: torch.device, seed: int) -> 
     return q, torch.randn(capacity, case.heads, generator=gen).to(device)
 
 
-def scored_layer(case: Case, device: torch.device, seed: int = 0):
+class ScoredLayer(NamedTuple):
+    """A case's step, its queries and a Triton indexer called once on them (:func:`scored_layer`)."""
+
+    batch: object
+    meta: object
+    cache: IndexerKeyCache
+    q: torch.Tensor
+    w: torch.Tensor
+    layer: SparseMLAIndexer
+    plan: object
+
+
+def scored_layer(case: Case, device: torch.device, seed: int = 0) -> ScoredLayer:
     """The case's step (:func:`make_step`), queries (:func:`case_queries`) and a Triton ``SparseMLAIndexer`` called
-    once on them, with its step plan: ``(batch, meta, cache, q, w, layer, plan)`` (the probes' common start)."""
+    once on them, with its step plan (the probes' common start)."""
     batch, meta, cache = make_step(case, device)
     q, w = case_queries(case, batch.token_capacity, device, seed)
     layer = SparseMLAIndexer(case.kind, case.heads, case.topk)
     layer(meta, q, w, cache)
-    return batch, meta, cache, q, w, layer, layer.step_plan(meta, "triton")
+    return ScoredLayer(batch, meta, cache, q, w, layer, layer.step_plan(meta, "triton"))
 
 
 def torch_path(q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache, step: StepTokens, case: Case,

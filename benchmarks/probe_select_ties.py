@@ -24,7 +24,7 @@ def main() -> None:
     dev = torch.device("cuda")
     rows_out = []
     for case in (c for c in cases(False) if c.name in ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128")):
-        plan = scored_layer(case, dev)[-1]
+        plan = scored_layer(case, dev).plan
         (t0, t1, _), = plan.chunks_for(True)
         words = plan.scores(t1 - t0, True).clone()
         picks = plan.picks[t0:t1]

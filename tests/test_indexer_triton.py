@@ -223,9 +223,10 @@ SELECT_VALUES = {  # rows far from random scores: ties by the thousand, one valu
     "a cluster and outliers": lambda g, n: torch.where(torch.rand(n, generator=g) < 0.02, 1e30,
                                                        1.0 + torch.rand(n, generator=g) * 1e-6),
     "wide exponents": lambda g, n: torch.randn(n, generator=g) * 10.0 ** torch.randint(-30, 30, (n,), generator=g),
-    # the threshold's ties among entries past the first segment (8,192): entries before it all score lower
-    "ties past the first 8,192": lambda g, n: torch.where(torch.arange(n) < 8192, -1.0,
-                                                          torch.randint(0, 2, (n,), generator=g).float()),
+    # the threshold's ties among entries past the first segment (8,192; in rows over 16,384, past 16,384): entries
+    # before it all score lower
+    "ties past the first segments": lambda g, n: torch.where(torch.arange(n) < (8192 if n <= 16384 else 16384), -1.0,
+                                                             torch.randint(0, 2, (n,), generator=g).float()),
     "mostly no candidate": lambda g, n: torch.where(torch.rand(n, generator=g) < 0.9, float("nan"),
                                                     torch.randn(n, generator=g)),
 }
@@ -233,14 +234,15 @@ SELECT_VALUES = {  # rows far from random scores: ties by the thousand, one valu
 
 @needs_kernels
 @pytest.mark.parametrize("values", sorted(SELECT_VALUES))
-@pytest.mark.parametrize("cols,k", [(8192, 512), (9216, 1000), (300, 64), (16384 + 8192, 512)])
+@pytest.mark.parametrize("cols,k", [(8192, 512), (9216, 1000), (300, 64), (16384 + 8192, 512), (6 * 8192, 4096)])
 def test_select_kernel_is_exact_on_rows_of_ties_and_extreme_scores(values, cols, k):
     """The select's threshold search on the scores' order words, and its search among tied entries: heavy ties, a
     single value, ±inf and the largest and smallest floats, a tight cluster beside outliers, exponents 60 decades
     apart and rows of few candidates give torch.topk's set (ties to the lowest entry), in entry order, ``-1`` fill
     (the rows a search that guesses its thresholds from the scores' values must get right too: docs/history.md,
     version 30); rows of three segments (24,576 columns: ties among the segments' winners, entries read from their
-    keys). Rows of words are at most 16,384 columns: those of 24,576 are selected as packed keys alone."""
+    keys) and of six whose winners (24,576) are selected in segments again, a pass whose entries are the whole row's
+    (up to 49,151). Rows of words are at most 16,384 columns: longer ones are selected as packed keys alone."""
     from sparse_mla.ops.triton import indexer as kernels
 
     gen = torch.Generator().manual_seed(cols + k + len(values))
@@ -567,7 +569,7 @@ def test_the_indexer_s_kernels_launch_as_dependents_on_sm90_and_later_only(targe
     monkeypatch.setattr(targets, "target_of", lambda device: chosen)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv("SPARSE_MLA_DEPENDENT_LAUNCH", raising=False)
-    on = target in ("sm_90", "sm_100", "sm_120")
+    on = target in ("sm_90", "sm_100", "sm_120") and dependent.TRITON_HAS_DEPENDENT_LAUNCH
     assert dependent.launch_options(torch.device("cpu")) == (
         {"DEPENDENT": True, "launch_pdl": True} if on else {"DEPENDENT": False})
     monkeypatch.setenv("SPARSE_MLA_DEPENDENT_LAUNCH", "0")
@@ -626,7 +628,8 @@ def test_kernel_rejects_a_workspace_of_the_wrong_kind():
                              0, 1, 1, torch.float32, False)
 
 
-def v4_step(lengths: list[tuple[int, int]], seed: int):
+def v4_step(lengths: list[tuple[int, int]], seed: int
+            ) -> tuple[object, IndexerKeyCache, torch.Tensor, torch.Tensor]:
     """A V4 step of ``lengths`` ((seq_len, new tokens) a request) with its fp8 indexer key cache written and random
     64-head queries and weights: ``(scenario, cache, q, w)``."""
     from sparse_mla.scenario import make_scenario
@@ -660,8 +663,10 @@ def eager_and_replayed(layer: SparseMLAIndexer, sc, q: torch.Tensor, w: torch.Te
     return eager, picks.clone()
 
 
-def check_against_reference(picks: torch.Tensor, sc, q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache):
-    """``picks`` against the reference backend's on the step (:func:`indexer_cases.check_picks`)."""
+def check_against_reference(picks: torch.Tensor, sc, q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache
+                            ) -> None:
+    """``picks`` of :func:`v4_step`'s layer (c4a, 64 heads, top 512) against the reference backend's on the step
+    (:func:`indexer_cases.check_picks`)."""
     layer = SparseMLAIndexer("c4a", 64, 512, backend="reference")
     ref = layer(sc.meta, q, w, cache)
     q_ready, w_ready = prepare_queries(q, w, sc.batch.positions, layer.spec)
@@ -684,9 +689,14 @@ def test_dependent_launches_give_the_plain_launches_picks_eager_and_in_a_graph(w
     three dependent kernels) and with ``torch.topk`` (packed keys, read by a plain launch after the dependent scores);
     a step of decodes and a prefill chunk."""
     sc, cache, q, w = v4_step([(6000 + 131 * r, 2) for r in range(24)] + [(700, 37)], 29)
+    from sparse_mla.ops.triton import dependent
+
     runs = {}
     for setting in ("0", "1"):
         monkeypatch.setenv("SPARSE_MLA_DEPENDENT_LAUNCH", setting)
+        # on sm_90 and later the second run's launches are dependents indeed
+        on = setting == "1" and targets.target_of(DEVICE).dependent_launch and dependent.TRITON_HAS_DEPENDENT_LAUNCH
+        assert dependent.launch_options(DEVICE)["DEPENDENT"] == on
         layer = SparseMLAIndexer("c4a", 64, 512, topk_select="triton" if words else "torch")
         runs[setting] = eager_and_replayed(layer, sc, q, w, cache)
     plain = runs["0"][0]

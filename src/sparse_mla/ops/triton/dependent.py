@@ -35,11 +35,18 @@ def wait_for_previous(DEPENDENT: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def launch_options(device: torch.device) -> dict:
+try:  # griddepcontrol in Triton's language, with its launch_pdl option: not in every Triton the library takes (3.2 up)
+    from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    TRITON_HAS_DEPENDENT_LAUNCH = True
+except ImportError:  # pragma: no cover - an older Triton: plain launches
+    TRITON_HAS_DEPENDENT_LAUNCH = False
+
+
+def launch_options(device: torch.device) -> dict[str, bool]:
     """The constexpr and launch option of a kernel that starts with :func:`wait_for_previous`, on ``device``:
-    launched as a programmatic dependent where its target has them (:attr:`targets.Target.dependent_launch`), not
-    under the interpreter, and ``SPARSE_MLA_DEPENDENT_LAUNCH`` is not ``0``."""
-    if (targets.target_of(device).dependent_launch and not interpreting()
+    launched as a programmatic dependent where its target has them (:attr:`targets.Target.dependent_launch`), the
+    installed Triton can say so, not under the interpreter, and ``SPARSE_MLA_DEPENDENT_LAUNCH`` is not ``0``."""
+    if (TRITON_HAS_DEPENDENT_LAUNCH and targets.target_of(device).dependent_launch and not interpreting()
             and switch_on("SPARSE_MLA_DEPENDENT_LAUNCH", default=True)):
         return {"DEPENDENT": True, "launch_pdl": True}
     return {"DEPENDENT": False}

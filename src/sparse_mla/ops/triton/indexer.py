@@ -644,7 +644,7 @@ def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: Pick
     """:func:`topk_rows`' launches alone, for a caller that made its arguments to fit (the indexer layer: its own
     workspace and picks buffer, the step conversion's :class:`PicksInto`)."""
     rows, cols = packed.shape
-    column_entries, entries = True, cols  # the row's entries, its columns: below cols in every launch
+    column_entries, entries = True, cols  # the row's entries: its columns, below cols
     if packed.dtype == torch.int32 and cols > MAX_SELECT_COLS:  # words carry no entry: no segments' second pass
         raise ValueError(f"a row of words must be at most {MAX_SELECT_COLS} columns (longer rows are selected in "
                          f"segments of packed keys), got {cols}")
@@ -654,7 +654,9 @@ def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: Pick
                              f"columns, and k ({k}) below {SELECT_SEGMENT} (each segment's top k must shorten it)")
         segments = packed.view(rows * (cols // SELECT_SEGMENT), SELECT_SEGMENT)
         winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
-        _launch_select(segments, k, winners, True, column_entries, SELECT_SEGMENT)
+        # a first pass's entries are its segments' columns; a later pass reads the winners' entries from their keys:
+        # any of the row's
+        _launch_select(segments, k, winners, True, column_entries, SELECT_SEGMENT if column_entries else entries)
         packed, cols, column_entries = winners.view(rows, -1), winners.numel() // rows, False
     _launch_select(packed, k, out, False, column_entries, entries, into)
 
