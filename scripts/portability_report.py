@@ -88,7 +88,8 @@ class Row:
     ptxas' spill store / load bytes; AMD, the spilled VGPRs / SGPRs. loop_spills: CUDA, the spill instructions
     (``STL`` / ``LDL``) inside the kernel's key loops (:func:`sass_loops.key_loops`; None on AMD). cpu_seconds: the
     compile's CPU time (this process and its children: ptxas, ld.lld). splits: the attention and combine kernels'
-    ``SPLITS`` (the pieces each key list is cut into at the target's SM count)."""
+    ``SPLITS`` (the pieces each key list is cut into at the target's SM count). dependent: CUDA, whether the PTX waits
+    in ``griddepcontrol.wait`` (a kernel launched as a programmatic dependent, ``ops/triton/dependent.py``)."""
 
     target: str
     variant: str
@@ -103,6 +104,7 @@ class Row:
     loop_spills: int | None = None
     tmem_columns: int | None = None
     splits: int | None = None
+    dependent: bool | None = None
     cpu_seconds: float = 0.0
 
 
@@ -228,6 +230,7 @@ def _compile(target: targets.Target, variant: str, launched: Launched, source: A
         problems.append(f"shared memory {row.shared} B > {target.shared_bytes} B")
     if target.backend == "cuda":
         ptx = compiled.asm["ptx"]
+        row.dependent = "griddepcontrol.wait" in ptx
         row.registers, row.spill_stores, row.spill_loads = _ptxas_numbers(log.getvalue())
         if row.registers is None:
             problems.append("no ptxas log from the compile")

@@ -784,6 +784,12 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     assert not failed, f"{target}: " + "; ".join(failed)
     if target.startswith("sm_") or target in ("gfx942", "gfx950"):  # (AMD's compiles attribute no spill to a loop)
         assert all(not r["loop_spills"] for r in rows), "no spills inside the key loop"
+    # every indexer kernel waits for the one before it where it launches as a programmatic dependent (sm_90 and
+    # later, a Triton with griddepcontrol), and nowhere else (sm_80-89's PTX has no such instruction)
+    from sparse_mla.ops.triton.dependent import TRITON_HAS_DEPENDENT_LAUNCH
+
+    on = target in ("sm_90", "sm_100", "sm_120") and TRITON_HAS_DEPENDENT_LAUNCH
+    assert {r["dependent"] for r in rows} == ({on} if target.startswith("sm_") else {None})
 
 
 if __name__ == "__main__":
