@@ -25,6 +25,12 @@ from ...env import switch_on
 from .. import targets
 from ..dispatch import interpreting
 
+try:  # griddepcontrol in Triton's language, with its launch_pdl option: not in every Triton the library takes (3.2 up)
+    from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    TRITON_HAS_DEPENDENT_LAUNCH = True
+except ImportError:  # pragma: no cover - an older Triton: plain launches
+    TRITON_HAS_DEPENDENT_LAUNCH = False
+
 
 @triton.jit
 def wait_for_previous(DEPENDENT: tl.constexpr):
@@ -33,13 +39,6 @@ def wait_for_previous(DEPENDENT: tl.constexpr):
     if DEPENDENT:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-try:  # griddepcontrol in Triton's language, with its launch_pdl option: not in every Triton the library takes (3.2 up)
-    from triton.language.extra.cuda import gdc_wait  # noqa: F401
-    TRITON_HAS_DEPENDENT_LAUNCH = True
-except ImportError:  # pragma: no cover - an older Triton: plain launches
-    TRITON_HAS_DEPENDENT_LAUNCH = False
 
 
 def launch_options(device: torch.device) -> dict[str, bool]:

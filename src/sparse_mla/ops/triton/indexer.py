@@ -466,7 +466,8 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
     The threshold is searched on the keys' high words (the scores' order bits, 32-bit compares: half the work of the
     64-bit keys') bit by bit from the highest bit where the row's valid words differ (the bits above it are common to
     every candidate), stopping as soon as exactly K words are at or above it. Where several keys share the
-    threshold's score, their entries are searched the same way among them. The search loads the high words alone;
+    threshold's score, their entries are searched the same way among them, from bit ``ENTRY_BITS - 1`` (every entry
+    the rows hold is below ``2^ENTRY_BITS``). The search loads the high words alone;
     the keys (or their low words) are read again only where the output or a tie needs them.
 
     ``CONVERT`` (the entries, not ``KEYS``): the picks are converted in the same launch, as
