@@ -30,12 +30,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
+from sparse_mla.batch import Request, StepBatch, StepBatchBuilder, blocks_needed
 from sparse_mla.config import COMPRESS_RATIO, V4_KINDS, V41_KINDS
 from sparse_mla.indexer import StepTokens, index_topk_reference, prepare_queries
 from sparse_mla.indexer_cache import IndexerKeyCache
-from sparse_mla.indexer_layer import SparseMLAIndexer
-from sparse_mla.metadata import MetadataSpec, build_step_metadata
+from sparse_mla.indexer_layer import IndexerPlan, SparseMLAIndexer
+from sparse_mla.metadata import MetadataSpec, StepMetadata, build_step_metadata
 from sparse_mla.ops import targets
 from sparse_mla.ops.dispatch import interpreting
 
@@ -95,13 +95,13 @@ def case_queries(case: Case, capacity: int, device: torch.device, seed: int) -> 
 class ScoredLayer(NamedTuple):
     """A case's step, its queries and a Triton indexer called once on them (:func:`scored_layer`)."""
 
-    batch: object
-    meta: object
+    batch: StepBatch
+    meta: StepMetadata
     cache: IndexerKeyCache
     q: torch.Tensor
     w: torch.Tensor
     layer: SparseMLAIndexer
-    plan: object
+    plan: IndexerPlan
 
 
 def scored_layer(case: Case, device: torch.device, seed: int = 0) -> ScoredLayer:
