@@ -395,3 +395,31 @@ def test_any_chunking_in_any_order_writes_the_prefill_s_bytes(ratio, lengths, si
     data, other = run_schedule(ratio, 128, lengths, schedule_chunks(lengths, sizes, seed), "fp8")
     assert torch.equal(data, whole)
     assert all(torch.equal(a, b) for a, b in zip(state, other))
+
+
+@pytest.mark.needs("gpu")
+def test_a_step_s_host_build_does_not_sync_with_the_gpu():
+    """``StepBatchBuilder.build``, ``build_compress_metadata`` and ``build_step_metadata`` on a GPU queue their
+    uploads (pinned memory, non-blocking copies) instead of synchronising the stream (a blocking copy from pageable
+    memory is one): under ``torch.cuda.set_sync_debug_mode("error")`` a decode step and a prefill chunk build; the
+    values are the blocking copies' (the same step built with the debug mode off, compared)."""
+    from sparse_mla.metadata import MetadataSpec, build_step_metadata
+
+    def build(feeder: Feeder):
+        order, batch, meta = feeder.step([(0, 5), (1, 1), (2, 1)])
+        return batch, meta, build_step_metadata(batch, MetadataSpec(window=4, topk=8))
+
+    lengths = [40, 33, 70]
+    plain = build(Feeder(lengths, 4, device="cuda"))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the GPU busy: a synchronising call would wait for it
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        queued = build(Feeder(lengths, 4, device="cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name in ("seq_lens", "query_lens", "query_start_loc", "positions", "token_to_req"):
+        assert torch.equal(getattr(queued[0], name), getattr(plain[0], name)), name
+    assert all(torch.equal(queued[0].block_tables[k], plain[0].block_tables[k]) for k in plain[0].block_tables)
+    assert torch.equal(queued[1].state_slots, plain[1].state_slots)
+    assert torch.equal(queued[1].entry_slots, plain[1].entry_slots)

@@ -313,11 +313,11 @@ class StepBatchBuilder:
         for q in qlen_host:
             qsl_host.append(qsl_host[-1] + q)
         num_tokens = qsl_host[-1]
-        self._seq_lens[:n].copy_(torch.tensor(seq_host, dtype=torch.int32))
-        self._query_lens[:n].copy_(torch.tensor(qlen_host, dtype=torch.int32))
-        self._query_start_loc[: n + 1].copy_(torch.tensor(qsl_host, dtype=torch.int32))
+        upload(self._seq_lens[:n], seq_host)
+        upload(self._query_lens[:n], qlen_host)
+        upload(self._query_start_loc[: n + 1], qsl_host)
         for kind, (rows, _) in table_rows.items():
-            self._tables[kind][:n].copy_(rows)
+            upload(self._tables[kind][:n], rows)
         dev_qsl, dev_seq, dev_q = self._query_start_loc[: n + 1], self._seq_lens[:n], self._query_lens[:n]
         tok = torch.arange(num_tokens, device=self.device, dtype=torch.int32)
         req_of_tok = torch.repeat_interleave(torch.arange(n, device=self.device, dtype=torch.int32), dev_q.long(),
@@ -391,6 +391,19 @@ def _check_per_kind(name: str, values: Mapping[str, int] | None, kinds: Sequence
 def _first_non_int_table(requests: Sequence[Request], kind: str) -> int:
     """The first request whose ``kind`` block table holds something that is not an int (a table just refused)."""
     return next((i for i, req in enumerate(requests) if not all(is_int(b) for b in req.block_tables[kind])), 0)
+
+
+def upload(dst: torch.Tensor, values: list[int] | torch.Tensor) -> None:
+    """``dst`` (int32, on the step's device) := ``values`` (host ints, or a CPU tensor of dst's shape) without a host
+    sync: on a GPU through pinned memory and a copy queued on the stream (a blocking copy from pageable memory is a
+    ``cudaStreamSynchronize``: an engine could not queue a step's host work while the GPU ran the one before). The
+    caching host allocator keeps the pinned block until its copy has run."""
+    if not dst.is_cuda:
+        dst.copy_(values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int32))
+    elif isinstance(values, torch.Tensor):
+        dst.copy_(values.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(torch.tensor(values, dtype=torch.int32, pin_memory=True), non_blocking=True)
 
 
 def slots_of(table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from .batch import StepBatch, slots_of
+from .batch import StepBatch, slots_of, upload
 from .compress_state import REPEATABLE_STEP_TOKENS, CompressorStatePool
 from .config import COMPRESS_RATIO, COMPRESSED_KINDS
 
@@ -110,7 +110,7 @@ def build_compress_metadata(batch: StepBatch, pool: CompressorStatePool, state_s
     n, r = batch.num_reqs, pool.ratio
     out.batch, out.kind = batch, kind
     out.prefix_lens[:n].copy_(batch.seq_lens - batch.query_lens)
-    out.state_slots[:n].copy_(torch.tensor(state_slots, dtype=torch.int32))
+    upload(out.state_slots[:n], [int(s) for s in state_slots])
     pos, req = batch.positions, batch.token_to_req
     completes = (pos >= 0) & ((pos + 1) % r == 0)
     entry = torch.where(completes, (pos + 1) // r - 1, -1).to(torch.int32)
