@@ -204,15 +204,36 @@ def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
         scores[0, 9000:9000 + k] += 10.0
     scores[:, valid:] = float("nan")  # not candidates
     packed = packed_rows(scores).to(DEVICE)
-    out = torch.full((rows, k), 7, dtype=torch.int32, device=DEVICE)
-    kernels.topk_rows(packed, k, out)
     want = kernels.topk_from_packed(packed, k)
-    same_sets(out, want, rows)
-    got = out.cpu()
-    for r in range(rows):
-        chosen = [x for x in got[r].tolist() if x >= 0]
-        assert chosen == sorted(chosen) and len(chosen) == min(k, valid)  # entry order, then -1
-        assert (got[r, len(chosen):] == -1).all()
+    for digit_bits in DIGIT_BITS:
+        out = torch.full((rows, k), 7, dtype=torch.int32, device=DEVICE)
+        kernels.topk_rows(packed, k, out, digit_bits=digit_bits)
+        same_sets(out, want, rows)
+        got = out.cpu()
+        for r in range(rows):
+            chosen = [x for x in got[r].tolist() if x >= 0]
+            assert chosen == sorted(chosen) and len(chosen) == min(k, valid)  # entry order, then -1
+            assert (got[r, len(chosen):] == -1).all()
+
+
+# the select's threshold searches: the target's (None), a bit a round, and digits of 3, 8 and 11 bits a pass (a last
+# pass narrower than the digit: 3 and 8 do not divide the bits below a row's common prefix in general)
+DIGIT_BITS = (None, 0, 3, 8, 11)
+
+
+@pytest.mark.parametrize("target", targets.MATRIX, ids=lambda t: t.name)
+@pytest.mark.parametrize("atomics", [False, True])
+def test_the_select_searches_by_digits_on_nvidia_rows_of_words_where_the_histogram_is_atomics(target, atomics,
+                                                                                            monkeypatch):
+    """The rule (:func:`select_digit_bits`): digits where Triton lowers ``tl.histogram`` to shared-memory atomics
+    (NVIDIA, Triton 3.8 and later) over rows of words; a bit a round over packed keys, on AMD, and on a Triton whose
+    histogram is a vote a digit bit (slower than the rounds it replaces: docs/history.md versions 28 and 37)."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    monkeypatch.setattr(kernels, "HISTOGRAM_BY_ATOMICS", atomics)
+    digits = kernels.SELECT_DIGIT_BITS if atomics and target.backend == "cuda" else 0
+    assert kernels.select_digit_bits(target, True) == digits
+    assert kernels.select_digit_bits(target, False) == 0
 
 
 SELECT_VALUES = {  # rows far from random scores: ties by the thousand, one value, the float range's ends
@@ -248,18 +269,19 @@ def test_select_kernel_is_exact_on_rows_of_ties_and_extreme_scores(values, cols,
     gen = torch.Generator().manual_seed(cols + k + len(values))
     scores = torch.stack([SELECT_VALUES[values](gen, cols) for _ in range(3)])
     packed = packed_rows(scores).to(DEVICE)
-    out = torch.full((3, k), 7, dtype=torch.int32, device=DEVICE)
-    kernels.topk_rows(packed, k, out)
     want = kernels.topk_from_packed(packed, k).cpu()
-    got = out.cpu()
-    assert torch.equal(got.sort(1).values, want.sort(1).values)
-    if cols <= MAX_SELECT_COLS:
-        from_words = torch.full((3, k), 7, dtype=torch.int32, device=DEVICE)
-        kernels.topk_rows(words_of(packed), k, from_words)  # the same rows as the score kernel's words
-        assert torch.equal(from_words.cpu(), got)
-    for r in range(3):
-        chosen = [x for x in got[r].tolist() if x >= 0]
-        assert chosen == sorted(chosen)
+    for digit_bits in DIGIT_BITS:
+        out = torch.full((3, k), 7, dtype=torch.int32, device=DEVICE)
+        kernels.topk_rows(packed, k, out, digit_bits=digit_bits)
+        got = out.cpu()
+        assert torch.equal(got.sort(1).values, want.sort(1).values), digit_bits
+        if cols <= MAX_SELECT_COLS:
+            from_words = torch.full((3, k), 7, dtype=torch.int32, device=DEVICE)
+            kernels.topk_rows(words_of(packed), k, from_words, digit_bits=digit_bits)  # the score kernel's words
+            assert torch.equal(from_words.cpu(), got), digit_bits
+        for r in range(3):
+            chosen = [x for x in got[r].tolist() if x >= 0]
+            assert chosen == sorted(chosen)
 
 
 @needs_kernels
@@ -594,6 +616,9 @@ def test_kernel_helpers_name_their_bad_arguments():
     for rows, k, out, message in bad_select:
         with pytest.raises(ValueError, match=message):
             kernels.topk_rows(rows, k, out)
+    for digit_bits in (12, -1, 8.0, True):
+        with pytest.raises(ValueError, match="digit_bits must be None or an int in"):
+            kernels.topk_rows(packed, 8, torch.empty(4, 8, dtype=torch.int32, device=DEVICE), digit_bits=digit_bits)
     spec = IndexerSpec(num_heads=8, topk=64, kind="c4a")
     case = make_case(torch.Generator().manual_seed(1), [(300, 1)], spec, "fp8", DEVICE)
     out = torch.empty(1, 128, dtype=torch.int64, device=DEVICE)

@@ -383,6 +383,32 @@ def _bit_search(words, tail, thr, count, bit, k, HAS_TAIL: tl.constexpr):
 
 
 @triton.jit
+def _digit_search(words, tail, thr, count, bit, k, zeros, HAS_TAIL: tl.constexpr, DIGIT: tl.constexpr):
+    """:func:`_bit_search`'s result, ``DIGIT`` bits a pass: the words whose bits above ``bit`` are ``thr``'s (the
+    others are above ``thr`` or below it whatever its lower bits) counted by their next ``DIGIT`` bits in one
+    histogram, the highest digit at or above which ``k`` or more lie taken. ``zeros``: how many words are 0 (no
+    candidate; in play, in digit 0, while ``thr`` is 0)."""
+    BINS: tl.constexpr = 1 << DIGIT
+    bins = tl.arange(0, BINS)
+    while (bit >= 0) & (count != k):
+        shift = tl.maximum(bit + 1 - DIGIT, 0)  # this pass's digit: bits [shift, bit]
+        settled = (tl.full((), 4294967295, tl.uint64) << (bit + 1)).to(tl.uint32)  # the bits above it
+        digits = (1 << (bit + 1 - shift)) - 1  # the digit's values: fewer than BINS on the last pass
+        hist = tl.histogram(((words >> shift) & digits).to(tl.int32), BINS, mask=(words & settled) == thr)
+        if HAS_TAIL:
+            hist += tl.histogram(((tail >> shift) & digits).to(tl.int32), BINS, mask=(tail & settled) == thr)
+        # at or above digit b: every word counted in count but those in play with a lower digit (no bin past the
+        # pass's digits qualifies: fewer than k words lie above the words in play, or the last pass would have
+        # taken a higher digit)
+        at_or_above = count - (tl.cumsum(hist, 0) - hist) + tl.where((bins > 0) & (thr == 0), zeros, 0)
+        best = tl.max(tl.where(at_or_above >= k, bins, 0), 0)
+        thr = thr | (best.to(tl.uint32) << shift)
+        count = tl.sum(tl.where(bins == best, at_or_above, 0), 0)
+        bit = shift - 1
+    return thr, count
+
+
+@triton.jit
 def _high_words(words_ptr, row, stride, cols, num_cols, WORDS: tl.constexpr):
     """The keys' order bits (their high words) with the sign bit flipped, uint32: unsigned order = the scores' order;
     a non-candidate's (``INT64_MIN``, or a column past the row) is 0. ``WORDS``: the rows hold these words already
@@ -453,7 +479,8 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
                       pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr,
                       kept_stride, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr, TAIL: tl.constexpr,
                       KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr, CONVERT: tl.constexpr, BS: tl.constexpr,
-                      ENTRY_BITS: tl.constexpr, WORDS: tl.constexpr = False, DEPENDENT: tl.constexpr = False):
+                      ENTRY_BITS: tl.constexpr, WORDS: tl.constexpr = False, DEPENDENT: tl.constexpr = False,
+                      DIGIT: tl.constexpr = 0):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
     ``-1`` fill (``KEYS``: ``INT64_MIN``). ``words_ptr``: the same rows as int32 (the keys' low and high words);
     ``WORDS``: the rows are the score kernel's words (``stride`` of them a row; ``COLUMN_ENTRIES``, not ``KEYS``),
@@ -465,8 +492,9 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
 
     The threshold is searched on the keys' high words (the scores' order bits, 32-bit compares: half the work of the
     64-bit keys') bit by bit from the highest bit where the row's valid words differ (the bits above it are common to
-    every candidate), stopping as soon as exactly K words are at or above it. Where several keys share the
-    threshold's score, their entries are searched the same way among them, from bit ``ENTRY_BITS - 1`` (every entry
+    every candidate), stopping as soon as exactly K words are at or above it; ``DIGIT`` > 0: ``DIGIT`` bits a pass,
+    one histogram of the words still in play (:func:`select_digit_bits`). Where several keys share the
+    threshold's score, their entries are searched bit by bit among them, from bit ``ENTRY_BITS - 1`` (every entry
     the rows hold is below ``2^ENTRY_BITS``). The search loads the high words alone;
     the keys (or their low words) are read again only where the output or a tie needs them.
 
@@ -511,7 +539,11 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
             bit -= 1
         below = (tl.full((), 1, tl.uint64) << (bit + 1)) - 1
         thr = (top.to(tl.uint64) & ~below).to(tl.uint32)  # every valid word is at or above it: count of them
-        thr, count = _bit_search(hi, hi_tail, thr, candidates, bit, K, HAS_TAIL)
+        if DIGIT > 0:
+            lanes: tl.constexpr = C + TAIL if HAS_TAIL else C
+            thr, count = _digit_search(hi, hi_tail, thr, candidates, bit, K, lanes - candidates, HAS_TAIL, DIGIT)
+        else:
+            thr, count = _bit_search(hi, hi_tail, thr, candidates, bit, K, HAS_TAIL)
         chosen, chosen_tail = hi >= thr, hi_tail >= thr
         if count != K:  # keys tie at the threshold's score: the lowest entries among them
             tied, tied_tail = hi == thr, hi_tail == thr
@@ -533,6 +565,27 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
         _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, tail_cols, chosen_tail, slot_tail, KEYS,
                       COLUMN_ENTRIES)
     _finish_row(out_ptr, out_stride, row, tl.minimum(candidates, K), conv, K, KP, KEYS, CONVERT, BS, True)
+
+
+# Triton lowers tl.histogram to shared-memory atomics on NVIDIA from 3.8 (one warp-aggregated increment a word: 648
+# SASS instructions for 8,192 words into 256 bins on sm_90, against 352 for one count of them); 3.6-3.7, and AMD's
+# backend on every version, to a vote a digit bit and a population count a bin a lane owns (4,008): there a histogram
+# pass costs more than the bit rounds it replaces (docs/history.md versions 28, 37)
+HISTOGRAM_BY_ATOMICS = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 8)
+# the select's digit where it searches by digits: an H200 on Triton 3.9, the select alone on the layer's words (graphs,
+# µs, a bit a round -> 6 / 8 / 11 bits a pass): V4-Flash B 32 16.3 -> 15.2 / 14.0 / 15.5, B 128 27.2 -> 25.1 / 23.2 /
+# 24.0, V4.1-Flash B 128 46.7 -> 44.5 / 41.1 / 40.2; over packed keys (their high words at a stride of two) slower
+# (the 512K segments 41.7 -> 43.8, V3.2 43.6 -> 46.9 at 8 bits; docs/history.md version 37)
+SELECT_DIGIT_BITS = 8
+MAX_DIGIT_BITS = 11  # a histogram of 2,048 bins (8 KB of shared memory a program)
+
+
+def select_digit_bits(target: targets.Target, words: bool) -> int:
+    """The select's threshold search for ``target``: ``0``, a bit a round (a count of the row's words at or above a
+    candidate), or :data:`SELECT_DIGIT_BITS` bits a pass (one ``tl.histogram`` of the words still in play) — over rows
+    of words (``words``) on NVIDIA where the installed Triton lowers the histogram to shared-memory atomics
+    (:data:`HISTOGRAM_BY_ATOMICS`). The picks are the same either way."""
+    return SELECT_DIGIT_BITS if words and target.backend == "cuda" and HISTOGRAM_BY_ATOMICS else 0
 
 
 def select_warps(rows: int, lanes: int, sms: int) -> int:
@@ -592,15 +645,19 @@ def _check_picks_into(into: PicksInto, rows: int, k: int, device: torch.device) 
 
 
 def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, column_entries: bool,
-                   entries: int, into: PicksInto | None = None) -> None:
+                   entries: int, into: PicksInto | None = None, digit_bits: int | None = None) -> None:
     """One select launch over ``packed``'s rows; ``entries``: a bound on the entries the rows hold (their columns, or
-    for the segments' winners the whole row's)."""
+    for the segments' winners the whole row's); ``digit_bits``: the threshold search's (None: the target's,
+    :func:`select_digit_bits`)."""
     rows, cols = packed.shape
     main, tail = select_tiles(cols, k)
     lanes = main + tail if tail > 1 else main
     # the GPU's own SMs; on the CPU (interpreter, the portability matrix's recorded launches) those of its target
-    warps = select_warps(rows, lanes, targets.num_sms(packed.device, targets.target_of(packed.device)))
+    target = targets.target_of(packed.device)
+    warps = select_warps(rows, lanes, targets.num_sms(packed.device, target))
     words_in = packed.dtype == torch.int32  # the score kernel's words: the search's words themselves
+    if digit_bits is None:
+        digit_bits = select_digit_bits(target, words_in)
     # packed keys: (rows, 2 · cols) int32, each key's low, then high word (the kernel takes the int64 row stride)
     words = packed if words_in else packed.view(torch.int32)
     if into is None:  # the conversion's arguments unread (CONVERT off): out stands in for its tensors
@@ -612,11 +669,12 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     _topk_rows_kernel[(grid,)](packed, words, out, packed.stride(0), out.stride(0), cols, rows, *conv, K=k,
                                KP=triton.next_power_of_2(k), C=main, TAIL=tail, KEYS=keys,
                                COLUMN_ENTRIES=column_entries, CONVERT=into is not None, BS=bs, WORDS=words_in,
-                               ENTRY_BITS=max(1, (entries - 1).bit_length()),
+                               ENTRY_BITS=max(1, (entries - 1).bit_length()), DIGIT=digit_bits,
                                num_warps=warps, **launch_options(packed.device))
 
 
-def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto | None = None) -> None:
+def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto | None = None, *,
+              digit_bits: int | None = None) -> None:
     """The Triton select: ``out (rows, k)`` int32 := each row's top-``k`` entries of ``packed (rows, num_cols)``,
     the same set as :func:`topk_from_packed`, listed in entry order, ``-1`` fill. The rows are the score kernel's:
     column ``c`` holds entry ``c``'s key (or ``INT64_MIN``), or (int32) its word (0: none; the module docstring).
@@ -628,7 +686,12 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto |
     into: also convert the picks into cache slots in the (last) launch (:class:`PicksInto`), the same values as
     :class:`sparse_mla.picks.PicksConversion` writes for ``out``'s picks, provided every candidate of a row is an
     entry its token may see on a present block: true of the score kernel's rows (it packs no other as a candidate),
-    so the conversion drops nothing; rows made otherwise must hold no candidate there (``INT64_MIN``; a word 0)."""
+    so the conversion drops nothing; rows made otherwise must hold no candidate there (``INT64_MIN``; a word 0).
+
+    digit_bits: how the threshold is searched, ``0`` a bit a round or 1-11 bits a pass (a histogram of the words in
+    play); None, the target's choice (:func:`select_digit_bits`). The picks do not depend on it."""
+    if digit_bits is not None and (type(digit_bits) is not int or not 0 <= digit_bits <= MAX_DIGIT_BITS):
+        raise ValueError(f"digit_bits must be None or an int in [0, {MAX_DIGIT_BITS}], got {digit_bits!r}")
     check_tensor("packed", packed, dtype=(torch.int64, torch.int32), ndim=2)
     k = check_positive_int("k", k)
     rows, cols = packed.shape
@@ -638,10 +701,11 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto |
                          f"{out.stride()}")
     if into is not None:
         _check_picks_into(into, rows, k, packed.device)
-    launch_topk_rows(packed, k, out, into)
+    launch_topk_rows(packed, k, out, into, digit_bits=digit_bits)
 
 
-def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto | None = None) -> None:
+def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto | None = None, *,
+                     digit_bits: int | None = None) -> None:
     """:func:`topk_rows`' launches alone, for a caller that made its arguments to fit (the indexer layer: its own
     workspace and picks buffer, the step conversion's :class:`PicksInto`)."""
     rows, cols = packed.shape
@@ -657,9 +721,10 @@ def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: Pick
         winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
         # a first pass's entries are its segments' columns; a later pass reads the winners' entries from their keys:
         # any of the row's
-        _launch_select(segments, k, winners, True, column_entries, SELECT_SEGMENT if column_entries else entries)
+        _launch_select(segments, k, winners, True, column_entries, SELECT_SEGMENT if column_entries else entries,
+                       digit_bits=digit_bits)
         packed, cols, column_entries = winners.view(rows, -1), winners.numel() // rows, False
-    _launch_select(packed, k, out, False, column_entries, entries, into)
+    _launch_select(packed, k, out, False, column_entries, entries, into, digit_bits)
 
 
 def dot_dtype_for(target: targets.Target, key_format: str, q_format: str) -> torch.dtype:

@@ -1,0 +1,62 @@
+"""The select's threshold search a digit of several bits a pass (one ``tl.histogram`` of the words in play) against a
+bit a round, on the layer's own scores (and the same with their low 16 bits cleared: ties at every threshold): picks
+compared, CUDA-graph replays alternating (docs/history.md version 37; Triton 3.8 and later lower the histogram to
+shared-memory atomics on NVIDIA, 3.6 and 3.7 to a vote a digit bit).
+
+    python benchmarks/probe_select_digits.py [--out results/]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+
+from sparse_mla.ops.triton import indexer as kernels
+
+from bench_indexer import cases, scored_layer
+from timing import graphed, timed_rounds
+
+VARIANTS = {"bits": 0, "digit4": 4, "digit6": 6, "digit8": 8, "digit11": 11}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    rows_out = []
+    names = ("v4-flash-b32", "v4-flash-b128", "v4-flash-b8-512k", "v4-pro-b32-top1024", "v41-flash-b128", "v32-b32")
+    for case in (c for c in cases(False) if c.name in names):
+        scored = scored_layer(case, dev)
+        plan = scored.plan
+        words = scored.layer.scores_as_words(plan)
+        (t0, t1, _), = plan.chunks_for(words)
+        scores = plan.scores(t1 - t0, words).clone()
+        picks = plan.picks[t0:t1]
+        for cleared in ((0, 16) if scores.dtype == torch.int32 else (0,)):
+            mask = -(1 << cleared)
+            rows = torch.where(scores != 0, torch.clamp_min(scores & mask, 1), 0) if cleared else scores
+            got, fns = {}, []
+            for name in args.variants:
+                bits = VARIANTS[name]
+                kernels.launch_topk_rows(rows, case.topk, picks, digit_bits=bits)
+                got[name] = picks.clone()
+                fns.append(graphed(lambda bits=bits: kernels.launch_topk_rows(rows, case.topk, picks, digit_bits=bits)))
+            us = timed_rounds(fns, 60, 3)
+            first = args.variants[0]
+            row = dict(case=case.name, dtype=str(rows.dtype), cleared_bits=cleared,
+                       same={n: bool(torch.equal(got[first], got[n])) for n in args.variants},
+                       us={n: round(u, 2) for n, u in zip(args.variants, us)})
+            rows_out.append(row)
+            print(row, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "probe_select_digits.json"), "w") as f:
+        json.dump(dict(triton=triton.__version__, rows=rows_out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
