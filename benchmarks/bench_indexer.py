@@ -114,6 +114,15 @@ def scored_layer(case: Case, device: torch.device, seed: int = 0) -> ScoredLayer
     return ScoredLayer(batch, meta, cache, q, w, layer, layer.step_plan(meta, "triton"))
 
 
+def coarsened_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Score words (the select's int32 rows: unsigned order bits, 0 no candidate) with their low ``bits`` cleared, a
+    candidate's kept at least 1: rows that tie at every threshold (the probes of the select's tie search). Cleared on
+    the unsigned value: a non-negative score's word is at least 2^31, negative as int32."""
+    unsigned = words.long() & 0xFFFFFFFF
+    cleared = torch.where(unsigned != 0, torch.clamp_min(unsigned & -(1 << bits), 1), 0)
+    return torch.where(cleared >= 2 ** 31, cleared - 2 ** 32, cleared).to(torch.int32)
+
+
 def torch_path(q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache, step: StepTokens, case: Case,
                token_chunk: int = 512) -> torch.Tensor:
     """Plain PyTorch, every request alike (``case``): keys gathered through the block table and dequantised, one

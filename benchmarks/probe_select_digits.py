@@ -16,7 +16,7 @@ import triton
 
 from sparse_mla.ops.triton import indexer as kernels
 
-from bench_indexer import cases, scored_layer
+from bench_indexer import cases, coarsened_words, scored_layer
 from timing import graphed, timed_rounds
 
 VARIANTS = {"bits": 0, "digit4": 4, "digit6": 6, "digit8": 8, "digit11": 11}
@@ -38,8 +38,7 @@ def main() -> None:
         scores = plan.scores(t1 - t0, words).clone()
         picks = plan.picks[t0:t1]
         for cleared in ((0, 16) if scores.dtype == torch.int32 else (0,)):
-            mask = -(1 << cleared)
-            rows = torch.where(scores != 0, torch.clamp_min(scores & mask, 1), 0) if cleared else scores
+            rows = coarsened_words(scores, cleared) if cleared else scores
             got, fns = {}, []
             for name in args.variants:
                 bits = VARIANTS[name]

@@ -13,7 +13,7 @@ import torch
 
 from sparse_mla.ops.triton import indexer as kernels
 
-from bench_indexer import cases, scored_layer
+from bench_indexer import cases, coarsened_words, scored_layer
 from timing import graphed, timed
 
 
@@ -29,8 +29,7 @@ def main() -> None:
         words = plan.scores(t1 - t0, True).clone()
         picks = plan.picks[t0:t1]
         for cleared in (0, 12, 16, 20):
-            mask = -(1 << cleared)
-            tied = torch.where(words != 0, torch.clamp_min(words & mask, 1), 0) if cleared else words
+            tied = coarsened_words(words, cleared) if cleared else words
             got = {}
             for name, entries in (("from bit 31", 2 ** 32), ("from the entries' bits", tied.shape[1])):
                 kernels._launch_select(tied, case.topk, picks, False, True, entries)

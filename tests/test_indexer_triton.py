@@ -236,6 +236,21 @@ def test_the_select_searches_by_digits_on_nvidia_rows_of_words_where_the_histogr
     assert kernels.select_digit_bits(target, False) == 0
 
 
+def test_forced_digits_are_refused_where_the_histogram_takes_no_mask(monkeypatch):
+    """A Triton whose ``tl.histogram`` has no mask cannot build the digit search: forcing it is a ValueError naming
+    ``digit_bits``, not a compile error; a bit a round still runs."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    monkeypatch.setattr(kernels, "HISTOGRAM_TAKES_MASK", False)
+    words = torch.randint(1, 1 << 30, (2, 64), dtype=torch.int32, device=DEVICE)
+    out = torch.empty(2, 8, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="digit_bits=8 needs tl.histogram's mask"):
+        kernels.topk_rows(words, 8, out, digit_bits=8)
+    if KERNEL_RUNS:
+        kernels.topk_rows(words, 8, out, digit_bits=0)
+        assert torch.equal(out.sort(1).values.cpu(), words.cpu().topk(8, 1).indices.sort(1).values.int())
+
+
 SELECT_VALUES = {  # rows far from random scores: ties by the thousand, one value, the float range's ends
     "few distinct values": lambda g, n: torch.randint(-3, 4, (n,), generator=g).float(),
     "one value": lambda g, n: torch.full((n,), 2.5),

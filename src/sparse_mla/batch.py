@@ -397,7 +397,8 @@ def upload(dst: torch.Tensor, values: list[int] | torch.Tensor) -> None:
     """``dst`` (int32, on the step's device) := ``values`` (host ints, or a CPU tensor of dst's shape) without a host
     sync: on a GPU through pinned memory and a copy queued on the stream (a blocking copy from pageable memory is a
     ``cudaStreamSynchronize``: an engine could not queue a step's host work while the GPU ran the one before). The
-    caching host allocator keeps the pinned block until its copy has run."""
+    caching host allocator keeps the pinned block until its copy has run. A CPU tensor already pinned is copied from
+    as it is: the caller must not change it before the copy has run."""
     if not dst.is_cuda:
         dst.copy_(values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int32))
     elif isinstance(values, torch.Tensor):

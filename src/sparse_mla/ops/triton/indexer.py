@@ -34,6 +34,8 @@ request's entries (a multiple of 64, at least ``topk``): the layer sizes the row
 """
 from __future__ import annotations
 
+import inspect
+import re
 from typing import NamedTuple
 
 import torch
@@ -571,8 +573,12 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
 # SASS instructions for 8,192 words into 256 bins on sm_90, against 352 for one count of them); 3.6-3.7, and AMD's
 # backend on every version, to a vote a digit bit and a population count a bin a lane owns (4,008): there a histogram
 # pass costs more than the bit rounds it replaces (docs/history.md versions 28, 37)
-HISTOGRAM_BY_ATOMICS = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 8)
-# the select's digit where it searches by digits: an H200 on Triton 3.9, the select alone on the layer's words (graphs,
+_TRITON_VERSION = re.match(r"(\d+)\.(\d+)", triton.__version__)
+HISTOGRAM_BY_ATOMICS = bool(_TRITON_VERSION) and tuple(map(int, _TRITON_VERSION.groups())) >= (3, 8)
+# tl.histogram's mask (the words in play), which the digit search needs: not in every Triton the library takes
+HISTOGRAM_TAKES_MASK = "mask" in inspect.signature(tl.histogram).parameters
+# the select's digit where it searches by digits, measured on sm_90 alone (the other NVIDIA targets compile to the same
+# atomics; not timed there): an H200 on Triton 3.9, the select alone on the layer's words (graphs,
 # µs, a bit a round -> 6 / 8 / 11 bits a pass): V4-Flash B 32 16.3 -> 15.2 / 14.0 / 15.5, B 128 27.2 -> 25.1 / 23.2 /
 # 24.0, V4.1-Flash B 128 46.7 -> 44.5 / 41.1 / 40.2; over packed keys (their high words at a stride of two) slower
 # (the 512K segments 41.7 -> 43.8, V3.2 43.6 -> 46.9 at 8 bits; docs/history.md version 37)
@@ -692,6 +698,9 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto |
     play); None, the target's choice (:func:`select_digit_bits`). The picks do not depend on it."""
     if digit_bits is not None and (type(digit_bits) is not int or not 0 <= digit_bits <= MAX_DIGIT_BITS):
         raise ValueError(f"digit_bits must be None or an int in [0, {MAX_DIGIT_BITS}], got {digit_bits!r}")
+    if digit_bits and not HISTOGRAM_TAKES_MASK:
+        raise ValueError(f"digit_bits={digit_bits} needs tl.histogram's mask, which Triton {triton.__version__} lacks; "
+                         f"pass 0 or None")
     check_tensor("packed", packed, dtype=(torch.int64, torch.int32), ndim=2)
     k = check_positive_int("k", k)
     rows, cols = packed.shape
