@@ -110,7 +110,7 @@ def build_compress_metadata(batch: StepBatch, pool: CompressorStatePool, state_s
     n, r = batch.num_reqs, pool.ratio
     out.batch, out.kind = batch, kind
     out.prefix_lens[:n].copy_(batch.seq_lens - batch.query_lens)
-    upload(out.state_slots[:n], [int(s) for s in state_slots])
+    upload(out.state_slots[:n], state_slots)
     pos, req = batch.positions, batch.token_to_req
     completes = (pos >= 0) & ((pos + 1) % r == 0)
     entry = torch.where(completes, (pos + 1) // r - 1, -1).to(torch.int32)
