@@ -104,6 +104,35 @@ def test_kernel_picks_equal_the_reference_on_poisoned_caches(kind, heads, topk, 
 
 
 @needs_kernels
+@pytest.mark.parametrize("chained", [False, True])
+@pytest.mark.parametrize("kind,heads,fmt,q_format", [("c4a", 64, "fp8", "fp8"), ("c2a", 32, "fp8", "fp8"),
+                                                     ("c4a", 12, "bf16", "bf16"), ("dsa", 8, "fp8", "bf16"),
+                                                     ("c4a", 3, "fp8", "fp8")])
+def test_either_head_sum_picks_the_reference_s_keys(chained, kind, heads, fmt, q_format, monkeypatch):
+    """The score kernel's weighted head sum in chains of fused multiply-adds or by ``tl.sum`` (``heads_chained``
+    forced either way): the picks of each equal the reference's, over 64, 32, 16, 8 and 4 padded heads (under 8,
+    the sum)."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    monkeypatch.setattr(kernels, "heads_chained", lambda target: chained)
+    spec = IndexerSpec(num_heads=heads, topk=64, kind=kind, q_format=q_format)
+    case = make_case(torch.Generator().manual_seed(heads + chained), [(600, 2), (250, 3)], spec, fmt, DEVICE,
+                     bad_block=True)
+    ref = index_topk_reference(case.q, case.w, case.cache, case.step, 64)
+    got, _ = kernel_picks(case, 64, words=True)
+    check_picks(got, ref, case.q, case.w, case.cache, case.step, case.num_tokens)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_the_head_sum_is_chained_on_mma_sync_and_on_wgmma_where_tl_sum_is_a_tree(tree, monkeypatch):
+    from sparse_mla.ops.triton import indexer as kernels
+
+    monkeypatch.setattr(kernels, "SUM_BY_TREE", tree)
+    chained = {t.name for t in targets.MATRIX if kernels.heads_chained(t)}
+    assert chained == {"sm_80", "sm_86", "sm_89", "sm_120"} | ({"sm_90"} if tree else set())
+
+
+@needs_kernels
 @pytest.mark.parametrize("kind,heads,fmt,q_format", [("c4a", 64, "fp8", "fp8"), ("dsa", 8, "bf16", "bf16")])
 def test_the_score_kernel_s_words_are_its_packed_keys_order_bits(kind, heads, fmt, q_format):
     """The words a score launch writes equal those of the packed keys it writes, bit for bit: the order bits, 0 for

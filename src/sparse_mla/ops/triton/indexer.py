@@ -53,6 +53,12 @@ from .cache import round_half_even
 from .dependent import launch_options, wait_for_previous
 from .index import table_slots
 
+_VERSION_DIGITS = re.match(r"(\d+)\.(\d+)", triton.__version__)
+# the installed Triton's (major, minor), by its leading digits ((0, 0) without them): how it lowers a reduction or a
+# histogram decides two launch choices below (heads_chained, select_digit_bits)
+TRITON_VERSION = tuple(map(int, _VERSION_DIGITS.groups())) if _VERSION_DIGITS else (0, 0)
+# Triton 3.8+ reduces a thread's own values in a tree (3.6-3.7: in a chain, which fuses each product into its add)
+SUM_BY_TREE = TRITON_VERSION >= (3, 8)
 INT64_MIN = -(2 ** 63)  # the packed key of an entry that is not a candidate
 _LOW_MASK = 0xFFFFFFFF
 ROWS_PER_TILE = 128  # M: query rows (tokens × padded heads) per program's dot
@@ -66,12 +72,80 @@ WAVE_PROGRAMS_PER_SM, WAVE_MAX_PAGES = 4, 32
 
 
 @triton.jit
+def _fma_last2(r, w, acc):
+    """``acc + r[..., 0]·w[..., 0] + r[..., 1]·w[..., 1]``, in that order (two fused multiply-adds)."""
+    ra, rb = tl.split(r)
+    wa, wb = tl.split(w)
+    return acc + ra * wa + rb * wb
+
+
+@triton.jit
+def _halves(r, w):
+    """``r`` and ``w`` ``(A, B, C, 2N)`` split into their even and odd entries of the last dimension, ``(A, B, C, N)``
+    each: ``(r_even, r_odd, w_even, w_odd)``."""
+    A: tl.constexpr = r.shape[0]
+    B: tl.constexpr = r.shape[1]
+    C: tl.constexpr = r.shape[2]
+    N: tl.constexpr = r.shape[3] // 2
+    r_even, r_odd = tl.split(tl.reshape(r, (A, B, C, N, 2)))
+    w_even, w_odd = tl.split(tl.reshape(w, (A, B, C, N, 2)))
+    return r_even, r_odd, w_even, w_odd
+
+
+@triton.jit
+def _fma_last4(r, w, acc):
+    r_even, r_odd, w_even, w_odd = _halves(r, w)
+    return _fma_last2(r_odd, w_odd, _fma_last2(r_even, w_even, acc))
+
+
+@triton.jit
+def _fma_last8(r, w, acc):
+    r_even, r_odd, w_even, w_odd = _halves(r, w)
+    return _fma_last4(r_odd, w_odd, _fma_last4(r_even, w_even, acc))
+
+
+@triton.jit
+def _fma_last16(r, w, acc):
+    r_even, r_odd, w_even, w_odd = _halves(r, w)
+    return _fma_last8(r_odd, w_odd, _fma_last8(r_even, w_even, acc))
+
+
+@triton.jit
+def _head_sum_chained(relu_t, w, PAGE: tl.constexpr, QT: tl.constexpr, HP: tl.constexpr):
+    """``Σ_h relu_t[:, (t, h)] · w[(t, h)]`` for ``relu_t (PAGE, QT · HP)`` float32 (the dot's tile, ReLU'd) and
+    ``w (QT · HP,)``: ``(PAGE, QT)``, each thread's heads in one chain of fused multiply-adds, then a sum over lanes.
+
+    The NVIDIA dot layouts (mma.sync, wgmma) hold a column's bits 1-2 in the lanes and the rest in registers: seen as
+    ``(PAGE, QT, HP / 8, 4, 2)`` and the lane dimension moved ahead of the register ones, a thread's heads are the
+    last dimension, which the splits peel off in registers (mma.sync's tile spreads a token's heads over the warps
+    too: one layout conversion first). ``tl.sum`` over the heads reduces a thread's as a tree on Triton 3.9 (a multiply
+    and an add where the chain fuses both: the wgmma page loop 314 -> 286 SASS instructions; 3.6 chains them itself)
+    and, on mma.sync, across the warps by shuffles and shared memory (sm_80 / sm_89 / sm_120 page loops 25-39 %
+    shorter chained, Triton 3.6 and 3.9; docs/history.md version 38)."""
+    J: tl.constexpr = HP // 8
+    relu = tl.reshape(tl.permute(tl.reshape(relu_t, (PAGE, QT, J, 4, 2)), (0, 1, 3, 2, 4)), (PAGE, QT, 4, 2 * J))
+    w_tile = tl.broadcast_to(w[None, :], (PAGE, QT * HP))
+    w_tile = tl.reshape(tl.permute(tl.reshape(w_tile, (PAGE, QT, J, 4, 2)), (0, 1, 3, 2, 4)), (PAGE, QT, 4, 2 * J))
+    acc = tl.zeros((PAGE, QT, 4), tl.float32)
+    if J == 8:
+        acc = _fma_last16(relu, w_tile, acc)
+    elif J == 4:
+        acc = _fma_last8(relu, w_tile, acc)
+    elif J == 2:
+        acc = _fma_last4(relu, w_tile, acc)
+    else:
+        acc = _fma_last2(relu, w_tile, acc)
+    return tl.sum(acc, 2)
+
+
+@triton.jit
 def _index_scores_kernel(
     q_ptr, w_ptr, data_ptr, scale_ptr, positions_ptr, qsl_ptr, table_ptr, out_ptr,
     t0, t1, H, ratio, num_blocks, table_stride, max_pages, out_stride, num_cols,
     HP: tl.constexpr, QT: tl.constexpr, PAGES: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr,
     STAGES: tl.constexpr, WORDS: tl.constexpr = False, DEPENDENT: tl.constexpr = False,
+    CHAINED: tl.constexpr = False,
 ):
     """Packed scores (``WORDS``: words) of one request's tile of ``QT`` tokens × ``HP`` heads against ``PAGES`` key
     pages, one dot per page. The page's entries are the dot's rows and the (token, head) pairs its columns, so the
@@ -135,8 +209,11 @@ def _index_scores_kernel(
         # ReLU(q·k·s)·w summed over heads, the key's scale s applied after the sum: s is a positive power of two
         # (the cache's ue8m0 scales, e4m3_gain), so s·ReLU(x) = ReLU(s·x) exactly and the product moves out of the
         # (PAGE, M) tile (10 % of the kernel at B 128, docs/history.md version 24)
-        weighted_t = tl.maximum(logits_t, 0.0) * w[None, :]
-        score = tl.trans(tl.sum(tl.reshape(weighted_t, (PAGE, QT, HP)), axis=2) * col_scale[:, None])  # (QT, PAGE)
+        if CHAINED and HP >= 8:  # (fewer heads: a token's lie within one lane group)
+            score = _head_sum_chained(tl.maximum(logits_t, 0.0), w, PAGE, QT, HP)
+        else:
+            score = tl.sum(tl.reshape(tl.maximum(logits_t, 0.0) * w[None, :], (PAGE, QT, HP)), axis=2)
+        score = tl.trans(score * col_scale[:, None])  # (QT, PAGE)
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: the packed order is the float order
         cols = page * PAGE + e
         ok = key_ok[None, :] & (cols[None, :] < visible[:, None])
@@ -303,16 +380,31 @@ _DOT_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # faster than 4 on every case of the sweep over words on an H200 (V4-Flash B 32 23.0 -> 21.2 us, B 128 53.6 -> 53.2,
 # V4.1-Flash B 128 87.0 -> 86.1, the 4K prefill chunk 800 -> 775; docs/history.md version 34)
 SCORE_WARPS, SCORE_STAGES = 4, 3
-# the fp8 dot's registers on sm_89 / sm_90: at most 128 a thread, so an sm_90 SM holds four programs (136 uncapped on
-# Triton 3.6; sm_89's 100 KB of shared memory holds two; no spills at 128 on either, the compile matrix). Not on
+# the fp8 dot's registers on sm_90: at most 128 a thread, so an SM holds four programs (136 uncapped on Triton 3.6; no
+# spills at 128, the compile matrix). Not on sm_89, whose 100 KB of shared memory holds two programs whatever their
+# registers (capped, its chained head sum spilled 16-22 B in the page loop: docs/history.md version 38), nor on
 # sm_100 / sm_120: at 128 their page loops spilled (sm_100 110-122 B a thread inside the loop, sm_120 4-6, Triton 3.6
 # and 3.9); uncapped they take 159-168 registers and spill nothing (docs/history.md version 34)
-FP8_DOT_MAXNREG, FP8_DOT_CAPPED = 128, ("sm_89", "sm_90")
+FP8_DOT_MAXNREG, FP8_DOT_CAPPED = 128, ("sm_90",)
+
+
+def heads_chained(target: targets.Target) -> bool:
+    """Whether the score kernel sums a key's weighted heads in chains of fused multiply-adds
+    (:func:`_head_sum_chained`) rather than by ``tl.sum``: on the mma.sync targets (sm_80-89, sm_120), and on sm_90's
+    wgmma where ``tl.sum`` reduces a thread's heads as a tree (:data:`SUM_BY_TREE`). H200, graphs, scores alone,
+    ``tl.sum`` -> chained: Triton 3.9 V4-Flash B 128 51.4 -> 50.3 µs, the 4K prefill chunk 756 -> 712; Triton 3.6
+    (which chains them itself) B 128 equal, V4.1 B 128 85.6 -> 86.4, the prefill chunk 768 -> 784; the sm_89 lowering
+    (3.6) B 32 50.0 -> 46.4, B 128 152.8 -> 145.1 (docs/history.md version 38). Not on sm_100, whose tile comes from
+    tensor memory in another layout (its page loop 7 % longer chained on Triton 3.9), nor AMD's (6-16 % more
+    instructions). The interpreter's target, sm_90, chains on the Tritons that do here."""
+    if target.backend != "cuda" or target.tmem_columns:
+        return False
+    return SUM_BY_TREE or not target.hopper
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, step: StepTokens, out: torch.Tensor,
                  t0: int, t1: int, max_query_len: int, dot_dtype: torch.dtype, native_fp8: bool,
-                 launch: tuple[int, int, int] | None = None) -> None:
+                 launch: tuple[int, int, int] | None = None, *, chained: bool | None = None) -> None:
     """Scores of tokens ``[t0, t1)`` into ``out[: t1 - t0]`` (``(rows, num_cols)`` int64, or int32 for the words
     the module docstring describes; rows of padding tokens are not written). q ``(T_cap, H, 128)`` (float32, bf16 or
     e4m3: the prepared queries), weights ``(T_cap, H)`` float32, checked here with the cache and step
@@ -321,7 +413,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     dot_dtype: ``torch.float32`` (the interpreter), ``torch.bfloat16``, or ``torch.float8_e4m3fn`` (fp8 keys and
     e4m3 q on a target with fp8 tensor cores: the codes straight into the dot; :func:`dot_dtype_for`); native_fp8: the
     target converts e4m3 with instructions. launch: ``(pages per program, warps, stages)`` in place of
-    :func:`launch_shape`'s pages and the defaults (a probe's sweep)."""
+    :func:`launch_shape`'s pages and the defaults (a probe's sweep); chained: the head sum's form (None: the
+    target's, :func:`heads_chained`)."""
     check_step_inputs(q, weights, cache, step)
     check_positive_int("max_query_len", max_query_len)  # sizes the grid: 0 would launch nothing, leaving out as it was
     if not 0 <= t0 < t1 <= q.shape[0]:
@@ -350,12 +443,14 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     if fp8_dot and (not fp8 or q.dtype != torch.float8_e4m3fn):
         raise ValueError(f"the fp8 dot needs an fp8 key cache and float8_e4m3fn q, got {cache.fmt} keys, {q.dtype} q")
     dot = _DOT_TYPES[dot_dtype]
+    if chained is None:
+        chained = heads_chained(target)
     _index_scores_kernel[grid](
         q, weights, cache.data, scale_view, step.positions, step.query_start_loc, step.block_table, out,
         t0, t1, q.shape[1], step.ratio, cache.num_blocks, step.block_table.stride(0), step.block_table.shape[1],
         out.stride(0), num_cols,
         HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
-        DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, WORDS=out.dtype == torch.int32, num_warps=warps,
+        DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, WORDS=out.dtype == torch.int32, num_warps=warps, CHAINED=chained,
         num_stages=stages, **launch_options(q.device),
         maxnreg=FP8_DOT_MAXNREG if fp8_dot and target.name in FP8_DOT_CAPPED else None)
 
@@ -573,8 +668,7 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
 # SASS instructions for 8,192 words into 256 bins on sm_90, against 352 for one count of them); 3.6-3.7, and AMD's
 # backend on every version, to a vote a digit bit and a population count a bin a lane owns (4,008): there a histogram
 # pass costs more than the bit rounds it replaces (docs/history.md versions 28, 37)
-_TRITON_VERSION = re.match(r"(\d+)\.(\d+)", triton.__version__)
-HISTOGRAM_BY_ATOMICS = bool(_TRITON_VERSION) and tuple(map(int, _TRITON_VERSION.groups())) >= (3, 8)
+HISTOGRAM_BY_ATOMICS = TRITON_VERSION >= (3, 8)
 # tl.histogram's mask (the words in play), which the digit search needs: not in every Triton the library takes
 HISTOGRAM_TAKES_MASK = "mask" in inspect.signature(tl.histogram).parameters
 # the select's digit where it searches by digits, measured on sm_90 alone (the other NVIDIA targets compile to the same

@@ -1,0 +1,93 @@
+"""The score kernel's head sum, chained fused multiply-adds (``heads_chained``) against ``tl.sum``: the scores alone
+and the whole layer call, CUDA-graph replays alternating in one process, each variant's picks compared with the
+reference's and with each other's (docs/history.md version 38).
+
+    python benchmarks/probe_indexer_head_sum.py [--cases ...] [--out results/]
+    python benchmarks/probe_indexer_head_sum.py --lowering sm80     # the sm_80 code on this GPU (lower_as)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+
+import torch
+import triton
+
+from sparse_mla.indexer import StepTokens, index_topk_reference, prepare_queries
+from sparse_mla.ops import targets
+from sparse_mla.ops.triton import indexer as kernels
+
+from bench_indexer import cases, scored_layer
+from timing import graphed, timed_rounds
+
+NAMES = ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128", "v32-b32", "prefill-4k-on-32k")
+
+
+@contextlib.contextmanager
+def head_sum(chained: bool):
+    """The layer's score launches with the head sum ``chained`` or not, whatever the target's rule."""
+    rule = kernels.heads_chained
+    kernels.heads_chained = lambda target: chained
+    try:
+        yield
+    finally:
+        kernels.heads_chained = rule
+
+
+def run(names: list[str]) -> dict:
+    dev = torch.device("cuda")
+    rows = []
+    for case in (c for c in cases(False) if c.name in names):
+        scored = scored_layer(case, dev)
+        layer, meta, q, w, cache, plan = scored.layer, scored.meta, scored.q, scored.w, scored.cache, scored.plan
+        tokens = scored.batch.num_tokens
+        step = StepTokens.of(scored.batch, case.kind)
+        q_ready, w_ready = prepare_queries(q, w, scored.batch.positions, layer.spec)
+        ref = index_topk_reference(q_ready, w_ready, cache, step, case.topk)[:tokens]
+        words = layer.scores_as_words(plan)
+        chunks = plan.chunks_for(words)
+        q_dot, native = q_ready.to(plan.q.dtype), targets.target_of(dev).native_fp8
+        got, fns = {}, []
+        for chained in (False, True):
+            with head_sum(chained):
+                got[chained] = layer(meta, q, w, cache)[:tokens].clone()
+                fns.append(graphed(lambda: layer(meta, q, w, cache)))
+            if len(chunks) == 1:  # the scores alone, as the layer launches them
+                (t0, t1, longest), = chunks
+                scores = plan.scores(t1 - t0, words)
+                launch = lambda chained=chained: kernels.index_scores(  # noqa: E731
+                    q_dot, w_ready, cache, step, scores, t0, t1, longest, plan.q.dtype, native, chained=chained)
+                launch()
+                got[("scores", chained)] = scores.clone()
+                fns.append(graphed(launch))
+        us = timed_rounds(fns, 60, 3)
+        row = dict(case=case.name, layer_us={"sum": us[0], "chained": us[2 if len(fns) == 4 else 1]},
+                   rows_equal_reference={str(c): (got[c].sort(1).values == ref.sort(1).values).all(1).float().mean()
+                                         .item() for c in (False, True)},
+                   picks_equal=(got[False].sort(1).values == got[True].sort(1).values).all(1).float().mean().item())
+        if len(fns) == 4:
+            a, b = got[("scores", False)], got[("scores", True)]
+            row.update(scores_us={"sum": us[1], "chained": us[3]}, words_equal=(a == b).float().mean().item())
+        rows.append(row)
+        print(row, flush=True)
+    return dict(triton=triton.__version__, target=targets.target_of(dev).name, rows=rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
+    parser.add_argument("--cases", nargs="+", default=list(NAMES))
+    parser.add_argument("--lowering", choices=("sm80", "sm86", "sm89"))
+    args = parser.parse_args()
+    with targets.lower_as(args.lowering) if args.lowering else contextlib.nullcontext():
+        result = run(args.cases)
+    os.makedirs(args.out, exist_ok=True)
+    name = f"probe_indexer_head_sum{'-' + args.lowering if args.lowering else ''}.json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
