@@ -281,6 +281,45 @@ def test_forced_digits_are_refused_where_the_histogram_takes_no_mask(monkeypatch
         assert torch.equal(out.sort(1).values.cpu(), words.cpu().topk(8, 1).indices.sort(1).values.int())
 
 
+def test_the_select_holds_runs_of_columns_a_thread_over_rows_of_words_in_whole_vectors():
+    """The rule (:func:`select_runs`): a run of columns a thread (``RUNS``: the program's threads) over rows of words
+    whose main tile fills every thread with whole 16-byte vectors; lanes in column order over packed keys (no
+    vectors) and narrower tiles. A wave of 64 on AMD."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    sm90, gfx942 = (next(t for t in targets.MATRIX if t.name == n) for n in ("sm_90", "gfx942"))
+    assert kernels.select_runs(sm90, 4, 8192, True) == 128
+    assert kernels.select_runs(sm90, 8, 8192, True) == 256
+    assert kernels.select_runs(gfx942, 4, 8192, True) == 256
+    assert kernels.select_runs(sm90, 4, 8192, False) == 0
+    assert kernels.select_runs(sm90, 4, 256, True) == 0
+
+
+@needs_kernels
+def test_the_select_lists_the_same_picks_with_lanes_as_runs_or_in_column_order(monkeypatch):
+    """Rows of words (a main tile of 2,048 columns that runs take, a tail of 512, ties, rows of few candidates): the
+    select with each thread's lanes a run of columns and with lanes in column order lists the same picks in the same
+    (entry) order."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    gen = torch.Generator().manual_seed(2048)
+    scores = torch.randn(3, 2560, generator=gen)
+    scores[0, 100:700] = 0.5  # ties at the threshold, across threads' runs
+    scores[2, torch.rand(2560, generator=gen) < 0.9] = float("nan")  # few candidates
+    words = words_of(packed_rows(scores)).to(DEVICE)
+    warps = kernels.select_warps(3, 2560, targets.num_sms(DEVICE, targets.target_of(DEVICE)))
+    assert kernels.select_runs(targets.target_of(DEVICE), warps, 2048, True) > 0
+    listed = []
+    for runs in (True, False):
+        monkeypatch.setattr(kernels, "SELECT_RUNS", runs)
+        out = torch.full((3, 256), 7, dtype=torch.int32, device=DEVICE)
+        kernels.topk_rows(words, 256, out)
+        listed.append(out.cpu())
+    assert torch.equal(listed[0], listed[1])
+    assert torch.equal(listed[0][:2].sort(1).values, torch.topk(packed_rows(scores)[:2], 256, 1).indices.sort(1)
+                       .values.int())
+
+
 SELECT_VALUES = {  # rows far from random scores: ties by the thousand, one value, the float range's ends
     "few distinct values": lambda g, n: torch.randint(-3, 4, (n,), generator=g).float(),
     "one value": lambda g, n: torch.full((n,), 2.5),

@@ -572,12 +572,31 @@ def _finish_row(out_ptr, out_stride, row, count, conv, K: tl.constexpr, KP: tl.c
 
 
 @triton.jit
+def _run_slots(chosen, T: tl.constexpr, V: tl.constexpr):
+    """The output slot of each of ``chosen``'s (``(C,)`` int1) set lanes, from 0, in the order of the columns the
+    lanes hold where each of ``T`` threads' lanes is a run (:func:`_topk_rows_kernel`'s ``RUNS``): the tile seen as
+    ``(C / (T·V), T, V)`` — as the loads lay it out, ``T`` threads of ``V``-lane vectors — numbered by thread, then
+    vector, then lane. Every count and scan but one, over the ``T`` threads' totals, stays inside a thread (an
+    entry-order ``tl.cumsum`` of a tile in column order shuffles once a vector: the decode row's select 3,776 -> 2,664
+    SASS instructions on sm_90). Whatever layout the compiler gives the view, the slots are the same; only their
+    cost moves."""
+    R: tl.constexpr = chosen.shape[0] // (T * V)
+    flags = tl.reshape(chosen.to(tl.int32), (R, T, V))
+    lane = tl.cumsum(flags, 2) - flags
+    per_vector = tl.sum(flags, 2)
+    vector = tl.cumsum(per_vector, 0) - per_vector
+    per_thread = tl.sum(per_vector, 0)
+    thread = tl.cumsum(per_thread, 0) - per_thread
+    return tl.reshape(thread[None, :, None] + vector[:, :, None] + lane, (R * T * V,))
+
+
+@triton.jit
 def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_cols, num_rows,
                       pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr,
                       kept_stride, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr, TAIL: tl.constexpr,
                       KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr, CONVERT: tl.constexpr, BS: tl.constexpr,
                       ENTRY_BITS: tl.constexpr, WORDS: tl.constexpr = False, DEPENDENT: tl.constexpr = False,
-                      DIGIT: tl.constexpr = 0):
+                      DIGIT: tl.constexpr = 0, RUNS: tl.constexpr = 0):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
     ``-1`` fill (``KEYS``: ``INT64_MIN``). ``words_ptr``: the same rows as int32 (the keys' low and high words);
     ``WORDS``: the rows are the score kernel's words (``stride`` of them a row; ``COLUMN_ENTRIES``, not ``KEYS``),
@@ -586,6 +605,9 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
     columns is 8,192 + 1,024, not 16,384). ``COLUMN_ENTRIES``: column ``c`` of a row holds a key of entry ``c`` plus
     the row's offset (the score kernel's rows and their segments), so among tied scores the lower column is the lower
     entry and the entry is the column; else (the segments' winners) the entries are read from the keys' low words.
+    ``RUNS`` > 0 (:func:`select_runs`): the main tile's lane ``p`` holds column ``c(p)`` such that each of the ``RUNS``
+    threads holds a run of consecutive columns (loaded 16 bytes at a time), so the compaction into entry order counts
+    inside each thread and scans across threads once (:func:`_run_slots`).
 
     The threshold is searched on the keys' high words (the scores' order bits, 32-bit compares: half the work of the
     64-bit keys') bit by bit from the highest bit where the row's valid words differ (the bits above it are common to
@@ -613,7 +635,14 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
         if tl.load(pos_ptr + row) < 0:  # a padding token: no visible entry (its packed row is not written)
             _finish_row(out_ptr, out_stride, row, 0, conv, K, KP, KEYS, CONVERT, BS, True)
             return
-    cols = tl.arange(0, C)
+    if RUNS > 0:  # lane p of the tile holds column c(p): each of the RUNS threads' lanes a run of C / RUNS columns
+        V: tl.constexpr = 4  # columns a vector: a 16-byte load of words
+        R: tl.constexpr = C // (RUNS * V)
+        lane = tl.arange(0, C)
+        cols = ((lane // V) % RUNS) * (R * V) + (lane // (RUNS * V)) * V + lane % V
+        cols = tl.max_contiguous(tl.multiple_of(cols, V), V)
+    else:
+        cols = tl.arange(0, C)
     tail_cols = C + tl.arange(0, TAIL)
     hi = _high_words(words_ptr, row, stride, cols, num_cols, WORDS)
     if HAS_TAIL:
@@ -655,7 +684,10 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
                                      tl.full((), ENTRY_BITS - 1, tl.int32), need, HAS_TAIL)
             chosen = (hi > thr) | (tied & (low >= low_thr))
             chosen_tail = (hi_tail > thr) | (tied_tail & (low_tail >= low_thr))
-    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    if RUNS > 0:
+        slot = _run_slots(chosen, RUNS, 4)
+    else:
+        slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, cols, chosen, slot, KEYS, COLUMN_ENTRIES)
     if HAS_TAIL:
         slot_tail = tl.sum(chosen.to(tl.int32), 0) + tl.cumsum(chosen_tail.to(tl.int32), 0) - 1
@@ -686,6 +718,23 @@ def select_digit_bits(target: targets.Target, words: bool) -> int:
     of words (``words``) on NVIDIA where the installed Triton lowers the histogram to shared-memory atomics
     (:data:`HISTOGRAM_BY_ATOMICS`). The picks are the same either way."""
     return SELECT_DIGIT_BITS if words and target.backend == "cuda" and HISTOGRAM_BY_ATOMICS else 0
+
+
+# the select's lanes as runs of columns (select_runs); benchmarks/probe_select_runs.py turns it off to compare
+SELECT_RUNS = True
+
+
+def select_runs(target: targets.Target, warps: int, main: int, words: bool) -> int:
+    """The select's ``RUNS`` for rows of ``words`` (the score kernel's; packed keys' high words lie 8 B apart, no
+    16-byte vectors) whose main tile of ``main`` columns spreads over ``warps`` warps in whole vectors of 4: the
+    program's threads (each thread's lanes then a run of ``main / threads`` consecutive columns, its compaction counted
+    in-thread: :func:`_run_slots`), else 0 (lanes in column order, an entry-order ``tl.cumsum``). The same picks in
+    the same order. H200, graphs, the select alone on the layer's words, columns -> runs: Triton 3.6 V4-Flash B 32
+    17.1 -> 16.3 µs, B 128 26.8 -> 24.5, V4-Pro 17.9 -> 17.0, V4.1-Flash B 128 47.8 -> 44.3, the 4K prefill chunk
+    294.5 -> 278.3; Triton 3.9 (digits) B 32 13.8 -> 12.9, B 128 22.9 -> 20.9, V4.1 B 128 40.8 -> 37.3, the prefill
+    chunk equal (docs/history.md version 38)."""
+    threads = target.warp_size * warps
+    return threads if SELECT_RUNS and words and main % (4 * threads) == 0 else 0
 
 
 def select_warps(rows: int, lanes: int, sms: int) -> int:
@@ -770,6 +819,7 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
                                KP=triton.next_power_of_2(k), C=main, TAIL=tail, KEYS=keys,
                                COLUMN_ENTRIES=column_entries, CONVERT=into is not None, BS=bs, WORDS=words_in,
                                ENTRY_BITS=max(1, (entries - 1).bit_length()), DIGIT=digit_bits,
+                               RUNS=select_runs(target, warps, main, words_in),
                                num_warps=warps, **launch_options(packed.device))
 
 

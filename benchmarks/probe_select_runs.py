@@ -1,0 +1,62 @@
+"""The select over rows of words with each thread's lanes a run of consecutive columns (``SELECT_RUNS``: the
+compaction's slots counted inside each thread, one scan across threads) against lanes in column order (an
+entry-order ``tl.cumsum`` of the tile), on the layer's own scores: picks compared (the same, in the same order),
+CUDA-graph replays alternating (docs/history.md version 38).
+
+    python benchmarks/probe_select_runs.py [--out results/]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+
+from sparse_mla.ops.triton import indexer as kernels
+
+from bench_indexer import cases, scored_layer
+from timing import graphed, timed_rounds
+
+
+def launch(rows: torch.Tensor, k: int, picks: torch.Tensor, runs: bool) -> None:
+    kept = kernels.SELECT_RUNS
+    kernels.SELECT_RUNS = runs
+    try:
+        kernels.launch_topk_rows(rows, k, picks)
+    finally:
+        kernels.SELECT_RUNS = kept
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    rows_out = []
+    names = ("v4-flash-b32", "v4-flash-b128", "v4-pro-b32-top1024", "v41-flash-b128", "prefill-4k-on-32k")
+    for case in (c for c in cases(False) if c.name in names):
+        scored = scored_layer(case, dev)
+        words = scored.layer.scores_as_words(scored.plan)
+        (t0, t1, _), *more = scored.plan.chunks_for(words)
+        rows = scored.plan.scores(t1 - t0, words).clone()
+        picks = scored.plan.picks[t0:t1]
+        got, fns = {}, []
+        for runs in (False, True):
+            launch(rows, case.topk, picks, runs)
+            got[runs] = picks.clone()
+            fns.append(graphed(lambda runs=runs: launch(rows, case.topk, picks, runs)))
+        us = timed_rounds(fns, 60, 3)
+        row = dict(case=case.name, dtype=str(rows.dtype), cols=rows.shape[1],
+                   same=bool(torch.equal(got[False], got[True])),
+                   us={"columns": round(us[0], 2), "runs": round(us[1], 2)})
+        rows_out.append(row)
+        print(row, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "probe_select_runs.json"), "w") as f:
+        json.dump(dict(triton=triton.__version__, rows=rows_out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
