@@ -577,9 +577,9 @@ def _run_slots(chosen, T: tl.constexpr, V: tl.constexpr):
     lanes hold where each of ``T`` threads' lanes is a run (:func:`_topk_rows_kernel`'s ``RUNS``): the tile seen as
     ``(C / (T·V), T, V)`` — as the loads lay it out, ``T`` threads of ``V``-lane vectors — numbered by thread, then
     vector, then lane. Every count and scan but one, over the ``T`` threads' totals, stays inside a thread (an
-    entry-order ``tl.cumsum`` of a tile in column order shuffles once a vector: the decode row's select 3,776 -> 2,664
-    SASS instructions on sm_90). Whatever layout the compiler gives the view, the slots are the same; only their
-    cost moves."""
+    entry-order ``tl.cumsum`` of a tile in column order shuffles once a vector: a converting select of 8,192 words
+    at 8 warps, 3,776 -> 2,664 SASS instructions on sm_90). Whatever layout the compiler gives the view, the slots
+    are the same; only their cost moves."""
     R: tl.constexpr = chosen.shape[0] // (T * V)
     flags = tl.reshape(chosen.to(tl.int32), (R, T, V))
     lane = tl.cumsum(flags, 2) - flags
