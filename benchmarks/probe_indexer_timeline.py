@@ -7,7 +7,9 @@ less the end of the kernel before it).
     python benchmarks/probe_indexer_timeline.py [--cases v4-flash-b128 ...] [--out results/]
 
 Prints per case and kernel the median start, span and exposed µs over the replays; JSON to
-``--out/probe_indexer_timeline.json``.
+``--out/probe_indexer_timeline.json``. Replays are told apart by their first kernel's name: a call that launches
+that kernel more than once (a layer of several token chunks) would be cut into several; the default cases launch it
+once.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The select over rows of words with each thread's lanes a run of consecutive columns (``SELECT_RUNS``: the
+"""The select over rows of words with each thread's lanes a run of consecutive columns (``select_runs``: the
 compaction's slots counted inside each thread, one scan across threads) against lanes in column order (an
 entry-order ``tl.cumsum`` of the tile), on the layer's own scores: picks compared (the same, in the same order),
 CUDA-graph replays alternating (docs/history.md version 38).
@@ -21,12 +21,14 @@ from timing import graphed, timed_rounds
 
 
 def launch(rows: torch.Tensor, k: int, picks: torch.Tensor, runs: bool) -> None:
-    kept = kernels.SELECT_RUNS
-    kernels.SELECT_RUNS = runs
+    """The select's launch, with its lanes as runs of columns where the rule takes them (``runs``) or never."""
+    rule = kernels.select_runs
+    if not runs:
+        kernels.select_runs = lambda target, warps, main, words: 0
     try:
         kernels.launch_topk_rows(rows, k, picks)
     finally:
-        kernels.SELECT_RUNS = kept
+        kernels.select_runs = rule
 
 
 def main() -> None:
@@ -39,7 +41,7 @@ def main() -> None:
     for case in (c for c in cases(False) if c.name in names):
         scored = scored_layer(case, dev)
         words = scored.layer.scores_as_words(scored.plan)
-        (t0, t1, _), *more = scored.plan.chunks_for(words)
+        (t0, t1, _), *_ = scored.plan.chunks_for(words)
         rows = scored.plan.scores(t1 - t0, words).clone()
         picks = scored.plan.picks[t0:t1]
         got, fns = {}, []

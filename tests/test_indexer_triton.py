@@ -107,11 +107,11 @@ def test_kernel_picks_equal_the_reference_on_poisoned_caches(kind, heads, topk, 
 @pytest.mark.parametrize("chained", [False, True])
 @pytest.mark.parametrize("kind,heads,fmt,q_format", [("c4a", 64, "fp8", "fp8"), ("c2a", 32, "fp8", "fp8"),
                                                      ("c4a", 12, "bf16", "bf16"), ("dsa", 8, "fp8", "bf16"),
-                                                     ("c4a", 3, "fp8", "fp8")])
+                                                     ("c4a", 3, "fp8", "fp8"), ("c4a", 100, "fp8", "fp8")])
 def test_either_head_sum_picks_the_reference_s_keys(chained, kind, heads, fmt, q_format, monkeypatch):
     """The score kernel's weighted head sum in chains of fused multiply-adds or by ``tl.sum`` (``heads_chained``
-    forced either way): the picks of each equal the reference's, over 64, 32, 16, 8 and 4 padded heads (under 8,
-    the sum)."""
+    forced either way): the picks of each equal the reference's, over 128, 64, 32, 16, 8 and 4 padded heads (under
+    8, the sum)."""
     from sparse_mla.ops.triton import indexer as kernels
 
     monkeypatch.setattr(kernels, "heads_chained", lambda target: chained)
@@ -304,14 +304,15 @@ def test_the_select_lists_the_same_picks_with_lanes_as_runs_or_in_column_order(m
 
     gen = torch.Generator().manual_seed(2048)
     scores = torch.randn(3, 2560, generator=gen)
-    scores[0, 100:700] = 0.5  # ties at the threshold, across threads' runs
+    scores[0, 100:700] = 1.5  # ties at the threshold (145 scores above it), across threads' runs
     scores[2, torch.rand(2560, generator=gen) < 0.9] = float("nan")  # few candidates
     words = words_of(packed_rows(scores)).to(DEVICE)
     warps = kernels.select_warps(3, 2560, targets.num_sms(DEVICE, targets.target_of(DEVICE)))
     assert kernels.select_runs(targets.target_of(DEVICE), warps, 2048, True) > 0
     listed = []
     for runs in (True, False):
-        monkeypatch.setattr(kernels, "SELECT_RUNS", runs)
+        if not runs:
+            monkeypatch.setattr(kernels, "select_runs", lambda target, warps, main, words: 0)
         out = torch.full((3, 256), 7, dtype=torch.int32, device=DEVICE)
         kernels.topk_rows(words, 256, out)
         listed.append(out.cpu())
@@ -374,7 +375,8 @@ def test_select_converts_its_picks_in_its_launch_as_the_conversion_does(cols, k,
     """``topk_rows(..., into=PicksInto)`` writes the same picks as without it and, for tokens ``[first, first +
     into.rows)``, their slots, counts and kept picks exactly as the step's conversion (the torch twin) converts those
     picks: a token of position -1 and the tokens past the packed rows (the step's padding) get empty rows, the tokens
-    before ``first`` nothing; rows of three segments (24,576 columns) convert in the last launch."""
+    before ``first`` nothing; rows of three segments (24,576 columns) convert in the last launch; rows of words
+    convert alike."""
     from sparse_mla.ops.triton import indexer as kernels
     from sparse_mla.picks import compressed_picks_torch
 
@@ -412,6 +414,14 @@ def test_select_converts_its_picks_in_its_launch_as_the_conversion_does(cols, k,
     for got, expected in zip(bufs, want):
         assert torch.equal(got[first:].cpu(), expected[first:].cpu())
         assert (got[:first] == 99).all()
+    if cols <= MAX_SELECT_COLS:  # the same rows as the score kernel's words (9,216 columns: the lanes as runs)
+        from_words = [torch.full_like(b, 99) for b in bufs]
+        into = kernels.PicksInto(step[0][first:], step[1][first:], step[2], bs, from_words[0][first:],
+                                 from_words[1][first:], from_words[2][first:], tokens - first)
+        kernels.topk_rows(words_of(packed), k, out, into)
+        assert torch.equal(out, plain)
+        for got, expected in zip(from_words, bufs):
+            assert torch.equal(got.cpu(), expected.cpu())
     assert int(bufs[1][first + 1]) == 0 and (bufs[1][first + rows:] == 0).all()
     with pytest.raises(ValueError, match="into.rows must be"):
         kernels.topk_rows(packed, k, out, into._replace(rows=rows - 1))

@@ -94,20 +94,37 @@ def _halves(r, w):
 
 @triton.jit
 def _fma_last4(r, w, acc):
+    """:func:`_fma_last2`'s chain over a last dimension of 4: the even entries, then the odd."""
     r_even, r_odd, w_even, w_odd = _halves(r, w)
     return _fma_last2(r_odd, w_odd, _fma_last2(r_even, w_even, acc))
 
 
 @triton.jit
 def _fma_last8(r, w, acc):
+    """The chain over a last dimension of 8."""
     r_even, r_odd, w_even, w_odd = _halves(r, w)
     return _fma_last4(r_odd, w_odd, _fma_last4(r_even, w_even, acc))
 
 
 @triton.jit
 def _fma_last16(r, w, acc):
+    """The chain over a last dimension of 16."""
     r_even, r_odd, w_even, w_odd = _halves(r, w)
     return _fma_last8(r_odd, w_odd, _fma_last8(r_even, w_even, acc))
+
+
+@triton.jit
+def _fma_last32(r, w, acc):
+    """The chain over a last dimension of 32 (128 padded heads)."""
+    r_even, r_odd, w_even, w_odd = _halves(r, w)
+    return _fma_last16(r_odd, w_odd, _fma_last16(r_even, w_even, acc))
+
+
+@triton.jit
+def _lanes_first(tile, PAGE: tl.constexpr, QT: tl.constexpr, J: tl.constexpr):
+    """``tile (PAGE, QT · 8J)`` seen as ``(PAGE, QT, J, 4, 2)`` with its lane dimension (a column's bits 1-2) moved
+    ahead: ``(PAGE, QT, 4, 2J)``, a thread's columns of a token last."""
+    return tl.reshape(tl.permute(tl.reshape(tile, (PAGE, QT, J, 4, 2)), (0, 1, 3, 2, 4)), (PAGE, QT, 4, 2 * J))
 
 
 @triton.jit
@@ -123,11 +140,13 @@ def _head_sum_chained(relu_t, w, PAGE: tl.constexpr, QT: tl.constexpr, HP: tl.co
     and, on mma.sync, across the warps by shuffles and shared memory (sm_80 / sm_89 / sm_120 page loops 25-39 %
     shorter chained, Triton 3.6 and 3.9; docs/history.md version 38)."""
     J: tl.constexpr = HP // 8
-    relu = tl.reshape(tl.permute(tl.reshape(relu_t, (PAGE, QT, J, 4, 2)), (0, 1, 3, 2, 4)), (PAGE, QT, 4, 2 * J))
-    w_tile = tl.broadcast_to(w[None, :], (PAGE, QT * HP))
-    w_tile = tl.reshape(tl.permute(tl.reshape(w_tile, (PAGE, QT, J, 4, 2)), (0, 1, 3, 2, 4)), (PAGE, QT, 4, 2 * J))
+    tl.static_assert(8 <= HP and HP <= 128, "the chained head sum takes 8 to 128 padded heads")
+    relu = _lanes_first(relu_t, PAGE, QT, J)
+    w_tile = _lanes_first(tl.broadcast_to(w[None, :], (PAGE, QT * HP)), PAGE, QT, J)
     acc = tl.zeros((PAGE, QT, 4), tl.float32)
-    if J == 8:
+    if J == 16:
+        acc = _fma_last32(relu, w_tile, acc)
+    elif J == 8:
         acc = _fma_last16(relu, w_tile, acc)
     elif J == 4:
         acc = _fma_last8(relu, w_tile, acc)
@@ -209,7 +228,7 @@ def _index_scores_kernel(
         # ReLU(q·k·s)·w summed over heads, the key's scale s applied after the sum: s is a positive power of two
         # (the cache's ue8m0 scales, e4m3_gain), so s·ReLU(x) = ReLU(s·x) exactly and the product moves out of the
         # (PAGE, M) tile (10 % of the kernel at B 128, docs/history.md version 24)
-        if CHAINED and HP >= 8:  # (fewer heads: a token's lie within one lane group)
+        if CHAINED:
             score = _head_sum_chained(tl.maximum(logits_t, 0.0), w, PAGE, QT, HP)
         else:
             score = tl.sum(tl.reshape(tl.maximum(logits_t, 0.0) * w[None, :], (PAGE, QT, HP)), axis=2)
@@ -445,6 +464,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     dot = _DOT_TYPES[dot_dtype]
     if chained is None:
         chained = heads_chained(target)
+    chained = chained and hp >= 8  # fewer padded heads: a token's lie within one lane group, tl.sum's
     _index_scores_kernel[grid](
         q, weights, cache.data, scale_view, step.positions, step.query_start_loc, step.block_table, out,
         t0, t1, q.shape[1], step.ratio, cache.num_blocks, step.block_table.stride(0), step.block_table.shape[1],
@@ -596,7 +616,7 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
                       kept_stride, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr, TAIL: tl.constexpr,
                       KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr, CONVERT: tl.constexpr, BS: tl.constexpr,
                       ENTRY_BITS: tl.constexpr, WORDS: tl.constexpr = False, DEPENDENT: tl.constexpr = False,
-                      DIGIT: tl.constexpr = 0, RUNS: tl.constexpr = 0):
+                      DIGIT: tl.constexpr = 0, RUNS: tl.constexpr = 0, V: tl.constexpr = 1):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
     ``-1`` fill (``KEYS``: ``INT64_MIN``). ``words_ptr``: the same rows as int32 (the keys' low and high words);
     ``WORDS``: the rows are the score kernel's words (``stride`` of them a row; ``COLUMN_ENTRIES``, not ``KEYS``),
@@ -606,8 +626,9 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
     the row's offset (the score kernel's rows and their segments), so among tied scores the lower column is the lower
     entry and the entry is the column; else (the segments' winners) the entries are read from the keys' low words.
     ``RUNS`` > 0 (:func:`select_runs`): the main tile's lane ``p`` holds column ``c(p)`` such that each of the ``RUNS``
-    threads holds a run of consecutive columns (loaded 16 bytes at a time), so the compaction into entry order counts
-    inside each thread and scans across threads once (:func:`_run_slots`).
+    threads holds a run of consecutive columns in vectors of ``V`` (16-byte loads where the rows' base and stride are
+    16-byte multiples, as Triton's specialisation sees them; scalar loads otherwise), so the compaction into entry
+    order counts inside each thread and scans across threads once (:func:`_run_slots`).
 
     The threshold is searched on the keys' high words (the scores' order bits, 32-bit compares: half the work of the
     64-bit keys') bit by bit from the highest bit where the row's valid words differ (the bits above it are common to
@@ -636,7 +657,6 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
             _finish_row(out_ptr, out_stride, row, 0, conv, K, KP, KEYS, CONVERT, BS, True)
             return
     if RUNS > 0:  # lane p of the tile holds column c(p): each of the RUNS threads' lanes a run of C / RUNS columns
-        V: tl.constexpr = 4  # columns a vector: a 16-byte load of words
         R: tl.constexpr = C // (RUNS * V)
         lane = tl.arange(0, C)
         cols = ((lane // V) % RUNS) * (R * V) + (lane // (RUNS * V)) * V + lane % V
@@ -685,7 +705,7 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
             chosen = (hi > thr) | (tied & (low >= low_thr))
             chosen_tail = (hi_tail > thr) | (tied_tail & (low_tail >= low_thr))
     if RUNS > 0:
-        slot = _run_slots(chosen, RUNS, 4)
+        slot = _run_slots(chosen, RUNS, V)
     else:
         slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, cols, chosen, slot, KEYS, COLUMN_ENTRIES)
@@ -720,13 +740,13 @@ def select_digit_bits(target: targets.Target, words: bool) -> int:
     return SELECT_DIGIT_BITS if words and target.backend == "cuda" and HISTOGRAM_BY_ATOMICS else 0
 
 
-# the select's lanes as runs of columns (select_runs); benchmarks/probe_select_runs.py turns it off to compare
-SELECT_RUNS = True
+SELECT_VECTOR = 4  # int32 words a 16-byte load: the select's runs are whole vectors of them
 
 
 def select_runs(target: targets.Target, warps: int, main: int, words: bool) -> int:
     """The select's ``RUNS`` for rows of ``words`` (the score kernel's; packed keys' high words lie 8 B apart, no
-    16-byte vectors) whose main tile of ``main`` columns spreads over ``warps`` warps in whole vectors of 4: the
+    16-byte vectors) whose main tile of ``main`` columns spreads over ``warps`` warps in whole vectors
+    (:data:`SELECT_VECTOR`): the
     program's threads (each thread's lanes then a run of ``main / threads`` consecutive columns, its compaction counted
     in-thread: :func:`_run_slots`), else 0 (lanes in column order, an entry-order ``tl.cumsum``). The same picks in
     the same order. H200, graphs, the select alone on the layer's words, columns -> runs: Triton 3.6 V4-Flash B 32
@@ -734,7 +754,7 @@ def select_runs(target: targets.Target, warps: int, main: int, words: bool) -> i
     294.5 -> 278.3; Triton 3.9 (digits) B 32 13.8 -> 12.9, B 128 22.9 -> 20.9, V4.1 B 128 40.8 -> 37.3, the prefill
     chunk equal (docs/history.md version 38)."""
     threads = target.warp_size * warps
-    return threads if SELECT_RUNS and words and main % (4 * threads) == 0 else 0
+    return threads if words and main % (SELECT_VECTOR * threads) == 0 else 0
 
 
 def select_warps(rows: int, lanes: int, sms: int) -> int:
@@ -819,7 +839,7 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
                                KP=triton.next_power_of_2(k), C=main, TAIL=tail, KEYS=keys,
                                COLUMN_ENTRIES=column_entries, CONVERT=into is not None, BS=bs, WORDS=words_in,
                                ENTRY_BITS=max(1, (entries - 1).bit_length()), DIGIT=digit_bits,
-                               RUNS=select_runs(target, warps, main, words_in),
+                               RUNS=select_runs(target, warps, main, words_in), V=SELECT_VECTOR,
                                num_warps=warps, **launch_options(packed.device))
 
 
