@@ -114,6 +114,14 @@ def scored_layer(case: Case, device: torch.device, seed: int = 0) -> ScoredLayer
     return ScoredLayer(batch, meta, cache, q, w, layer, layer.step_plan(meta, "triton"))
 
 
+def select_rows(scored: ScoredLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's scores of its first token chunk as its select reads them (words or packed keys, cloned) and the
+    picks rows they fill (the select probes' rows)."""
+    words = scored.layer.scores_as_words(scored.plan)
+    (t0, t1, _), *_ = scored.plan.chunks_for(words)
+    return scored.plan.scores(t1 - t0, words).clone(), scored.plan.picks[t0:t1]
+
+
 def coarsened_words(words: torch.Tensor, bits: int) -> torch.Tensor:
     """Score words (the select's int32 rows: unsigned order bits, 0 no candidate) with their low ``bits`` cleared, a
     candidate's kept at least 1: rows that tie at every threshold (the probes of the select's tie search). Cleared on

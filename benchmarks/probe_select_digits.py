@@ -16,7 +16,7 @@ import triton
 
 from sparse_mla.ops.triton import indexer as kernels
 
-from bench_indexer import cases, coarsened_words, scored_layer
+from bench_indexer import cases, coarsened_words, scored_layer, select_rows
 from timing import graphed, timed_rounds
 
 VARIANTS = {"bits": 0, "digit4": 4, "digit6": 6, "digit8": 8, "digit11": 11}
@@ -31,12 +31,7 @@ def main() -> None:
     rows_out = []
     names = ("v4-flash-b32", "v4-flash-b128", "v4-flash-b8-512k", "v4-pro-b32-top1024", "v41-flash-b128", "v32-b32")
     for case in (c for c in cases(False) if c.name in names):
-        scored = scored_layer(case, dev)
-        plan = scored.plan
-        words = scored.layer.scores_as_words(plan)
-        (t0, t1, _), = plan.chunks_for(words)
-        scores = plan.scores(t1 - t0, words).clone()
-        picks = plan.picks[t0:t1]
+        scores, picks = select_rows(scored_layer(case, dev))
         for cleared in ((0, 16) if scores.dtype == torch.int32 else (0,)):
             rows = coarsened_words(scores, cleared) if cleared else scores
             got, fns = {}, []

@@ -16,7 +16,7 @@ import triton
 
 from sparse_mla.ops.triton import indexer as kernels
 
-from bench_indexer import cases, scored_layer
+from bench_indexer import cases, scored_layer, select_rows
 from timing import graphed, timed_rounds
 
 
@@ -39,11 +39,7 @@ def main() -> None:
     rows_out = []
     names = ("v4-flash-b32", "v4-flash-b128", "v4-pro-b32-top1024", "v41-flash-b128", "prefill-4k-on-32k")
     for case in (c for c in cases(False) if c.name in names):
-        scored = scored_layer(case, dev)
-        words = scored.layer.scores_as_words(scored.plan)
-        (t0, t1, _), *_ = scored.plan.chunks_for(words)
-        rows = scored.plan.scores(t1 - t0, words).clone()
-        picks = scored.plan.picks[t0:t1]
+        rows, picks = select_rows(scored_layer(case, dev))
         got, fns = {}, []
         for runs in (False, True):
             launch(rows, case.topk, picks, runs)

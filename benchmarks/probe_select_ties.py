@@ -13,7 +13,7 @@ import torch
 
 from sparse_mla.ops.triton import indexer as kernels
 
-from bench_indexer import cases, coarsened_words, scored_layer
+from bench_indexer import cases, coarsened_words, scored_layer, select_rows
 from timing import graphed, timed
 
 
@@ -24,10 +24,7 @@ def main() -> None:
     dev = torch.device("cuda")
     rows_out = []
     for case in (c for c in cases(False) if c.name in ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128")):
-        plan = scored_layer(case, dev).plan
-        (t0, t1, _), = plan.chunks_for(True)
-        words = plan.scores(t1 - t0, True).clone()
-        picks = plan.picks[t0:t1]
+        words, picks = select_rows(scored_layer(case, dev))  # words: these cases' rows are whole
         for cleared in (0, 12, 16, 20):
             tied = coarsened_words(words, cleared) if cleared else words
             got = {}

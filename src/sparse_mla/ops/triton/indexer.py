@@ -94,7 +94,8 @@ def _halves(r, w):
 
 @triton.jit
 def _fma_last4(r, w, acc):
-    """:func:`_fma_last2`'s chain over a last dimension of 4: the even entries, then the odd."""
+    """:func:`_fma_last2`'s chain over a last dimension of 4: the even entries, then the odd (one function a width:
+    Triton's JIT calls no function recursively)."""
     r_even, r_odd, w_even, w_odd = _halves(r, w)
     return _fma_last2(r_odd, w_odd, _fma_last2(r_even, w_even, acc))
 
