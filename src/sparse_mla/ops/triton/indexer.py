@@ -138,8 +138,9 @@ def _head_sum_chained(relu_t, w, PAGE: tl.constexpr, QT: tl.constexpr, HP: tl.co
     last dimension, which the splits peel off in registers (mma.sync's tile spreads a token's heads over the warps
     too: one layout conversion first). ``tl.sum`` over the heads reduces a thread's as a tree on Triton 3.9 (a multiply
     and an add where the chain fuses both: the wgmma page loop 314 -> 286 SASS instructions; 3.6 chains them itself)
-    and, on mma.sync, across the warps by shuffles and shared memory (sm_80 / sm_89 / sm_120 page loops 25-39 %
-    shorter chained, Triton 3.6 and 3.9; docs/history.md version 38)."""
+    and, on mma.sync, across the warps by shuffles and shared memory (sm_80 / sm_89 / sm_120 page loops 11-39 %
+    shorter chained, Triton 3.6 and 3.9: the most where no integer fp8 decode shares the loop; docs/history.md
+    version 38)."""
     J: tl.constexpr = HP // 8
     tl.static_assert(8 <= HP and HP <= 128, "the chained head sum takes 8 to 128 padded heads")
     relu = _lanes_first(relu_t, PAGE, QT, J)
@@ -747,13 +748,12 @@ SELECT_VECTOR = 4  # int32 words a 16-byte load: the select's runs are whole vec
 def select_runs(target: targets.Target, warps: int, main: int, words: bool) -> int:
     """The select's ``RUNS`` for rows of ``words`` (the score kernel's; packed keys' high words lie 8 B apart, no
     16-byte vectors) whose main tile of ``main`` columns spreads over ``warps`` warps in whole vectors
-    (:data:`SELECT_VECTOR`): the
-    program's threads (each thread's lanes then a run of ``main / threads`` consecutive columns, its compaction counted
-    in-thread: :func:`_run_slots`), else 0 (lanes in column order, an entry-order ``tl.cumsum``). The same picks in
-    the same order. H200, graphs, the select alone on the layer's words, columns -> runs: Triton 3.6 V4-Flash B 32
-    17.1 -> 16.3 µs, B 128 26.8 -> 24.5, V4-Pro 17.9 -> 17.0, V4.1-Flash B 128 47.8 -> 44.3, the 4K prefill chunk
-    294.5 -> 278.3; Triton 3.9 (digits) B 32 13.8 -> 12.9, B 128 22.9 -> 20.9, V4.1 B 128 40.8 -> 37.3, the prefill
-    chunk equal (docs/history.md version 38)."""
+    (:data:`SELECT_VECTOR`): the program's threads (each thread's lanes then a run of ``main / threads`` consecutive
+    columns, its compaction counted in-thread: :func:`_run_slots`), else 0 (lanes in column order, an entry-order
+    ``tl.cumsum``). The same picks in the same order. H200, graphs, the select alone on the layer's words, columns
+    -> runs: Triton 3.6 V4-Flash B 32 17.1 -> 16.3 µs, B 128 26.8 -> 24.5, V4-Pro 17.9 -> 17.0, V4.1-Flash B 128
+    47.8 -> 44.3, the 4K prefill chunk 294.5 -> 278.3; Triton 3.9 (digits) B 32 13.8 -> 12.9, B 128 22.9 -> 20.9,
+    V4.1 B 128 40.8 -> 37.3, the prefill chunk equal (docs/history.md version 38)."""
     threads = target.warp_size * warps
     return threads if words and main % (SELECT_VECTOR * threads) == 0 else 0
 
