@@ -24,7 +24,7 @@ import argparse
 import os
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from rich.console import Console
@@ -112,6 +112,33 @@ def scored_layer(case: Case, device: torch.device, seed: int = 0) -> ScoredLayer
     layer = SparseMLAIndexer(case.kind, case.heads, case.topk)
     layer(meta, q, w, cache)
     return ScoredLayer(batch, meta, cache, q, w, layer, layer.step_plan(meta, "triton"))
+
+
+class ScoresAlone(NamedTuple):
+    """The score launch of a layer call of one token chunk, on its own (:func:`scores_alone`)."""
+
+    scores: torch.Tensor  # (tokens, num_cols): the plan's workspace rows it writes, words or packed keys
+    launch: Callable[..., None]  # launch(out=scores, **index_scores options)
+
+
+def scores_alone(layer: SparseMLAIndexer, plan: IndexerPlan, q_ready: torch.Tensor, w_ready: torch.Tensor,
+                 cache: IndexerKeyCache, step: StepTokens) -> ScoresAlone | None:
+    """The layer's score launch as its call makes it (its dot, its words or packed keys into the plan's workspace),
+    from the prepared queries ``q_ready`` / ``w_ready``; None where the call takes several token chunks."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    words = layer.scores_as_words(plan)
+    chunks = plan.chunks_for(words)
+    if len(chunks) != 1:
+        return None
+    (t0, t1, longest), = chunks
+    scores, dot = plan.scores(t1 - t0, words), plan.q.dtype
+    q_dot, native = q_ready.to(dot), targets.target_of(cache.device).native_fp8
+
+    def launch(out: torch.Tensor = scores, **options) -> None:
+        kernels.index_scores(q_dot, w_ready, cache, step, out, t0, t1, longest, dot, native, **options)
+
+    return ScoresAlone(scores, launch)
 
 
 def select_rows(scored: ScoredLayer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,23 +233,16 @@ def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
                rows_equal_reference=same, recall_of_reference=recall)
     del ref
     plan = layer.step_plan(meta, "triton")
-    dot = plan.q.dtype  # the layer's dot operands (e4m3 where the target has fp8 tensor cores)
-    q_dot = q_ready.to(dot)
-    native = targets.target_of(dev).native_fp8
-    words = layer.scores_as_words(plan)  # the layer's scores: words or packed keys, in their chunks
-    chunks = plan.chunks_for(words)
-    (t0, t1, longest), = chunks[:1] if len(chunks) == 1 else [(0, 0, 0)]
     parts = {"layer_us": lambda: layer(meta, q, w, cache),
              "prep_us": lambda: kernels.prepare_queries(q, w, plan.cos, plan.sin, case.kind == "dsa", True,
                                                         layer.spec.weight_scale, plan.q, plan.w)}
-    if len(chunks) == 1:  # the parts of a one-chunk call, as the layer scores and selects
-        scores = plan.scores(t1 - t0, words)
-        parts["scores_us"] = lambda: kernels.index_scores(q_dot, w_ready, cache, step, scores, t0, t1, longest, dot,
-                                                          native)
+    alone = scores_alone(layer, plan, q_ready, w_ready, cache, step)
+    if alone is not None:  # the parts of a one-chunk call, as the layer scores and selects
+        parts["scores_us"] = alone.launch
         # the select, without the conversion the layer's launch adds
-        parts["topk_us"] = lambda: kernels.topk_rows(scores, case.topk, plan.picks[t0:t1])
-        packed = torch.empty(t1 - t0, plan.num_cols, dtype=torch.int64, device=dev)  # torch.topk's: packed keys
-        kernels.index_scores(q_dot, w_ready, cache, step, packed, t0, t1, longest, dot, native)
+        parts["topk_us"] = lambda: kernels.topk_rows(alone.scores, case.topk, plan.picks[: alone.scores.shape[0]])
+        packed = torch.empty(alone.scores.shape, dtype=torch.int64, device=dev)  # torch.topk's: packed keys
+        alone.launch(packed)
         parts["topk_torch_us"] = lambda: kernels.topk_from_packed(packed, case.topk)
     parts["torch_us"] = lambda: torch_path(q_ready, w_ready, cache, step, case)
     for name, fn in parts.items():

@@ -134,6 +134,15 @@ def save_result(path: str, result: dict, start: float) -> None:
         json.dump(result, f, indent=1)
 
 
+def write_json(folder: str, name: str, result: object) -> str:
+    """``result`` as JSON to ``folder/name``, the folder made if need be (the probes' output); returns the path."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
+
+
 def report(console: Console, path: str, result: dict, tables: Iterable) -> int:
     """Print a finished run's ``tables`` and where :func:`save_result` wrote its JSON; 0, the scripts' exit status."""
     for table in tables:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 
 import torch
@@ -19,7 +18,8 @@ from sparse_mla.indexer import StepTokens, index_topk_reference, prepare_queries
 from sparse_mla.ops import targets
 from sparse_mla.ops.triton import indexer as kernels
 
-from bench_indexer import cases, scored_layer
+from bench_indexer import cases, scored_layer, scores_alone
+from harness import write_json
 from timing import graphed, timed_rounds
 
 NAMES = ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128", "v32-b32", "prefill-4k-on-32k")
@@ -46,22 +46,16 @@ def run(names: list[str]) -> dict:
         step = StepTokens.of(scored.batch, case.kind)
         q_ready, w_ready = prepare_queries(q, w, scored.batch.positions, layer.spec)
         ref = index_topk_reference(q_ready, w_ready, cache, step, case.topk)[:tokens]
-        words = layer.scores_as_words(plan)
-        chunks = plan.chunks_for(words)
-        q_dot, native = q_ready.to(plan.q.dtype), targets.target_of(dev).native_fp8
+        alone = scores_alone(layer, plan, q_ready, w_ready, cache, step)
         got, fns = {}, []
         for chained in (False, True):
             with head_sum(chained):
                 got[chained] = layer(meta, q, w, cache)[:tokens].clone()
                 fns.append(graphed(lambda: layer(meta, q, w, cache)))
-            if len(chunks) == 1:  # the scores alone, as the layer launches them
-                (t0, t1, longest), = chunks
-                scores = plan.scores(t1 - t0, words)
-                launch = lambda chained=chained: kernels.index_scores(  # noqa: E731
-                    q_dot, w_ready, cache, step, scores, t0, t1, longest, plan.q.dtype, native, chained=chained)
-                launch()
-                got[("scores", chained)] = scores.clone()
-                fns.append(graphed(launch))
+            if alone is not None:  # the scores alone, as the layer launches them
+                alone.launch(chained=chained)
+                got[("scores", chained)] = alone.scores.clone()
+                fns.append(graphed(lambda chained=chained: alone.launch(chained=chained)))
         us = timed_rounds(fns, 60, 3)
         row = dict(case=case.name, layer_us={"sum": us[0], "chained": us[2 if len(fns) == 4 else 1]},
                    rows_equal_reference={str(c): (got[c].sort(1).values == ref.sort(1).values).all(1).float().mean()
@@ -83,10 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     with targets.lower_as(args.lowering) if args.lowering else contextlib.nullcontext():
         result = run(args.cases)
-    os.makedirs(args.out, exist_ok=True)
-    name = f"probe_indexer_head_sum{'-' + args.lowering if args.lowering else ''}.json"
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, f"probe_indexer_head_sum{'-' + args.lowering if args.lowering else ''}.json", result)
 
 
 if __name__ == "__main__":

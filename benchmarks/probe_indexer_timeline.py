@@ -14,7 +14,6 @@ once.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 
@@ -23,6 +22,7 @@ import triton
 from torch.profiler import ProfilerActivity, profile
 
 from bench_indexer import cases, scored_layer
+from harness import write_json
 from timing import graphed
 
 REPLAYS = 30
@@ -81,9 +81,7 @@ def main() -> None:
         for r in rows:
             print(f"  {r['kernel']:40} start {r['start']:7.1f}  span {r['span']:7.1f}  exposed {r['exposed']:7.1f}  "
                   f"end {r['end']:7.1f}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_indexer_timeline.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, "probe_indexer_timeline.json", result)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ shared-memory atomics on NVIDIA, 3.6 and 3.7 to a vote a digit bit).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -17,6 +16,7 @@ import triton
 from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, coarsened_words, scored_layer, select_rows
+from harness import write_json
 from timing import graphed, timed_rounds
 
 VARIANTS = {"bits": 0, "digit4": 4, "digit6": 6, "digit8": 8, "digit11": 11}
@@ -47,9 +47,7 @@ def main() -> None:
                        us={n: round(u, 2) for n, u in zip(args.variants, us)})
             rows_out.append(row)
             print(row, flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_select_digits.json"), "w") as f:
-        json.dump(dict(triton=triton.__version__, rows=rows_out), f, indent=1)
+    write_json(args.out, "probe_select_digits.json", dict(triton=triton.__version__, rows=rows_out))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ CUDA-graph replays alternating (docs/history.md version 38).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -17,6 +16,7 @@ import triton
 from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, scored_layer, select_rows
+from harness import write_json
 from timing import graphed, timed_rounds
 
 
@@ -51,9 +51,7 @@ def main() -> None:
                    us={"columns": round(us[0], 2), "runs": round(us[1], 2)})
         rows_out.append(row)
         print(row, flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_select_runs.json"), "w") as f:
-        json.dump(dict(triton=triton.__version__, rows=rows_out), f, indent=1)
+    write_json(args.out, "probe_select_runs.json", dict(triton=triton.__version__, rows=rows_out))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ bits against from bit 31 (docs/history.md version 36): one-off probe.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -14,6 +13,7 @@ import torch
 from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, coarsened_words, scored_layer, select_rows
+from harness import write_json
 from timing import graphed, timed
 
 
@@ -39,9 +39,7 @@ def main() -> None:
                        before_us=got["from bit 31 us"], after_us=got["from the entries' bits us"])
             rows_out.append(row)
             print(row, flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_select_ties.json"), "w") as f:
-        json.dump(rows_out, f, indent=1)
+    write_json(args.out, "probe_select_ties.json", rows_out)
 
 
 if __name__ == "__main__":
