@@ -41,13 +41,20 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     """``fn`` captured once in a CUDA graph; returns its replay. Timing the replay measures the GPU work alone:
     a Python launch path slower than the L2 flush that ``do_bench`` runs before each call would otherwise
     leave the GPU idle inside the timed window (short kernels then time host-bound, bimodally). Raises
-    ``RuntimeError`` if ``fn`` cannot be captured."""
+    ``RuntimeError`` if ``fn`` cannot be captured. The replay keeps ``fn`` (and what it holds) alive."""
     fn()  # compile and warm up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return graph.replay
+
+    def replay() -> None:
+        graph.replay()
+
+    # the replay reads the tensors the capture saw: ``fn`` (often the only holder of them, through its closure or
+    # defaults) lives as long as the replay, or their memory could be reused or freed under it
+    replay.captured = fn
+    return replay
 
 
 def host_us(fn: Callable[[], object], calls: int = 50) -> float:
