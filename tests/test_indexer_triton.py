@@ -348,7 +348,8 @@ def test_select_kernel_is_exact_on_rows_of_ties_and_extreme_scores(values, cols,
     (the rows a search that guesses its thresholds from the scores' values must get right too: docs/history.md,
     version 30); rows of three segments (24,576 columns: ties among the segments' winners, entries read from their
     keys) and of six whose winners (24,576) are selected in segments again, a pass whose entries are the whole row's
-    (up to 49,151). Rows of words are at most 16,384 columns: longer ones are selected as packed keys alone."""
+    (up to 49,151). The same rows as words give the same picks in the same order (a long row's first pass packs its
+    segments' winners' keys from their words)."""
     from sparse_mla.ops.triton import indexer as kernels
 
     gen = torch.Generator().manual_seed(cols + k + len(values))
@@ -360,10 +361,9 @@ def test_select_kernel_is_exact_on_rows_of_ties_and_extreme_scores(values, cols,
         kernels.topk_rows(packed, k, out, digit_bits=digit_bits)
         got = out.cpu()
         assert torch.equal(got.sort(1).values, want.sort(1).values), digit_bits
-        if cols <= MAX_SELECT_COLS:
-            from_words = torch.full((3, k), 7, dtype=torch.int32, device=DEVICE)
-            kernels.topk_rows(words_of(packed), k, from_words, digit_bits=digit_bits)  # the score kernel's words
-            assert torch.equal(from_words.cpu(), got), digit_bits
+        from_words = torch.full((3, k), 7, dtype=torch.int32, device=DEVICE)
+        kernels.topk_rows(words_of(packed), k, from_words, digit_bits=digit_bits)  # the score kernel's words
+        assert torch.equal(from_words.cpu(), got), digit_bits
         for r in range(3):
             chosen = [x for x in got[r].tolist() if x >= 0]
             assert chosen == sorted(chosen)
@@ -414,14 +414,14 @@ def test_select_converts_its_picks_in_its_launch_as_the_conversion_does(cols, k,
     for got, expected in zip(bufs, want):
         assert torch.equal(got[first:].cpu(), expected[first:].cpu())
         assert (got[:first] == 99).all()
-    if cols <= MAX_SELECT_COLS:  # the same rows as the score kernel's words (9,216 columns: the lanes as runs)
-        from_words = [torch.full_like(b, 99) for b in bufs]
-        into = kernels.PicksInto(step[0][first:], step[1][first:], step[2], bs, from_words[0][first:],
-                                 from_words[1][first:], from_words[2][first:], tokens - first)
-        kernels.topk_rows(words_of(packed), k, out, into)
-        assert torch.equal(out, plain)
-        for got, expected in zip(from_words, bufs):
-            assert torch.equal(got.cpu(), expected.cpu())
+    # the same rows as the score kernel's words (9,216 columns: the lanes as runs; 24,576: segments)
+    from_words = [torch.full_like(b, 99) for b in bufs]
+    into_words = kernels.PicksInto(step[0][first:], step[1][first:], step[2], bs, from_words[0][first:],
+                                   from_words[1][first:], from_words[2][first:], tokens - first)
+    kernels.topk_rows(words_of(packed), k, out, into_words)
+    assert torch.equal(out, plain)
+    for got, expected in zip(from_words, bufs):
+        assert torch.equal(got.cpu(), expected.cpu())
     assert int(bufs[1][first + 1]) == 0 and (bufs[1][first + rows:] == 0).all()
     with pytest.raises(ValueError, match="into.rows must be"):
         kernels.topk_rows(packed, k, out, into._replace(rows=rows - 1))
@@ -628,12 +628,12 @@ def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select,
     check_picks(inside, want, q_ready, w_ready, cache, StepTokens.of(batch, "c4a"), batch.num_tokens)
 
 
-def test_the_layer_scores_as_words_where_the_select_takes_rows_whole():
-    """``scores_as_words``: the Triton select, no V4.1 block restriction, rows of at most ``MAX_SELECT_COLS``, on
-    every dot; any other call (and the reference's plan) keeps packed keys."""
+def test_the_layer_scores_as_words_where_the_triton_select_picks():
+    """``scores_as_words``: the Triton select, no V4.1 block restriction, on every dot, rows of segments too (their
+    first pass packs the winners' keys from the words); any other call (and the reference's plan) keeps packed
+    keys."""
     import dataclasses
 
-    from sparse_mla.indexer import MAX_SELECT_COLS
     from sparse_mla.indexer_layer import IndexerPlan
 
     def plan(dot: torch.dtype, cols: int = 8192) -> IndexerPlan:
@@ -644,7 +644,7 @@ def test_the_layer_scores_as_words_where_the_select_takes_rows_whole():
         assert layer.scores_as_words(plan(dot))
         assert layer.scores_as_words(plan(dot, MAX_SELECT_COLS))
         assert not layer.scores_as_words(plan(dot), two_level=True)
-        assert not layer.scores_as_words(plan(dot, MAX_SELECT_COLS + SELECT_SEGMENT))
+        assert layer.scores_as_words(plan(dot, MAX_SELECT_COLS + SELECT_SEGMENT))
         assert not SparseMLAIndexer("c4a", 8, 512, topk_select="torch").scores_as_words(plan(dot))
         assert not SparseMLAIndexer("c4a", 8, SELECT_SEGMENT).scores_as_words(plan(dot))
     assert not layer.scores_as_words(dataclasses.replace(plan(torch.bfloat16), q=None))  # the reference's plan
@@ -735,7 +735,7 @@ def test_kernel_rejects_a_workspace_of_the_wrong_kind():
 
     spec = IndexerSpec(num_heads=8, topk=64, kind="c4a")
     case = make_case(torch.Generator().manual_seed(1), [(300, 1)], spec, "fp8", DEVICE)
-    with pytest.raises(ValueError, match="a row of words must be at most"):
+    with pytest.raises(ValueError, match="a multiple of 8192 columns"):  # words or packed keys alike
         kernels.topk_rows(torch.zeros(1, 16384 + 64, dtype=torch.int32, device=DEVICE), 64,
                           torch.empty(1, 64, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="out must be int64"):
@@ -892,9 +892,10 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     native = next(t for t in targets.MATRIX if t.name == target).native_fp8
     family = target in FAMILIES  # the V3.2 query prep too
     # the score launches packed and as words (fp8 keys; with the family bf16 keys and a prefill), the V4 prep (and
-    # V3.2's), the selects (two of a segmented row; over packed keys and words, two each); where the dot takes e4m3,
+    # V3.2's), the selects (two of a segmented row, the first of it as words; over packed keys and words, two each);
+    # where the dot takes e4m3,
     # its score launch packed and as words and the prep into e4m3 (V4, and V3.2)
-    assert len(rows) == (14 if family else 9) + native * (4 if family else 3), \
+    assert len(rows) == (15 if family else 10) + native * (4 if family else 3), \
         f"exit {done.returncode}: {done.stderr[-2000:]}"
     for r in rows:
         print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "

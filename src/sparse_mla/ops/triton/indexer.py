@@ -15,7 +15,7 @@ entry; an entry the token may not see (``(w + 1)·r > p + 1``, a block number ``
 ``INT64_MIN``. The top-k of a row is then a unique set, ties to the lowest entry, whatever the select's order of work:
 the Triton select (:func:`topk_rows`) or ``torch.topk`` over the int64 keys (:func:`topk_from_packed`), both CUDA-graph
 capturable. -0.0 is stored as +0.0 (ReLU zeros weighted by a negative weight), so the order is the float order. Rows the
-Triton select takes whole (at most :data:`MAX_SELECT_COLS` columns, no V4.1 block restriction) may be stored as *words*
+Triton select takes (no V4.1 block restriction; rows past :data:`MAX_SELECT_COLS` in segments) may be stored as *words*
 instead: int32, the high word's order bits alone as an unsigned value (the sign bit flipped; 0: no candidate, a
 candidate at least 1: the one score whose bits would give 0, a NaN of all ones, counts as 1, as ``torch.topk`` keeps it,
 where the select over packed keys, reading their high words alone, takes it for none — non-finite scores only), the
@@ -553,10 +553,15 @@ def _entry_words(words_ptr, row, stride, cols, mask, COLUMN_ENTRIES: tl.constexp
 
 @triton.jit
 def _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, cols, chosen, slot, KEYS: tl.constexpr,
-                  COLUMN_ENTRIES: tl.constexpr):
-    """The chosen columns' keys (``KEYS``) or entries into their output slots."""
+                  COLUMN_ENTRIES: tl.constexpr, words, first_entry, WORDS: tl.constexpr):
+    """The chosen columns' keys (``KEYS``) or entries into their output slots. ``WORDS`` and ``KEYS``: the keys are
+    packed from the chosen ``words`` (uint32) and their entries, ``first_entry`` plus the column."""
     if KEYS:
-        key = tl.load(packed_ptr + row * stride + cols, mask=chosen)
+        if WORDS:  # the score kernel's packing: the order bits (the word's sign bit flipped back), then the entry
+            order = (words ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64)
+            key = (order << 32) | (4294967295 - (first_entry + cols).to(tl.int64))
+        else:
+            key = tl.load(packed_ptr + row * stride + cols, mask=chosen)
         tl.store(out_ptr + row * out_stride + slot, key, mask=chosen)
     elif COLUMN_ENTRIES:
         tl.store(out_ptr + row * out_stride + slot, cols, mask=chosen)
@@ -613,7 +618,7 @@ def _run_slots(chosen, T: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit
-def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_cols, num_rows,
+def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_cols, num_rows, segments,
                       pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr,
                       kept_stride, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr, TAIL: tl.constexpr,
                       KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr, CONVERT: tl.constexpr, BS: tl.constexpr,
@@ -621,8 +626,9 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
                       DIGIT: tl.constexpr = 0, RUNS: tl.constexpr = 0, V: tl.constexpr = 1):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
     ``-1`` fill (``KEYS``: ``INT64_MIN``). ``words_ptr``: the same rows as int32 (the keys' low and high words);
-    ``WORDS``: the rows are the score kernel's words (``stride`` of them a row; ``COLUMN_ENTRIES``, not ``KEYS``),
-    with no packed keys beside them.
+    ``WORDS``: the rows are the score kernel's words (``stride`` of them a row; ``COLUMN_ENTRIES``), with no packed
+    keys beside them; with ``KEYS`` (a long row's segments, ``segments`` a row: each row of the launch one segment of
+    ``C`` columns) the chosen keys are packed from the words and their entries.
     The row's columns are held as two tiles, ``C`` and (``TAIL`` > 1) ``TAIL`` more (powers of two: a row of 9,216
     columns is 8,192 + 1,024, not 16,384). ``COLUMN_ENTRIES``: column ``c`` of a row holds a key of entry ``c`` plus
     the row's offset (the score kernel's rows and their segments), so among tied scores the lower column is the lower
@@ -646,7 +652,7 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
     cache slots through its request's block-table row (``table_ptr``, ``BS`` entries a block), their count and the
     picks themselves; the programs past the ``num_rows`` packed rows, and tokens of position ``-1``, write empty
     rows (the padding tokens')."""
-    tl.static_assert(not WORDS or (COLUMN_ENTRIES and not KEYS), "words rows: the entries are their columns")
+    tl.static_assert(not WORDS or COLUMN_ENTRIES, "words rows: the entries are their columns")
     HAS_TAIL: tl.constexpr = TAIL > 1
     wait_for_previous(DEPENDENT)  # before any early return: the kernel completes after the one before it
     row = tl.program_id(0).to(tl.int64)
@@ -710,11 +716,13 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
         slot = _run_slots(chosen, RUNS, V)
     else:
         slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
-    _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, cols, chosen, slot, KEYS, COLUMN_ENTRIES)
+    first_entry = (row % segments) * C  # a segment's first entry (rows of segments: C columns each, no tail)
+    _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, cols, chosen, slot, KEYS, COLUMN_ENTRIES,
+                  hi, first_entry, WORDS)
     if HAS_TAIL:
         slot_tail = tl.sum(chosen.to(tl.int32), 0) + tl.cumsum(chosen_tail.to(tl.int32), 0) - 1
         _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, tail_cols, chosen_tail, slot_tail, KEYS,
-                      COLUMN_ENTRIES)
+                      COLUMN_ENTRIES, hi_tail, first_entry, WORDS)
     _finish_row(out_ptr, out_stride, row, tl.minimum(candidates, K), conv, K, KP, KEYS, CONVERT, BS, True)
 
 
@@ -815,7 +823,8 @@ def _check_picks_into(into: PicksInto, rows: int, k: int, device: torch.device) 
 
 
 def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, column_entries: bool,
-                   entries: int, into: PicksInto | None = None, digit_bits: int | None = None) -> None:
+                   entries: int, into: PicksInto | None = None, digit_bits: int | None = None, segments: int = 1
+                   ) -> None:
     """One select launch over ``packed``'s rows; ``entries``: a bound on the entries the rows hold (their columns, or
     for the segments' winners the whole row's); ``digit_bits``: the threshold search's (None: the target's,
     :func:`select_digit_bits`)."""
@@ -836,7 +845,7 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
         conv = (into.positions, into.token_to_req, into.table, into.table.stride(0), into.table.shape[1],
                 into.indices, into.indices.stride(0), into.lens, into.kept, into.kept.stride(0))
         grid, bs = into.rows, into.block_size
-    _topk_rows_kernel[(grid,)](packed, words, out, packed.stride(0), out.stride(0), cols, rows, *conv, K=k,
+    _topk_rows_kernel[(grid,)](packed, words, out, packed.stride(0), out.stride(0), cols, rows, segments, *conv, K=k,
                                KP=triton.next_power_of_2(k), C=main, TAIL=tail, KEYS=keys,
                                COLUMN_ENTRIES=column_entries, CONVERT=into is not None, BS=bs, WORDS=words_in,
                                ENTRY_BITS=max(1, (entries - 1).bit_length()), DIGIT=digit_bits,
@@ -849,10 +858,9 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto |
     """The Triton select: ``out (rows, k)`` int32 := each row's top-``k`` entries of ``packed (rows, num_cols)``,
     the same set as :func:`topk_from_packed`, listed in entry order, ``-1`` fill. The rows are the score kernel's:
     column ``c`` holds entry ``c``'s key (or ``INT64_MIN``), or (int32) its word (0: none; the module docstring).
-    A row of packed keys longer than :data:`MAX_SELECT_COLS` (``num_cols`` then a multiple of
-    :data:`SELECT_SEGMENT`, ``k`` below a segment) is selected in two launches or more: each segment's top ``k``
-    keys, then the top ``k`` of those (the row's top ``k`` are among them); a row of words is at most
-    :data:`MAX_SELECT_COLS` long.
+    A row longer than :data:`MAX_SELECT_COLS` (``num_cols`` then a multiple of :data:`SELECT_SEGMENT`, ``k`` below
+    a segment) is selected in two launches or more: each segment's top ``k`` keys (from words, packed from them and
+    their entries), then the top ``k`` of those (the row's top ``k`` are among them).
 
     into: also convert the picks into cache slots in the (last) launch (:class:`PicksInto`), the same values as
     :class:`sparse_mla.picks.PicksConversion` writes for ``out``'s picks, provided every candidate of a row is an
@@ -884,19 +892,16 @@ def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: Pick
     workspace and picks buffer, the step conversion's :class:`PicksInto`)."""
     rows, cols = packed.shape
     column_entries, entries = True, cols  # the row's entries: its columns, below cols
-    if packed.dtype == torch.int32 and cols > MAX_SELECT_COLS:  # words carry no entry: no segments' second pass
-        raise ValueError(f"a row of words must be at most {MAX_SELECT_COLS} columns (longer rows are selected in "
-                         f"segments of packed keys), got {cols}")
     while cols > MAX_SELECT_COLS:
         if cols % SELECT_SEGMENT or not select_kernel_takes(k) or not packed.is_contiguous():
-            raise ValueError(f"a packed row of {cols} columns must be contiguous, a multiple of {SELECT_SEGMENT} "
-                             f"columns, and k ({k}) below {SELECT_SEGMENT} (each segment's top k must shorten it)")
+            raise ValueError(f"a row of {cols} columns must be contiguous, a multiple of {SELECT_SEGMENT} columns, and "
+                             f"k ({k}) below {SELECT_SEGMENT} (each segment's top k must shorten it)")
         segments = packed.view(rows * (cols // SELECT_SEGMENT), SELECT_SEGMENT)
         winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
-        # a first pass's entries are its segments' columns; a later pass reads the winners' entries from their keys:
-        # any of the row's
+        # a first pass's entries are its segments' columns (words: the winners' keys are packed from them); a later
+        # pass reads the winners' entries from their keys: any of the row's
         _launch_select(segments, k, winners, True, column_entries, SELECT_SEGMENT if column_entries else entries,
-                       digit_bits=digit_bits)
+                       digit_bits=digit_bits, segments=cols // SELECT_SEGMENT)
         packed, cols, column_entries = winners.view(rows, -1), winners.numel() // rows, False
     _launch_select(packed, k, out, False, column_entries, entries, into, digit_bits)
 

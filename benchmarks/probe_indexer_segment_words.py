@@ -1,0 +1,72 @@
+"""Rows longer than the select takes whole (the 512K context's 131,072 entries, V3.2's 32,768 positions) scored as
+packed keys (the rule before) or as words, whose first select pass over their segments packs the winners' keys from
+the words (half the bytes written and read, 16-byte loads, the lanes as runs): the whole layer, CUDA-graph replays
+alternating in one process, the picks compared (docs/history.md version 38, branch experiment/v38-segment-words).
+
+    python benchmarks/probe_indexer_segment_words.py [--cases ...] [--out results/]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+
+import torch
+import triton
+
+from sparse_mla.indexer import MAX_SELECT_COLS
+from sparse_mla.indexer_layer import SparseMLAIndexer
+from sparse_mla.ops import targets
+
+from bench_indexer import cases, scored_layer
+from timing import graphed, timed_rounds
+
+NAMES = ("v4-flash-b8-512k", "v32-b32")
+
+
+@contextlib.contextmanager
+def packed_long_rows(on: bool):
+    """Layers called inside score rows longer than ``MAX_SELECT_COLS`` as packed keys (``on``), as before."""
+    rule = SparseMLAIndexer.scores_as_words
+    if on:
+        SparseMLAIndexer.scores_as_words = lambda self, plan, two_level=False: (
+            rule(self, plan, two_level) and plan.num_cols <= MAX_SELECT_COLS)
+    try:
+        yield
+    finally:
+        SparseMLAIndexer.scores_as_words = rule
+
+
+def run(names: list[str]) -> dict:
+    dev = torch.device("cuda")
+    rows = []
+    for case in (c for c in cases(False) if c.name in names):
+        picks, fns = {}, []
+        for name in ("packed", "words"):
+            with packed_long_rows(name == "packed"):
+                scored = scored_layer(case, dev)
+                layer, meta, q, w, cache = scored.layer, scored.meta, scored.q, scored.w, scored.cache
+                picks[name] = layer(meta, q, w, cache)[: scored.batch.num_tokens].sort(1).values
+                fns.append(graphed(lambda layer=layer, meta=meta, q=q, w=w, cache=cache: layer(meta, q, w, cache)))
+        us = timed_rounds(fns, 60, 3)
+        row = dict(case=case.name, same=bool(torch.equal(picks["packed"], picks["words"])),
+                   layer_us={"packed": round(us[0], 2), "words": round(us[1], 2)})
+        rows.append(row)
+        print(row, flush=True)
+    return dict(triton=triton.__version__, target=targets.target_of(dev).name, rows=rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
+    parser.add_argument("--cases", nargs="+", default=list(NAMES))
+    args = parser.parse_args()
+    result = run(args.cases)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "probe_indexer_segment_words.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
