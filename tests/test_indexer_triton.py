@@ -221,7 +221,8 @@ def test_select_kernel_refuses_a_segmented_row_whose_k_would_not_shorten_it():
                                                (2, 32768, 500, 30000)])
 def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
     """Rows in one program (9,216 columns: two tiles, 8,192 + 1,024; 513: 512 + 2), and long rows by segments (two
-    launches), against torch.topk's set; k of any size, not only powers of two (100, 500, 1,000)."""
+    launches), against torch.topk's set; k of any size, not only powers of two (100, 500, 1,000). The same rows as
+    words give the same picks in the same order (long rows' segments: the winners' keys packed from the words)."""
     from sparse_mla.ops.triton import indexer as kernels
 
     gen = torch.Generator().manual_seed(cols + k)
@@ -243,6 +244,9 @@ def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
             chosen = [x for x in got[r].tolist() if x >= 0]
             assert chosen == sorted(chosen) and len(chosen) == min(k, valid)  # entry order, then -1
             assert (got[r, len(chosen):] == -1).all()
+        from_words = torch.full((rows, k), 7, dtype=torch.int32, device=DEVICE)  # the score kernel's words
+        kernels.topk_rows(words_of(packed), k, from_words, digit_bits=digit_bits)
+        assert torch.equal(from_words.cpu(), got), digit_bits
 
 
 # the select's threshold searches: a bit a round, and digits of 3, 8 and 11 bits a pass (a last pass narrower than
