@@ -62,9 +62,10 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
     """The indexer kernels' launches: the scores over fp8 keys (decode, 64 heads), with ``every`` also bf16 keys and a
     32-head prefill, each as packed keys (V4.1's two-level calls, rows of segments) and as words (the calls whose
     select takes rows whole, ``SparseMLAIndexer.scores_as_words``); where the target converts fp8, e4m3 q against the
-    fp8 codes (the layer's dot there), packed and as words; the query prep (V4, with ``every`` V3.2's half-split
-    rope); the select over packed keys (two launches: 512 of 32768, then of 2048), its first over words, and, over
-    packed keys and over words, a row of 9,216 in two tiles and the V4 decode's 8,192 converted in its launch."""
+    fp8 codes (the layer's dot there), elsewhere float16 q against their integer decode (the float16 dot), packed and
+    as words; the query prep (V4, with ``every`` V3.2's half-split rope); the select over packed keys (two launches:
+    512 of 32768, then of 2048), its first over words, and, over packed keys and over words, a row of 9,216 in two
+    tiles and the V4 decode's 8,192 converted in its launch."""
     out = []
     # the page loop as a decode runs it: 16 pages a program (the e4m3 dot's: 32, as on sm_90), pipelined (a recorded
     # call of a few pages would compile the loop of one page, which the pipeliner leaves alone: too few registers to
@@ -75,6 +76,8 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
     if target.native_fp8:
         scores.append(("fp8", 64, 2, torch.float8_e4m3fn, (indexer.WAVE_MAX_PAGES,) + pipelined[1:],
                        "indexer fp8 dot H64 q2"))
+    else:  # fp8 q against the fp8 keys' integer decode: the float16 dot
+        scores.append(("fp8", 64, 2, torch.float16, pipelined, "indexer fp8 f16 dot H64 q2"))
     for fmt, heads, qlen, dot, launch, name in scores:
         cache = IndexerKeyCache(4, fmt)
         step = StepTokens(torch.zeros(qlen, dtype=torch.int32), torch.zeros(qlen, dtype=torch.int32),

@@ -153,7 +153,8 @@ def check_step_inputs(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyC
     ``ValueError`` naming the argument."""
     if not isinstance(cache, IndexerKeyCache):
         raise TypeError(f"cache must be an IndexerKeyCache, got {type(cache).__name__}")
-    check_tensor("q", q, dtype=(torch.float32, torch.bfloat16, torch.float8_e4m3fn), ndim=3, device=cache.device)
+    check_tensor("q", q, dtype=(torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn), ndim=3,
+                 device=cache.device)
     if q.shape[2] != INDEX_HEAD_DIM or not MIN_HEADS <= q.shape[1] <= MAX_HEADS:
         raise ValueError(f"q must have shape (T, H, {INDEX_HEAD_DIM}) with H in [{MIN_HEADS}, {MAX_HEADS}], "
                          f"got {tuple(q.shape)}")

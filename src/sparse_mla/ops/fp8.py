@@ -31,17 +31,24 @@ import triton.language as tl
 from .. import formats
 
 @triton.jit
+def e4m3_as_f16(raw):
+    """e4m3fn bytes ``raw`` (uint8, any shape) -> float16: the e4m3 numbers over ``e4m3_gain(False)`` (2^8), exactly
+    (an e4m3 subnormal lands on an fp16 subnormal), by integer operations on every target."""
+    # the fp16 bits above in one shift and one mask: sign-extended, the byte's sign fills bits 7-15, so after the
+    # shift exponent and mantissa sit in bits 7-13 and the sign in 14-15; the mask (0xBF80) clears bit 14 (12 %
+    # fewer instructions in sm_80's fp8 key loop than two masks, two shifts and an or)
+    x = raw.to(tl.int8, bitcast=True).to(tl.int16)
+    return ((x << 7) & -16512).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def e4m3_decode(raw, NATIVE_FP8: tl.constexpr):
     """e4m3fn bytes ``raw`` (uint8, any shape; a float8 tensor's bytes viewed as uint8) -> float32 values: the e4m3
     numbers over ``e4m3_gain(NATIVE_FP8)``."""
     if NATIVE_FP8:
         vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
-        # the fp16 bits above in one shift and one mask: sign-extended, the byte's sign fills bits 7-15, so after the
-        # shift exponent and mantissa sit in bits 7-13 and the sign in 14-15; the mask (0xBF80) clears bit 14 (12 %
-        # fewer instructions in sm_80's fp8 key loop than two masks, two shifts and an or)
-        x = raw.to(tl.int8, bitcast=True).to(tl.int16)
-        vals = ((x << 7) & -16512).to(tl.float16, bitcast=True).to(tl.float32)
+        vals = e4m3_as_f16(raw).to(tl.float32)
     return vals
 
 
@@ -76,6 +83,30 @@ fma.rn.bf16x2 hi, hi, two120, nz;
 fma.rn.bf16x2 $0, lo, s01, nz;
 fma.rn.bf16x2 $1, hi, s23, nz;
 }""" % (_BF16X2_2POW120, _BF16X2_NEG_ZERO))
+
+
+# four e4m3 bytes ($2) -> four float16 ($0: bytes 0 and 1, $1: bytes 2 and 3), e4m3_as_f16's bits: each byte moved to
+# the top of a 16-bit lane, its sign kept there and its exponent and mantissa shifted down one bit into fp16's
+E4M3_F16_PTX = tl.constexpr("""{
+.reg .b32 lo, hi, t;
+prmt.b32 lo, $2, 0, 0x1404;
+prmt.b32 hi, $2, 0, 0x3424;
+shr.b32 t, lo, 1;
+and.b32 t, t, 0x3F803F80;
+and.b32 lo, lo, 0x80008000;
+or.b32 $0, lo, t;
+shr.b32 t, hi, 1;
+and.b32 t, t, 0x3F803F80;
+and.b32 hi, hi, 0x80008000;
+or.b32 $1, hi, t;
+}""")
+
+
+@triton.jit
+def e4m3_f16_ptx(raw):
+    """:func:`e4m3_as_f16` (the same bits) four bytes a few instructions, in inline PTX: CUDA targets (sm_80 / sm_86,
+    whose Triton has no e4m3 conversion); not in Triton's CPU interpreter. Impure, as :func:`e4m3_ue8m0_bf16`."""
+    return tl.inline_asm_elementwise(E4M3_F16_PTX, "=r,=r,r", [raw], dtype=tl.float16, is_pure=False, pack=4)
 
 
 @triton.jit

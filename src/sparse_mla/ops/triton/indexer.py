@@ -48,7 +48,7 @@ from ...indexer import (BLOCK_ENTRIES, MAX_SELECT_COLS, SELECT_SEGMENT, StepToke
 from ...indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from .. import targets
 from ..dispatch import interpreting
-from ..fp8 import e4m3_decode, e4m3_gain
+from ..fp8 import e4m3_as_f16, e4m3_decode, e4m3_f16_ptx, e4m3_gain
 from .cache import round_half_even
 from .dependent import launch_options, wait_for_previous
 from .index import table_slots
@@ -166,7 +166,7 @@ def _index_scores_kernel(
     HP: tl.constexpr, QT: tl.constexpr, PAGES: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
     FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr,
     STAGES: tl.constexpr, WORDS: tl.constexpr = False, DEPENDENT: tl.constexpr = False,
-    CHAINED: tl.constexpr = False,
+    CHAINED: tl.constexpr = False, PTX_DECODE: tl.constexpr = False,
 ):
     """Packed scores (``WORDS``: words) of one request's tile of ``QT`` tokens × ``HP`` heads against ``PAGES`` key
     pages, one dot per page. The page's entries are the dot's rows and the (token, head) pairs its columns, so the
@@ -218,7 +218,13 @@ def _index_scores_kernel(
         else:
             if FP8:
                 raw = tl.load(data_ptr + code_base + e[:, None] * D + d[None, :], mask=key_ok[:, None], other=0)
-                keys = e4m3_decode(raw, NATIVE_FP8)
+                if DOT_DTYPE == tl.float16:  # the integer decode's fp16 values as they are (no float32 between)
+                    if PTX_DECODE:
+                        keys = e4m3_f16_ptx(raw)
+                    else:
+                        keys = e4m3_as_f16(raw)
+                else:
+                    keys = e4m3_decode(raw, NATIVE_FP8)
                 col_scale = tl.load(scale_ptr + code_base // 4 + PAGE * D // 4 + e, mask=key_ok,
                                     other=0.0) * e4m3_gain(NATIVE_FP8)
             else:
@@ -337,7 +343,7 @@ def prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, s
                     fp8_q: bool, weight_scale: float, q_out: torch.Tensor, w_out: torch.Tensor) -> None:
     """:func:`sparse_mla.indexer.prepare_queries` in one launch, the same values: ``q (T, H, 128)``, ``weights (T, H)``
     (bf16 / fp16 / float32), ``cos`` / ``sin`` ``(T, 32)`` float32 of the tokens' positions (the rope's angles, as
-    the reference computes them), into ``q_out (T, H, 128)`` (float32 or bf16 holding the values exactly, or
+    the reference computes them), into ``q_out (T, H, 128)`` (float32, bf16 or float16 holding the values exactly, or
     float8_e4m3fn the codes) and ``w_out (T, H)`` float32. Each contiguous and on q's device (checked here: the
     kernel reads and writes whole rows at unit stride).
     """
@@ -349,8 +355,8 @@ def prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, s
                  device=q.device)
     for name, t in (("cos", cos), ("sin", sin)):
         check_tensor(name, t, dtype=torch.float32, shape=(rows, 32), device=q.device)  # the rope's 32 frequencies
-    check_tensor("q_out", q_out, dtype=(torch.float32, torch.bfloat16, torch.float8_e4m3fn), shape=q.shape,
-                 device=q.device)
+    check_tensor("q_out", q_out, dtype=(torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn),
+                 shape=q.shape, device=q.device)
     check_tensor("w_out", w_out, dtype=torch.float32, shape=(rows, heads_in), device=q.device)
     for name, t in (("q", q), ("weights", weights), ("cos", cos), ("sin", sin), ("q_out", q_out), ("w_out", w_out)):
         if not t.is_contiguous():
@@ -396,7 +402,8 @@ def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: in
     return hp, qt, per_program
 
 
-_DOT_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float8_e4m3fn: tl.float8e4nv}
+_DOT_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+              torch.float8_e4m3fn: tl.float8e4nv}
 # the score kernel's launch (benchmarks/probe_indexer_launch.py sweeps them): 3 stages, two pages in flight, ran
 # faster than 4 on every case of the sweep over words on an H200 (V4-Flash B 32 23.0 -> 21.2 us, B 128 53.6 -> 53.2,
 # V4.1-Flash B 128 87.0 -> 86.1, the 4K prefill chunk 800 -> 775; docs/history.md version 34)
@@ -463,6 +470,9 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     grid = (num_reqs, -(-max_query_len // qt), -(-num_cols // (64 * per_program)))
     if fp8_dot and (not fp8 or q.dtype != torch.float8_e4m3fn):
         raise ValueError(f"the fp8 dot needs an fp8 key cache and float8_e4m3fn q, got {cache.fmt} keys, {q.dtype} q")
+    if dot_dtype == torch.float16 and (not fp8 or native_fp8 or q.dtype != torch.float16):
+        raise ValueError(f"the float16 dot needs an fp8 key cache decoded by integer operations (native_fp8 False) and "
+                         f"float16 q (e4m3 values), got {cache.fmt} keys, native_fp8={native_fp8}, {q.dtype} q")
     dot = _DOT_TYPES[dot_dtype]
     if chained is None:
         chained = heads_chained(target)
@@ -473,6 +483,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         out.stride(0), num_cols,
         HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
         DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, WORDS=out.dtype == torch.int32, num_warps=warps, CHAINED=chained,
+        PTX_DECODE=target.backend == "cuda" and not interpreting(),
         num_stages=stages, **launch_options(q.device),
         maxnreg=FP8_DOT_MAXNREG if fp8_dot and target.name in FP8_DOT_CAPPED else None)
 
@@ -910,12 +921,14 @@ def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: Pick
 def dot_dtype_for(target: targets.Target, key_format: str, q_format: str) -> torch.dtype:
     """The score kernel's dot operands: float32 in the interpreter (its bf16 dot is wrong), e4m3 where the keys and q
     are fp8 and the target has e4m3 tensor-core ops (the targets that convert e4m3 natively: sm_89 and later, gfx950;
-    twice bf16's rate: a decode of 64 heads is otherwise bound by the bf16 dot, not the key reads), else bf16. Every
-    choice is exact on the operands (e4m3 and bf16 values)."""
+    twice bf16's rate: a decode of 64 heads is otherwise bound by the bf16 dot, not the key reads), float16 where
+    they are fp8 and it has none (the keys' integer decode yields float16 values: no conversion to bf16 a code; q
+    holds e4m3 values in float16), else bf16. Every choice is exact on the operands (e4m3 and bf16 values)."""
     if interpreting():
         return torch.float32
-    if key_format == "fp8" and q_format == "fp8" and target.native_fp8:
-        return torch.float8_e4m3fn
+    if key_format == "fp8" and q_format == "fp8":
+        # e4m3 values are exact in float16 (the integer decode's own type): no conversion to bf16 in the page loop
+        return torch.float8_e4m3fn if target.native_fp8 else torch.float16
     return torch.bfloat16
 
 

@@ -1,0 +1,75 @@
+"""fp8 keys and fp8 q where the target converts no e4m3 (sm_80 / sm_86, CDNA 3): the score kernel's bf16 dot (the
+keys' integer decode widened to float32, then narrowed to bf16) against the float16 dot (the decode's float16 values
+as they are, four codes a few PTX instructions on CUDA): the whole layer, CUDA-graph replays alternating in one
+process, the picks compared (exact operands both: the same). Run it lowered on a newer GPU (docs/history.md version
+38, branch experiment/v38-fp16-dot).
+
+    python benchmarks/probe_indexer_fp16_dot.py --lowering sm80 [--cases ...] [--out results/]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+
+import torch
+import triton
+
+from sparse_mla.ops import targets
+from sparse_mla.ops.triton import indexer as kernels
+
+from bench_indexer import cases, scored_layer
+from timing import graphed, timed_rounds
+
+NAMES = ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128", "prefill-4k-on-32k")
+
+
+@contextlib.contextmanager
+def dot(dtype: torch.dtype | None):
+    """Layers planned inside take ``dtype`` for their dot where the rule would take float16 (None: the rule's)."""
+    rule = kernels.dot_dtype_for
+    if dtype is not None:
+        kernels.dot_dtype_for = lambda target, keys, q: (dtype if rule(target, keys, q) == torch.float16
+                                                           else rule(target, keys, q))
+    try:
+        yield
+    finally:
+        kernels.dot_dtype_for = rule
+
+
+def run(names: list[str]) -> dict:
+    dev = torch.device("cuda")
+    rows = []
+    for case in (c for c in cases(False) if c.name in names):
+        picks, fns, dtypes = {}, [], {}
+        for name, dtype in (("bf16", torch.bfloat16), ("float16", None)):
+            with dot(dtype):
+                scored = scored_layer(case, dev)
+                layer, meta, q, w, cache = scored.layer, scored.meta, scored.q, scored.w, scored.cache
+                picks[name] = layer(meta, q, w, cache)[: scored.batch.num_tokens].clone()
+                dtypes[name] = str(scored.plan.q.dtype)
+                fns.append(graphed(lambda layer=layer, meta=meta, q=q, w=w, cache=cache: layer(meta, q, w, cache)))
+        us = timed_rounds(fns, 60, 3)
+        row = dict(case=case.name, q_dtypes=dtypes, same=bool(torch.equal(picks["bf16"], picks["float16"])),
+                   layer_us={"bf16": round(us[0], 2), "float16": round(us[1], 2)})
+        rows.append(row)
+        print(row, flush=True)
+    return dict(triton=triton.__version__, target=targets.target_of(dev).name, rows=rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
+    parser.add_argument("--cases", nargs="+", default=list(NAMES))
+    parser.add_argument("--lowering", choices=("sm80", "sm86"), required=True)
+    args = parser.parse_args()
+    with targets.lower_as(args.lowering):
+        result = run(args.cases)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"probe_indexer_fp16_dot-{args.lowering}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
