@@ -90,8 +90,9 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
             out.append((name + form, calls))
     for half_split in (False, True)[: 2 if every else 1]:
         q, trig = torch.zeros(2, 64, 128, dtype=torch.bfloat16), torch.zeros(2, 32)
-        # the prepared queries in the dot's dtype: bf16 everywhere, e4m3 (the conversion instruction) where the dot is
-        for q_dtype in (torch.bfloat16, torch.float8_e4m3fn)[: 2 if target.native_fp8 else 1]:
+        # the prepared queries in the dot's dtype: bf16 everywhere, e4m3 (the conversion instruction) where the dot is,
+        # float16 (fp8 q's e4m3 values) where the target converts no e4m3
+        for q_dtype in (torch.bfloat16, torch.float8_e4m3fn if target.native_fp8 else torch.float16):
             q_out = torch.zeros(2, 64, 128, dtype=q_dtype)
             with recorded_launches(target) as calls:
                 indexer.prepare_queries(q, torch.zeros(2, 64), trig, trig, half_split, True, 0.01, q_out,

@@ -625,6 +625,37 @@ def packed_keys_unless(monkeypatch, words: bool) -> None:
 
 
 @needs_kernels
+def test_the_layer_on_the_float16_dot_gives_the_reference_s_picks(monkeypatch):
+    """A layer planned where its target converts no e4m3 (``dot_dtype_for`` answering float16, as on sm_80 / sm_86 and
+    AMD's targets before CDNA 4): its queries prepared into float16, scored by the float16 dot, the reference's
+    picks."""
+    from sparse_mla.ops.triton import indexer as kernels
+    from sparse_mla.scenario import make_scenario
+
+    sm80 = next(t for t in targets.MATRIX if t.name == "sm_80")
+    monkeypatch.setattr(targets, "target_of", lambda device: sm80)  # no e4m3 conversion: the integer decode
+    rule = kernels.dot_dtype_for
+    monkeypatch.setattr(kernels, "dot_dtype_for", lambda target, keys, q: (  # (the interpreter's rule: float32)
+        torch.float16 if (keys, q) == ("fp8", "fp8") else rule(target, keys, q)))
+    lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1)]
+    sc = make_scenario(lengths, window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,
+                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
+    batch = sc.batch
+    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device=DEVICE)
+    cache.poison()
+    gen = torch.Generator().manual_seed(16)
+    write_step_keys(cache, batch, lengths, gen)
+    q = torch.randn(batch.token_capacity, 16, 128, generator=gen).to(DEVICE)
+    w = torch.randn(batch.token_capacity, 16, generator=gen).to(DEVICE)
+    layer = SparseMLAIndexer("c4a", 16, 64, backend="triton")
+    got = layer(sc.meta, q, w, cache)
+    assert layer.step_plan(sc.meta, "triton", "fp8").q.dtype == torch.float16
+    ref = SparseMLAIndexer("c4a", 16, 64, backend="reference")(sc.meta, q, w, cache)
+    q_ready, w_ready = prepare_queries(q, w, batch.positions, layer.spec)
+    check_picks(got, ref, q_ready, w_ready, cache, StepTokens.of(batch, "c4a"), batch.num_tokens)
+
+
+@needs_kernels
 @pytest.mark.parametrize("words", [False, True])
 @pytest.mark.parametrize("fmt,select,k", [("fp8", "triton", 64), ("bf16", "torch", 64), ("fp8", "triton", 100)])
 def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select, k, words, monkeypatch):
@@ -754,7 +785,8 @@ def test_kernel_helpers_name_their_bad_arguments():
     out = torch.empty(1, 128, dtype=torch.int64, device=DEVICE)
     for q, w, dot, message in [(case.q.double(), case.w, torch.float32, "q must have dtype"),
                                (case.q, case.w[:, :4].contiguous(), torch.float32, "weights must have shape"),
-                               (case.q, case.w, torch.float16, "dot_dtype must be")]:
+                               (case.q, case.w, torch.float64, "dot_dtype must be"),
+                               (case.q, case.w, torch.float16, "the float16 dot needs")]:  # float32 q
         with pytest.raises(ValueError, match=message):
             kernels.index_scores(q, w, case.cache, case.step, out, 0, 1, 1, dot, False)
     with pytest.raises(ValueError, match="kept_blocks must have shape"):
@@ -925,13 +957,12 @@ def compile_rows(target_name: str) -> list[dict]:
 def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     done = compile_child("tests/test_indexer_triton.py", target)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    native = next(t for t in targets.MATRIX if t.name == target).native_fp8
     family = target in FAMILIES  # the V3.2 query prep too
     # the score launches packed and as words (fp8 keys; with the family bf16 keys and a prefill), the V4 prep (and
     # V3.2's), the selects (two of a segmented row, the first of it as words; over packed keys and words, two each);
     # where the dot takes e4m3, its score launch packed and as words and the prep into e4m3 (V4, and V3.2); elsewhere
-    # the float16 dot's score launch packed and as words
-    assert len(rows) == (15 if family else 10) + ((4 if family else 3) if native else 2), \
+    # the float16 dot's, and the prep into float16
+    assert len(rows) == (15 if family else 10) + (4 if family else 3), \
         f"exit {done.returncode}: {done.stderr[-2000:]}"
     for r in rows:
         print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "

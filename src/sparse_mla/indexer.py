@@ -148,9 +148,9 @@ class StepTokens:
 
 def check_step_inputs(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, step: StepTokens,
                       topk: int | None = None) -> None:
-    """The scorers' shared checks: prepared ``q (T_cap, H, 128)`` float32 / bf16 / e4m3, ``weights (T_cap, H)``
-    float32, an :class:`IndexerKeyCache` on q's device, the step's int32 tensors and (selecting scorers) ``topk``;
-    ``ValueError`` naming the argument."""
+    """The scorers' shared checks: prepared ``q (T_cap, H, 128)`` float32 / bf16 / float16 / e4m3, ``weights
+    (T_cap, H)`` float32, an :class:`IndexerKeyCache` on q's device, the step's int32 tensors and (selecting scorers)
+    ``topk``; ``ValueError`` naming the argument."""
     if not isinstance(cache, IndexerKeyCache):
         raise TypeError(f"cache must be an IndexerKeyCache, got {type(cache).__name__}")
     check_tensor("q", q, dtype=(torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn), ndim=3,

@@ -434,8 +434,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
                  t0: int, t1: int, max_query_len: int, dot_dtype: torch.dtype, native_fp8: bool,
                  launch: tuple[int, int, int] | None = None, *, chained: bool | None = None) -> None:
     """Scores of tokens ``[t0, t1)`` into ``out[: t1 - t0]`` (``(rows, num_cols)`` int64, or int32 for the words
-    the module docstring describes; rows of padding tokens are not written). q ``(T_cap, H, 128)`` (float32, bf16 or
-    e4m3: the prepared queries), weights ``(T_cap, H)`` float32, checked here with the cache and step
+    the module docstring describes; rows of padding tokens are not written). q ``(T_cap, H, 128)`` (float32, bf16,
+    float16 or e4m3: the prepared queries), weights ``(T_cap, H)`` float32, checked here with the cache and step
     (:func:`sparse_mla.indexer.check_step_inputs`), once
     per token chunk; max_query_len: an upper bound on any request's tokens in ``[t0, t1)`` (host int: the grid).
     dot_dtype: ``torch.float32`` (the interpreter), ``torch.bfloat16``, or ``torch.float8_e4m3fn`` (fp8 keys and
