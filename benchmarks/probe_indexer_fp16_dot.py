@@ -1,8 +1,9 @@
 """fp8 keys and fp8 q where the target converts no e4m3 (sm_80 / sm_86, CDNA 3): the score kernel's bf16 dot (the
 keys' integer decode widened to float32, then narrowed to bf16) against the float16 dot (the decode's float16 values
 as they are, four codes a few PTX instructions on CUDA): the whole layer, CUDA-graph replays alternating in one
-process, the picks compared (exact operands both: the same). Run it lowered on a newer GPU (docs/history.md version
-38, branch experiment/v38-fp16-dot).
+process, the picks compared (exact operands both: the same picks; the tensor cores' float32 accumulation may
+differ in a score's last bits). Run it lowered on a newer GPU (docs/history.md version
+39).
 
     python benchmarks/probe_indexer_fp16_dot.py --lowering sm80 [--cases ...] [--out results/]
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 
 import torch
@@ -20,6 +20,7 @@ from sparse_mla.ops import targets
 from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, scored_layer
+from harness import write_json
 from timing import graphed, timed_rounds
 
 NAMES = ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128", "prefill-4k-on-32k")
@@ -66,9 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     with targets.lower_as(args.lowering):
         result = run(args.cases)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"probe_indexer_fp16_dot-{args.lowering}.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, f"probe_indexer_fp16_dot-{args.lowering}.json", result)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Rows longer than the select takes whole (the 512K context's 131,072 entries, V3.2's 32,768 positions) scored as
 packed keys (the rule before) or as words, whose first select pass over their segments packs the winners' keys from
 the words (half the bytes written and read, 16-byte loads, the lanes as runs): the whole layer, CUDA-graph replays
-alternating in one process, the picks compared (docs/history.md version 38, branch experiment/v38-segment-words).
+alternating in one process, the picks compared (docs/history.md version 39).
 
     python benchmarks/probe_indexer_segment_words.py [--cases ...] [--out results/]
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 
 import torch
@@ -20,6 +19,7 @@ from sparse_mla.indexer_layer import SparseMLAIndexer
 from sparse_mla.ops import targets
 
 from bench_indexer import cases, scored_layer
+from harness import write_json
 from timing import graphed, timed_rounds
 
 NAMES = ("v4-flash-b8-512k", "v32-b32")
@@ -63,9 +63,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(NAMES))
     args = parser.parse_args()
     result = run(args.cases)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_indexer_segment_words.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, "probe_indexer_segment_words.json", result)
 
 
 if __name__ == "__main__":

@@ -280,11 +280,12 @@ class SparseMLAIndexer(torch.nn.Module):
         """Whether a Triton call with ``plan`` scores its tokens as words (``ops.triton.indexer``: half the bytes of
         packed keys, read contiguously by the select) and chunks them by ``plan.word_chunks``: where the Triton select
         picks (rows longer than ``MAX_SELECT_COLS`` too: its first pass over their segments packs the winners' keys
-        from the words; branch experiment/v38-segment-words) and no V4.1 block restriction (``two_level``:
-        ``select_blocks`` or ``kept_blocks``) works on the packed keys, whatever the dot. An H200, the two formats
-        alternating in one process (docs/history.md version 34), packed -> words, us a layer: V4-Flash B 128 87.8 ->
-        84.3 on the e4m3 dot, 243.5 -> 240.2 under the sm_80 lowering (the bf16 dot); V4.1-Flash B 128 146.1 ->
-        139.5 and 275.9 -> 272.7; the 4K prefill chunk 1,133 -> 1,083 and 3,933 -> 3,865."""
+        from the words) and no V4.1 block restriction (``two_level``: ``select_blocks`` or ``kept_blocks``) works on
+        the packed keys, whatever the dot. An H200, the two formats alternating in one process, packed -> words, us a
+        layer (docs/history.md version 34): V4-Flash B 128 87.8 -> 84.3 on the e4m3 dot, 243.5 -> 240.2 under the
+        sm_80 lowering (the bf16 dot); V4.1-Flash B 128 146.1 -> 139.5 and 275.9 -> 272.7; the 4K prefill chunk 1,133
+        -> 1,083 and 3,933 -> 3,865; rows of segments (version 39, Triton 3.6): B 8 at 512K 96.9 -> 89.2, V3.2 B 32
+        99.0 -> 92.8."""
         triton_plan = plan.q is not None  # the reference's plan has no prepared queries
         return triton_plan and self._kernel_select() and not two_level
 

@@ -923,7 +923,9 @@ def dot_dtype_for(target: targets.Target, key_format: str, q_format: str) -> tor
     are fp8 and the target has e4m3 tensor-core ops (the targets that convert e4m3 natively: sm_89 and later, gfx950;
     twice bf16's rate: a decode of 64 heads is otherwise bound by the bf16 dot, not the key reads), float16 where
     they are fp8 and it has none (the keys' integer decode yields float16 values: no conversion to bf16 a code; q
-    holds e4m3 values in float16), else bf16. Every choice is exact on the operands (e4m3 and bf16 values)."""
+    holds e4m3 values in float16), else bf16. Every choice is exact on the operands (e4m3 and bf16 values). The
+    float16 dot under the sm_80 lowering on an H200, the layer against the bf16 dot (docs/history.md version 39): B 32
+    76.5 -> 63.7 us, B 128 235.2 -> 182.9, the 4K prefill chunk 3,757 -> 2,868; the same picks."""
     if interpreting():
         return torch.float32
     if key_format == "fp8" and q_format == "fp8":
