@@ -11,7 +11,9 @@ heads, ratio 2: 16,384 entries at 32K, top-k 512); V3.2 (raw keys: 32,768 at 32K
 Per case, after a correctness check (the picks of :class:`SparseMLAIndexer` against the reference's, as sets per
 token: the share of rows equal), CUDA-graph replays of: the whole layer call (``prep + scores + top-k``), the query
 prep alone, the score kernel alone, the top-k alone (the Triton select, the layer's, and ``torch.topk`` over the
-packed rows), and a plain PyTorch path (the keys gathered and dequantised,
+packed rows), a layer's share of one graph of :data:`STEP_LAYERS` layers' calls over their own key caches (*in a
+step*: a decode step's graph launches once for all its layers, a replay of one layer pays that launch, 6-11 µs on an
+H200, each time), and a plain PyTorch path (the keys gathered and dequantised,
 one einsum, ReLU, the weighted head sum, the causal mask, ``torch.topk``; what an engine without kernels runs).
 Against (a) the time to read the case's key bytes at the copy rate measured in the same run (a device-to-device
 copy of 1 GiB: bytes read + written over time; the decode goal: at most 2×), the q·k flops at the bf16 matmul rate of
@@ -43,6 +45,7 @@ from harness import Env, fill_random_keys, main, positive_int, prepare, report, 
 from timing import graphed, timed
 
 KEY_BYTES = {"fp8": 132, "bf16": 256}
+STEP_LAYERS = 4  # the indexer calls of one CUDA graph in the "in a step" column (:func:`in_step_us`)
 
 
 @dataclass(frozen=True)
@@ -80,9 +83,15 @@ def make_step(case: Case, device: torch.device):
                                decode_threshold=max(2, 1 if case.query_len > 2 else case.query_len), device=device)
     batch = builder.build(requests)
     meta = build_step_metadata(batch, MetadataSpec(window=128, topk=case.topk))
-    cache = IndexerKeyCache(case.batch * need[case.kind], "fp8", device=device)
-    fill_random_keys(cache, torch.Generator(device=device).manual_seed(0))
-    return batch, meta, cache
+    return batch, meta, key_cache(case, device)
+
+
+def key_cache(case: Case, device: torch.device, seed: int = 0) -> IndexerKeyCache:
+    """The case's key cache (its requests' blocks numbered in order, as :func:`make_step` lays them out): random e4m3
+    codes with power-of-two scales, 132 B per entry."""
+    cache = IndexerKeyCache(case.batch * blocks_needed(case.context, case.kind), "fp8", device=device)
+    fill_random_keys(cache, torch.Generator(device=device).manual_seed(seed))
+    return cache
 
 
 def case_queries(case: Case, capacity: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +219,25 @@ def _recall(picks: torch.Tensor, ref: torch.Tensor) -> float:
     return held / max(1, int((ref >= 0).sum()))
 
 
+def in_step_us(case: Case, env: Env, meta: StepMetadata, q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache,
+               layers: int = STEP_LAYERS) -> float | None:
+    """One layer's share of a CUDA graph of ``layers`` indexer calls of one step, each its own layer over its own key
+    cache (as a decode step's graph holds its c4a layers, their attention between): the graph's own launch, which a
+    replay of one layer pays each time, is paid once for them (without graphs: the calls one after another). None
+    where the caches do not fit."""
+    try:
+        caches = [cache] + [key_cache(case, env.device, seed) for seed in range(1, layers)]
+        indexers = [SparseMLAIndexer(case.kind, case.heads, case.topk, backend=env.backend) for _ in caches]
+
+        def step() -> None:
+            for indexer, layer_cache in zip(indexers, caches):
+                indexer(meta, q, w, layer_cache)
+
+        return timed(graphed(step) if env.graphs else step, env.rep_ms) / layers
+    except torch.OutOfMemoryError:
+        return None
+
+
 def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
     from sparse_mla.ops.triton import indexer as kernels
 
@@ -245,6 +273,10 @@ def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
         alone.launch(packed)
         parts["topk_torch_us"] = lambda: kernels.topk_from_packed(packed, case.topk)
     parts["torch_us"] = lambda: torch_path(q_ready, w_ready, cache, step, case)
+    env.console.log(f"{case.name}: {STEP_LAYERS} layers in one graph")
+    row["layer_in_step_us"] = in_step_us(case, env, meta, q, w, cache)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     for name, fn in parts.items():
         env.console.log(f"{case.name}: {name}")
         try:
@@ -255,6 +287,8 @@ def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     row["layer_over_key_read"] = row["layer_us"] / row["key_read_us"]
+    if row.get("layer_in_step_us"):
+        row["in_step_over_key_read"] = row["layer_in_step_us"] / row["key_read_us"]
     row["layer_over_tensor_core"] = row["layer_us"] / row["tensor_core_us"]
     select_us = row.get("topk_us") or row.get("topk_torch_us")
     if row.get("scores_us") and select_us:
@@ -267,11 +301,12 @@ def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
 def results_table(result: dict) -> Table:
     table = Table(title=f"Lightning indexer per layer (prep + scores + top-k) — {result['device']}",
                   caption=f"µs, CUDA-graph replays; key read = the keys' bytes at the copy rate "
-                          f"({result['copy_gbs']:.0f} GB/s, same run); TC = the q·k flops at the bf16 matmul rate "
-                          f"({result['matmul_tflops']:.0f} TFLOP/s, same run); = ref: rows whose picks equal the "
-                          f"reference's; recall: the share of the reference's picks the layer's hold")
-    for col in ("case", "keys MB", "key read", "layer", "× key read", "× TC", "prep", "scores", "top-k", "torch.topk",
-                "top-k / scores", "PyTorch", "speed-up", "= ref", "recall"):
+                          f"({result['copy_gbs']:.0f} GB/s, same run); in step = a layer's share of a graph of "
+                          f"{STEP_LAYERS} layers' calls (its launch paid once); TC = the q·k flops at the bf16 "
+                          f"matmul rate ({result['matmul_tflops']:.0f} TFLOP/s, same run); = ref: rows whose picks "
+                          f"equal the reference's; recall: the share of the reference's picks the layer's hold")
+    for col in ("case", "keys MB", "key read", "layer", "× key read", "in step", "× key read", "× TC", "prep", "scores",
+                "top-k", "torch.topk", "top-k / scores", "PyTorch", "speed-up", "= ref", "recall"):
         table.add_column(col, justify="left" if col == "case" else "right")
 
     def f(v, spec=".1f"):
@@ -279,7 +314,8 @@ def results_table(result: dict) -> Table:
 
     for r in result["cases"]:
         table.add_row(r["case"], f(r["key_mb"]), f(r["key_read_us"]), f(r["layer_us"]),
-                      f(r["layer_over_key_read"], ".2f"), f(r["layer_over_tensor_core"], ".2f"),
+                      f(r["layer_over_key_read"], ".2f"), f(r.get("layer_in_step_us")),
+                      f(r.get("in_step_over_key_read"), ".2f"), f(r["layer_over_tensor_core"], ".2f"),
                       f(r.get("prep_us")), f(r.get("scores_us")), f(r.get("topk_us")), f(r.get("topk_torch_us")),
                       f(r.get("topk_share_of_scores"), ".0%"), f(r.get("torch_us")),
                       f(r.get("speedup_vs_torch"), ".1f"), f(r["rows_equal_reference"], ".3f"),
