@@ -145,18 +145,18 @@ def test_kernel_prepare_queries_rejects_a_non_contiguous_q():
         kernels.prepare_queries(strided, w, cos, sin, False, True, spec.weight_scale, q_out, w_out)
 
 
-@pytest.mark.parametrize("bad", ["q_int32", "q_out_fp16", "cos_short"])
+@pytest.mark.parametrize("bad", ["q_int32", "q_out_fp64", "cos_short"])
 def test_kernel_prepare_queries_rejects_bad_dtypes_and_shapes(bad):
-    """An int32 q, a float16 q_out (float32, bf16 or e4m3 only) or cos / sin of (T, 16) (the kernel reads 32 a
-    token: past the tensor) are named before any launch."""
+    """An int32 q, a float64 q_out (float32, bf16, float16 or e4m3 only: the dots' operands) or cos / sin of (T, 16)
+    (the kernel reads 32 a token: past the tensor) are named before any launch."""
     from sparse_mla.ops.triton import indexer as kernels
 
     spec, q, w, positions, cos, sin = _prep_inputs()
     q_out, w_out = torch.empty(4, 8, 128, device=DEVICE), torch.empty(4, 8, device=DEVICE)
     if bad == "q_int32":
         q, name = torch.zeros(4, 8, 128, dtype=torch.int32, device=DEVICE), "q"
-    elif bad == "q_out_fp16":
-        q_out, name = torch.empty(4, 8, 128, dtype=torch.float16, device=DEVICE), "q_out"
+    elif bad == "q_out_fp64":
+        q_out, name = torch.empty(4, 8, 128, dtype=torch.float64, device=DEVICE), "q_out"
     else:
         cos, sin, name = cos[:, :16].contiguous(), sin[:, :16].contiguous(), "cos"
     with pytest.raises(ValueError, match=name):
