@@ -1,0 +1,72 @@
+"""The select over rows the SMs outnumber: each row whole in one program (rows up to 16,384 columns; longer ones in
+segments of 8,192), against every row in segments of 4,096 or 2,048 columns (a first launch of one program a
+segment, each keeping its top k, then the row's top k of their winners), so that a step of few rows spreads over more
+programs: the select alone on the layer's own scores, the picks compared (the same, in the same order), CUDA-graph
+replays alternating (docs/history.md version 39). Segments at most k long keep nothing out and are skipped.
+
+    python benchmarks/probe_select_split_rows.py [--cases ...] [--out results/]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+
+import torch
+import triton
+
+from sparse_mla.ops.triton import indexer as kernels
+
+from bench_indexer import cases, scored_layer, select_rows
+from harness import write_json
+from timing import graphed, timed_rounds
+
+NAMES = ("v4-flash-b32", "v4-pro-b32-top1024", "v41-flash-b32", "v4-flash-b8-512k", "v32-b32", "v4-flash-b128")
+SEGMENTS = (None, 4096, 2048)  # None: the rule's (rows whole up to MAX_SELECT_COLS)
+
+
+@contextlib.contextmanager
+def segments_of(cols: int | None):
+    """Selects launched inside take every row longer than ``cols`` in segments of ``cols`` (None: as the rule does)."""
+    saved = kernels.MAX_SELECT_COLS, kernels.SELECT_SEGMENT
+    if cols is not None:
+        kernels.MAX_SELECT_COLS, kernels.SELECT_SEGMENT = cols, cols
+    try:
+        yield
+    finally:
+        kernels.MAX_SELECT_COLS, kernels.SELECT_SEGMENT = saved
+
+
+def run(names: list[str]) -> dict:
+    dev = torch.device("cuda")
+    out = []
+    for case in (c for c in cases(False) if c.name in names):
+        rows, picks = select_rows(scored_layer(case, dev))
+        got, fns, labels = {}, [], []
+        for cols in SEGMENTS:
+            if cols is not None and (cols <= case.topk or rows.shape[1] % cols):
+                continue
+            with segments_of(cols):
+                kernels.launch_topk_rows(rows, case.topk, picks)
+                got[cols] = picks.clone()
+                fns.append(graphed(lambda: kernels.launch_topk_rows(rows, case.topk, picks)))
+            labels.append("rule" if cols is None else f"segments of {cols}")
+        us = timed_rounds(fns, 60, 3)
+        row = dict(case=case.name, dtype=str(rows.dtype), rows=rows.shape[0], cols=rows.shape[1],
+                   same=all(torch.equal(got[None], g) for g in got.values()),
+                   us={label: round(t, 2) for label, t in zip(labels, us)})
+        out.append(row)
+        print(row, flush=True)
+    return dict(triton=triton.__version__, rows=out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
+    parser.add_argument("--cases", nargs="+", default=list(NAMES))
+    args = parser.parse_args()
+    write_json(args.out, "probe_select_split_rows.json", run(args.cases))
+
+
+if __name__ == "__main__":
+    main()
