@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .. import formats
 
+
 @triton.jit
 def e4m3_as_f16(raw):
     """e4m3fn bytes ``raw`` (uint8, any shape) -> float16: the e4m3 numbers over ``e4m3_gain(False)`` (2^8), exactly
