@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from unittest import mock
 
 import torch
 import triton
@@ -26,17 +27,14 @@ from timing import graphed, timed_rounds
 NAMES = ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128", "prefill-4k-on-32k")
 
 
-@contextlib.contextmanager
 def dot(dtype: torch.dtype | None):
-    """Layers planned inside take ``dtype`` for their dot where the rule would take float16 (None: the rule's)."""
+    """Layers planned inside take ``dtype`` for their dot where the rule would take float16 (None: the rule's); a
+    context."""
     rule = kernels.dot_dtype_for
-    if dtype is not None:
-        kernels.dot_dtype_for = lambda target, keys, q: (dtype if rule(target, keys, q) == torch.float16
-                                                           else rule(target, keys, q))
-    try:
-        yield
-    finally:
-        kernels.dot_dtype_for = rule
+    if dtype is None:
+        return contextlib.nullcontext()
+    return mock.patch.object(kernels, "dot_dtype_for", lambda target, keys, q: (
+        dtype if rule(target, keys, q) == torch.float16 else rule(target, keys, q)))
 
 
 def run(names: list[str]) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from unittest import mock
 
 import torch
 import triton
@@ -25,15 +26,9 @@ from timing import graphed, timed_rounds
 NAMES = ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128", "v32-b32", "prefill-4k-on-32k")
 
 
-@contextlib.contextmanager
 def head_sum(chained: bool):
-    """The layer's score launches with the head sum ``chained`` or not, whatever the target's rule."""
-    rule = kernels.heads_chained
-    kernels.heads_chained = lambda target: chained
-    try:
-        yield
-    finally:
-        kernels.heads_chained = rule
+    """The layer's score launches with the head sum ``chained`` or not, whatever the target's rule (a context)."""
+    return mock.patch.object(kernels, "heads_chained", lambda target: chained)
 
 
 def run(names: list[str]) -> dict:

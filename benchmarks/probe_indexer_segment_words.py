@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from unittest import mock
 
 import torch
 import triton
@@ -25,17 +26,14 @@ from timing import graphed, timed_rounds
 NAMES = ("v4-flash-b8-512k", "v32-b32")
 
 
-@contextlib.contextmanager
 def packed_long_rows(on: bool):
-    """Layers called inside score rows longer than ``MAX_SELECT_COLS`` as packed keys (``on``), as before."""
+    """Layers called inside score rows longer than ``MAX_SELECT_COLS`` as packed keys (``on``), as before; a
+    context."""
     rule = SparseMLAIndexer.scores_as_words
-    if on:
-        SparseMLAIndexer.scores_as_words = lambda self, plan, two_level=False: (
-            rule(self, plan, two_level) and plan.num_cols <= MAX_SELECT_COLS)
-    try:
-        yield
-    finally:
-        SparseMLAIndexer.scores_as_words = rule
+    if not on:
+        return contextlib.nullcontext()
+    return mock.patch.object(SparseMLAIndexer, "scores_as_words", lambda self, plan, two_level=False: (
+        rule(self, plan, two_level) and plan.num_cols <= MAX_SELECT_COLS))
 
 
 def run(names: list[str]) -> dict:

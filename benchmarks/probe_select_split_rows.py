@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from unittest import mock
 
 import torch
 import triton
@@ -25,16 +26,12 @@ NAMES = ("v4-flash-b32", "v4-pro-b32-top1024", "v41-flash-b32", "v4-flash-b8-512
 SEGMENTS = (None, 4096, 2048)  # None: the rule's (rows whole up to MAX_SELECT_COLS)
 
 
-@contextlib.contextmanager
 def segments_of(cols: int | None):
-    """Selects launched inside take every row longer than ``cols`` in segments of ``cols`` (None: as the rule does)."""
-    saved = kernels.MAX_SELECT_COLS, kernels.SELECT_SEGMENT
-    if cols is not None:
-        kernels.MAX_SELECT_COLS, kernels.SELECT_SEGMENT = cols, cols
-    try:
-        yield
-    finally:
-        kernels.MAX_SELECT_COLS, kernels.SELECT_SEGMENT = saved
+    """Selects launched inside take every row longer than ``cols`` in segments of ``cols`` (None: as the rule does);
+    a context."""
+    if cols is None:
+        return contextlib.nullcontext()
+    return mock.patch.multiple(kernels, MAX_SELECT_COLS=cols, SELECT_SEGMENT=cols)
 
 
 def run(names: list[str]) -> dict:
