@@ -9,6 +9,7 @@ import torch
 from sparse_mla.batch import StepBatch
 from sparse_mla.indexer import IndexerSpec, StepTokens, prepare_queries
 from sparse_mla.indexer_cache import IndexerKeyCache
+from sparse_mla.scenario import Scenario, make_scenario
 
 
 @dataclass
@@ -75,6 +76,34 @@ def write_step_keys(cache: IndexerKeyCache, batch: StepBatch, lengths: list[tupl
         entries = torch.arange(seq // 4, dtype=torch.int32, device=cache.device)
         keys = torch.randn(len(entries), 128, generator=gen).to(cache.device)
         cache.write(keys, batch.entry_slots("c4a", r, entries))
+
+
+@dataclass
+class LayerStep:
+    """A decode step for the indexer layer (:func:`layer_step`)."""
+
+    scenario: Scenario
+    cache: IndexerKeyCache  # poisoned, every complete c4a entry of the step's requests written
+    q: torch.Tensor  # (T_cap, H, 128) float32, raw: the layer prepares it
+    w: torch.Tensor  # (T_cap, H) float32, raw
+
+
+def layer_step(lengths: list[tuple[int, int]], seed: int, device: torch.device | str, fmt: str = "fp8",
+               heads: int = 16, picks: torch.Tensor | None = None) -> LayerStep:
+    """A V4 step of ``lengths`` (``(seq_len, query_len)`` each; decodes of at most 2 tokens first, two padding tokens)
+    for the indexer layer: its scenario (window 4, top-k 64, c4a blocks of 64; ``picks``: the c4a picks it converts),
+    a poisoned key cache of ``fmt`` with random keys (:func:`write_step_keys`), then random queries and head weights
+    of ``heads`` heads, all from one CPU generator seeded ``seed``."""
+    extra = {} if picks is None else {"picks": {"c4a": picks}}
+    sc = make_scenario(lengths, window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,
+                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=device, **extra)
+    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, fmt, device=device)
+    cache.poison()
+    gen = torch.Generator().manual_seed(seed)
+    write_step_keys(cache, sc.batch, lengths, gen)
+    q = torch.randn(sc.batch.token_capacity, heads, 128, generator=gen).to(device)
+    w = torch.randn(sc.batch.token_capacity, heads, generator=gen).to(device)
+    return LayerStep(sc, cache, q, w)
 
 
 def packed_rows(scores: torch.Tensor) -> torch.Tensor:

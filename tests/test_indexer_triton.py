@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import DEVICE, KERNEL_RUNS, ON_GPU, compile_child, needs, sized  # noqa: E402
-from indexer_cases import check_picks, make_case, packed_rows, write_step_keys  # noqa: E402
+from indexer_cases import check_picks, layer_step, make_case, packed_rows, write_step_keys  # noqa: E402
 from sparse_mla.indexer import (MAX_SELECT_COLS, SELECT_SEGMENT, IndexerSpec, StepTokens, index_topk_reference,  # noqa: E402
                                 prepare_queries, top_blocks_reference)
 from sparse_mla.indexer_cache import IndexerKeyCache  # noqa: E402
@@ -492,21 +492,15 @@ def test_the_indexer_layer_converts_its_picks_and_the_attention_launches_no_conv
     padded conversion, the combined form converts into its own rows)."""
     from sparse_mla.layer import SparseMLAAttention
     from sparse_mla.picks import step_picks
-    from sparse_mla.scenario import make_scenario
 
     packed_keys_unless(monkeypatch, words)
     lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 6)]
     tokens = sum(n for _, n in lengths) + 2
     every = torch.arange(lengths[0][0] // 4, dtype=torch.int32).expand(tokens, -1).contiguous()  # every entry written
-    sc = make_scenario(lengths, window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2, picks={"c4a": every},
-                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
+    ls = layer_step(lengths, 21, DEVICE, picks=every)
+    sc, cache, q, w = ls.scenario, ls.cache, ls.q, ls.w
     batch, meta = sc.batch, sc.meta
-    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device=DEVICE)
-    cache.poison()
-    gen = torch.Generator().manual_seed(21)
-    write_step_keys(cache, batch, lengths, gen)
-    q = torch.randn(batch.token_capacity, 16, 128, generator=gen).to(DEVICE)
-    w = torch.randn(batch.token_capacity, 16, generator=gen).to(DEVICE)
+    gen = torch.Generator().manual_seed(21)  # the attention's queries
     indexer = SparseMLAIndexer("c4a", 16, 64, backend="triton", workspace_bytes=3 * 8 * 64 * (lengths[0][0] // 256 + 1))
     picks = indexer(meta, q, w, cache)
     plan = indexer.step_plan(meta, "triton", "fp8")
@@ -647,23 +641,15 @@ def test_the_layer_on_the_float16_dot_gives_the_reference_s_picks(monkeypatch):
     AMD's targets before CDNA 4): its queries prepared into float16, scored by the float16 dot, the reference's
     picks."""
     from sparse_mla.ops.triton import indexer as kernels
-    from sparse_mla.scenario import make_scenario
 
     sm80 = next(t for t in targets.MATRIX if t.name == "sm_80")
     monkeypatch.setattr(targets, "target_of", lambda device: sm80)  # no e4m3 conversion: the integer decode
     rule = kernels.dot_dtype_for
     monkeypatch.setattr(kernels, "dot_dtype_for", lambda target, keys, q: (  # (the interpreter's rule: float32)
         torch.float16 if (keys, q) == ("fp8", "fp8") else rule(target, keys, q)))
-    lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1)]
-    sc = make_scenario(lengths, window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,
-                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
+    ls = layer_step([(sized(700, 9000), 2), (sized(300, 4000), 1)], 16, DEVICE)
+    sc, cache, q, w = ls.scenario, ls.cache, ls.q, ls.w
     batch = sc.batch
-    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device=DEVICE)
-    cache.poison()
-    gen = torch.Generator().manual_seed(16)
-    write_step_keys(cache, batch, lengths, gen)
-    q = torch.randn(batch.token_capacity, 16, 128, generator=gen).to(DEVICE)
-    w = torch.randn(batch.token_capacity, 16, generator=gen).to(DEVICE)
     layer = SparseMLAIndexer("c4a", 16, 64, backend="triton")
     got = layer(sc.meta, q, w, cache)
     assert layer.step_plan(sc.meta, "triton", "fp8").q.dtype == torch.float16
@@ -678,20 +664,13 @@ def test_the_layer_on_the_float16_dot_gives_the_reference_s_picks(monkeypatch):
 def test_layer_triton_equals_layer_reference_with_a_small_workspace(fmt, select, k, words, monkeypatch):
     """Several chunks of a small workspace (of packed keys, and of words twice as long where the layer takes them)
     give the reference's picks."""
-    from sparse_mla.scenario import make_scenario
 
     packed_keys_unless(monkeypatch, words)
 
     lengths = [(sized(700, 9000), 2), (sized(300, 4000), 1), (sized(500, 5000), 9)]
-    sc = make_scenario(lengths, window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,
-                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
+    ls = layer_step(lengths, 12, DEVICE, fmt)
+    sc, cache, q, w = ls.scenario, ls.cache, ls.q, ls.w
     batch = sc.batch
-    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, fmt, device=DEVICE)
-    cache.poison()
-    gen = torch.Generator().manual_seed(12)
-    write_step_keys(cache, batch, lengths, gen)
-    q = torch.randn(batch.token_capacity, 16, 128, generator=gen).to(DEVICE)
-    w = torch.randn(batch.token_capacity, 16, generator=gen).to(DEVICE)
     ref = SparseMLAIndexer("c4a", 16, k, backend="reference")(sc.meta, q, w, cache).clone()
     small = SparseMLAIndexer("c4a", 16, k, backend="triton", workspace_bytes=3 * 8 * 64 * (lengths[0][0] // 256 + 1),
                              topk_select=select)
