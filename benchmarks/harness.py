@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Generic, Iterable, TypeVar
+from typing import Callable, Generic, Iterable, Sequence, TypeVar
 
 import torch
 from rich.console import Console
@@ -141,6 +141,31 @@ def write_json(folder: str, name: str, result: object) -> str:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return path
+
+
+def probe_main(doc: str, name: str, names: Sequence[str], run: Callable[[list[str]], list[dict]],
+               lowerings: tuple[str, ...] = (), lowering_required: bool = False) -> None:
+    """A probe's command line and output: ``--out`` (default ``$OUT`` or ``results``), ``--cases`` (default
+    ``names``) and, with ``lowerings``, ``--lowering`` (the whole run lowered as for that target); ``run(cases)``'s
+    rows to ``out/name[-lowering].json`` with the Triton version and the GPU's target."""
+    import contextlib
+
+    import triton
+
+    from sparse_mla.ops import targets
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
+    parser.add_argument("--cases", nargs="+", default=list(names))
+    if lowerings:
+        parser.add_argument("--lowering", choices=lowerings, required=lowering_required)
+    args = parser.parse_args()
+    lowering = getattr(args, "lowering", None)
+    with targets.lower_as(lowering) if lowering else contextlib.nullcontext():
+        rows = run(args.cases)
+        target = targets.target_of(torch.device("cuda")).name
+    write_json(args.out, f"{name}{'-' + lowering if lowering else ''}.json",
+               dict(triton=triton.__version__, target=target, rows=rows))
 
 
 def report(console: Console, path: str, result: dict, tables: Iterable) -> int:

@@ -9,19 +9,15 @@ differ in a score's last bits). Run it lowered on a newer GPU (docs/history.md v
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
 from unittest import mock
 
 import torch
-import triton
 
-from sparse_mla.ops import targets
 from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, scored_layer
-from harness import write_json
+from harness import probe_main
 from timing import graphed, timed_rounds
 
 NAMES = ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128", "prefill-4k-on-32k")
@@ -37,7 +33,7 @@ def dot(dtype: torch.dtype | None):
         dtype if rule(target, keys, q) == torch.float16 else rule(target, keys, q)))
 
 
-def run(names: list[str]) -> dict:
+def run(names: list[str]) -> list[dict]:
     dev = torch.device("cuda")
     rows = []
     for case in (c for c in cases(False) if c.name in names):
@@ -54,19 +50,8 @@ def run(names: list[str]) -> dict:
                    layer_us={"bf16": round(us[0], 2), "float16": round(us[1], 2)})
         rows.append(row)
         print(row, flush=True)
-    return dict(triton=triton.__version__, target=targets.target_of(dev).name, rows=rows)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
-    parser.add_argument("--cases", nargs="+", default=list(NAMES))
-    parser.add_argument("--lowering", choices=("sm80", "sm86"), required=True)
-    args = parser.parse_args()
-    with targets.lower_as(args.lowering):
-        result = run(args.cases)
-    write_json(args.out, f"probe_indexer_fp16_dot-{args.lowering}.json", result)
+    return rows
 
 
 if __name__ == "__main__":
-    main()
+    probe_main(__doc__, "probe_indexer_fp16_dot", NAMES, run, ("sm80", "sm86"), lowering_required=True)

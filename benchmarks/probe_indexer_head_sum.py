@@ -7,20 +7,15 @@ reference's and with each other's (docs/history.md version 38).
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
-import os
 from unittest import mock
 
 import torch
-import triton
 
 from sparse_mla.indexer import StepTokens, index_topk_reference, prepare_queries
-from sparse_mla.ops import targets
 from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, scored_layer, scores_alone
-from harness import write_json
+from harness import probe_main
 from timing import graphed, timed_rounds
 
 NAMES = ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128", "v32-b32", "prefill-4k-on-32k")
@@ -31,7 +26,7 @@ def head_sum(chained: bool):
     return mock.patch.object(kernels, "heads_chained", lambda target: chained)
 
 
-def run(names: list[str]) -> dict:
+def run(names: list[str]) -> list[dict]:
     dev = torch.device("cuda")
     rows = []
     for case in (c for c in cases(False) if c.name in names):
@@ -61,19 +56,8 @@ def run(names: list[str]) -> dict:
             row.update(scores_us={"sum": us[1], "chained": us[3]}, words_equal=(a == b).float().mean().item())
         rows.append(row)
         print(row, flush=True)
-    return dict(triton=triton.__version__, target=targets.target_of(dev).name, rows=rows)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
-    parser.add_argument("--cases", nargs="+", default=list(NAMES))
-    parser.add_argument("--lowering", choices=("sm80", "sm86", "sm89"))
-    args = parser.parse_args()
-    with targets.lower_as(args.lowering) if args.lowering else contextlib.nullcontext():
-        result = run(args.cases)
-    write_json(args.out, f"probe_indexer_head_sum{'-' + args.lowering if args.lowering else ''}.json", result)
+    return rows
 
 
 if __name__ == "__main__":
-    main()
+    probe_main(__doc__, "probe_indexer_head_sum", NAMES, run, ("sm80", "sm86", "sm89"))

@@ -7,20 +7,16 @@ alternating in one process, the picks compared (docs/history.md version 39).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
 from unittest import mock
 
 import torch
-import triton
 
 from sparse_mla.indexer import MAX_SELECT_COLS
 from sparse_mla.indexer_layer import SparseMLAIndexer
-from sparse_mla.ops import targets
 
 from bench_indexer import cases, scored_layer
-from harness import write_json
+from harness import probe_main
 from timing import graphed, timed_rounds
 
 NAMES = ("v4-flash-b8-512k", "v32-b32")
@@ -36,7 +32,7 @@ def packed_long_rows(on: bool):
         rule(self, plan, two_level) and plan.num_cols <= MAX_SELECT_COLS))
 
 
-def run(names: list[str]) -> dict:
+def run(names: list[str]) -> list[dict]:
     dev = torch.device("cuda")
     rows = []
     for case in (c for c in cases(False) if c.name in names):
@@ -52,17 +48,8 @@ def run(names: list[str]) -> dict:
                    layer_us={"packed": round(us[0], 2), "words": round(us[1], 2)})
         rows.append(row)
         print(row, flush=True)
-    return dict(triton=triton.__version__, target=targets.target_of(dev).name, rows=rows)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
-    parser.add_argument("--cases", nargs="+", default=list(NAMES))
-    args = parser.parse_args()
-    result = run(args.cases)
-    write_json(args.out, "probe_indexer_segment_words.json", result)
+    return rows
 
 
 if __name__ == "__main__":
-    main()
+    probe_main(__doc__, "probe_indexer_segment_words", NAMES, run)

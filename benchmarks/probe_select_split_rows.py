@@ -8,18 +8,15 @@ replays alternating (docs/history.md version 39). Segments at most k long keep n
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
 from unittest import mock
 
 import torch
-import triton
 
 from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, scored_layer, select_rows
-from harness import write_json
+from harness import probe_main
 from timing import graphed, timed_rounds
 
 NAMES = ("v4-flash-b32", "v4-pro-b32-top1024", "v41-flash-b32", "v4-flash-b8-512k", "v32-b32", "v4-flash-b128")
@@ -34,7 +31,7 @@ def segments_of(cols: int | None):
     return mock.patch.multiple(kernels, MAX_SELECT_COLS=cols, SELECT_SEGMENT=cols)
 
 
-def run(names: list[str]) -> dict:
+def run(names: list[str]) -> list[dict]:
     dev = torch.device("cuda")
     out = []
     for case in (c for c in cases(False) if c.name in names):
@@ -54,16 +51,8 @@ def run(names: list[str]) -> dict:
                    us={label: round(t, 2) for label, t in zip(labels, us)})
         out.append(row)
         print(row, flush=True)
-    return dict(triton=triton.__version__, rows=out)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
-    parser.add_argument("--cases", nargs="+", default=list(NAMES))
-    args = parser.parse_args()
-    write_json(args.out, "probe_select_split_rows.json", run(args.cases))
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    probe_main(__doc__, "probe_select_split_rows", NAMES, run)
