@@ -22,23 +22,21 @@ HEADS = (4, 8, 16, 32)
 
 
 def run(names: list[str]) -> list[dict]:
-    dev = torch.device("cuda")
     rows = []
     for case in (c for c in cases(False) if c.name in names):
-        scored = scored_layer(case, dev)
-        layer, meta, q, w, cache, plan = scored.layer, scored.meta, scored.q, scored.w, scored.cache, scored.plan
+        s = scored_layer(case, torch.device("cuda"))
+        spec, plan = s.layer.spec, s.plan
         prepared, fns = {}, []
         for heads in HEADS:
             with mock.patch.object(kernels, "PREP_HEADS", heads):
                 def prep() -> None:
-                    kernels.launch_prepare_queries(q, w, plan.cos, plan.sin, case.kind == "dsa",
-                                                   layer.spec.q_format == "fp8", layer.spec.weight_scale, plan.q,
-                                                   plan.w)
+                    kernels.launch_prepare_queries(s.q, s.w, plan.cos, plan.sin, case.kind == "dsa",
+                                                   spec.q_format == "fp8", spec.weight_scale, plan.q, plan.w)
 
                 prep()
                 prepared[heads] = (plan.q.clone(), plan.w.clone())
                 fns.append(graphed(prep))
-                fns.append(graphed(lambda: layer(meta, q, w, cache)))
+                fns.append(graphed(lambda: s.layer(s.meta, s.q, s.w, s.cache)))
         us = timed_rounds(fns, 60, 3)
         base = prepared[8]
         row = dict(case=case.name, same=all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
