@@ -3,41 +3,34 @@ compaction's slots counted inside each thread, one scan across threads) against 
 entry-order ``tl.cumsum`` of the tile), on the layer's own scores: picks compared (the same, in the same order),
 CUDA-graph replays alternating (docs/history.md version 38).
 
-    python benchmarks/probe_select_runs.py [--out results/]
+    python benchmarks/probe_select_runs.py [--cases ...] [--out results/]
 """
 from __future__ import annotations
 
-import argparse
-import os
+import contextlib
+from unittest import mock
 
 import torch
-import triton
 
 from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, scored_layer, select_rows
-from harness import write_json
+from harness import probe_main
 from timing import graphed, timed_rounds
+
+
+NAMES = ("v4-flash-b32", "v4-flash-b128", "v4-pro-b32-top1024", "v41-flash-b128", "prefill-4k-on-32k")
 
 
 def launch(rows: torch.Tensor, k: int, picks: torch.Tensor, runs: bool) -> None:
     """The select's launch, with its lanes as runs of columns where the rule takes them (``runs``) or never."""
-    rule = kernels.select_runs
-    if not runs:
-        kernels.select_runs = lambda target, warps, main, words: 0
-    try:
+    with contextlib.nullcontext() if runs else mock.patch.object(kernels, "select_runs", lambda *args: 0):
         kernels.launch_topk_rows(rows, k, picks)
-    finally:
-        kernels.select_runs = rule
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
-    args = parser.parse_args()
+def run(names: list[str]) -> list[dict]:
     dev = torch.device("cuda")
     rows_out = []
-    names = ("v4-flash-b32", "v4-flash-b128", "v4-pro-b32-top1024", "v41-flash-b128", "prefill-4k-on-32k")
     for case in (c for c in cases(False) if c.name in names):
         rows, picks = select_rows(scored_layer(case, dev))
         got, fns = {}, []
@@ -51,8 +44,8 @@ def main() -> None:
                    us={"columns": round(us[0], 2), "runs": round(us[1], 2)})
         rows_out.append(row)
         print(row, flush=True)
-    write_json(args.out, "probe_select_runs.json", dict(triton=triton.__version__, rows=rows_out))
+    return rows_out
 
 
 if __name__ == "__main__":
-    main()
+    probe_main(__doc__, "probe_select_runs", NAMES, run)

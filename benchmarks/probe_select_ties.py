@@ -1,29 +1,26 @@
 """The select over rows whose threshold ties (the scores' low bits cleared), its tie search started at the entries'
 bits against from bit 31 (docs/history.md version 36): one-off probe.
 
-    python benchmarks/probe_select_ties.py [--out results/]
+    python benchmarks/probe_select_ties.py [--cases ...] [--out results/]
 """
 from __future__ import annotations
-
-import argparse
-import os
 
 import torch
 
 from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, coarsened_words, scored_layer, select_rows
-from harness import write_json
+from harness import probe_main
 from timing import graphed, timed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
-    args = parser.parse_args()
+NAMES = ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128")
+
+
+def run(names: list[str]) -> list[dict]:
     dev = torch.device("cuda")
     rows_out = []
-    for case in (c for c in cases(False) if c.name in ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128")):
+    for case in (c for c in cases(False) if c.name in names):
         words, picks = select_rows(scored_layer(case, dev))  # words: these cases' rows are whole
         for cleared in (0, 12, 16, 20):
             tied = coarsened_words(words, cleared) if cleared else words
@@ -39,8 +36,8 @@ def main() -> None:
                        before_us=got["from bit 31 us"], after_us=got["from the entries' bits us"])
             rows_out.append(row)
             print(row, flush=True)
-    write_json(args.out, "probe_select_ties.json", rows_out)
+    return rows_out
 
 
 if __name__ == "__main__":
-    main()
+    probe_main(__doc__, "probe_select_ties", NAMES, run)

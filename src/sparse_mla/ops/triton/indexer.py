@@ -160,6 +160,14 @@ def _head_sum_chained(relu_t, w, PAGE: tl.constexpr, QT: tl.constexpr, HP: tl.co
 
 
 @triton.jit
+def _packed_key(order, entry):
+    """The packed key of a score's ``order`` bits (int32: signed-int order = the scores' order) and its ``entry``:
+    ``order`` in the high word, ``2^32 - 1 - entry`` in the low one (int64; the module docstring's layout, which the
+    score kernel stores and the select over a long row's segments of words packs again)."""
+    return (order.to(tl.int64) << 32) | (4294967295 - entry.to(tl.int64))
+
+
+@triton.jit
 def _index_scores_kernel(
     q_ptr, w_ptr, data_ptr, scale_ptr, positions_ptr, qsl_ptr, table_ptr, out_ptr,
     t0, t1, H, ratio, num_blocks, table_stride, max_pages, out_stride, num_cols,
@@ -254,7 +262,7 @@ def _index_scores_kernel(
             stored = tl.maximum((ordered ^ -2147483648).to(tl.uint32, bitcast=True).to(tl.int64), 1)
             stored = tl.where(ok, stored, 0).to(tl.int32)  # the low 32 bits
         else:
-            stored = (ordered.to(tl.int64) << 32) | (4294967295 - cols.to(tl.int64))[None, :]
+            stored = _packed_key(ordered, cols)  # (QT, PAGE): the entries broadcast over the tokens
             stored = tl.where(ok, stored, -9223372036854775808)
         tl.store(out_ptr + out_rows[:, None] + cols[None, :], stored, mask=tok_ok[:, None] & (cols < num_cols)[None, :])
 
@@ -569,8 +577,7 @@ def _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, cols,
     packed from the chosen ``words`` (uint32) and their entries, ``first_entry`` plus the column."""
     if KEYS:
         if WORDS:  # the score kernel's packing: the order bits (the word's sign bit flipped back), then the entry
-            order = (words ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64)
-            key = (order << 32) | (4294967295 - (first_entry + cols).to(tl.int64))
+            key = _packed_key((words ^ 2147483648).to(tl.int32, bitcast=True), first_entry + cols)
         else:
             key = tl.load(packed_ptr + row * stride + cols, mask=chosen)
         tl.store(out_ptr + row * out_stride + slot, key, mask=chosen)
