@@ -784,16 +784,31 @@ def select_runs(target: targets.Target, warps: int, main: int, words: bool) -> i
     return threads if words and main % (SELECT_VECTOR * threads) == 0 else 0
 
 
-def select_warps(rows: int, lanes: int, sms: int) -> int:
-    """The select's warps for ``rows`` rows of ``lanes`` keys (its two tiles' widths summed) on a GPU of ``sms`` SMs:
-    the fewest, a power of two and at least 4, that hold at most 72 keys a thread, doubled (to 8 at most) where the
-    rows do not fill the SMs (a row's rounds are then the launch's latency), 16 at most. Fewer warps a row cost the
-    cross-warp sums of every round less; more keys a thread spill. H200 (docs/history.md version 27): 8,192 keys 4 at
-    256 rows, 8 at 64; 9,216 (8,192 + 1,024) 4 at 3,640 rows (8: 1.5x the time); 16,384 8 at 64 and at 256."""
+def select_warps(rows: int, lanes: int, sms: int, digits: bool = False) -> int:
+    """The select's warps for ``rows`` rows of ``lanes`` keys (its two tiles' widths summed) on a GPU of ``sms`` SMs.
+
+    A bit a round: the fewest, a power of two and at least 4, that hold at most 72 keys a thread, doubled (to 8 at
+    most) where the rows do not fill the SMs (a row's rounds are then the launch's latency), 16 at most. Fewer warps a
+    row cost the cross-warp sums of every round less; more keys a thread spill. H200 (docs/history.md version 27):
+    8,192 keys 4 at 256 rows, 8 at 64; 9,216 (8,192 + 1,024) 4 at 3,640 rows (8: 1.5x the time); 16,384 8 at 64 and
+    at 256.
+
+    ``digits`` (the search by histograms, :func:`select_digit_bits`), rows of at least 8,192 keys: a pass costs a
+    shared-memory increment a key and a few scans of the bins whatever the warps, so more warps shorten it: 16 where
+    the rows are at most two an SM (their passes are the launch's latency), else 8. H200, Triton 3.9, the select alone
+    on the layer's words, 4 / 8 / 16 / 32 warps (docs/history.md version 40): V4-Flash B 32 (64 rows of 8,192) 16.4 /
+    13.1 / 11.6 / 12.4 µs, B 128 (256 rows) 21.2 / 18.1 / 17.2 / 19.1, V4.1-Flash B 128 (256 of 16,384) 35.6 / 37.2 /
+    32.6 / 31.5, V3.2 B 32 (64 rows in segments of 8,192, then 4,096 winners) 43.9 / 38.1 / 36.1 / 41.0, the 4K
+    prefill chunk (4,096 rows of 9,216) 239.6 / 194.2 / 252.7 / 297.7."""
+    if digits and lanes >= DIGIT_SELECT_MIN_LANES:
+        return 16 if rows <= 2 * sms else 8
     warps = max(4, triton.next_power_of_2(-(-lanes // (72 * 32))))
     if rows < sms and warps < 8:
         warps *= 2
     return min(16, warps)
+
+
+DIGIT_SELECT_MIN_LANES = 8192  # rows the digit search's warps were measured on (shorter: the bit rounds' rule)
 
 
 def select_tiles(cols: int, k: int) -> tuple[int, int]:
@@ -851,10 +866,10 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     lanes = main + tail if tail > 1 else main
     # the GPU's own SMs; on the CPU (interpreter, the portability matrix's recorded launches) those of its target
     target = targets.target_of(packed.device)
-    warps = select_warps(rows, lanes, targets.num_sms(packed.device, target))
     words_in = packed.dtype == torch.int32  # the score kernel's words: the search's words themselves
     if digit_bits is None:
         digit_bits = select_digit_bits(target, words_in)
+    warps = select_warps(rows, lanes, targets.num_sms(packed.device, target), digit_bits > 0)
     # packed keys: (rows, 2 · cols) int32, each key's low, then high word (the kernel takes the int64 row stride)
     words = packed if words_in else packed.view(torch.int32)
     if into is None:  # the conversion's arguments unread (CONVERT off): out stands in for its tensors

@@ -1,0 +1,87 @@
+"""The select's warps a row where it searches by digits (Triton 3.8+ on NVIDIA: ``select_warps``' ``digits``): the
+select alone on the layer's own scores at 4, 8, 16 and 32 warps, the version-39 rule (bit rounds' choice for both
+searches) and the current one, then the whole layer under each rule (one call's graph, and a call's share of a graph of
+four layers' calls, each layer its own keys, queries and weights); CUDA-graph replays alternating in one process, the
+picks compared (the same, in the same order, whatever the warps; the layer's graphs after their replays against its
+eager calls). Docs/history.md version 40.
+
+    python benchmarks/probe_select_warps.py [--cases ...] [--out results/]
+"""
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+import triton
+
+from sparse_mla.indexer_layer import SparseMLAIndexer
+from sparse_mla.ops.triton import indexer as kernels
+
+from bench_indexer import STEP_LAYERS, case_queries, cases, key_cache, scored_layer, select_rows
+from harness import probe_main
+from timing import graphed, timed_rounds
+
+NAMES = ("v4-flash-b32", "v4-flash-b128", "v4-flash-b8-512k", "v4-pro-b32-top1024", "v41-flash-b32",
+         "v41-flash-b128", "v32-b32", "prefill-4k-on-32k")
+FIXED = (4, 8, 16, 32)
+
+
+def v39_rule(rows: int, lanes: int, sms: int, digits: bool = False) -> int:
+    """Version 39's ``select_warps`` (measured on bit rounds, taken by both searches)."""
+    warps = max(4, triton.next_power_of_2(-(-lanes // (72 * 32))))
+    return min(16, warps * 2 if rows < sms and warps < 8 else warps)
+
+
+RULES = {"v39 rule": v39_rule, "rule": kernels.select_warps}
+VARIANTS = {**RULES, **{f"{w} warps": (lambda rows, lanes, sms, digits=False, w=w: w) for w in FIXED}}
+
+
+def run(names: list[str]) -> list[dict]:
+    dev = torch.device("cuda")
+    out = []
+    for case in (c for c in cases(False) if c.name in names):
+        scored = scored_layer(case, dev)
+        rows, picks = select_rows(scored)
+        got, fns = {}, []
+        for name, rule in VARIANTS.items():
+            with mock.patch.object(kernels, "select_warps", rule):
+                kernels.launch_topk_rows(rows, case.topk, picks)
+                got[name] = picks.clone()
+                fns.append(graphed(lambda: kernels.launch_topk_rows(rows, case.topk, picks)))
+        # the layer under each rule: one call, and a step of STEP_LAYERS calls over their own keys and queries
+        meta, cap = scored.meta, scored.batch.token_capacity
+        caches = [scored.cache] + [key_cache(case, dev, seed) for seed in range(1, STEP_LAYERS)]
+        inputs = [(scored.q, scored.w)] + [case_queries(case, cap, dev, seed) for seed in range(1, STEP_LAYERS)]
+        layers = [SparseMLAIndexer(case.kind, case.heads, case.topk) for _ in caches]
+        layer_picks = {r: [torch.empty(cap, case.topk, dtype=torch.int32, device=dev) for _ in layers] for r in RULES}
+
+        def step(rule: str, count: int) -> None:
+            for layer, cache, (q, w), o in list(zip(layers, caches, inputs, layer_picks[rule]))[:count]:
+                o.copy_(layer(meta, q, w, cache))
+
+        eager = {}
+        for name, rule in RULES.items():
+            with mock.patch.object(kernels, "select_warps", rule):
+                step(name, STEP_LAYERS)
+                eager[name] = [p.clone() for p in layer_picks[name]]
+                fns.append(graphed(lambda name=name: step(name, 1)))
+                fns.append(graphed(lambda name=name: step(name, STEP_LAYERS)))
+        us = timed_rounds(fns, 60, 3)
+        for fn in fns[len(VARIANTS):]:  # the layers' graphs' own picks, after all their replays
+            fn()
+        torch.cuda.synchronize()
+        same = all(torch.equal(got["v39 rule"], g) for g in got.values())
+        same &= all(torch.equal(a, b) for r in RULES for a, b in zip(eager[r], layer_picks[r]))
+        same &= all(torch.equal(a, b) for a, b in zip(*layer_picks.values()))
+        n = len(VARIANTS)
+        row = dict(case=case.name, rows=rows.shape[0], cols=rows.shape[1], same=same,
+                   select_us={name: round(t, 2) for name, t in zip(VARIANTS, us)},
+                   layer_us={r: round(us[n + 2 * i], 2) for i, r in enumerate(RULES)},
+                   in_step_us={r: round(us[n + 2 * i + 1] / STEP_LAYERS, 2) for i, r in enumerate(RULES)})
+        out.append(row)
+        print(row, flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    probe_main(__doc__, "probe_select_warps", NAMES, run)
