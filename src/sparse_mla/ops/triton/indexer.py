@@ -793,15 +793,18 @@ def select_warps(rows: int, lanes: int, sms: int, digits: bool = False) -> int:
     8,192 keys 4 at 256 rows, 8 at 64; 9,216 (8,192 + 1,024) 4 at 3,640 rows (8: 1.5x the time); 16,384 8 at 64 and
     at 256.
 
-    ``digits`` (the search by histograms, :func:`select_digit_bits`), rows of at least 8,192 keys: a pass costs a
-    shared-memory increment a key and a few scans of the bins whatever the warps, so more warps shorten it: 16 where
-    the rows are at most two an SM (their passes are the launch's latency), else 8. H200, Triton 3.9, the select alone
-    on the layer's words, 4 / 8 / 16 / 32 warps (docs/history.md version 40): V4-Flash B 32 (64 rows of 8,192) 16.4 /
-    13.1 / 11.6 / 12.4 µs, B 128 (256 rows) 21.2 / 18.1 / 17.2 / 19.1, V4.1-Flash B 128 (256 of 16,384) 35.6 / 37.2 /
-    32.6 / 31.5, V3.2 B 32 (64 rows in segments of 8,192, then 4,096 winners) 43.9 / 38.1 / 36.1 / 41.0, the 4K
-    prefill chunk (4,096 rows of 9,216) 239.6 / 194.2 / 252.7 / 297.7."""
-    if digits and lanes >= DIGIT_SELECT_MIN_LANES:
-        return 16 if rows <= 2 * sms else 8
+    ``digits`` (the search by histograms, :func:`select_digit_bits`), rows of at least 8,192 keys, at most two an SM
+    (their passes are the launch's latency): 16, since a pass costs a shared-memory increment a key and a few scans of
+    the bins whatever the warps. H200, Triton 3.9, the select alone on the layer's words, 4 / 8 / 16 / 32 warps
+    (docs/history.md version 40): V4-Flash B 32 (64 rows of 8,192) 16.4 / 13.1 / 11.6 / 12.4 µs, B 128 (256 rows)
+    21.2 / 18.1 / 17.2 / 19.1, V4.1-Flash B 128 (256 of 16,384) 35.6 / 37.2 / 32.6 / 31.5, V3.2 B 32 (64 rows in
+    segments of 8,192, then 4,096 winners) 43.9 / 38.1 / 36.1 / 41.0; the layer, this rule against the bit rounds'
+    one: B 32 32.6 -> 31.0, B 128 74.2 -> 73.9, V4.1-Flash B 128 127.8 -> 123.0, V3.2 90.3 -> 86.4. More rows keep the
+    bit rounds' rule: the 4K prefill chunk's 4,096 rows of 9,216 took 239.6 / 194.2 / 252.7 / 297.7 µs alone, but the
+    layer at 8 warps 1,006 against 936 at 4 (its select's waiting programs, resident beside the scores' last wave,
+    hold more of the SMs: not measured apart)."""
+    if digits and lanes >= DIGIT_SELECT_MIN_LANES and rows <= 2 * sms:
+        return 16
     warps = max(4, triton.next_power_of_2(-(-lanes // (72 * 32))))
     if rows < sms and warps < 8:
         warps *= 2
