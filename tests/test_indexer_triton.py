@@ -374,6 +374,30 @@ def test_the_select_lists_the_same_picks_with_lanes_as_runs_or_in_column_order(m
                        .values.int())
 
 
+@needs_gpu  # the warps change the compiled layouts alone: the interpreter runs none
+@pytest.mark.parametrize("warps", [4, 8, 16, 32])
+def test_the_select_lists_the_same_picks_at_any_warps(monkeypatch, warps):
+    """Rows of 8,192 words (ties across threads, a row of few candidates), the target's search (digits on Triton
+    3.8+): the select's picks are the top k's, listed in entry order, whatever the warps a row — ``select_warps``
+    chooses them for speed alone (16 over few rows searched by digits)."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    gen = torch.Generator().manual_seed(8192 + warps)
+    scores = torch.randn(5, 8192, generator=gen)
+    scores[0, 1000:3000] = 0.75  # ties at the threshold, across many threads' runs
+    scores[3, torch.rand(8192, generator=gen) < 0.97] = float("nan")  # fewer candidates than k
+    packed = packed_rows(scores)
+    monkeypatch.setattr(kernels, "select_warps", lambda rows, lanes, sms, digits=False: warps)
+    out = torch.full((5, 512), 7, dtype=torch.int32, device=DEVICE)
+    kernels.topk_rows(words_of(packed).to(DEVICE), 512, out)
+    got = out.cpu()
+    for r in (0, 1, 2, 4):
+        assert torch.equal(got[r], torch.topk(packed[r], 512).indices.sort().values.int()), f"row {r}"
+    candidates = (packed[3] != torch.iinfo(torch.int64).min).nonzero().flatten().int()  # every one, in entry order
+    assert candidates.numel() < 512
+    assert torch.equal(got[3, :candidates.numel()], candidates) and (got[3, candidates.numel():] == -1).all()
+
+
 SELECT_VALUES = {  # rows far from random scores: ties by the thousand, one value, the float range's ends
     "few distinct values": lambda g, n: torch.randint(-3, 4, (n,), generator=g).float(),
     "one value": lambda g, n: torch.full((n,), 2.5),
