@@ -1,5 +1,6 @@
 """Why the layer's select takes longer after the scores than the select alone (docs/history.md version 40: at
-V4-Flash B 128 it ends 17.9 µs after the scores at 4 warps and at 16, though alone it gained 4 µs at 16): the layer
+V4-Flash B 128 it ends 17.9 µs after the scores at 16 warps, 18.0 at 4 in version 39, though alone it gained 4 µs
+at 16): the layer
 with its select at the rule's warps or at 4, launched as a programmatic dependent (its programs resident early,
 waiting for the scores) or plainly (after the scores have completed); per variant the layer's graph time (replays
 alternating in one process) and its kernels' timeline (``probe_indexer_timeline``'s CUPTI records: the select's

@@ -384,12 +384,15 @@ def test_the_select_lists_the_same_picks_at_any_warps(monkeypatch, warps):
 
     gen = torch.Generator().manual_seed(8192 + warps)
     scores = torch.randn(5, 8192, generator=gen)
-    scores[0, 1000:3000] = 0.75  # ties at the threshold, across many threads' runs
+    scores[0, 1000:3000] = 2.25  # ties at the threshold, across many threads' runs
+    assert (scores[0] > 2.25).sum() < 512 < (scores[0] >= 2.25).sum()
     scores[3, torch.rand(8192, generator=gen) < 0.97] = float("nan")  # fewer candidates than k
     packed = packed_rows(scores)
-    monkeypatch.setattr(kernels, "select_warps", lambda rows, lanes, sms, digits=False: warps)
+    asked = []
+    monkeypatch.setattr(kernels, "select_warps", lambda rows, lanes, sms, digits=False: asked.append(rows) or warps)
     out = torch.full((5, 512), 7, dtype=torch.int32, device=DEVICE)
     kernels.topk_rows(words_of(packed).to(DEVICE), 512, out)
+    assert asked == [5]  # one launch, at the patched warps
     got = out.cpu()
     for r in (0, 1, 2, 4):
         assert torch.equal(got[r], torch.topk(packed[r], 512).indices.sort().values.int()), f"row {r}"
