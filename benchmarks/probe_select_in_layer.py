@@ -2,7 +2,8 @@
 V4-Flash B 128 it ends 17.9 µs after the scores at 16 warps, 18.0 at 4 in version 39, though alone it gained 4 µs
 at 16): the layer
 with its select at the rule's warps or at 4, launched as a programmatic dependent (its programs resident early,
-waiting for the scores) or plainly (after the scores have completed); per variant the layer's graph time (replays
+waiting for the scores) or plainly (after the scores have completed), and at the rule's warps as a dependent with
+no step conversion to write (the select converting nothing in its launch); per variant the layer's graph time (replays
 alternating in one process) and its kernels' timeline (``probe_indexer_timeline``'s CUPTI records: the select's
 start, and what it adds after the scores end), the picks compared.
 
@@ -16,6 +17,7 @@ from unittest import mock
 
 import torch
 
+from sparse_mla import indexer_layer
 from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, scored_layer
@@ -42,9 +44,12 @@ class PlainLaunch:
         return run
 
 
-def variant(warps: str, dependent: bool) -> ExitStack:
-    """Inside, the layer's select at ``warps`` ("rule" or a count) and launched as a dependent or plainly."""
+def variant(warps: str, dependent: bool, converts: bool = True) -> ExitStack:
+    """Inside, the layer's select at ``warps`` ("rule" or a count), launched as a dependent or plainly, and
+    converting the step's picks in its launch or (``converts`` off: no step conversion) not."""
     stack = ExitStack()
+    if not converts:
+        stack.enter_context(mock.patch.object(indexer_layer, "step_picks", lambda meta, kind: None))
     if warps != "rule":
         stack.enter_context(mock.patch.object(kernels, "select_warps",
                                               lambda rows, lanes, sms, digits=False: int(warps)))
@@ -58,11 +63,11 @@ def run(names: list[str]) -> list[dict]:
     out = []
     for case in (c for c in cases(False) if c.name in names):
         s = scored_layer(case, dev)
-        variants = list(itertools.product(("rule", "4"), (True, False)))
+        variants = [(w, d, True) for w, d in itertools.product(("rule", "4"), (True, False))] + [("rule", True, False)]
         fns, picks, timelines = [], {}, {}
-        for warps, dependent in variants:
-            key = f"{warps} warps, {'dependent' if dependent else 'plain'}"
-            with variant(warps, dependent):
+        for warps, dependent, converts in variants:
+            key = f"{warps} warps, {'dependent' if dependent else 'plain'}{'' if converts else ', unconverted'}"
+            with variant(warps, dependent, converts):
                 picks[key] = s.layer(s.meta, s.q, s.w, s.cache).clone()
                 fn = graphed(lambda: s.layer(s.meta, s.q, s.w, s.cache))
             fns.append(fn)
