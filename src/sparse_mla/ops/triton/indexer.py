@@ -801,8 +801,10 @@ def select_warps(rows: int, lanes: int, sms: int, digits: bool = False) -> int:
     segments of 8,192, then 8,192 winners) 43.9 / 38.1 / 36.1 / 41.0; the layer, this rule against the bit rounds'
     one (two runs): B 32 32.6 -> 31.0, B 128 74.2 -> 73.9, V4.1-Flash B 128 127.8 -> 123.0, V3.2 90.3 -> 86.4.
     More rows keep the bit rounds' rule: the 4K prefill chunk's 4,096 rows of 9,216 took 239.6 / 194.2 / 252.7 /
-    297.7 µs alone, but its layer 1,006 µs at 8 warps against 936 at 4 (why: benchmarks/probe_select_in_layer.py,
-    not yet run)."""
+    297.7 µs alone (not converting its picks), but its layer 1,006 µs at 8 warps against 936 at 4: converting, the
+    8-warp select takes 184 registers a thread against 128 (sm_90, Triton 3.9), one program an SM instead of two (the
+    16-warp select over 8,192 words likewise 82 against 57: the B 128 layer's 256 rows in two waves; docs/history.md
+    version 40, branch experiment/v40-select-maxnreg)."""
     if digits and lanes >= DIGIT_SELECT_MIN_LANES and rows <= 2 * sms:
         return 16
     warps = max(4, triton.next_power_of_2(-(-lanes // (72 * 32))))
