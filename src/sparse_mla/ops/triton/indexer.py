@@ -872,12 +872,11 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     # the GPU's own SMs; on the CPU (interpreter, the portability matrix's recorded launches) those of its target
     target = targets.target_of(packed.device)
     words_in = packed.dtype == torch.int32  # the score kernel's words: the search's words themselves
-    if digit_bits is None:
-        digit_bits = select_digit_bits(target, words_in)
+    own_digits = select_digit_bits(target, words_in)
+    digit_bits = own_digits if digit_bits is None else digit_bits
     # the digit search's warps where it is the target's own (histograms by shared-memory atomics over words); an
     # explicit digit_bits elsewhere (a test, a probe) keeps the bit rounds' warps, the only ones measured there
-    digit_warps = digit_bits > 0 and select_digit_bits(target, words_in) > 0
-    warps = select_warps(rows, lanes, targets.num_sms(packed.device, target), digit_warps)
+    warps = select_warps(rows, lanes, targets.num_sms(packed.device, target), digit_bits > 0 and own_digits > 0)
     # packed keys: (rows, 2 · cols) int32, each key's low, then high word (the kernel takes the int64 row stride)
     words = packed if words_in else packed.view(torch.int32)
     if into is None:  # the conversion's arguments unread (CONVERT off): out stands in for its tensors
