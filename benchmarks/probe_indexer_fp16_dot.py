@@ -18,7 +18,7 @@ from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, scored_layer
 from harness import probe_main
-from timing import graphed, timed_rounds
+from timing import graphed, timed_variants
 
 NAMES = ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128", "prefill-4k-on-32k")
 
@@ -37,17 +37,16 @@ def run(names: list[str]) -> list[dict]:
     dev = torch.device("cuda")
     rows = []
     for case in (c for c in cases(False) if c.name in names):
-        picks, fns, dtypes = {}, [], {}
+        picks, fns, dtypes = {}, {}, {}
         for name, dtype in (("bf16", torch.bfloat16), ("float16", None)):
             with dot(dtype):
                 scored = scored_layer(case, dev)
                 layer, meta, q, w, cache = scored.layer, scored.meta, scored.q, scored.w, scored.cache
                 picks[name] = layer(meta, q, w, cache)[: scored.batch.num_tokens].clone()
                 dtypes[name] = str(scored.plan.q.dtype)
-                fns.append(graphed(lambda layer=layer, meta=meta, q=q, w=w, cache=cache: layer(meta, q, w, cache)))
-        us = timed_rounds(fns, 60, 3)
+                fns[name] = graphed(lambda layer=layer, meta=meta, q=q, w=w, cache=cache: layer(meta, q, w, cache))
         row = dict(case=case.name, q_dtypes=dtypes, same=bool(torch.equal(picks["bf16"], picks["float16"])),
-                   layer_us={"bf16": round(us[0], 2), "float16": round(us[1], 2)})
+                   layer_us=timed_variants(fns))
         rows.append(row)
         print(row, flush=True)
     return rows

@@ -15,7 +15,7 @@ from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, scored_layer
 from harness import probe_main
-from timing import graphed, timed_rounds
+from timing import graphed, timed_variants
 
 NAMES = ("v4-flash-b32", "v4-flash-b128", "v41-flash-b128", "prefill-4k-on-32k")
 HEADS = (4, 8, 16, 32)
@@ -26,7 +26,7 @@ def run(names: list[str]) -> list[dict]:
     for case in (c for c in cases(False) if c.name in names):
         s = scored_layer(case, torch.device("cuda"))
         spec, plan = s.layer.spec, s.plan
-        prepared, fns = {}, []
+        prepared, fns = {}, {}
         for heads in HEADS:
             with mock.patch.object(kernels, "PREP_HEADS", heads):
                 def prep() -> None:
@@ -35,14 +35,13 @@ def run(names: list[str]) -> list[dict]:
 
                 prep()
                 prepared[heads] = (plan.q.clone(), plan.w.clone())
-                fns.append(graphed(prep))
-                fns.append(graphed(lambda: s.layer(s.meta, s.q, s.w, s.cache)))
-        us = timed_rounds(fns, 60, 3)
+                fns["prep", heads] = graphed(prep)
+                fns["layer", heads] = graphed(lambda: s.layer(s.meta, s.q, s.w, s.cache))
+        us = timed_variants(fns)
         base = prepared[8]
         row = dict(case=case.name, same=all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                                              for qw in prepared.values() for a, b in zip(qw, base)),
-                   prep_us={h: round(us[2 * i], 2) for i, h in enumerate(HEADS)},
-                   layer_us={h: round(us[2 * i + 1], 2) for i, h in enumerate(HEADS)})
+                   prep_us={h: us["prep", h] for h in HEADS}, layer_us={h: us["layer", h] for h in HEADS})
         rows.append(row)
         print(row, flush=True)
     return rows

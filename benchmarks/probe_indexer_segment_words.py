@@ -17,7 +17,7 @@ from sparse_mla.indexer_layer import SparseMLAIndexer
 
 from bench_indexer import cases, scored_layer
 from harness import probe_main
-from timing import graphed, timed_rounds
+from timing import graphed, timed_variants
 
 NAMES = ("v4-flash-b8-512k", "v32-b32")
 
@@ -36,16 +36,15 @@ def run(names: list[str]) -> list[dict]:
     dev = torch.device("cuda")
     rows = []
     for case in (c for c in cases(False) if c.name in names):
-        picks, fns = {}, []
+        picks, fns = {}, {}
         for name in ("packed", "words"):
             with packed_long_rows(name == "packed"):
                 scored = scored_layer(case, dev)
                 layer, meta, q, w, cache = scored.layer, scored.meta, scored.q, scored.w, scored.cache
                 picks[name] = layer(meta, q, w, cache)[: scored.batch.num_tokens].sort(1).values
-                fns.append(graphed(lambda layer=layer, meta=meta, q=q, w=w, cache=cache: layer(meta, q, w, cache)))
-        us = timed_rounds(fns, 60, 3)
+                fns[name] = graphed(lambda layer=layer, meta=meta, q=q, w=w, cache=cache: layer(meta, q, w, cache))
         row = dict(case=case.name, same=bool(torch.equal(picks["packed"], picks["words"])),
-                   layer_us={"packed": round(us[0], 2), "words": round(us[1], 2)})
+                   layer_us=timed_variants(fns))
         rows.append(row)
         print(row, flush=True)
     return rows

@@ -17,7 +17,7 @@ from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, coarsened_words, scored_layer, select_rows
 from harness import write_json
-from timing import graphed, timed_rounds
+from timing import graphed, timed_variants
 
 VARIANTS = {"bits": 0, "digit4": 4, "digit6": 6, "digit8": 8, "digit11": 11}
 
@@ -34,17 +34,16 @@ def main() -> None:
         scores, picks = select_rows(scored_layer(case, dev))
         for cleared in ((0, 16) if scores.dtype == torch.int32 else (0,)):
             rows = coarsened_words(scores, cleared) if cleared else scores
-            got, fns = {}, []
+            got, fns = {}, {}
             for name in args.variants:
                 bits = VARIANTS[name]
                 kernels.launch_topk_rows(rows, case.topk, picks, digit_bits=bits)
                 got[name] = picks.clone()
-                fns.append(graphed(lambda bits=bits: kernels.launch_topk_rows(rows, case.topk, picks, digit_bits=bits)))
-            us = timed_rounds(fns, 60, 3)
+                fns[name] = graphed(lambda bits=bits: kernels.launch_topk_rows(rows, case.topk, picks, digit_bits=bits))
             first = args.variants[0]
             row = dict(case=case.name, dtype=str(rows.dtype), cleared_bits=cleared,
                        same={n: bool(torch.equal(got[first], got[n])) for n in args.variants},
-                       us={n: round(u, 2) for n, u in zip(args.variants, us)})
+                       us=timed_variants(fns))
             rows_out.append(row)
             print(row, flush=True)
     write_json(args.out, "probe_select_digits.json", dict(triton=triton.__version__, rows=rows_out))

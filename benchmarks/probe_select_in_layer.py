@@ -23,7 +23,7 @@ from sparse_mla.ops.triton import indexer as kernels
 from bench_indexer import cases, scored_layer
 from harness import probe_main
 from probe_indexer_timeline import kernel_records, summary
-from timing import graphed, timed_rounds
+from timing import graphed, timed_variants
 
 NAMES = ("v4-flash-b128", "v4-flash-b32", "prefill-4k-on-32k")
 
@@ -64,18 +64,17 @@ def run(names: list[str]) -> list[dict]:
     for case in (c for c in cases(False) if c.name in names):
         s = scored_layer(case, dev)
         variants = [(w, d, True) for w, d in itertools.product(("rule", "4"), (True, False))] + [("rule", True, False)]
-        fns, picks, timelines = [], {}, {}
+        fns, picks, timelines = {}, {}, {}
         for warps, dependent, converts in variants:
             key = f"{warps} warps, {'dependent' if dependent else 'plain'}{'' if converts else ', unconverted'}"
             with variant(warps, dependent, converts):
                 picks[key] = s.layer(s.meta, s.q, s.w, s.cache).clone()
                 fn = graphed(lambda: s.layer(s.meta, s.q, s.w, s.cache))
-            fns.append(fn)
+            fns[key] = fn
             timelines[key] = summary(kernel_records(fn, 30))
-        us = timed_rounds(fns, 60, 3)
         first = next(iter(picks.values()))
         row = dict(case=case.name, same=all(torch.equal(first, p) for p in picks.values()),
-                   layer_us={k: round(t, 2) for k, t in zip(picks, us)},
+                   layer_us=timed_variants(fns),
                    select={k: {f: round(tl[-1][f], 2) for f in ("start", "span", "exposed")}
                            for k, tl in timelines.items()},
                    scores_end={k: round(tl[-2]["end"], 2) for k, tl in timelines.items()})

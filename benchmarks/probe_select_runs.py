@@ -16,7 +16,7 @@ from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, scored_layer, select_rows
 from harness import probe_main
-from timing import graphed, timed_rounds
+from timing import graphed, timed_variants
 
 
 NAMES = ("v4-flash-b32", "v4-flash-b128", "v4-pro-b32-top1024", "v41-flash-b128", "prefill-4k-on-32k")
@@ -33,15 +33,14 @@ def run(names: list[str]) -> list[dict]:
     rows_out = []
     for case in (c for c in cases(False) if c.name in names):
         rows, picks = select_rows(scored_layer(case, dev))
-        got, fns = {}, []
+        got, fns = {}, {}
         for runs in (False, True):
             launch(rows, case.topk, picks, runs)
             got[runs] = picks.clone()
-            fns.append(graphed(lambda runs=runs: launch(rows, case.topk, picks, runs)))
-        us = timed_rounds(fns, 60, 3)
+            fns["runs" if runs else "columns"] = graphed(lambda runs=runs: launch(rows, case.topk, picks, runs))
         row = dict(case=case.name, dtype=str(rows.dtype), cols=rows.shape[1],
                    same=bool(torch.equal(got[False], got[True])),
-                   us={"columns": round(us[0], 2), "runs": round(us[1], 2)})
+                   us=timed_variants(fns))
         rows_out.append(row)
         print(row, flush=True)
     return rows_out

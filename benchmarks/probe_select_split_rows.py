@@ -17,7 +17,7 @@ from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import cases, scored_layer, select_rows
 from harness import probe_main
-from timing import graphed, timed_rounds
+from timing import graphed, timed_variants
 
 NAMES = ("v4-flash-b32", "v4-pro-b32-top1024", "v41-flash-b32", "v4-flash-b8-512k", "v32-b32", "v4-flash-b128")
 SEGMENTS = (None, 4096, 2048)  # None: the rule's (rows whole up to MAX_SELECT_COLS)
@@ -36,19 +36,18 @@ def run(names: list[str]) -> list[dict]:
     out = []
     for case in (c for c in cases(False) if c.name in names):
         rows, picks = select_rows(scored_layer(case, dev))
-        got, fns, labels = {}, [], []
+        got, fns = {}, {}
         for cols in SEGMENTS:
             if cols is not None and (cols <= case.topk or rows.shape[1] % cols):
                 continue
             with segments_of(cols):
                 kernels.launch_topk_rows(rows, case.topk, picks)
                 got[cols] = picks.clone()
-                fns.append(graphed(lambda: kernels.launch_topk_rows(rows, case.topk, picks)))
-            labels.append("rule" if cols is None else f"segments of {cols}")
-        us = timed_rounds(fns, 60, 3)
+                label = "rule" if cols is None else f"segments of {cols}"
+                fns[label] = graphed(lambda: kernels.launch_topk_rows(rows, case.topk, picks))
         row = dict(case=case.name, dtype=str(rows.dtype), rows=rows.shape[0], cols=rows.shape[1],
                    same=all(torch.equal(got[None], g) for g in got.values()),
-                   us={label: round(t, 2) for label, t in zip(labels, us)})
+                   us=timed_variants(fns))
         out.append(row)
         print(row, flush=True)
     return out

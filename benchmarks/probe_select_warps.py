@@ -19,7 +19,7 @@ from sparse_mla.ops.triton import indexer as kernels
 
 from bench_indexer import STEP_LAYERS, case_queries, cases, key_cache, scored_layer, select_rows
 from harness import probe_main
-from timing import graphed, timed_rounds
+from timing import graphed, timed_variants
 
 NAMES = ("v4-flash-b32", "v4-flash-b128", "v4-flash-b8-512k", "v4-pro-b32-top1024", "v41-flash-b32",
          "v41-flash-b128", "v32-b32", "prefill-4k-on-32k")
@@ -42,12 +42,12 @@ def run(names: list[str]) -> list[dict]:
     for case in (c for c in cases(False) if c.name in names):
         scored = scored_layer(case, dev)
         rows, picks = select_rows(scored)
-        got, fns = {}, []
+        got, fns = {}, {}
         for name, rule in VARIANTS.items():
             with mock.patch.object(kernels, "select_warps", rule):
                 kernels.launch_topk_rows(rows, case.topk, picks)
                 got[name] = picks.clone()
-                fns.append(graphed(lambda: kernels.launch_topk_rows(rows, case.topk, picks)))
+                fns["select", name] = graphed(lambda: kernels.launch_topk_rows(rows, case.topk, picks))
         # the layer under each rule: one call, and a step of STEP_LAYERS calls over their own keys and queries
         meta, cap = scored.meta, scored.batch.token_capacity
         caches = [scored.cache] + [key_cache(case, dev, seed) for seed in range(1, STEP_LAYERS)]
@@ -64,20 +64,19 @@ def run(names: list[str]) -> list[dict]:
             with mock.patch.object(kernels, "select_warps", rule):
                 step(name, STEP_LAYERS)
                 eager[name] = [p.clone() for p in layer_picks[name]]
-                fns.append(graphed(lambda name=name: step(name, 1)))
-                fns.append(graphed(lambda name=name: step(name, STEP_LAYERS)))
-        us = timed_rounds(fns, 60, 3)
-        for fn in fns[len(VARIANTS):]:  # the layers' graphs' own picks, after all their replays
+                fns["layer", name] = graphed(lambda name=name: step(name, 1))
+                fns["step", name] = graphed(lambda name=name: step(name, STEP_LAYERS))
+        us = timed_variants(fns)
+        for fn in fns.values():  # the layers' graphs' own picks, after all the replays
             fn()
         torch.cuda.synchronize()
         same = all(torch.equal(got["v39 rule"], g) for g in got.values())
         same &= all(torch.equal(a, b) for r in RULES for a, b in zip(eager[r], layer_picks[r]))
         same &= all(torch.equal(a, b) for a, b in zip(*layer_picks.values()))
-        n = len(VARIANTS)
         row = dict(case=case.name, rows=rows.shape[0], cols=rows.shape[1], same=same,
-                   select_us={name: round(t, 2) for name, t in zip(VARIANTS, us)},
-                   layer_us={r: round(us[n + 2 * i], 2) for i, r in enumerate(RULES)},
-                   in_step_us={r: round(us[n + 2 * i + 1] / STEP_LAYERS, 2) for i, r in enumerate(RULES)})
+                   select_us={name: us["select", name] for name in VARIANTS},
+                   layer_us={r: us["layer", r] for r in RULES},
+                   in_step_us={r: round(us["step", r] / STEP_LAYERS, 2) for r in RULES})
         out.append(row)
         print(row, flush=True)
     return out

@@ -11,7 +11,7 @@ import statistics
 import sys
 import time
 from types import ModuleType
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -85,6 +85,15 @@ def _alternating(measure: Callable[[Callable[[], object]], float], fns: Sequence
 def timed_rounds(fns: Sequence[Callable[[], object]], rep_ms: int = 100, rounds: int = 3) -> list[float]:
     """GPU time of each of ``fns`` (us, :func:`timed`), timed in turn over ``rounds``: the median round's."""
     return [statistics.median(s) for s in _alternating(lambda fn: timed(fn, rep_ms), fns, rounds)]
+
+
+PROBE_REP_MS, PROBE_ROUNDS = 60, 3  # a probe's alternating rounds: short ones, as a probe times many variants
+
+
+def timed_variants(fns: dict[Hashable, Callable[[], object]], rep_ms: int = PROBE_REP_MS,
+                   rounds: int = PROBE_ROUNDS) -> dict[Hashable, float]:
+    """:func:`timed_rounds` of labelled ``fns`` (graphs, as the probes time them): each label's µs, to 0.01."""
+    return {label: round(t, 2) for label, t in zip(fns, timed_rounds(list(fns.values()), rep_ms, rounds))}
 
 
 def host_samples(fns: Sequence[Callable[[], object]], calls: int = 50, rounds: int = 5) -> list[list[float]]:
