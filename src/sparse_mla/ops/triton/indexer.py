@@ -940,7 +940,8 @@ def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: Pick
         winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
         # a first pass's entries are its segments' columns (words: the winners' keys are packed from them); a later
         # pass reads the winners' entries from their keys: any of the row's
-        # (the segments a row matter to words alone, which carry no entry: packed rows pass 1, no other binary)
+        # (the segments a row matter to words alone, which carry no entries; packed rows pass 1, which Triton
+        # specialises as it did before the argument existed: the same binary for them)
         _launch_select(segments, k, winners, True, column_entries, SELECT_SEGMENT if column_entries else entries,
                        digit_bits=digit_bits, segments=cols // SELECT_SEGMENT if packed.dtype == torch.int32 else 1)
         packed, cols, column_entries = winners.view(rows, -1), winners.numel() // rows, False
