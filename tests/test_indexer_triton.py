@@ -982,10 +982,11 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     family = target in FAMILIES  # the V3.2 query prep too
     # the score launches packed and as words (fp8 keys; with the family bf16 keys and a prefill), the V4 prep (and
-    # V3.2's), the selects (two of a segmented row, the first of it as words; over packed keys and words, two each);
+    # V3.2's), the selects (two of a segmented row, the first of it as words; over packed keys and words, two each;
+    # two converting words over more rows than the SMs);
     # where the dot takes e4m3, its score launch packed and as words and the prep into e4m3 (V4, and V3.2); elsewhere
     # the float16 dot's, and the prep into float16
-    assert len(rows) == (15 if family else 10) + (4 if family else 3), \
+    assert len(rows) == (17 if family else 12) + (4 if family else 3), \
         f"exit {done.returncode}: {done.stderr[-2000:]}"
     for r in rows:
         print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "
@@ -994,6 +995,15 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     assert not failed, f"{target}: " + "; ".join(failed)
     if target.startswith("sm_") or target in ("gfx942", "gfx950"):  # (AMD's compiles attribute no spill to a loop)
         assert all(not r["loop_spills"] for r in rows), "no spills inside the key loop"
+    capped = [r for r in rows if r["variant"].endswith(" rows")]
+    from sparse_mla.ops.triton import indexer as kernels
+
+    if target.startswith("sm_") and kernels.HISTOGRAM_BY_ATOMICS:  # the digit search's selects: two programs an SM
+        t = next(t for t in targets.MATRIX if t.name == target)
+        for r, lanes in zip(capped, (8192, 9216)):
+            n = int(r["variant"].rsplit(" ", 2)[1])  # "... words into slots, <n> rows"
+            cap = kernels.select_maxnreg(t, kernels.select_warps(n, lanes, t.sms, True), lanes, False, n, t.sms)
+            assert r["registers"] <= cap, r["variant"]
     # every indexer kernel waits for the one before it where it launches as a programmatic dependent (sm_90 and
     # later, a Triton with griddepcontrol), and nowhere else (sm_80-89's PTX has no such instruction)
     from sparse_mla.ops.triton.dependent import TRITON_HAS_DEPENDENT_LAUNCH

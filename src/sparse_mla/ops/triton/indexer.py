@@ -800,13 +800,11 @@ def select_warps(rows: int, lanes: int, sms: int, digits: bool = False) -> int:
     21.2 / 18.1 / 17.2 / 19.1, V4.1-Flash B 128 (256 of 16,384) 35.6 / 37.2 / 32.6 / 31.5, V3.2 B 32 (64 rows in
     segments of 8,192, then 8,192 winners) 43.9 / 38.1 / 36.1 / 41.0; the layer, this rule against the bit rounds'
     one (two runs): B 32 32.6 -> 31.0, B 128 74.2 -> 73.9, V4.1-Flash B 128 127.8 -> 123.0, V3.2 90.3 -> 86.4.
-    More rows keep the bit rounds' rule: the 4K prefill chunk's 4,096 rows of 9,216 took 239.6 / 194.2 / 252.7 /
-    297.7 µs alone (not converting its picks), but its layer 1,006 µs at 8 warps against 936 at 4: converting, the
-    8-warp select takes 184 registers a thread against 128 (sm_90, Triton 3.9), one program an SM instead of two (the
-    16-warp select over 8,192 words likewise 82 against 57: the B 128 layer's 256 rows in two waves; docs/history.md
-    version 40, branch experiment/v40-select-maxnreg)."""
-    if digits and lanes >= DIGIT_SELECT_MIN_LANES and rows <= 2 * sms:
-        return 16
+    More rows than two an SM: 8 (the 4K prefill chunk's 4,096 rows of 9,216 alone, not converting its picks, 239.6 /
+    194.2 / 252.7 / 297.7 µs), with :func:`select_maxnreg`'s cap, without which the layer ran slower at 8 than at 4
+    (1,006 against 936 µs; docs/history.md version 41)."""
+    if digits and lanes >= DIGIT_SELECT_MIN_LANES:
+        return 16 if rows <= 2 * sms else 8
     warps = max(4, triton.next_power_of_2(-(-lanes // (72 * 32))))
     if rows < sms and warps < 8:
         warps *= 2
@@ -814,6 +812,24 @@ def select_warps(rows: int, lanes: int, sms: int, digits: bool = False) -> int:
 
 
 DIGIT_SELECT_MIN_LANES = 8192  # rows the digit search's warps were measured on (shorter: the bit rounds' rule)
+SM_REGISTERS = 65536  # 32-bit registers an SM, every NVIDIA target of the matrix (sm_80 - sm_120)
+CAPPED_LANES = {16: 8192, 8: 9216}  # the widest rows the cap takes at each warp count (the prefill chunk's 9,216 at 8)
+
+
+def select_maxnreg(target: targets.Target, warps: int, lanes: int, keys: bool, rows: int, sms: int) -> int | None:
+    """The digit search's register cap a thread (:func:`select_warps`' 8 or 16 warps over rows of ``lanes`` keys,
+    ``rows`` of them on ``sms`` SMs): two programs an SM's registers where the rows outnumber the SMs, else None.
+
+    Why: converting its picks in its own launch, the select takes more registers (sm_90, Triton 3.9: 8,192 words at 16
+    warps 82 a thread against 57 without, the prefill chunk's 9,216 at 8 warps 184 against 128), one program an SM, so
+    a V4-Flash B 128 step's 256 rows ran in two waves. Capped: 8,192 words at 16 warps 64, no spill on sm_89 - sm_120;
+    9,216 at 8 warps 128, 32-52 B spilled (sm_90 - sm_120); wider rows (192-632 B) and a segment pass writing keys
+    (12-80 B) keep no cap. Rows no more than the SMs run in one wave whatever the registers, and capped, V4-Flash B 32's
+    layer ran slower (30.6 -> 34.1 µs). H200, Triton 3.9, uncapped -> capped (docs/history.md version 41): B 128's
+    layer 73.8 -> 69.7 µs, its share of a step 68.5 -> 65.0; the prefill chunk's layer (at 8 warps) 1,018 -> 939."""
+    if target.backend != "cuda" or keys or rows <= sms or lanes > CAPPED_LANES.get(warps, 0):
+        return None
+    return SM_REGISTERS // (2 * target.warp_size * warps)
 
 
 def select_tiles(cols: int, k: int) -> tuple[int, int]:
@@ -874,9 +890,12 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     words_in = packed.dtype == torch.int32  # the score kernel's words: the search's words themselves
     own_digits = select_digit_bits(target, words_in)
     digit_bits = own_digits if digit_bits is None else digit_bits
-    # the digit search's warps where it is the target's own (histograms by shared-memory atomics over words); an
-    # explicit digit_bits elsewhere (a test, a probe) keeps the bit rounds' warps, the only ones measured there
-    warps = select_warps(rows, lanes, targets.num_sms(packed.device, target), digit_bits > 0 and own_digits > 0)
+    # the digit search's warps and register cap where it is the target's own (histograms by shared-memory atomics
+    # over words); an explicit digit_bits elsewhere (a test, a probe) keeps the bit rounds' warps, the only ones
+    # measured there
+    own_search, sms = digit_bits > 0 and own_digits > 0, targets.num_sms(packed.device, target)
+    warps = select_warps(rows, lanes, sms, own_search)
+    maxnreg = select_maxnreg(target, warps, lanes, keys, rows, sms) if own_search else None
     # packed keys: (rows, 2 · cols) int32, each key's low, then high word (the kernel takes the int64 row stride)
     words = packed if words_in else packed.view(torch.int32)
     if into is None:  # the conversion's arguments unread (CONVERT off): out stands in for its tensors
@@ -890,7 +909,7 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
                                COLUMN_ENTRIES=column_entries, CONVERT=into is not None, BS=bs, WORDS=words_in,
                                ENTRY_BITS=max(1, (entries - 1).bit_length()), DIGIT=digit_bits,
                                RUNS=select_runs(target, warps, main, words_in), V=SELECT_VECTOR,
-                               num_warps=warps, **launch_options(packed.device))
+                               num_warps=warps, maxnreg=maxnreg, **launch_options(packed.device))
 
 
 def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto | None = None, *,
