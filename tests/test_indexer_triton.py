@@ -450,18 +450,27 @@ def test_select_kernel_is_exact_on_rows_of_ties_and_extreme_scores(values, cols,
 
 
 @needs_kernels
-@pytest.mark.parametrize("cols,k,first,ratio", [(640, 64, 0, 4), (16384 + 8192, 512, 3, 1), (9216, 100, 2, 2)])
-def test_select_converts_its_picks_in_its_launch_as_the_conversion_does(cols, k, first, ratio):
+@pytest.mark.parametrize("cols,k,first,ratio,sms_over", [
+    (640, 64, 0, 4, None), (16384 + 8192, 512, 3, 1, None), (9216, 100, 2, 2, None),
+    # more rows than the SMs (a B 128 decode's 8,192 words at 16 warps), than two an SM (a prefill chunk's 9,216 at 8):
+    # the digit search's registers capped (select_maxnreg), which the interpreter does not compile
+    pytest.param(8192, 512, 1, 4, 1, marks=needs_gpu), pytest.param(9216, 512, 0, 2, 2, marks=needs_gpu)])
+def test_select_converts_its_picks_in_its_launch_as_the_conversion_does(cols, k, first, ratio, sms_over, monkeypatch):
     """``topk_rows(..., into=PicksInto)`` writes the same picks as without it and, for tokens ``[first, first +
     into.rows)``, their slots, counts and kept picks exactly as the step's conversion (the torch twin) converts those
     picks: a token of position -1 and the tokens past the packed rows (the step's padding) get empty rows, the tokens
     before ``first`` nothing; rows of three segments (24,576 columns) convert in the last launch; rows of words
-    convert alike."""
+    convert alike, over more rows than ``sms_over`` an SM too."""
     from sparse_mla.ops.triton import indexer as kernels
     from sparse_mla.picks import compressed_picks_torch
 
     gen = torch.Generator().manual_seed(cols + k + first)
     rows, pad, reqs, bs = 5, 2, 3, 64
+    caps = []  # the register caps the launches asked (where the rows outnumber the SMs and the search is by digits)
+    if sms_over:
+        rows = sms_over * targets.num_sms(torch.device(DEVICE)) + 1
+        cap = kernels.select_maxnreg
+        monkeypatch.setattr(kernels, "select_maxnreg", lambda *args: caps.append(cap(*args)) or caps[-1])
     tokens = first + rows + pad
     blocks = -(-cols // bs)
     table = torch.randperm(reqs * blocks + 4, generator=gen)[: reqs * blocks].view(reqs, blocks).int()
@@ -503,6 +512,8 @@ def test_select_converts_its_picks_in_its_launch_as_the_conversion_does(cols, k,
     for got, expected in zip(from_words, bufs):
         assert torch.equal(got.cpu(), expected.cpu())
     assert int(bufs[1][first + 1]) == 0 and (bufs[1][first + rows:] == 0).all()
+    if sms_over and kernels.select_digit_bits(targets.target_of(torch.device(DEVICE)), True):
+        assert caps and None not in caps  # the words' launch ran capped
     with pytest.raises(ValueError, match="into.rows must be"):
         kernels.topk_rows(packed, k, out, into._replace(rows=rows - 1))
     with pytest.raises(ValueError, match=r"into.kept must have shape"):
