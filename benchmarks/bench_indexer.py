@@ -26,7 +26,7 @@ import argparse
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from rich.console import Console
@@ -156,6 +156,24 @@ def select_rows(scored: ScoredLayer) -> tuple[torch.Tensor, torch.Tensor]:
     words = scored.layer.scores_as_words(scored.plan)
     (t0, t1, _), *_ = scored.plan.chunks_for(words)
     return scored.plan.scores(t1 - t0, words).clone(), scored.plan.picks[t0:t1]
+
+
+def layers_step(case: Case, scored: ScoredLayer, labels: Sequence[str]
+                ) -> tuple[Callable[[str, int], None], dict[str, list[torch.Tensor]]]:
+    """The probes' step of :data:`STEP_LAYERS` indexer layers, the first over ``scored``'s keys and queries, the others
+    over their own: ``step(label, count)`` runs the first ``count`` layers (under whatever variant the caller set)
+    into ``picks[label]``, each layer's ``(token capacity, topk)`` int32 picks."""
+    dev, cap = scored.q.device, scored.batch.token_capacity
+    caches = [scored.cache] + [key_cache(case, dev, seed) for seed in range(1, STEP_LAYERS)]
+    inputs = [(scored.q, scored.w)] + [case_queries(case, cap, dev, seed) for seed in range(1, STEP_LAYERS)]
+    layers = [SparseMLAIndexer(case.kind, case.heads, case.topk) for _ in caches]
+    picks = {label: [torch.empty(cap, case.topk, dtype=torch.int32, device=dev) for _ in layers] for label in labels}
+
+    def step(label: str, count: int) -> None:
+        for layer, cache, (q, w), out in list(zip(layers, caches, inputs, picks[label]))[:count]:
+            out.copy_(layer(scored.meta, q, w, cache))
+
+    return step, picks
 
 
 def coarsened_words(words: torch.Tensor, bits: int) -> torch.Tensor:

@@ -15,11 +15,10 @@ from unittest import mock
 
 import torch
 
-from sparse_mla.indexer_layer import SparseMLAIndexer
 from sparse_mla.ops.triton import indexer as kernels
 from sparse_mla.picks import step_picks
 
-from bench_indexer import STEP_LAYERS, case_queries, cases, key_cache, scored_layer, select_rows
+from bench_indexer import STEP_LAYERS, cases, layers_step, scored_layer, select_rows
 from harness import probe_main
 from probe_select_warps import v39_rule
 from timing import graphed, timed_variants
@@ -54,17 +53,7 @@ def run(names: list[str]) -> list[dict]:
         rows, picks = select_rows(s)
         conversion = step_picks(s.meta, case.kind)
         into = conversion.select_into(0, s.plan.picks.shape[0]) if conversion.takes_select else None
-        meta, cap = s.meta, s.batch.token_capacity
-        caches = [s.cache] + [key_cache(case, dev, seed) for seed in range(1, STEP_LAYERS)]
-        inputs = [(s.q, s.w)] + [case_queries(case, cap, dev, seed) for seed in range(1, STEP_LAYERS)]
-        layers = [SparseMLAIndexer(case.kind, case.heads, case.topk) for _ in caches]
-        layer_picks = {v: [torch.empty(cap, case.topk, dtype=torch.int32, device=dev) for _ in layers]
-                       for v in VARIANTS}
-
-        def step(name: str, count: int) -> None:
-            for layer, cache, (q, w), o in list(zip(layers, caches, inputs, layer_picks[name]))[:count]:
-                o.copy_(layer(meta, q, w, cache))
-
+        step, layer_picks = layers_step(case, s, list(VARIANTS))
         fns, got, eager = {}, {}, {}
         for name in VARIANTS:
             with variant(name):

@@ -14,10 +14,9 @@ from unittest import mock
 import torch
 import triton
 
-from sparse_mla.indexer_layer import SparseMLAIndexer
 from sparse_mla.ops.triton import indexer as kernels
 
-from bench_indexer import STEP_LAYERS, case_queries, cases, key_cache, scored_layer, select_rows
+from bench_indexer import STEP_LAYERS, cases, layers_step, scored_layer, select_rows
 from harness import probe_main
 from timing import graphed, timed_variants
 
@@ -49,16 +48,7 @@ def run(names: list[str]) -> list[dict]:
                 got[name] = picks.clone()
                 fns["select", name] = graphed(lambda: kernels.launch_topk_rows(rows, case.topk, picks))
         # the layer under each rule: one call, and a step of STEP_LAYERS calls over their own keys and queries
-        meta, cap = scored.meta, scored.batch.token_capacity
-        caches = [scored.cache] + [key_cache(case, dev, seed) for seed in range(1, STEP_LAYERS)]
-        inputs = [(scored.q, scored.w)] + [case_queries(case, cap, dev, seed) for seed in range(1, STEP_LAYERS)]
-        layers = [SparseMLAIndexer(case.kind, case.heads, case.topk) for _ in caches]
-        layer_picks = {r: [torch.empty(cap, case.topk, dtype=torch.int32, device=dev) for _ in layers] for r in RULES}
-
-        def step(rule: str, count: int) -> None:
-            for layer, cache, (q, w), o in list(zip(layers, caches, inputs, layer_picks[rule]))[:count]:
-                o.copy_(layer(meta, q, w, cache))
-
+        step, layer_picks = layers_step(case, scored, list(RULES))
         eager = {}
         for name, rule in RULES.items():
             with mock.patch.object(kernels, "select_warps", rule):
