@@ -3,8 +3,9 @@ the rows are at most two an SM, else the bit rounds' rule; no cap) against this 
 without the cap and with it. Converting its picks in its launch, the 16-warp select took 82 registers a thread on
 sm_90, one program an SM: in version 40 the layer's B 128 select ran in two waves, the probe's (not converting) in one.
 Per variant the select alone on the layer's words, converting (the layer's launch) and not, and the whole layer (one
-call's graph and a call's share of a four-layer step's graph); CUDA-graph replays alternating in one process, the
-picks compared.
+call's graph and a call's share of a four-layer step's graph); CUDA-graph replays alternating in one process. Compared:
+each variant's select (an eager launch, not converting) and every layer's picks (eager, and each graph's after the
+replays); the converting selects' graphs share one set of buffers, so their picks are not compared apart.
 
     python benchmarks/probe_select_cap.py [--cases ...] [--out results/]
 """

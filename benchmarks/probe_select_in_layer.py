@@ -5,7 +5,8 @@ with its select at the rule's warps or at 4, launched as a programmatic dependen
 waiting for the scores) or plainly (after the scores have completed), and at the rule's warps as a dependent with
 no step conversion to write (the select converting nothing in its launch); per variant the layer's graph time (replays
 alternating in one process) and its kernels' timeline (``probe_indexer_timeline``'s CUPTI records: the select's
-start, and what it adds after the scores end), the picks compared.
+start, and what it adds after the scores end), the picks compared. Since version 41 the rule's warps come with
+``select_maxnreg``'s cap (B 128's rows: 64 registers a thread): its version-41 run was of version 40's code.
 
     python benchmarks/probe_select_in_layer.py [--cases ...] [--out results/]
 """

@@ -3,7 +3,8 @@ select alone on the layer's own scores at 4, 8, 16 and 32 warps, the version-39 
 searches) and the current one, then the whole layer under each rule (one call's graph, and a call's share of a graph of
 four layers' calls, each layer its own keys, queries and weights); CUDA-graph replays alternating in one process, the
 picks compared (the same, in the same order, whatever the warps; the layer's graphs after their replays against its
-eager calls). Docs/history.md version 40.
+eager calls). Docs/history.md version 40; since version 41 the current rule's warps come with ``select_maxnreg``'s
+cap where the rows outnumber the SMs (the fixed warps' variants: at 16 and 8, the same cap).
 
     python benchmarks/probe_select_warps.py [--cases ...] [--out results/]
 """

@@ -193,7 +193,14 @@ _COMPILED: dict[tuple, Row] = {}
 
 def compile_launch(target: targets.Target, variant: str, launched: Launched) -> Row:
     """Compile one recorded launch for ``target`` and check it fits: its :class:`Row` (a launch whose binary this
-    process compiled already for another variant: that row's numbers, under this variant's name, 0 CPU seconds)."""
+    process compiled already for another variant: that row's numbers, under this variant's name, 0 CPU seconds).
+    A launch passing a keyword that is neither the kernel's parameter nor an option of ``target``'s backend fails
+    here, as Triton's JIT fails it at launch (``triton.compile`` would drop it quietly: ``maxnreg`` on AMD)."""
+    unknown = sorted(set(launched.kwargs) - set(launched.kernel.arg_names)
+                     - set(vars(make_backend(target.gpu_target()).parse_options({}))))
+    if unknown:
+        return Row(target.name, variant, launched.kernel.__name__, "failed",
+                   error=f"keyword arguments {unknown} unrecognised by {target.backend}'s launch options")
     source, options = _source(launched, target)
     key = (repr(target.gpu_target()), source.hash(), tuple(sorted(options.items())))
     done = _COMPILED.get(key)

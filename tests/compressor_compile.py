@@ -25,6 +25,7 @@ from portability_report import compile_launch, recorded_launches  # noqa: E402  
 import torch  # noqa: E402
 
 from compress_feed import Feeder, make_params  # noqa: E402
+from indexer_cases import capped_select_variant, capped_selects  # noqa: E402
 from sparse_mla.compressor import KVCompressor  # noqa: E402
 from sparse_mla.indexer import StepTokens  # noqa: E402
 from sparse_mla.indexer_cache import IndexerKeyCache  # noqa: E402
@@ -65,8 +66,7 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
     fp8 codes (the layer's dot there), elsewhere float16 q against their integer decode (the float16 dot), packed and
     as words; the query prep (V4, with ``every`` V3.2's half-split rope); the select over packed keys (two launches:
     512 of 32768, then of 2048), its first over words, and, over packed keys and over words, a row of 9,216 in two
-    tiles and the V4 decode's 8,192 converted in its launch; converted over more rows than the target's SMs, the V4
-    decode's 8,192 words and a prefill chunk's 9,216 (past two an SM), their registers capped."""
+    tiles and the V4 decode's 8,192 converted in its launch; and :func:`capped_selects`."""
     out = []
     # the page loop as a decode runs it: 16 pages a program (the e4m3 dot's: 32, as on sm_90), pipelined (a recorded
     # call of a few pages would compile the loop of one page, which the pipeliner leaves alone: too few registers to
@@ -121,13 +121,11 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
             indexer.topk_rows(torch.zeros(4, 8192, dtype=rows), 512, torch.zeros(4, 512, dtype=torch.int32),
                               into(4, 512))
         out.append((f"indexer select 512 of 8192{words} into slots", calls))
-    # words converted in the launch over more rows than the SMs: the digit search's registers capped (select_maxnreg),
-    # a B 128 decode's at 16 warps, a prefill chunk's (past two rows an SM) at 8
-    for cols, rows in ((8192, target.sms + 1), (9216, 2 * target.sms + 1)):
+    for cols, rows in capped_selects(target):
         with recorded_launches(target) as calls:
             indexer.topk_rows(torch.zeros(rows, cols, dtype=torch.int32), 512,
                               torch.zeros(rows, 512, dtype=torch.int32), into(rows, 512))
-        out.append((f"indexer select 512 of {cols} words into slots, {rows} rows", calls))
+        out.append((capped_select_variant(cols, rows), calls))
     return out
 
 

@@ -9,6 +9,7 @@ import torch
 from sparse_mla.batch import StepBatch
 from sparse_mla.indexer import IndexerSpec, StepTokens, prepare_queries
 from sparse_mla.indexer_cache import IndexerKeyCache
+from sparse_mla.ops import targets
 from sparse_mla.scenario import Scenario, make_scenario
 
 
@@ -137,3 +138,15 @@ def check_picks(got: torch.Tensor, want: torch.Tensor, q: torch.Tensor, w: torch
         scale = max(abs(x) for x in score.values())
         far = [e for e in a ^ b if abs(score[e] - kth) > rel * scale]
         assert not far, f"row {t}: picks {sorted(a - b)[:5]} / reference {sorted(b - a)[:5]} differ beyond near-ties"
+
+
+def capped_selects(target: targets.Target) -> tuple[tuple[int, int], ...]:
+    """``(columns, rows)`` of the compile matrix's selects converting words over more rows than ``target``'s SMs,
+    whose registers the digit search caps (``select_maxnreg``; NVIDIA, Triton 3.8+): a B 128 decode's 8,192 at 16
+    warps, a prefill chunk's 9,216 past two rows an SM at 8."""
+    return (8192, target.sms + 1), (9216, 2 * target.sms + 1)
+
+
+def capped_select_variant(cols: int, rows: int) -> str:
+    """The compile report's name of a :func:`capped_selects` launch."""
+    return f"indexer select 512 of {cols} words into slots, {rows} rows"

@@ -60,6 +60,12 @@ class Target:
         return self.arch == "gfx950"
 
     @property
+    def register_file(self) -> int:
+        """32-bit registers an SM: 65,536 on every NVIDIA architecture of the matrix (sm_80 - sm_120); 0 on AMD, where
+        no launch sizes itself by them."""
+        return 65536 if self.backend == "cuda" else 0
+
+    @property
     def hopper(self) -> bool:
         """An NVIDIA sm_90 GPU (H100, H200, H20, H800): the Gluon kernel's target."""
         return self.backend == "cuda" and self.arch == 90

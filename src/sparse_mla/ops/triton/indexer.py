@@ -424,6 +424,12 @@ SCORE_WARPS, SCORE_STAGES = 4, 3
 FP8_DOT_MAXNREG, FP8_DOT_CAPPED = 128, ("sm_90",)
 
 
+def register_cap(maxnreg: int | None) -> dict[str, int]:
+    """The launch option capping a kernel's registers a thread at ``maxnreg``; None: no option at all (Triton's HIP
+    backend has no ``maxnreg`` and rejects the keyword, None included, before it compiles)."""
+    return {} if maxnreg is None else {"maxnreg": maxnreg}
+
+
 def heads_chained(target: targets.Target) -> bool:
     """Whether the score kernel sums a key's weighted heads in chains of fused multiply-adds
     (:func:`_head_sum_chained`) rather than by ``tl.sum``: on the mma.sync targets (sm_80-89, sm_120), and on sm_90's
@@ -493,7 +499,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, WORDS=out.dtype == torch.int32, num_warps=warps, CHAINED=chained,
         PTX_DECODE=target.backend == "cuda" and not interpreting(),
         num_stages=stages, **launch_options(q.device),
-        maxnreg=FP8_DOT_MAXNREG if fp8_dot and target.name in FP8_DOT_CAPPED else None)
+        **register_cap(FP8_DOT_MAXNREG if fp8_dot and target.name in FP8_DOT_CAPPED else None))
 
 
 @triton.jit
@@ -784,7 +790,7 @@ def select_runs(target: targets.Target, warps: int, main: int, words: bool) -> i
     return threads if words and main % (SELECT_VECTOR * threads) == 0 else 0
 
 
-def select_warps(rows: int, lanes: int, sms: int, digits: bool = False) -> int:
+def select_warps(rows: int, lanes: int, sms: int, digits: bool = False, keys: bool = False) -> int:
     """The select's warps for ``rows`` rows of ``lanes`` keys (its two tiles' widths summed) on a GPU of ``sms`` SMs.
 
     A bit a round: the fewest, a power of two and at least 4, that hold at most 72 keys a thread, doubled (to 8 at
@@ -800,11 +806,16 @@ def select_warps(rows: int, lanes: int, sms: int, digits: bool = False) -> int:
     21.2 / 18.1 / 17.2 / 19.1, V4.1-Flash B 128 (256 of 16,384) 35.6 / 37.2 / 32.6 / 31.5, V3.2 B 32 (64 rows in
     segments of 8,192, then 8,192 winners) 43.9 / 38.1 / 36.1 / 41.0; the layer, this rule against the bit rounds'
     one (two runs): B 32 32.6 -> 31.0, B 128 74.2 -> 73.9, V4.1-Flash B 128 127.8 -> 123.0, V3.2 90.3 -> 86.4.
-    More rows than two an SM: 8 (the 4K prefill chunk's 4,096 rows of 9,216 alone, not converting its picks, 239.6 /
-    194.2 / 252.7 / 297.7 µs), with :func:`select_maxnreg`'s cap, without which the layer ran slower at 8 than at 4
-    (1,006 against 936 µs; docs/history.md version 41)."""
+    More rows than two an SM, where :func:`select_maxnreg` caps them (``keys`` off, rows of at most 9,216 keys): 8.
+    The 4K prefill chunk's 4,096 rows of 9,216 alone, not converting their picks, 4 / 8 / 16 / 32 warps: 239.6 /
+    194.2 / 252.7 / 297.7 µs, but its layer 1,006 µs at 8 uncapped against 936 at 4 (version 40); capped at 8,
+    1,009 -> 923 against 954 at 4 (version 41). Else (a segment pass writing keys, wider rows) the bit rounds' rule,
+    the only one measured there."""
     if digits and lanes >= DIGIT_SELECT_MIN_LANES:
-        return 16 if rows <= 2 * sms else 8
+        if rows <= 2 * sms:
+            return 16
+        if not keys and lanes <= CAPPED_LANES[8]:
+            return 8
     warps = max(4, triton.next_power_of_2(-(-lanes // (72 * 32))))
     if rows < sms and warps < 8:
         warps *= 2
@@ -812,11 +823,10 @@ def select_warps(rows: int, lanes: int, sms: int, digits: bool = False) -> int:
 
 
 DIGIT_SELECT_MIN_LANES = 8192  # rows the digit search's warps were measured on (shorter: the bit rounds' rule)
-SM_REGISTERS = 65536  # 32-bit registers an SM, every NVIDIA target of the matrix (sm_80 - sm_120)
 CAPPED_LANES = {16: 8192, 8: 9216}  # the widest rows the cap takes at each warp count (the prefill chunk's 9,216 at 8)
 
 
-def select_maxnreg(target: targets.Target, warps: int, lanes: int, keys: bool, rows: int, sms: int) -> int | None:
+def select_maxnreg(target: targets.Target, warps: int, lanes: int, rows: int, sms: int, *, keys: bool) -> int | None:
     """The digit search's register cap a thread (:func:`select_warps`' 8 or 16 warps over rows of ``lanes`` keys,
     ``rows`` of them on ``sms`` SMs): two programs an SM's registers where the rows outnumber the SMs, else None.
 
@@ -825,12 +835,13 @@ def select_maxnreg(target: targets.Target, warps: int, lanes: int, keys: bool, r
     a V4-Flash B 128 step's 256 rows ran in two waves. Capped: 8,192 words at 16 warps 64, no spill on sm_80 -
     sm_120; 9,216 at 8 warps 128, 32-52 B spilled on sm_90 - sm_120 (none in a loop; none on sm_80 - sm_89); wider
     rows (192-632 B) and a segment pass writing keys (12-80 B) keep no cap. Rows no more than the SMs run in one wave
-    whatever the registers, and capped, V4-Flash B 32's layer ran slower (30.6 -> 34.1 µs). H200, Triton 3.9,
-    uncapped -> capped (docs/history.md version 41): B 128's layer 73.8 -> 69.7 µs, its share of a step 68.5 -> 65.0;
-    the prefill chunk's layer (at 8 warps) 1,018 -> 939."""
+    whatever the registers, and capped (a first cut), V4-Flash B 32's layer ran slower (30.6 -> 34.1 µs). H200,
+    Triton 3.9, uncapped -> capped (docs/history.md version 41): B 128's select converting its picks 21.8 -> 17.7
+    µs, its layer 73.8 -> 69.5, its share of a step 67.7 -> 64.0; the prefill chunk's layer (at 8 warps) 1,009 -> 923.
+    8,192 keys at 8 warps (a decode of more than two rows an SM) capped at 128: no spill, not timed."""
     if target.backend != "cuda" or keys or rows <= sms or lanes > CAPPED_LANES.get(warps, 0):
         return None
-    return SM_REGISTERS // (2 * target.warp_size * warps)
+    return target.register_file // (2 * target.warp_size * warps)
 
 
 def select_tiles(cols: int, k: int) -> tuple[int, int]:
@@ -893,10 +904,10 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     digit_bits = own_digits if digit_bits is None else digit_bits
     # the digit search's warps and register cap where it is the target's own (histograms by shared-memory atomics
     # over words); an explicit digit_bits elsewhere (a test, a probe) keeps the bit rounds' warps, the only ones
-    # measured there
+    # measured there; both by the packed rows (the programs past them, a step's padding tokens, write empty rows)
     own_search, sms = digit_bits > 0 and own_digits > 0, targets.num_sms(packed.device, target)
-    warps = select_warps(rows, lanes, sms, own_search)
-    maxnreg = select_maxnreg(target, warps, lanes, keys, rows, sms) if own_search else None
+    warps = select_warps(rows, lanes, sms, own_search, keys)
+    maxnreg = select_maxnreg(target, warps, lanes, rows, sms, keys=keys) if own_search else None
     # packed keys: (rows, 2 · cols) int32, each key's low, then high word (the kernel takes the int64 row stride)
     words = packed if words_in else packed.view(torch.int32)
     if into is None:  # the conversion's arguments unread (CONVERT off): out stands in for its tensors
@@ -910,7 +921,7 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
                                COLUMN_ENTRIES=column_entries, CONVERT=into is not None, BS=bs, WORDS=words_in,
                                ENTRY_BITS=max(1, (entries - 1).bit_length()), DIGIT=digit_bits,
                                RUNS=select_runs(target, warps, main, words_in), V=SELECT_VECTOR,
-                               num_warps=warps, maxnreg=maxnreg, **launch_options(packed.device))
+                               num_warps=warps, **register_cap(maxnreg), **launch_options(packed.device))
 
 
 def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto | None = None, *,
