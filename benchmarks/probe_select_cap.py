@@ -27,7 +27,7 @@ from timing import graphed, timed_variants
 NAMES = ("v4-flash-b128", "v4-flash-b32", "prefill-4k-on-32k", "v41-flash-b128", "v4-flash-b8-512k", "v32-b32")
 
 
-def v40_rule(rows: int, lanes: int, sms: int, digits: bool = False) -> int:
+def v40_rule(rows: int, lanes: int, sms: int, digits: bool = False, keys: bool = False) -> int:
     """Version 40's ``select_warps``: 16 for the digit search over rows of 8,192 keys or more, at most two an SM."""
     return 16 if digits and lanes >= 8192 and rows <= 2 * sms else v39_rule(rows, lanes, sms)
 
@@ -42,7 +42,7 @@ def variant(name: str) -> ExitStack:
     stack = ExitStack()
     stack.enter_context(mock.patch.object(kernels, "select_warps", rule))
     if not capped:
-        stack.enter_context(mock.patch.object(kernels, "select_maxnreg", lambda *args: None))
+        stack.enter_context(mock.patch.object(kernels, "select_maxnreg", lambda *args, **kwargs: None))
     return stack
 
 

@@ -53,7 +53,7 @@ def variant(warps: str, dependent: bool, converts: bool = True) -> ExitStack:
         stack.enter_context(mock.patch.object(indexer_layer, "step_picks", lambda meta, kind: None))
     if warps != "rule":
         stack.enter_context(mock.patch.object(kernels, "select_warps",
-                                              lambda rows, lanes, sms, digits=False: int(warps)))
+                                              lambda *rule_args: int(warps)))
     if not dependent:
         stack.enter_context(mock.patch.object(kernels, "_topk_rows_kernel", PlainLaunch(kernels._topk_rows_kernel)))
     return stack

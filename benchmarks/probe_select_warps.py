@@ -26,14 +26,14 @@ NAMES = ("v4-flash-b32", "v4-flash-b128", "v4-flash-b8-512k", "v4-pro-b32-top102
 FIXED = (4, 8, 16, 32)
 
 
-def v39_rule(rows: int, lanes: int, sms: int, digits: bool = False) -> int:
+def v39_rule(rows: int, lanes: int, sms: int, digits: bool = False, keys: bool = False) -> int:
     """Version 39's ``select_warps`` (measured on bit rounds, taken by both searches)."""
     warps = max(4, triton.next_power_of_2(-(-lanes // (72 * 32))))
     return min(16, warps * 2 if rows < sms and warps < 8 else warps)
 
 
 RULES = {"v39 rule": v39_rule, "rule": kernels.select_warps}
-VARIANTS = {**RULES, **{f"{w} warps": (lambda rows, lanes, sms, digits=False, w=w: w) for w in FIXED}}
+VARIANTS = {**RULES, **{f"{w} warps": (lambda *rule_args, w=w: w) for w in FIXED}}
 
 
 def run(names: list[str]) -> list[dict]:
