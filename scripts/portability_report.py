@@ -68,7 +68,8 @@ from sass_loops import key_loops, sass_of  # noqa: E402  (this script's folder i
 from sparse_mla.ops import targets, triton_cache, triton_index  # noqa: E402
 
 GROUPS = ("formats", "shared", "forms", "cache", "index", "pipeline")
-_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "waves_per_eu", "matrix_instr_nonkdim", "kpack")
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "waves_per_eu", "matrix_instr_nonkdim", "kpack",
+            "enable_fp_fusion")
 
 
 @dataclass

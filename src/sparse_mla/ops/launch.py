@@ -95,7 +95,7 @@ class Launch:
 
     def __init__(self, kernel, constexprs: dict, options: dict | None = None) -> None:
         self.kernel = kernel
-        self.kwargs = {**constexprs, **(options or {})}
+        self.kwargs = {**constexprs, **fp_fusion(), **(options or {})}
         # per type pattern of the runtime arguments: its fingerprint function and, by (device, fingerprint), how to
         # launch the binary directly (_direct_call) and the binary itself
         self._binaries: dict[tuple[type, ...], tuple[Callable[[tuple], tuple], dict[tuple, tuple]]] = {}
@@ -263,6 +263,14 @@ def _direct_call(binary) -> tuple[Callable, tuple, bool]:
 
 
 _LAUNCHES: dict[tuple, Launch] = {}
+
+
+def fp_fusion(on: bool = True) -> dict[str, bool]:
+    """The launch option fixing a kernel's floating-point contraction (``a * b + c`` as one fused multiply-add): on,
+    as every kernel was measured (Triton's default through 3.9, which warns that 3.10 turns it off where a launch
+    does not say: ``TRITON_DEFAULT_FP_FUSION``); off only where a kernel rounds each step as its reference does (the
+    indexer's query prep). ``TRITON_FORCE_DISABLE_FP_FUSION`` still turns it off everywhere."""
+    return {"enable_fp_fusion": on}
 
 
 def cached_launch(kernel, constexprs: tuple, options: tuple = ()) -> Launch:

@@ -49,6 +49,7 @@ from ...indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from .. import targets
 from ..dispatch import interpreting
 from ..fp8 import e4m3_as_f16, e4m3_decode, e4m3_f16_ptx, e4m3_gain
+from ..launch import fp_fusion
 from .cache import round_half_even
 from .dependent import launch_options, wait_for_previous
 from .index import table_slots
@@ -382,7 +383,7 @@ def launch_prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Te
     grid = (q.shape[0], -(-q.shape[1] // heads))
     _prepare_queries_kernel[grid](q, weights, cos, sin, q_out, w_out, q.shape[1], weight_scale, HB=heads,
                                   D=INDEX_HEAD_DIM, HALF_SPLIT=half_split, FP8_Q=fp8_q, HW_ROUND=not interpreting(),
-                                  num_warps=4, enable_fp_fusion=False, **launch_options(q.device))
+                                  num_warps=4, **fp_fusion(False), **launch_options(q.device))
 
 
 def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: int, wave: int = 0
@@ -498,7 +499,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
         DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, WORDS=out.dtype == torch.int32, num_warps=warps, CHAINED=chained,
         PTX_DECODE=target.backend == "cuda" and not interpreting(),
-        num_stages=stages, **launch_options(q.device),
+        num_stages=stages, **fp_fusion(), **launch_options(q.device),
         **register_cap(FP8_DOT_MAXNREG if fp8_dot and target.name in FP8_DOT_CAPPED else None))
 
 
@@ -921,7 +922,7 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
                                COLUMN_ENTRIES=column_entries, CONVERT=into is not None, BS=bs, WORDS=words_in,
                                ENTRY_BITS=max(1, (entries - 1).bit_length()), DIGIT=digit_bits,
                                RUNS=select_runs(target, warps, main, words_in), V=SELECT_VECTOR,
-                               num_warps=warps, **register_cap(maxnreg), **launch_options(packed.device))
+                               num_warps=warps, **register_cap(maxnreg), **fp_fusion(), **launch_options(packed.device))
 
 
 def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto | None = None, *,
