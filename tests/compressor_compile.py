@@ -129,10 +129,32 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
     return out
 
 
+def fused_multiply_adds(target: targets.Target) -> dict[str, int]:
+    """The float32 fused multiply-adds (``fma.rn.f32``) in the PTX of the indexer's decode score launch and its V4
+    query prep, compiled for ``target`` (CUDA) under the environment's ``TRITON_DEFAULT_FP_FUSION``."""
+    import triton
+
+    from portability_report import _source
+
+    wanted = {"indexer fp8 H64 q2": "scores", "indexer q prep V4 into bfloat16": "prep"}
+    counts = {}
+    for variant, calls in indexer_launches(target, every=False):
+        if variant in wanted:
+            source, options = _source(calls[0], target)
+            ptx = triton.compile(source, target=target.gpu_target(), options=options).asm["ptx"]
+            counts[wanted[variant]] = ptx.count("fma.rn.f32")
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", required=True, choices=[t.name for t in targets.MATRIX])
-    target = next(t for t in targets.MATRIX if t.name == parser.parse_args().target)
+    parser.add_argument("--fma", action="store_true", help="print the indexer kernels' fused multiply-adds instead")
+    args = parser.parse_args()
+    target = next(t for t in targets.MATRIX if t.name == args.target)
+    if args.fma:
+        print(json.dumps(fused_multiply_adds(target)))
+        return
     for variant, calls in launches(target):
         for launched in calls:
             print(json.dumps(asdict(compile_launch(target, variant, launched))), flush=True)

@@ -173,16 +173,17 @@ def repoint_sink(layer, change: str) -> None:
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def compile_child(script: str, *args: str, timeout: int = 900,
-                  first_on_path: pathlib.Path | None = None) -> subprocess.CompletedProcess:
+def compile_child(script: str, *args: str, timeout: int = 900, first_on_path: pathlib.Path | None = None,
+                  env_vars: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python script args…`` (a path from the repo root) in a child process that compiles kernels: with the
     interpreter off, no lowering (a cross-compile names its own target; ``SPARSE_MLA_LOWERING``'s override of
     Triton's arch, inherited, would turn every target into the lowered one — AMD's then fail to parse it) and the
-    repo's ``src`` and ``tests`` first on the path (after ``first_on_path``: another Triton's install folder, say).
-    Its output captured as text."""
+    repo's ``src`` and ``tests`` first on the path (after ``first_on_path``: another Triton's install folder, say),
+    and ``env_vars`` set. Its output captured as text."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "TRITON_OVERRIDE_ARCH", "SPARSE_MLA_LOWERING")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [first_on_path and str(first_on_path), str(ROOT / "src"),
                                                       str(ROOT / "tests"), env.get("PYTHONPATH")]))
+    env.update(env_vars or {})
     return subprocess.run([sys.executable, str(ROOT / script), *args], env=env, capture_output=True, text=True,
                           timeout=timeout)

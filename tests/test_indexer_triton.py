@@ -1031,6 +1031,18 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     assert {r["dependent"] for r in rows} == ({on} if target.startswith("sm_") else {None})
 
 
+@pytest.mark.parametrize("default", ["0", "1"])
+def test_the_score_kernel_fuses_its_head_sum_whatever_triton_s_default(default):
+    """Compiled for sm_90 under ``TRITON_DEFAULT_FP_FUSION`` 0 (Triton 3.10's default) or 1 (3.6-3.9's): the decode
+    score kernel's PTX holds its fused multiply-adds (the chained head sum, measured fused: its launch asks for
+    fusion) and the query prep's none (it rounds each step as the reference does)."""
+    done = compile_child("tests/compressor_compile.py", "--target", "sm_90", "--fma",
+                         env_vars={"TRITON_DEFAULT_FP_FUSION": default})
+    assert done.returncode == 0, done.stderr[-2000:]
+    counts = json.loads(done.stdout.splitlines()[-1])
+    assert counts["scores"] > 0 and counts["prep"] == 0, counts  # (unfused, the scores hold none: 64 fused)
+
+
 if __name__ == "__main__":
     for row in compile_rows(sys.argv[1]):
         print(json.dumps(row), flush=True)
