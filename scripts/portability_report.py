@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import os
@@ -192,13 +193,18 @@ def _message(error: BaseException) -> str:
 _COMPILED: dict[tuple, Row] = {}
 
 
+@functools.lru_cache(maxsize=None)
+def _backend_options(target: targets.Target) -> frozenset[str]:
+    """The launch options ``target``'s Triton backend takes (its options dataclass's fields)."""
+    return frozenset(vars(make_backend(target.gpu_target()).parse_options({})))
+
+
 def compile_launch(target: targets.Target, variant: str, launched: Launched) -> Row:
     """Compile one recorded launch for ``target`` and check it fits: its :class:`Row` (a launch whose binary this
     process compiled already for another variant: that row's numbers, under this variant's name, 0 CPU seconds).
     A launch passing a keyword that is neither the kernel's parameter nor an option of ``target``'s backend fails
     here, as Triton's JIT fails it at launch (``triton.compile`` would drop it quietly: ``maxnreg`` on AMD)."""
-    unknown = sorted(set(launched.kwargs) - set(launched.kernel.arg_names)
-                     - set(vars(make_backend(target.gpu_target()).parse_options({}))))
+    unknown = sorted(set(launched.kwargs) - set(launched.kernel.arg_names) - _backend_options(target))
     if unknown:
         return Row(target.name, variant, launched.kernel.__name__, "failed",
                    error=f"keyword arguments {unknown} unrecognised by {target.backend}'s launch options")

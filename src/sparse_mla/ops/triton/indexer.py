@@ -815,7 +815,7 @@ def select_warps(rows: int, lanes: int, sms: int, digits: bool = False, keys: bo
     if digits and lanes >= DIGIT_SELECT_MIN_LANES:
         if rows <= 2 * sms:
             return 16
-        if not keys and lanes <= CAPPED_LANES[8]:
+        if cap_takes(8, lanes, keys):
             return 8
     warps = max(4, triton.next_power_of_2(-(-lanes // (72 * 32))))
     if rows < sms and warps < 8:
@@ -825,6 +825,12 @@ def select_warps(rows: int, lanes: int, sms: int, digits: bool = False, keys: bo
 
 DIGIT_SELECT_MIN_LANES = 8192  # rows the digit search's warps were measured on (shorter: the bit rounds' rule)
 CAPPED_LANES = {16: 8192, 8: 9216}  # the widest rows the cap takes at each warp count (the prefill chunk's 9,216 at 8)
+
+
+def cap_takes(warps: int, lanes: int, keys: bool) -> bool:
+    """Whether :func:`select_maxnreg`'s cap is measured for a select of ``warps`` warps over rows of ``lanes`` keys
+    (``keys``: a segment pass writing keys, which keeps no cap)."""
+    return not keys and lanes <= CAPPED_LANES.get(warps, 0)
 
 
 def select_maxnreg(target: targets.Target, warps: int, lanes: int, rows: int, sms: int, *, keys: bool) -> int | None:
@@ -840,7 +846,7 @@ def select_maxnreg(target: targets.Target, warps: int, lanes: int, rows: int, sm
     Triton 3.9, uncapped -> capped (docs/history.md version 41): B 128's select converting its picks 21.8 -> 17.7
     µs, its layer 73.8 -> 69.5, its share of a step 67.7 -> 64.0; the prefill chunk's layer (at 8 warps) 1,009 -> 923.
     8,192 keys at 8 warps (a decode of more than two rows an SM) capped at 128: no spill, not timed."""
-    if target.backend != "cuda" or keys or rows <= sms or lanes > CAPPED_LANES.get(warps, 0):
+    if target.backend != "cuda" or rows <= sms or not cap_takes(warps, lanes, keys):
         return None
     return target.register_file // (2 * target.warp_size * warps)
 
