@@ -26,7 +26,7 @@ import argparse
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from rich.console import Console
@@ -156,6 +156,14 @@ def select_rows(scored: ScoredLayer) -> tuple[torch.Tensor, torch.Tensor]:
     words = scored.layer.scores_as_words(scored.plan)
     (t0, t1, _), *_ = scored.plan.chunks_for(words)
     return scored.plan.scores(t1 - t0, words).clone(), scored.plan.picks[t0:t1]
+
+
+def scored_cases(names: Sequence[str]) -> Iterator[tuple[Case, ScoredLayer]]:
+    """The probes' cases: each of the benchmark's cases named in ``names`` (in the benchmark's order), with its layer
+    scored on the GPU (:func:`scored_layer`)."""
+    for case in cases(False):
+        if case.name in names:
+            yield case, scored_layer(case, torch.device("cuda"))
 
 
 def layers_step(case: Case, scored: ScoredLayer, labels: Sequence[str]

@@ -19,7 +19,7 @@ import torch
 from sparse_mla.ops.triton import indexer as kernels
 from sparse_mla.picks import step_picks
 
-from bench_indexer import STEP_LAYERS, cases, layers_step, scored_layer, select_rows
+from bench_indexer import STEP_LAYERS, layers_step, scored_cases, select_rows
 from harness import probe_main
 from probe_select_warps import v39_rule
 from timing import graphed, timed_variants
@@ -47,10 +47,8 @@ def variant(name: str) -> ExitStack:
 
 
 def run(names: list[str]) -> list[dict]:
-    dev = torch.device("cuda")
     out = []
-    for case in (c for c in cases(False) if c.name in names):
-        s = scored_layer(case, dev)
+    for case, s in scored_cases(names):
         rows, picks = select_rows(s)
         conversion = step_picks(s.meta, case.kind)
         into = conversion.select_into(0, s.plan.picks.shape[0]) if conversion.takes_select else None

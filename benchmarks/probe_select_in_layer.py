@@ -21,7 +21,7 @@ import torch
 from sparse_mla import indexer_layer
 from sparse_mla.ops.triton import indexer as kernels
 
-from bench_indexer import cases, scored_layer
+from bench_indexer import scored_cases
 from harness import probe_main
 from probe_indexer_timeline import kernel_records, summary
 from timing import graphed, timed_variants
@@ -60,10 +60,8 @@ def variant(warps: str, dependent: bool, converts: bool = True) -> ExitStack:
 
 
 def run(names: list[str]) -> list[dict]:
-    dev = torch.device("cuda")
     out = []
-    for case in (c for c in cases(False) if c.name in names):
-        s = scored_layer(case, dev)
+    for case, s in scored_cases(names):
         variants = [(w, d, True) for w, d in itertools.product(("rule", "4"), (True, False))] + [("rule", True, False)]
         fns, picks, timelines = {}, {}, {}
         for warps, dependent, converts in variants:

@@ -17,7 +17,7 @@ import triton
 
 from sparse_mla.ops.triton import indexer as kernels
 
-from bench_indexer import STEP_LAYERS, cases, layers_step, scored_layer, select_rows
+from bench_indexer import STEP_LAYERS, layers_step, scored_cases, select_rows
 from harness import probe_main
 from timing import graphed, timed_variants
 
@@ -37,10 +37,8 @@ VARIANTS = {**RULES, **{f"{w} warps": (lambda *rule_args, w=w: w) for w in FIXED
 
 
 def run(names: list[str]) -> list[dict]:
-    dev = torch.device("cuda")
     out = []
-    for case in (c for c in cases(False) if c.name in names):
-        scored = scored_layer(case, dev)
+    for case, scored in scored_cases(names):
         rows, picks = select_rows(scored)
         got, fns = {}, {}
         for name, rule in VARIANTS.items():
