@@ -534,6 +534,7 @@ def _digit_search(words, tail, thr, count, bit, k, zeros, HAS_TAIL: tl.constexpr
     histogram, the highest digit at or above which ``k`` or more lie taken. ``zeros``: how many words are 0 (no
     candidate; in play, in digit 0, while ``thr`` is 0)."""
     BINS: tl.constexpr = 1 << DIGIT
+    COUNT_BITS: tl.constexpr = 31 - DIGIT  # >= 20: a count is at most the row's lanes (< 2^15, select_tiles)
     bins = tl.arange(0, BINS)
     while (bit >= 0) & (count != k):
         shift = tl.maximum(bit + 1 - DIGIT, 0)  # this pass's digit: bits [shift, bit]
@@ -546,9 +547,13 @@ def _digit_search(words, tail, thr, count, bit, k, zeros, HAS_TAIL: tl.constexpr
         # pass's digits qualifies: fewer than k words lie above the words in play, or the last pass would have
         # taken a higher digit)
         at_or_above = count - (tl.cumsum(hist, 0) - hist) + tl.where((bins > 0) & (thr == 0), zeros, 0)
-        best = tl.max(tl.where(at_or_above >= k, bins, 0), 0)
+        # the highest digit at or above which k or more lie, and how many: one maximum of (digit, count) packed in an
+        # int32 (a digit below 2^MAX_DIGIT_BITS, a count below 2^COUNT_BITS), not a maximum then a sum (each a
+        # cross-warp reduction: two barriers). Digit 0 always qualifies: count, at least k, lie at or above thr.
+        packed = tl.max(tl.where(at_or_above >= k, (bins << COUNT_BITS) | at_or_above, 0), 0)
+        best = packed >> COUNT_BITS
         thr = thr | (best.to(tl.uint32) << shift)
-        count = tl.sum(tl.where(bins == best, at_or_above, 0), 0)
+        count = packed & ((1 << COUNT_BITS) - 1)
         bit = shift - 1
     return thr, count
 
@@ -762,7 +767,10 @@ HISTOGRAM_TAKES_MASK = "mask" in inspect.signature(tl.histogram).parameters
 # atomics; not timed there): an H200 on Triton 3.9, the select alone on the layer's words (graphs,
 # µs, a bit a round -> 6 / 8 / 11 bits a pass): V4-Flash B 32 16.3 -> 15.2 / 14.0 / 15.5, B 128 27.2 -> 25.1 / 23.2 /
 # 24.0, V4.1-Flash B 128 46.7 -> 44.5 / 41.1 / 40.2; over packed keys (their high words at a stride of two) slower
-# (the 512K segments 41.7 -> 43.8, V3.2 43.6 -> 46.9 at 8 bits; docs/history.md version 37)
+# (the 512K segments 41.7 -> 43.8, V3.2 43.6 -> 46.9 at 8 bits; docs/history.md version 37). Again at the warps and
+# cap select_warps / select_maxnreg now give (16 warps at most two rows an SM), 8 / 6 / 11 bits: B 32 11.3 / 12.1 /
+# 13.7, B 128 17.1 / 18.3 / 21.3, V4.1-Flash B 128 32.6 / 35.2 / 35.1; 8 bits the fastest on every case, ties too
+# (docs/history.md version 42)
 SELECT_DIGIT_BITS = 8
 MAX_DIGIT_BITS = 11  # a histogram of 2,048 bins (8 KB of shared memory a program)
 
