@@ -179,3 +179,109 @@ def test_step_plan_rejects_an_unknown_backend_key_format_or_meta(args, error, na
             layer.step_plan(None, "reference")
         else:
             layer.step_plan(sc.meta, *args)
+
+
+def test_kernel_prepare_queries_rejects_a_q_without_heads():
+    """q ``(T, 0, 128)`` (and weights ``(T, 0)``): the launch's grid divided the heads by zero heads a program (a
+    ZeroDivisionError); an indexer has 1-128 heads, named as the score kernel names them."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    spec, _, _, _, cos, sin = _prep_inputs()
+    q, w = torch.zeros(4, 0, 128, device=DEVICE), torch.zeros(4, 0, device=DEVICE)
+    with pytest.raises(ValueError, match=r"q must have shape \(T, H, 128\) with H in \[1, 128\]"):
+        kernels.prepare_queries(q, w, cos, sin, False, True, spec.weight_scale, torch.empty_like(q),
+                                torch.empty_like(w))
+
+
+def test_index_scores_rejects_an_out_on_another_device():
+    """The kernel writes ``out`` through its pointer: an ``out`` off the cache's device (another GPU, the host, a
+    meta tensor) is named, not handed to the launch (a meta tensor failed inside the interpreter's copy)."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    case = small_case()
+    out = torch.empty(4, 128, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="out must be on"):
+        kernels.index_scores(case.q, case.w, case.cache, case.step, out, 0, 4, 3, torch.float32, False)
+
+
+@pytest.mark.parametrize("t0,t1", [(0.5, 4), (0, 3.5)])
+def test_index_scores_rejects_a_token_range_of_floats(t0, t1):
+    """t0 and t1 are kernel arguments: a float t0 failed inside the kernel's pointer arithmetic (an interpreter /
+    compile error), a float t1 was compiled into the token bound (token 3 scored for t1 = 3.5)."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    case = small_case()
+    out = torch.empty(4, 128, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(TypeError, match="t0 and t1 must be ints"):
+        kernels.index_scores(case.q, case.w, case.cache, case.step, out, t0, t1, 3, torch.float32, False)
+
+
+@pytest.mark.parametrize("where", ["q", "cache.data", "expanded"])
+def test_index_scores_rejects_an_out_that_shares_memory(where):
+    """``out`` inside q's storage over token 1's queries (request 0's program overwrote them before request 1's read
+    them: other scores than an unaliased out's), inside the key cache (the scores written over the keys), or an
+    expanded ``(4, 128)`` view of one row (every token's scores into the same row: the last one's survived)."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    case = small_case()
+    q = case.q.clone()
+    if where == "q":
+        out, match = q.view(torch.int64).reshape(-1)[512:1024].view(4, 128), "out overlaps q"
+    elif where == "cache.data":
+        out, match = case.cache.data.view(-1)[:4 * 128 * 8].view(torch.int64).view(4, 128), "out overlaps cache.data"
+    else:
+        out, match = torch.empty(1, 128, dtype=torch.int64, device=DEVICE).expand(4, 128), "rows apart"
+    with pytest.raises(ValueError, match=match):
+        kernels.index_scores(q, case.w, case.cache, case.step, out, 0, 4, 3, torch.float32, False)
+
+
+def _packed_rows(rows: int, cols: int = 64) -> torch.Tensor:
+    """Packed keys as the score kernel lays them out: column c holds entry c's key, random scores."""
+    hi = torch.randint(-(1 << 30), 1 << 30, (rows, cols), generator=torch.Generator().manual_seed(0))
+    return ((hi << 32) | (0xFFFFFFFF - torch.arange(cols))).to(DEVICE)
+
+
+@pytest.mark.parametrize("where", ["packed", "expanded", "into"])
+def test_topk_rows_rejects_outputs_that_share_memory(where):
+    """``out`` inside ``packed``'s storage one row on (row 0's picks overwrote row 1's keys before its program read
+    them: other picks than an unaliased out's), an expanded ``(4, 16)`` view of one row (each row's picks over the
+    one before), or the conversion's slots inside ``packed``."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    buf = _packed_rows(5)
+    packed, k = buf[:4], 16
+    out = torch.empty(4, k, dtype=torch.int32, device=DEVICE)
+    into = None
+    if where == "packed":
+        out, match = buf.view(torch.int32)[1:5, :k], "out overlaps packed"
+    elif where == "expanded":
+        out, match = torch.empty(1, k, dtype=torch.int32, device=DEVICE).expand(4, k), "rows must not overlap"
+    else:
+        ints = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=DEVICE)  # noqa: E731
+        into = kernels.PicksInto(ints(4), ints(4), ints(1, 2), 64, buf.view(torch.int32)[1:5, :k], ints(4),
+                                 ints(4, k), 4)
+        match = "into.indices overlaps packed"
+    with pytest.raises(ValueError, match=match):
+        kernels.topk_rows(packed, k, out, into)
+
+
+@pytest.mark.parametrize("bad", ["float", "bool", "meta"])
+def test_top_blocks_from_packed_rejects_positions_of_another_dtype_or_device(bad):
+    """Positions 10.7 were truncated to 10 and bool ones read as 0 / 1 (the pinned block silently another); a meta
+    (another device's) tensor failed inside torch's comparison: named."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    packed = _packed_rows(4, 128)
+    positions = {"float": torch.tensor([10.7, 100.0, 200.0, 300.0], device=DEVICE),
+                 "bool": torch.ones(4, dtype=torch.bool, device=DEVICE),
+                 "meta": torch.zeros(4, dtype=torch.int32, device="meta")}[bad]
+    with pytest.raises(ValueError, match="positions must"):
+        kernels.top_blocks_from_packed(packed, positions, 4, 8)
+
+
+def test_restrict_to_blocks_rejects_kept_blocks_on_another_device():
+    """kept_blocks off packed's device (meta here) was taken without a word; named."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    with pytest.raises(ValueError, match="kept_blocks must be on"):
+        kernels.restrict_to_blocks(_packed_rows(4, 128), torch.zeros(4, 8, dtype=torch.int32, device="meta"))

@@ -146,6 +146,14 @@ class StepTokens:
                    COMPRESS_RATIO[kind])
 
 
+def check_query_shape(q: torch.Tensor) -> None:
+    """``q`` (3-D) is ``(T, H, 128)`` with ``H`` in ``[MIN_HEADS, MAX_HEADS]``: an indexer's queries, as the query
+    prep and the score kernel take them."""
+    if q.shape[2] != INDEX_HEAD_DIM or not MIN_HEADS <= q.shape[1] <= MAX_HEADS:
+        raise ValueError(f"q must have shape (T, H, {INDEX_HEAD_DIM}) with H in [{MIN_HEADS}, {MAX_HEADS}], "
+                         f"got {tuple(q.shape)}")
+
+
 def check_step_inputs(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, step: StepTokens,
                       topk: int | None = None) -> None:
     """The scorers' shared checks: prepared ``q (T_cap, H, 128)`` float32 / bf16 / float16 / e4m3, ``weights
@@ -155,9 +163,7 @@ def check_step_inputs(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyC
         raise TypeError(f"cache must be an IndexerKeyCache, got {type(cache).__name__}")
     check_tensor("q", q, dtype=(torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn), ndim=3,
                  device=cache.device)
-    if q.shape[2] != INDEX_HEAD_DIM or not MIN_HEADS <= q.shape[1] <= MAX_HEADS:
-        raise ValueError(f"q must have shape (T, H, {INDEX_HEAD_DIM}) with H in [{MIN_HEADS}, {MAX_HEADS}], "
-                         f"got {tuple(q.shape)}")
+    check_query_shape(q)
     cap = q.shape[0]
     check_tensor("weights", weights, dtype=torch.float32, shape=(cap, q.shape[1]), device=cache.device)
     check_tensor("positions", step.positions, dtype=torch.int32, shape=(cap,), device=cache.device)

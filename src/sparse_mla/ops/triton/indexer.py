@@ -42,9 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._checks import check_positive_int, check_tensor
-from ...indexer import (BLOCK_ENTRIES, MAX_SELECT_COLS, SELECT_SEGMENT, StepTokens, check_step_inputs,
-                        select_kernel_takes)
+from ..._checks import check_no_overlap, check_positive_int, check_tensor, is_int
+from ...indexer import (BLOCK_ENTRIES, MAX_SELECT_COLS, SELECT_SEGMENT, StepTokens, check_query_shape,
+                        check_step_inputs, select_kernel_takes)
 from ...indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from .. import targets
 from ..dispatch import interpreting
@@ -357,9 +357,8 @@ def prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, s
     kernel reads and writes whole rows at unit stride).
     """
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float16, torch.float32), ndim=3)
+    check_query_shape(q)  # H 0 would size the grid by a division by zero
     rows, heads_in = q.shape[0], q.shape[1]
-    if q.shape[2] != INDEX_HEAD_DIM:
-        raise ValueError(f"q must have shape (T, H, {INDEX_HEAD_DIM}), got {tuple(q.shape)}")
     check_tensor("weights", weights, dtype=(torch.bfloat16, torch.float16, torch.float32), shape=(rows, heads_in),
                  device=q.device)
     for name, t in (("cos", cos), ("sin", sin)):
@@ -449,7 +448,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
                  t0: int, t1: int, max_query_len: int, dot_dtype: torch.dtype, native_fp8: bool,
                  launch: tuple[int, int, int] | None = None, *, chained: bool | None = None) -> None:
     """Scores of tokens ``[t0, t1)`` into ``out[: t1 - t0]`` (``(rows, num_cols)`` int64, or int32 for the words
-    the module docstring describes; rows of padding tokens are not written). q ``(T_cap, H, 128)`` (float32, bf16,
+    the module docstring describes; rows of padding tokens are not written; on the cache's device, rows apart, sharing
+    no memory with an input). q ``(T_cap, H, 128)`` (float32, bf16,
     float16 or e4m3: the prepared queries), weights ``(T_cap, H)`` float32, checked here with the cache and step
     (:func:`sparse_mla.indexer.check_step_inputs`), once
     per token chunk; max_query_len: an upper bound on any request's tokens in ``[t0, t1)`` (host int: the grid).
@@ -460,13 +460,22 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     target's, :func:`heads_chained`)."""
     check_step_inputs(q, weights, cache, step)
     check_positive_int("max_query_len", max_query_len)  # sizes the grid: 0 would launch nothing, leaving out as it was
+    if not (is_int(t0) and is_int(t1)):  # kernel arguments: a float would be compiled into the token arithmetic
+        raise TypeError(f"t0 and t1 must be ints, got {t0!r} ({type(t0).__name__}), {t1!r} ({type(t1).__name__})")
+    t0, t1 = int(t0), int(t1)
     if not 0 <= t0 < t1 <= q.shape[0]:
         raise ValueError(f"the token range must satisfy 0 <= t0 < t1 <= {q.shape[0]} (q's rows), got [{t0}, {t1})")
     if cache.block_size != 64:
         raise ValueError(f"cache.block_size must be 64 for the Triton indexer, got {cache.block_size}")
-    if out.dtype not in (torch.int64, torch.int32) or out.dim() != 2 or out.shape[0] < t1 - t0 or out.stride(1) != 1:
+    check_tensor("out", out, device=cache.device)
+    if (out.dtype not in (torch.int64, torch.int32) or out.dim() != 2 or out.shape[0] < t1 - t0 or out.stride(1) != 1
+            or (t1 - t0 > 1 and out.stride(0) < out.shape[1])):  # rows sharing memory: each row's scores overwritten
         raise ValueError(f"out must be int64 (packed keys) or int32 (words) of shape (>= {t1 - t0}, num_cols) with "
-                         f"unit column stride, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+                         f"unit column stride and rows apart (row stride >= num_cols), got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    # programs write out while others read the inputs: an aliased input (or the key cache) would be read overwritten
+    check_no_overlap("out", out, {"q": q, "weights": weights, "cache.data": cache.data, "positions": step.positions,
+                                  "query_start_loc": step.query_start_loc, "block_table": step.block_table})
     if not (q.is_contiguous() and weights.is_contiguous()):
         raise ValueError("q and weights must be contiguous (the kernel reads rows of H · 128 and of H)")
     if dot_dtype not in _DOT_TYPES:
@@ -967,8 +976,14 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto |
     if packed.stride(1) != 1 or out.stride(1) != 1:  # the kernel reads and writes rows at unit stride
         raise ValueError(f"packed and out must have unit column stride, got strides {packed.stride()} and "
                          f"{out.stride()}")
+    if rows > 1 and out.stride(0) < k:  # rows sharing memory: one row's picks overwritten by another's
+        raise ValueError(f"out's rows must not overlap (row stride >= k = {k}), got strides {out.stride()}")
+    # a program writes its row's picks while others still read their packed rows
+    check_no_overlap("out", out, {"packed": packed})
     if into is not None:
         _check_picks_into(into, rows, k, packed.device)
+        for name in ("indices", "lens", "kept"):
+            check_no_overlap(f"into.{name}", getattr(into, name), {"packed": packed})
     launch_topk_rows(packed, k, out, into, digit_bits=digit_bits)
 
 
@@ -1035,7 +1050,7 @@ def top_blocks_from_packed(packed: torch.Tensor, positions: torch.Tensor, ratio:
     ``(rows,)`` -> ``(rows, num_kept)`` int32 blocks of 8 entries, best block score (its max) first, the block of the
     newest visible entry pinned first, ties to the lower block (the packed max carries its entry), ``-1`` fill."""
     rows, cols = _block_rows(packed)
-    check_tensor("positions", positions, shape=(rows,))
+    check_tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(rows,), device=packed.device)
     check_positive_int("ratio", ratio)
     check_positive_int("num_kept", num_kept)
     block_max = packed.view(rows, cols // BLOCK_ENTRIES, BLOCK_ENTRIES).amax(-1)
@@ -1054,7 +1069,8 @@ def restrict_to_blocks(packed: torch.Tensor, kept_blocks: torch.Tensor) -> None:
     """In place: every entry of ``packed (rows, num_cols)`` outside its row's ``kept_blocks (rows, n)`` (blocks of 8
     entries, ``-1`` none) becomes ``INT64_MIN``."""
     rows, cols = _block_rows(packed)
-    check_tensor("kept_blocks", kept_blocks, dtype=(torch.int32, torch.int64), shape=(rows, None))
+    check_tensor("kept_blocks", kept_blocks, dtype=(torch.int32, torch.int64), shape=(rows, None),
+                 device=packed.device)
     nb = cols // BLOCK_ENTRIES
     allowed = torch.zeros(rows, nb + 1, dtype=torch.bool, device=packed.device)
     allowed.scatter_(1, torch.where((kept_blocks >= 0) & (kept_blocks < nb), kept_blocks, nb).long(), True)
