@@ -140,11 +140,12 @@ def test_the_float16_dot_scores_fp8_keys_as_the_float32_dot_does(kind, heads):
         assert ((got_s - want_s).abs() <= 1e-5 * scale).logical_or(want == 0).all()
     else:
         assert torch.equal(got, want)
+    out = torch.zeros(n, cols, dtype=torch.int32, device=DEVICE)  # (got is on the host now: out must be on DEVICE)
     with pytest.raises(ValueError, match="float16 dot"):
-        kernels.index_scores(case.q.to(torch.float16), case.w, case.cache, case.step, got, 0, n, 5, torch.float16,
+        kernels.index_scores(case.q.to(torch.float16), case.w, case.cache, case.step, out, 0, n, 5, torch.float16,
                              True)
     with pytest.raises(ValueError, match="float16 dot"):
-        kernels.index_scores(case.q.to(torch.bfloat16), case.w, case.cache, case.step, got, 0, n, 5, torch.float16,
+        kernels.index_scores(case.q.to(torch.bfloat16), case.w, case.cache, case.step, out, 0, n, 5, torch.float16,
                              False)
 
 
