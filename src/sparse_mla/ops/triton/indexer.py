@@ -857,7 +857,7 @@ def select_maxnreg(target: targets.Target, warps: int, lanes: int, rows: int, sm
     Why: converting its picks in its own launch, the select takes more registers (sm_90, Triton 3.9: 8,192 words at 16
     warps 82 a thread against 57 without, the prefill chunk's 9,216 at 8 warps 184 against 128), one program an SM, so
     a V4-Flash B 128 step's 256 rows ran in two waves. Capped: 8,192 words at 16 warps 64, no spill on sm_80 -
-    sm_120; 9,216 at 8 warps 128, 32-52 B spilled on sm_90 - sm_120 (none in a loop; none on sm_80 - sm_89); wider
+    sm_120; 9,216 at 8 warps 128, 36-56 B spilled on sm_90 - sm_120 (none in a loop; none on sm_80 - sm_89); wider
     rows (192-632 B) and a segment pass writing keys (12-80 B) keep no cap. Rows no more than the SMs run in one wave
     whatever the registers, and capped (a first cut), V4-Flash B 32's layer ran slower (30.6 -> 34.1 µs). H200,
     Triton 3.9, uncapped -> capped (docs/history.md version 41): B 128's select converting its picks 21.8 -> 17.7
