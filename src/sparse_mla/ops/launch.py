@@ -273,6 +273,12 @@ def fp_fusion(on: bool = True) -> dict[str, bool]:
     return {"enable_fp_fusion": on}
 
 
+def register_cap(maxnreg: int | None) -> dict[str, int]:
+    """The launch option capping a kernel's registers a thread at ``maxnreg``; None: no option at all (Triton's HIP
+    backend has no ``maxnreg`` and rejects the keyword, None included, before it compiles)."""
+    return {} if maxnreg is None else {"maxnreg": maxnreg}
+
+
 def cached_launch(kernel, constexprs: tuple, options: tuple = ()) -> Launch:
     """The shared :class:`Launch` of ``kernel`` for ``constexprs`` / ``options`` given as ``(name, value)`` pairs.
     Keyed by the kernel's identity (kernels are module-level functions, alive for the whole run): hashing a JIT

@@ -49,7 +49,7 @@ from ...indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from .. import targets
 from ..dispatch import interpreting
 from ..fp8 import e4m3_as_f16, e4m3_decode, e4m3_f16_ptx, e4m3_gain
-from ..launch import fp_fusion
+from ..launch import fp_fusion, register_cap
 from .cache import round_half_even
 from .dependent import launch_options, wait_for_previous
 from .index import table_slots
@@ -422,12 +422,6 @@ SCORE_WARPS, SCORE_STAGES = 4, 3
 # sm_100 / sm_120: at 128 their page loops spilled (sm_100 110-122 B a thread inside the loop, sm_120 4-6, Triton 3.6
 # and 3.9); uncapped they take 159-168 registers and spill nothing (docs/history.md version 34)
 FP8_DOT_MAXNREG, FP8_DOT_CAPPED = 128, ("sm_90",)
-
-
-def register_cap(maxnreg: int | None) -> dict[str, int]:
-    """The launch option capping a kernel's registers a thread at ``maxnreg``; None: no option at all (Triton's HIP
-    backend has no ``maxnreg`` and rejects the keyword, None included, before it compiles)."""
-    return {} if maxnreg is None else {"maxnreg": maxnreg}
 
 
 def heads_chained(target: targets.Target) -> bool:
