@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 
-from helpers import DEVICE
+from helpers import DEVICE, KERNEL_RUNS
 from indexer_cases import make_case
 from sparse_mla.indexer import IndexerSpec, index_topk_reference, prepare_queries
 from sparse_mla.indexer_layer import SparseMLAIndexer
@@ -285,3 +285,23 @@ def test_restrict_to_blocks_rejects_kept_blocks_on_another_device():
 
     with pytest.raises(ValueError, match="kept_blocks must be on"):
         kernels.restrict_to_blocks(_packed_rows(4, 128), torch.zeros(4, 8, dtype=torch.int32, device="meta"))
+
+
+@pytest.mark.skipif(not KERNEL_RUNS, reason="the Triton indexer needs a GPU or Triton's CPU interpreter")
+def test_the_triton_layer_refuses_a_key_cache_of_other_blocks_before_it_launches():
+    """The score kernel reads pages of 64 entries: the layer's Triton call over a step and key cache of 32-entry blocks
+    is refused by name (the score launch's own check, ``check_kernel_cache``), before the query prep writes its
+    plan's buffers."""
+    from sparse_mla.indexer_cache import IndexerKeyCache
+    from sparse_mla.scenario import make_scenario
+
+    sc = make_scenario([(300, 2), (200, 1)], window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,
+                       block_sizes={"swa": 64, "c4a": 32, "c128a": 2}, device=DEVICE)
+    layer = SparseMLAIndexer("c4a", 8, 32, backend="triton")
+    cap = sc.meta.batch.token_capacity
+    q, w = torch.randn(cap, 8, 128, device=DEVICE), torch.randn(cap, 8, device=DEVICE)
+    plan = layer.step_plan(sc.meta, "triton")
+    plan.q.fill_(7)
+    with pytest.raises(ValueError, match="cache.block_size must be 64"):
+        layer(sc.meta, q, w, IndexerKeyCache(64, "fp8", device=DEVICE, block_size=32))
+    assert bool((plan.q == 7).all()), "no launch before the refusal"

@@ -293,10 +293,11 @@ class SparseMLAIndexer(torch.nn.Module):
                 cache: IndexerKeyCache, kept_blocks: torch.Tensor | None, select_blocks: bool) -> None:
         from .ops.triton import indexer as kernels  # Triton is imported only where it runs
 
+        kernels.check_kernel_cache(cache)  # before any launch (the rest: _check; the step and buffers: the plan's)
         q, w = q.contiguous(), w.contiguous()  # the prep kernel reads rows of H · 128 and H values (checked: _check)
         kernels.launch_prepare_queries(q, w, plan.cos, plan.sin, self.kind == "dsa", self.spec.q_format == "fp8",
                                        self.spec.weight_scale, plan.q, plan.w)
-        q, w = plan.q, plan.w  # checked by index_scores (check_step_inputs)
+        q, w = plan.q, plan.w
         dot_dtype = q.dtype
         native_fp8 = targets.target_of(cache.device).native_fp8
         kernel_select = self._kernel_select()
@@ -308,7 +309,7 @@ class SparseMLAIndexer(torch.nn.Module):
         chunks, capacity = plan.chunks_for(words), plan.picks.shape[0]
         for i, (t0, t1, longest) in enumerate(chunks):
             packed = plan.scores(t1 - t0, words)
-            kernels.index_scores(q, w, cache, plan.step, packed, t0, t1, longest, dot_dtype, native_fp8)
+            kernels.launch_index_scores(q, w, cache, plan.step, packed, t0, t1, longest, dot_dtype, native_fp8)
             # the chunks cover the step's real tokens [0, num_tokens); padding rows keep the plan's -1
             if select_blocks:
                 plan.kept[t0:t1] = kernels.top_blocks_from_packed(packed, plan.step.positions[t0:t1],

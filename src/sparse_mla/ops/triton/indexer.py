@@ -459,8 +459,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     t0, t1 = int(t0), int(t1)
     if not 0 <= t0 < t1 <= q.shape[0]:
         raise ValueError(f"the token range must satisfy 0 <= t0 < t1 <= {q.shape[0]} (q's rows), got [{t0}, {t1})")
-    if cache.block_size != 64:
-        raise ValueError(f"cache.block_size must be 64 for the Triton indexer, got {cache.block_size}")
+    check_kernel_cache(cache)
     check_tensor("out", out, device=cache.device)
     if (out.dtype not in (torch.int64, torch.int32) or out.dim() != 2 or out.shape[0] < t1 - t0 or out.stride(1) != 1
             or (t1 - t0 > 1 and out.stride(0) < out.shape[1])):  # rows sharing memory: each row's scores overwritten
@@ -474,6 +473,29 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         raise ValueError("q and weights must be contiguous (the kernel reads rows of H · 128 and of H)")
     if dot_dtype not in _DOT_TYPES:
         raise ValueError(f"dot_dtype must be one of {tuple(_DOT_TYPES)}, got {dot_dtype}")
+    fp8 = cache.fmt == "fp8"
+    if dot_dtype == torch.float8_e4m3fn and (not fp8 or q.dtype != torch.float8_e4m3fn):
+        raise ValueError(f"the fp8 dot needs an fp8 key cache and float8_e4m3fn q, got {cache.fmt} keys, {q.dtype} q")
+    if dot_dtype == torch.float16 and (not fp8 or native_fp8 or q.dtype != torch.float16):
+        raise ValueError(f"the float16 dot needs an fp8 key cache decoded by integer operations (native_fp8 False) and "
+                         f"float16 q (e4m3 values), got {cache.fmt} keys, native_fp8={native_fp8}, {q.dtype} q")
+    launch_index_scores(q, weights, cache, step, out, t0, t1, max_query_len, dot_dtype, native_fp8, launch,
+                        chained=chained)
+
+
+def check_kernel_cache(cache: IndexerKeyCache) -> None:
+    """The key cache the score kernel reads: blocks of 64 entries (a page, the kernel's dot)."""
+    if cache.block_size != 64:
+        raise ValueError(f"cache.block_size must be 64 for the Triton indexer, got {cache.block_size}")
+
+
+def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, step: StepTokens,
+                        out: torch.Tensor, t0: int, t1: int, max_query_len: int, dot_dtype: torch.dtype,
+                        native_fp8: bool, launch: tuple[int, int, int] | None = None, *,
+                        chained: bool | None = None) -> None:
+    """:func:`index_scores`' launch alone, for a caller whose arguments are its own and made to fit (the indexer
+    layer: its plan's prepared queries, step and workspace, a key cache its call checked with
+    :func:`check_kernel_cache`)."""
     num_reqs = step.query_start_loc.shape[0] - 1
     num_cols = out.shape[1]
     target = targets.target_of(cache.device)
@@ -486,11 +508,6 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
     fp8 = cache.fmt == "fp8"
     scale_view = cache.data.view(torch.float32) if fp8 else cache.data
     grid = (num_reqs, -(-max_query_len // qt), -(-num_cols // (64 * per_program)))
-    if fp8_dot and (not fp8 or q.dtype != torch.float8_e4m3fn):
-        raise ValueError(f"the fp8 dot needs an fp8 key cache and float8_e4m3fn q, got {cache.fmt} keys, {q.dtype} q")
-    if dot_dtype == torch.float16 and (not fp8 or native_fp8 or q.dtype != torch.float16):
-        raise ValueError(f"the float16 dot needs an fp8 key cache decoded by integer operations (native_fp8 False) and "
-                         f"float16 q (e4m3 values), got {cache.fmt} keys, native_fp8={native_fp8}, {q.dtype} q")
     dot = _DOT_TYPES[dot_dtype]
     if chained is None:
         chained = heads_chained(target)
