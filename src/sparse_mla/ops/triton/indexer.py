@@ -603,8 +603,28 @@ def _entry_words(words_ptr, row, stride, cols, mask, COLUMN_ENTRIES: tl.constexp
 
 
 @triton.jit
+def _scatter(ptrs, values, mask, PTX: tl.constexpr):
+    """``tl.store(ptrs, values, mask)`` of int32 or int64 ``values``; ``PTX`` (CUDA, not the interpreter): by inline
+    PTX from the registers the values lie in. Addresses that are data (a select's output slots) give Triton's store
+    coalescing no contiguity to use, and it converted the tile to its own layout through shared memory first (a
+    converting select over 8,192 words at 16 warps, sm_90: four rounds of 128-bit shared stores and loads of the 64-bit
+    addresses, 5 barriers); the stores themselves are the same, one a lane."""
+    if PTX:
+        if values.dtype == tl.int64:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b64 [$1], $2; mov.b32 $0, 0; }", "=r,l,l,r",
+                [ptrs, values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }", "=r,l,r,r",
+                [ptrs, values.to(tl.int32), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptrs, values, mask=mask)
+
+
+@triton.jit
 def _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, cols, chosen, slot, KEYS: tl.constexpr,
-                  COLUMN_ENTRIES: tl.constexpr, words, first_entry, WORDS: tl.constexpr):
+                  COLUMN_ENTRIES: tl.constexpr, words, first_entry, WORDS: tl.constexpr, PTX_STORE: tl.constexpr):
     """The chosen columns' keys (``KEYS``) or entries into their output slots. ``WORDS`` and ``KEYS``: the keys are
     packed from the chosen ``words`` (uint32) and their entries, ``first_entry`` plus the column."""
     if KEYS:
@@ -612,12 +632,12 @@ def _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, cols,
             key = _packed_key((words ^ 2147483648).to(tl.int32, bitcast=True), first_entry + cols)
         else:
             key = tl.load(packed_ptr + row * stride + cols, mask=chosen)
-        tl.store(out_ptr + row * out_stride + slot, key, mask=chosen)
+        _scatter(out_ptr + row * out_stride + slot, key, chosen, PTX_STORE)
     elif COLUMN_ENTRIES:
-        tl.store(out_ptr + row * out_stride + slot, cols, mask=chosen)
+        _scatter(out_ptr + row * out_stride + slot, cols, chosen, PTX_STORE)
     else:
         low = _entry_words(words_ptr, row, stride, cols, chosen, COLUMN_ENTRIES)
-        tl.store(out_ptr + row * out_stride + slot, (4294967295 - low.to(tl.int64)).to(tl.int32), mask=chosen)
+        _scatter(out_ptr + row * out_stride + slot, (4294967295 - low.to(tl.int64)).to(tl.int32), chosen, PTX_STORE)
 
 
 @triton.jit
@@ -673,7 +693,8 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
                       kept_stride, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr, TAIL: tl.constexpr,
                       KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr, CONVERT: tl.constexpr, BS: tl.constexpr,
                       ENTRY_BITS: tl.constexpr, WORDS: tl.constexpr = False, DEPENDENT: tl.constexpr = False,
-                      DIGIT: tl.constexpr = 0, RUNS: tl.constexpr = 0, V: tl.constexpr = 1):
+                      DIGIT: tl.constexpr = 0, RUNS: tl.constexpr = 0, V: tl.constexpr = 1,
+                      PTX_STORE: tl.constexpr = False):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
     ``-1`` fill (``KEYS``: ``INT64_MIN``). ``words_ptr``: the same rows as int32 (the keys' low and high words);
     ``WORDS``: the rows are the score kernel's words (``stride`` of them a row; ``COLUMN_ENTRIES``), with no packed
@@ -768,11 +789,11 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
         slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     first_entry = (row % segments) * C  # a segment's first entry (rows of segments: C columns each, no tail)
     _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, cols, chosen, slot, KEYS, COLUMN_ENTRIES,
-                  hi, first_entry, WORDS)
+                  hi, first_entry, WORDS, PTX_STORE)
     if HAS_TAIL:
         slot_tail = tl.sum(chosen.to(tl.int32), 0) + tl.cumsum(chosen_tail.to(tl.int32), 0) - 1
         _store_chosen(packed_ptr, words_ptr, out_ptr, row, stride, out_stride, tail_cols, chosen_tail, slot_tail, KEYS,
-                      COLUMN_ENTRIES, hi_tail, first_entry, WORDS)
+                      COLUMN_ENTRIES, hi_tail, first_entry, WORDS, PTX_STORE)
     _finish_row(out_ptr, out_stride, row, tl.minimum(candidates, K), conv, K, KP, KEYS, CONVERT, BS, True)
 
 
@@ -803,6 +824,9 @@ def select_digit_bits(target: targets.Target, words: bool) -> int:
     return SELECT_DIGIT_BITS if words and target.backend == "cuda" and HISTOGRAM_BY_ATOMICS else 0
 
 
+# the select stores its chosen entries by inline PTX on CUDA (:func:`_scatter`; not in the interpreter): not measured on
+# a GPU yet (benchmarks/probe_select_ptx_store.py patches it)
+PTX_STORE = True
 SELECT_VECTOR = 4  # int32 words a 16-byte load: the select's runs are whole vectors of them
 
 
@@ -956,6 +980,7 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
                                COLUMN_ENTRIES=column_entries, CONVERT=into is not None, BS=bs, WORDS=words_in,
                                ENTRY_BITS=max(1, (entries - 1).bit_length()), DIGIT=digit_bits,
                                RUNS=select_runs(target, warps, main, words_in), V=SELECT_VECTOR,
+                               PTX_STORE=PTX_STORE and target.backend == "cuda" and not interpreting(),
                                num_warps=warps, **register_cap(maxnreg), **fp_fusion(), **launch_options(packed.device))
 
 
