@@ -331,3 +331,79 @@ def test_select_converting_its_picks():
     expected = triton_indexer.topk_from_packed(packed.t, k)
     expected[1] = -1
     assert torch.equal(out.t.sort(1).values, expected.sort(1).values)
+
+
+def test_request_indices_past_the_tables_read_a_row_inside_them():
+    """``token_to_req`` values past a block table (or negative: the padding tokens' ``-1``, a caller's bad value;
+    unchecked, device values) are clamped into it (docs/checks.md): the picks' conversion, the step's window lists
+    and the select's own conversion read a row of the table, never its guards (7: a block of slots no clamped row
+    names), and write what the clamped requests give."""
+    from sparse_mla.ops.triton import indexer as triton_indexer
+
+    sizes = {"swa": 4, "c4a": 4, "c128a": 2}
+    lengths = [(40, 1), (30, 3)]
+    reqs = [Request(s, q, {k: [100 * r + b for b in range(blocks_needed(s, k, sizes[k]))] for k in sizes})
+            for r, (s, q) in enumerate(lengths)]
+    batch = StepBatchBuilder(6, 2, 64, block_sizes=sizes, device=DEVICE).build(reqs)  # 4 tokens, 2 padding
+    bad = torch.tensor([2**30, -(2**31), 2**31 - 1, 2, -1, 9], **I32)
+    clamped = bad.clamp(0, 1)
+    local = torch.tensor([[0, 1, 2, 3, 4], [2, 5, 7, 1, 6], [5, 0, 1, 2, 3], [6, 8, 4, 2, 1], [0, 1, 2, 3, 4],
+                          [1, 2, 3, 4, 5]], **I32)
+    tables = {k: Guarded(batch.block_tables[k], 7) for k in sizes}
+
+    def outputs(shapes):
+        return [Guarded(torch.full(shape, -9, **I32), -9) for shape in shapes]
+
+    results = []
+    for req in (bad, clamped):
+        got = []
+        outs = outputs(((6, 5), (6,), (6, 5)))
+        triton_index.compressed_picks(batch.positions, req, tables["c4a"].t, 4, 4, local, *(o.t for o in outs))
+        got += outs
+        valid, swa, c128 = outputs(((6,),)), outputs(((6, 8), (6,))), outputs(((6, 4), (6,)))
+        triton_index.step_lists(batch.positions, req, valid[0].t, triton_index.WindowList(tables["swa"].t, 4, *(
+            o.t for o in swa)), triton_index.WindowList(tables["c128a"].t, 2, *(o.t for o in c128)), None)
+        got += valid + swa + c128
+        packed = torch.stack([torch.randperm(64, generator=torch.Generator().manual_seed(r)) for r in range(4)])
+        picks = outputs(((4, 8), (6, 8), (6,), (6, 8)))
+        into = triton_indexer.PicksInto(batch.positions, req, tables["c4a"].t, 4, *(p.t for p in picks[1:]), 6)
+        triton_indexer.topk_rows(packed.to(DEVICE, torch.int64) << 32 | (2**32 - 1 - torch.arange(64, device=DEVICE)),
+                                 8, picks[0].t, into)
+        got += picks
+        assert all(g.intact() for g in (*got, *tables.values()))
+        results.append([g.t.clone() for g in got])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert all((results[0][i] >= 0).any() for i in (0, 4, 9))  # the picks', the window's, the select's slots
+
+
+def test_compressor_kernels_clamp_request_indices_into_the_step_s_tensors():
+    """The compressor's kernels read each token's request's prefix length, state slot and sequence length: a
+    ``token_to_req`` value past those tensors (or negative) reads their last row (first), never their guards, and
+    writes what the clamped requests give."""
+    import dataclasses
+
+    from compress_feed import Feeder, make_params, make_sequences
+    from sparse_mla.compressor import KVCompressor
+    from sparse_mla.ops.triton import compress as triton_compress
+
+    lengths, ratio, dim = [9, 6], 4, 128
+    kv, score = (torch.cat(parts).to(DEVICE) for parts in zip(*make_sequences(lengths, ratio, dim)))
+    results = []
+    for bad in (True, False):
+        feeder = Feeder(lengths, ratio, device=DEVICE)
+        weight, ape = make_params(ratio, dim)
+        comp = KVCompressor(feeder.pool, dim, weight, 1e-6, ape=ape, backend="triton")
+        order, batch, meta = feeder.step([(0, 9), (1, 6)])
+        req = batch.token_to_req.clone()
+        req[:15] = torch.where(req[:15] == 1, 2**30 if bad else 1, -(2**31) if bad else 0)
+        guarded = [Guarded(t, g) for t, g in ((meta.prefix_lens, 2**30), (meta.state_slots, 2**30),
+                                              (batch.seq_lens, -(2**30)))]
+        step = dataclasses.replace(batch, token_to_req=req, seq_lens=guarded[2].t)
+        meta = dataclasses.replace(meta, batch=step, prefix_lens=guarded[0].t, state_slots=guarded[1].t)
+        latent, entries = (torch.zeros(15, dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+        triton_compress.compress(kv, score, comp.ape, comp.norm_weight, comp.eps, comp.inv_freq, meta,
+                                 feeder.pool.layers[comp.layer], latent, entries)
+        assert all(g.intact() for g in guarded)
+        results.append([latent, entries, *feeder.pool.layers[comp.layer]])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert results[0][0].abs().sum() > 0  # entries were completed

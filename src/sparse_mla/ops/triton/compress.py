@@ -22,6 +22,7 @@ import triton.language as tl
 from ...compress_metadata import CompressMetadata
 from ...compress_state import OVERLAP_RATIO
 from ..launch import cached_launch
+from .index import request_row
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def _window_values(x_ptr, ring_ptr, in_off, ring_off, from_input, from_ring, RIN
 
 @triton.jit
 def _compress_kernel(kv_ptr, score_ptr, in_stride, ape_ptr, weight_ptr, inv_freq_ptr, eps,
-                     pos_ptr, req_ptr, entry_pos_ptr, prefix_ptr, state_slot_ptr,
+                     pos_ptr, req_ptr, num_reqs, entry_pos_ptr, prefix_ptr, state_slot_ptr,
                      ring_kv_ptr, ring_score_ptr, ring_stride0, ring_stride1, latent_ptr, entry_ptr,
                      R: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, HAS_APE: tl.constexpr,
                      HAS_SCORE: tl.constexpr, RING: tl.constexpr, BJ: tl.constexpr, ROPE: tl.constexpr):
@@ -72,7 +73,7 @@ def _compress_kernel(kv_ptr, score_ptr, in_stride, ape_ptr, weight_ptr, inv_freq
         tl.store(entry_ptr + out, zero)
     else:
         p = tl.load(pos_ptr + t).to(tl.int64)
-        req = tl.load(req_ptr + t)
+        req = request_row(tl.load(req_ptr + t), num_reqs)
         prefix = tl.load(prefix_ptr + req)
         state = tl.load(state_slot_ptr + req).to(tl.int64) * ring_stride0
         L: tl.constexpr = 2 * R if OVERLAP else R
@@ -117,13 +118,13 @@ def _compress_kernel(kv_ptr, score_ptr, in_stride, ape_ptr, weight_ptr, inv_freq
 
 
 @triton.jit
-def _state_kernel(kv_ptr, score_ptr, in_stride, pos_ptr, req_ptr, seq_ptr, state_slot_ptr,
+def _state_kernel(kv_ptr, score_ptr, in_stride, pos_ptr, req_ptr, num_reqs, seq_ptr, state_slot_ptr,
                   ring_kv_ptr, ring_score_ptr, ring_stride0, ring_stride1,
                   WIDTH: tl.constexpr, RING: tl.constexpr, HAS_SCORE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + t)
     if p >= 0:
-        req = tl.load(req_ptr + t)
+        req = request_row(tl.load(req_ptr + t), num_reqs)
         if p >= tl.load(seq_ptr + req) - RING:  # among the request's last RING positions
             cols = tl.arange(0, WIDTH)
             dst = tl.load(state_slot_ptr + req).to(tl.int64) * ring_stride0 + (p % RING) * ring_stride1 + cols
@@ -160,10 +161,12 @@ def compress(kv: torch.Tensor, score: torch.Tensor | None, ape: torch.Tensor | N
                   ("ROPE", 2 * inv_freq.shape[0]))
     cached_launch(_compress_kernel, constexprs, (("num_warps", 4),))(
         (rows,), kv, score_arg, kv.stride(0), weight if ape is None else ape, weight, inv_freq, float(eps),
-        batch.positions, batch.token_to_req, meta.entry_positions, meta.prefix_lens, meta.state_slots,
-        ring_kv, ring_score, ring_kv.stride(0), max(ring_kv.stride(1), 1), latent, entries)
+        batch.positions, batch.token_to_req, min(meta.prefix_lens.shape[0], meta.state_slots.shape[0]),
+        meta.entry_positions, meta.prefix_lens, meta.state_slots, ring_kv, ring_score, ring_kv.stride(0),
+        max(ring_kv.stride(1), 1), latent, entries)
     if ring:
         cached_launch(_state_kernel, (("WIDTH", kv.shape[1]), ("RING", ring), ("HAS_SCORE", has_score)),
                       (("num_warps", 4),))(
-            (rows,), kv, score_arg, kv.stride(0), batch.positions, batch.token_to_req, batch.seq_lens,
-            meta.state_slots, ring_kv, ring_score, ring_kv.stride(0), ring_kv.stride(1))
+            (rows,), kv, score_arg, kv.stride(0), batch.positions, batch.token_to_req,
+            min(batch.seq_lens.shape[0], meta.state_slots.shape[0]), batch.seq_lens, meta.state_slots, ring_kv,
+            ring_score, ring_kv.stride(0), ring_kv.stride(1))

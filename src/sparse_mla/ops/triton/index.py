@@ -18,16 +18,27 @@ from ..launch import BindOnce, cached_launch
 
 
 @triton.jit
-def table_slots(table_row, entry, valid, BS: tl.constexpr, MAX_BLOCKS):
-    """Slots of ``entry`` numbers through one request's block table row (``-1`` where invalid)."""
+def request_row(req, rows):
+    """Request ``req`` clamped into ``[0, rows)``, the rows of a per-request tensor: a padding token's ``-1``, or a
+    request index past them (a caller's bad ``token_to_req`` value, unchecked: a device value), reads one of its rows,
+    never past it."""
+    return tl.minimum(tl.maximum(req, 0), rows - 1)
+
+
+@triton.jit
+def table_slots(table_ptr, req, table_stride, table_rows, entry, valid, BS: tl.constexpr, MAX_BLOCKS):
+    """Slots of ``entry`` numbers (at least 0 where ``valid``) through request ``req``'s row of the block table
+    (``table_rows`` rows of ``MAX_BLOCKS`` columns; ``-1`` where invalid). The row and the block column are clamped
+    into the table (:func:`request_row`)."""
+    row = request_row(req, table_rows).to(tl.int64)
     col = tl.minimum(tl.where(valid, entry, 0) // BS, MAX_BLOCKS - 1)
-    phys = tl.load(table_row + col, mask=valid, other=-1)
+    phys = tl.load(table_ptr + row * table_stride + col, mask=valid, other=-1)
     return tl.where(valid & (phys >= 0), phys * BS + entry % BS, -1)
 
 
 @triton.jit
-def _window_row(t, pos, req, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, width, span, world,
-                rank, RATIO: tl.constexpr, BS: tl.constexpr, WIDTH_P2: tl.constexpr):
+def _window_row(t, pos, req, table_ptr, table_stride, table_rows, max_blocks, idx_ptr, idx_stride, len_ptr, width,
+                span, world, rank, RATIO: tl.constexpr, BS: tl.constexpr, WIDTH_P2: tl.constexpr):
     """Token ``t``'s row of the entries rank ``rank`` of ``world`` owns (``e % world == rank``; world 1: every
     entry), as that rank's slots (the table's virtual slot ``// world``: module ``sparse_mla.context_parallel``).
     RATIO 1: of the SWA window ``max(0, pos-span+1) … pos``; otherwise of every entry complete before pos (at most
@@ -45,7 +56,7 @@ def _window_row(t, pos, req, table_ptr, table_stride, max_blocks, idx_ptr, idx_s
     count = tl.minimum(tl.where(count > skip, (count - skip + world - 1) // world, 0), width)
     entry = start + skip + j * world
     valid = j < count
-    slots = table_slots(table_ptr + req.to(tl.int64) * table_stride, entry, valid, BS, max_blocks)
+    slots = table_slots(table_ptr, req, table_stride, table_rows, entry, valid, BS, max_blocks)
     slots = tl.where(slots >= 0, slots // world, -1)
     tl.store(idx_ptr + t.to(tl.int64) * idx_stride + j, slots, mask=j < width)
     tl.store(len_ptr + t, count)
@@ -53,8 +64,9 @@ def _window_row(t, pos, req, table_ptr, table_stride, max_blocks, idx_ptr, idx_s
 
 @triton.jit
 def _step_kernel(pos_ptr, req_ptr, valid_ptr,
-                 swa_table, swa_table_stride, swa_max_blocks, swa_idx, swa_idx_stride, swa_len, swa_width,
-                 c128_table, c128_table_stride, c128_max_blocks, c128_idx, c128_idx_stride, c128_len, c128_width,
+                 swa_table, swa_table_stride, swa_table_rows, swa_max_blocks, swa_idx, swa_idx_stride, swa_len,
+                 swa_width, c128_table, c128_table_stride, c128_table_rows, c128_max_blocks, c128_idx, c128_idx_stride,
+                 c128_len, c128_width,
                  c4_idx, c4_idx_stride, c4_local, c4_local_stride, c4_len, c4_bound, topk, swa_span, c128_span,
                  world, rank, SWA_BS: tl.constexpr, SWA_P2: tl.constexpr, C128_BS: tl.constexpr, C128_P2: tl.constexpr,
                  TOPK_P2: tl.constexpr, HAS_SWA: tl.constexpr, HAS_C128A: tl.constexpr, HAS_C4A: tl.constexpr,
@@ -65,14 +77,14 @@ def _step_kernel(pos_ptr, req_ptr, valid_ptr,
     :func:`_window_row`)."""
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
-    req = tl.maximum(tl.load(req_ptr + t), 0)
+    req = tl.load(req_ptr + t)  # clamped into the table by table_slots
     tl.store(valid_ptr + t, (pos >= 0).to(tl.int32))
     if HAS_SWA:
-        _window_row(t, pos, req, swa_table, swa_table_stride, swa_max_blocks, swa_idx, swa_idx_stride, swa_len,
-                    swa_width, swa_span, world, rank, 1, SWA_BS, SWA_P2)
+        _window_row(t, pos, req, swa_table, swa_table_stride, swa_table_rows, swa_max_blocks, swa_idx,
+                    swa_idx_stride, swa_len, swa_width, swa_span, world, rank, 1, SWA_BS, SWA_P2)
     if HAS_C128A:
-        _window_row(t, pos, req, c128_table, c128_table_stride, c128_max_blocks, c128_idx, c128_idx_stride,
-                    c128_len, c128_width, c128_span, world, rank, 128, C128_BS, C128_P2)
+        _window_row(t, pos, req, c128_table, c128_table_stride, c128_table_rows, c128_max_blocks, c128_idx,
+                    c128_idx_stride, c128_len, c128_width, c128_span, world, rank, 128, C128_BS, C128_P2)
     if HAS_C4A:
         j = tl.arange(0, TOPK_P2)
         none = tl.full((TOPK_P2,), -1, tl.int32)
@@ -83,7 +95,7 @@ def _step_kernel(pos_ptr, req_ptr, valid_ptr,
 
 
 @triton.jit
-def _picks_kernel(pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, local_ptr, local_stride,
+def _picks_kernel(pos_ptr, req_ptr, table_ptr, table_stride, table_rows, max_blocks, local_ptr, local_stride,
                   idx_ptr, idx_stride, len_ptr, kept_ptr, kept_stride, topk, world, rank,
                   RATIO: tl.constexpr, BS: tl.constexpr, TOPK_P2: tl.constexpr):
     """Indexer picks -> slots of the visible ones that rank ``rank`` of ``world`` owns (and the kept picks
@@ -91,12 +103,12 @@ def _picks_kernel(pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, local_p
     ``v`` names its owner ``v % world`` and the owner's slot ``v // world`` (``sparse_mla.context_parallel``)."""
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
-    req = tl.maximum(tl.load(req_ptr + t), 0)
+    req = tl.load(req_ptr + t)  # clamped into the table by table_slots
     j = tl.arange(0, TOPK_P2)
     local = tl.load(local_ptr + t.to(tl.int64) * local_stride + j, mask=j < topk, other=-1)
     visible = tl.where(pos >= 0, (pos + 1) // RATIO, 0)
     keep = (local >= 0) & (local < visible)
-    slots = table_slots(table_ptr + req.to(tl.int64) * table_stride, local, keep, BS, max_blocks)
+    slots = table_slots(table_ptr, req, table_stride, table_rows, local, keep, BS, max_blocks)
     if world > 1:  # (a slot of -1, a missing block, is nobody's)
         keep = keep & (slots >= 0) & (slots % world == rank)
         slots = slots // world
@@ -149,8 +161,8 @@ def step_lists_launcher(positions: torch.Tensor, token_to_req: torch.Tensor, out
     p_idx, p_local, p_len, p_bound = picks if picks is not None else (stand_in.indices, stand_in.indices,
                                                                         out_valid, out_valid)
     topk = p_idx.shape[1]
-    args = [a for lst in lists for a in (lst.table, lst.table.stride(0), lst.table.shape[1], lst.indices,
-                                        lst.indices.stride(0), lst.lens, lst.indices.shape[1])]
+    args = [a for lst in lists for a in (lst.table, lst.table.stride(0), lst.table.shape[0], lst.table.shape[1],
+                                        lst.indices, lst.indices.stride(0), lst.lens, lst.indices.shape[1])]
     constexprs = dict(SWA_BS=lists[0].block_size, SWA_P2=triton.next_power_of_2(lists[0].indices.shape[1]),
                       C128_BS=lists[1].block_size, C128_P2=triton.next_power_of_2(lists[1].indices.shape[1]),
                       TOPK_P2=triton.next_power_of_2(topk), HAS_SWA=swa is not None, HAS_C128A=c128a is not None,
@@ -186,7 +198,7 @@ def picks_converter(positions: torch.Tensor, token_to_req: torch.Tensor, table: 
     num_tokens, topk = out_indices.shape
     launch = cached_launch(_picks_kernel, (("RATIO", ratio), ("BS", block_size),
                                            ("TOPK_P2", triton.next_power_of_2(topk))))
-    head = (positions, token_to_req, table, table.stride(0), table.shape[1])
+    head = (positions, token_to_req, table, table.stride(0), table.shape[0], table.shape[1])
     tail = (out_indices, out_indices.stride(0), out_lens, out_kept, out_kept.stride(0), topk, world, rank)
     # every tensor but the picks is the step's: bound with the launch (the step plan that holds this converter holds
     # them too); the picks and their row stride sit between head and tail

@@ -657,12 +657,13 @@ def _finish_row(out_ptr, out_stride, row, count, conv, K: tl.constexpr, KP: tl.c
         else:
             tl.store(out_ptr + row * out_stride + fill, tl.full((KP,), -1, tl.int32), mask=unfilled)
     if CONVERT:
-        req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr, kept_stride = conv
+        (req_ptr, table_ptr, table_stride, table_rows, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr,
+         kept_stride) = conv
         tl.debug_barrier()  # every thread's stores of the picks done (and visible to the block) before they are read
         picked = fill < count
         entry = tl.load(out_ptr + row * out_stride + fill, mask=picked, other=-1)
-        req = tl.maximum(tl.load(req_ptr + row), 0)
-        slots = table_slots(table_ptr + req.to(tl.int64) * table_stride, entry, picked, BS, max_blocks)
+        req = tl.load(req_ptr + row)
+        slots = table_slots(table_ptr, req, table_stride, table_rows, entry, picked, BS, max_blocks)
         tl.store(idx_ptr + row * idx_stride + fill, slots, mask=fill < K)
         tl.store(kept_ptr + row * kept_stride + fill, entry, mask=fill < K)
         tl.store(len_ptr + row, count)
@@ -689,8 +690,8 @@ def _run_slots(chosen, T: tl.constexpr, V: tl.constexpr):
 
 @triton.jit
 def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_cols, num_rows, segments,
-                      pos_ptr, req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr,
-                      kept_stride, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr, TAIL: tl.constexpr,
+                      pos_ptr, req_ptr, table_ptr, table_stride, table_rows, max_blocks, idx_ptr, idx_stride, len_ptr,
+                      kept_ptr, kept_stride, K: tl.constexpr, KP: tl.constexpr, C: tl.constexpr, TAIL: tl.constexpr,
                       KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr, CONVERT: tl.constexpr, BS: tl.constexpr,
                       ENTRY_BITS: tl.constexpr, WORDS: tl.constexpr = False, DEPENDENT: tl.constexpr = False,
                       DIGIT: tl.constexpr = 0, RUNS: tl.constexpr = 0, V: tl.constexpr = 1,
@@ -727,7 +728,8 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
     HAS_TAIL: tl.constexpr = TAIL > 1
     wait_for_previous(DEPENDENT)  # before any early return: the kernel completes after the one before it
     row = tl.program_id(0).to(tl.int64)
-    conv = (req_ptr, table_ptr, table_stride, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr, kept_stride)
+    conv = (req_ptr, table_ptr, table_stride, table_rows, max_blocks, idx_ptr, idx_stride, len_ptr, kept_ptr,
+            kept_stride)
     if CONVERT:
         if row >= num_rows:  # a padding token after the chunk: no packed row
             _finish_row(out_ptr, out_stride, row, 0, conv, K, KP, KEYS, CONVERT, BS, False)
@@ -972,9 +974,9 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     # packed keys: (rows, 2 · cols) int32, each key's low, then high word (the kernel takes the int64 row stride)
     words = packed if words_in else packed.view(torch.int32)
     if into is None:  # the conversion's arguments unread (CONVERT off): out stands in for its tensors
-        conv, grid, bs = (out, out, out, 0, 0, out, 0, out, out, 0), rows, 1
+        conv, grid, bs = (out, out, out, 0, 1, 0, out, 0, out, out, 0), rows, 1
     else:
-        conv = (into.positions, into.token_to_req, into.table, into.table.stride(0), into.table.shape[1],
+        conv = (into.positions, into.token_to_req, into.table, into.table.stride(0), *into.table.shape,
                 into.indices, into.indices.stride(0), into.lens, into.kept, into.kept.stride(0))
         grid, bs = into.rows, into.block_size
     _topk_rows_kernel[(grid,)](packed, words, out, packed.stride(0), out.stride(0), cols, rows, segments, *conv, K=k,
