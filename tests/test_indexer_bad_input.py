@@ -241,11 +241,14 @@ def _packed_rows(rows: int, cols: int = 64) -> torch.Tensor:
     return ((hi << 32) | (0xFFFFFFFF - torch.arange(cols))).to(DEVICE)
 
 
-@pytest.mark.parametrize("where", ["packed", "expanded", "into"])
+@pytest.mark.parametrize("where", ["packed", "expanded", "into", "into table", "into kept", "into out",
+                                   "into expanded"])
 def test_topk_rows_rejects_outputs_that_share_memory(where):
     """``out`` inside ``packed``'s storage one row on (row 0's picks overwrote row 1's keys before its program read
     them: other picks than an unaliased out's), an expanded ``(4, 16)`` view of one row (each row's picks over the
-    one before), or the conversion's slots inside ``packed``."""
+    one before), or the conversion's outputs inside ``packed``, over its block table (read by the other rows'
+    programs), over one another (the slots and the picks), over ``out`` (whose rows the programs read back) or an
+    expanded view of one row."""
     from sparse_mla.ops.triton import indexer as kernels
 
     buf = _packed_rows(5)
@@ -258,9 +261,18 @@ def test_topk_rows_rejects_outputs_that_share_memory(where):
         out, match = torch.empty(1, k, dtype=torch.int32, device=DEVICE).expand(4, k), "rows must not overlap"
     else:
         ints = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=DEVICE)  # noqa: E731
-        into = kernels.PicksInto(ints(4), ints(4), ints(1, 2), 64, buf.view(torch.int32)[1:5, :k], ints(4),
-                                 ints(4, k), 4)
-        match = "into.indices overlaps packed"
+        slots, kept, table = ints(4, k), ints(4, k), ints(1, 2)
+        if where == "into":
+            slots, match = buf.view(torch.int32)[1:5, :k], "into.indices overlaps packed"
+        elif where == "into table":
+            table, match = slots[:1, :2], "into.indices overlaps into.table"
+        elif where == "into kept":
+            kept, match = slots, "into.indices overlaps into.kept"
+        elif where == "into out":
+            kept, match = out, "out overlaps into.kept"
+        else:
+            kept, match = ints(1, k).expand(4, k), "into.kept's rows must not overlap"
+        into = kernels.PicksInto(ints(4), ints(4), table, 64, slots, ints(4), kept, 4)
     with pytest.raises(ValueError, match=match):
         kernels.topk_rows(packed, k, out, into)
 

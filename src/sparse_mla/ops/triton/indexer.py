@@ -947,6 +947,8 @@ def _check_picks_into(into: PicksInto, rows: int, k: int, device: torch.device) 
         check_tensor(f"into.{name}", t, dtype=torch.int32, shape=shape, device=device)
         if t.stride(-1) != 1:
             raise ValueError(f"into.{name} must have unit stride in its last dimension, got {t.stride()}")
+        if name in ("indices", "kept") and n > 1 and t.stride(0) < k:  # a row's picks written over another's
+            raise ValueError(f"into.{name}'s rows must not overlap (row stride >= k = {k}), got strides {t.stride()}")
     if 0 in into.table.shape:
         raise ValueError(f"into.table must have a row and a column, got shape {tuple(into.table.shape)}")
 
@@ -1018,12 +1020,17 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto |
                          f"{out.stride()}")
     if rows > 1 and out.stride(0) < k:  # rows sharing memory: one row's picks overwritten by another's
         raise ValueError(f"out's rows must not overlap (row stride >= k = {k}), got strides {out.stride()}")
-    # a program writes its row's picks while others still read their packed rows
-    check_no_overlap("out", out, {"packed": packed})
+    # a program writes its row's outputs while others still read their inputs (their packed rows, the conversion's
+    # positions, requests and table) and read their own picks back from out: no output may share memory with an
+    # input or another output
+    outputs, inputs = {"out": out}, {"packed": packed}
     if into is not None:
         _check_picks_into(into, rows, k, packed.device)
-        for name in ("indices", "lens", "kept"):
-            check_no_overlap(f"into.{name}", getattr(into, name), {"packed": packed})
+        outputs |= {f"into.{name}": getattr(into, name) for name in ("indices", "lens", "kept")}
+        inputs |= {f"into.{name}": getattr(into, name) for name in ("positions", "token_to_req", "table")}
+    names = list(outputs)
+    for i, name in enumerate(names):
+        check_no_overlap(name, outputs[name], inputs | {other: outputs[other] for other in names[i + 1:]})
     launch_topk_rows(packed, k, out, into, digit_bits=digit_bits)
 
 
