@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_mla.batch import Request, StepBatchBuilder, blocks_needed
-from helpers import examples
+from helpers import DEVICE, examples
 from strategies import step_lengths
 from sparse_mla.metadata import MetadataSpec, build_step_metadata
 from sparse_mla.picks import compact_rows, convert_picks
@@ -20,9 +20,9 @@ V41_SIZES = {"swa": 4, "c2a": 4, "c1a": 8}
 RATIO = {"swa": 1, "c4a": 4, "c128a": 128}
 
 
-def make_batch(lengths, threshold=1, padding=0, seed=0, max_model_len=None, builder=None, sizes=SIZES):
+def make_batch(lengths, threshold=1, padding=0, seed=0, max_model_len=None, builder=None, sizes=SIZES, device="cpu"):
     """A batch whose block tables are random physical blocks, distinct over the whole step (from ``builder``, or a
-    new one); ``sizes``: block size per kind, its keys the batch's kinds (V4's by default)."""
+    new one on ``device``); ``sizes``: block size per kind, its keys the batch's kinds (V4's by default)."""
     rng = random.Random(seed)
     need = {k: [blocks_needed(s, k, sizes[k]) for s, _ in lengths] for k in sizes}
     blocks = {k: rng.sample(range(max(1000, 2 * sum(n))), sum(n)) for k, n in need.items()}
@@ -33,7 +33,7 @@ def make_batch(lengths, threshold=1, padding=0, seed=0, max_model_len=None, buil
     n_tok = sum(q for _, q in lengths)
     if builder is None:
         builder = StepBatchBuilder(n_tok + padding, len(lengths), max_model_len or max(s for s, _ in lengths),
-                                   kinds=tuple(sizes), block_sizes=sizes, decode_threshold=threshold)
+                                   kinds=tuple(sizes), block_sizes=sizes, decode_threshold=threshold, device=device)
     return builder.build(requests), requests
 
 
@@ -302,17 +302,50 @@ def test_picks_of_any_strides_convert_as_their_values_on_the_triton_builders(mon
     import sparse_mla.picks as picks_module
 
     monkeypatch.setattr(picks_module, "builders_use_triton", lambda device: True)
-    batch, _ = make_batch([(37, 1), (20, 3), (9, 9)], threshold=3, padding=2, sizes=V41_SIZES)
+    batch, _ = make_batch([(37, 1), (20, 3), (9, 9)], threshold=3, padding=2, sizes=V41_SIZES, device=DEVICE)
     meta = build_step_metadata(batch, MetadataSpec(window=4, topk=6))
     gen = torch.Generator().manual_seed(2)
     for kind, ratio in (("c2a", 2), ("c1a", 1)):
-        picks = torch.randint(-1, 40 // ratio, (batch.token_capacity, 6), generator=gen, dtype=torch.int32)
+        picks = torch.randint(-1, 40 // ratio, (batch.token_capacity, 6), generator=gen, dtype=torch.int32).to(DEVICE)
         want = [t.clone() for t in meta.picks_for(kind, picks)]
         assert picks_module.step_picks(meta, kind)._launch is not None  # the Triton conversion, not the torch twin
-        wide = torch.full((batch.token_capacity, 12), 7, dtype=torch.int32)
+        wide = torch.full((batch.token_capacity, 12), 7, dtype=torch.int32, device=DEVICE)
         wide[:, ::2] = picks
         for view in (picks.t().contiguous().t(), wide[:, ::2]):
             assert all(torch.equal(a, b) for a, b in zip(meta.picks_for(kind, view), want)), kind
+
+
+def test_triton_builders_bound_on_a_small_step_look_up_every_request_of_a_larger_one(monkeypatch):
+    """The Triton builders bind their launches to the builder's buffers on the first build (``out=``: the step's
+    lists, the picks' conversion, the select's ``PicksInto``); a later step of more requests looks up rows of the
+    block tables past the first step's: every step's window lists and converted picks equal the torch twins' (a
+    launch bound to the first step's table view clamped the later requests into its one row)."""
+    import sparse_mla.metadata as metadata_module
+    import sparse_mla.picks as picks_module
+    from sparse_mla.picks import step_picks
+
+    spec = MetadataSpec(window=4, topk=6)
+    builder = StepBatchBuilder(16, 3, 40, kinds=tuple(SIZES), block_sizes=SIZES, decode_threshold=3, device=DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    bound = None
+    for lengths in ([(37, 1)], [(37, 1), (20, 3), (39, 9)]):
+        batch, _ = make_batch(lengths, threshold=3, builder=builder)  # on the builder's device
+        picks = torch.randint(-1, 10, (batch.token_capacity, 6), generator=gen, dtype=torch.int32).to(DEVICE)
+        results = []
+        for triton_builders in (True, False):
+            for module in (metadata_module, picks_module):
+                monkeypatch.setattr(module, "builders_use_triton", lambda device, on=triton_builders: on)
+            meta = build_step_metadata(batch, spec, out=bound if triton_builders else None)
+            conversion = step_picks(meta, "c4a")
+            assert (conversion._launch is not None) == triton_builders
+            results.append([t.clone() for t in (meta.swa_indices, meta.swa_lens, meta.c128a_indices, meta.c128a_lens,
+                                                *meta.picks_for("c4a", picks))])
+            if triton_builders:
+                bound = meta
+                into = conversion.select_into(0, batch.num_tokens)
+                assert into.table.shape[0] == 3  # the builder's rows, whatever this step's requests
+        assert all(torch.equal(a, b) for a, b in zip(*results)), lengths
+        assert (results[0][0][batch.num_tokens - 1] >= 0).any()  # the last request's window was looked up
 
 
 def test_v41_picks_conversion_kernel_matches_its_torch_twin():
@@ -320,12 +353,13 @@ def test_v41_picks_conversion_kernel_matches_its_torch_twin():
     from sparse_mla.picks import compressed_picks_torch
     from sparse_mla.ops.triton import index as triton_index
 
-    batch, _ = make_batch([(37, 1), (20, 3), (9, 9)], threshold=3, padding=2, sizes=V41_SIZES)
+    batch, _ = make_batch([(37, 1), (20, 3), (9, 9)], threshold=3, padding=2, sizes=V41_SIZES, device=DEVICE)
     gen = torch.Generator().manual_seed(0)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
     for kind, ratio in (("c2a", 2), ("c1a", 1)):
-        picks = torch.randint(-3, 45 // ratio, (batch.token_capacity, 6), generator=gen, dtype=torch.int32)
-        outs = [(torch.empty(batch.token_capacity, 6, dtype=torch.int32), torch.empty(batch.token_capacity,
-                 dtype=torch.int32), torch.empty(batch.token_capacity, 6, dtype=torch.int32)) for _ in range(2)]
+        picks = torch.randint(-3, 45 // ratio, (batch.token_capacity, 6), generator=gen, dtype=torch.int32).to(DEVICE)
+        outs = [(torch.empty(batch.token_capacity, 6, **i32), torch.empty(batch.token_capacity, **i32),
+                 torch.empty(batch.token_capacity, 6, **i32)) for _ in range(2)]
         fixed = (batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind], ratio, picks)
         compressed_picks_torch(*fixed, *outs[0])
         triton_index.compressed_picks(*fixed, *outs[1])

@@ -86,6 +86,15 @@ class StepBatch:
                              f"of its StepBatchBuilder, which has built step {self.builder.builds} since and refilled "
                              f"the buffers; build the metadata again from the new batch")
 
+    def table_buffer(self, kind: str) -> torch.Tensor:
+        """The ``kind`` block table as its builder's whole buffer, ``(max_reqs, max_blocks)`` (rows past
+        ``num_reqs`` hold other steps' tables or ``-1``); without a builder, :attr:`block_tables`' own. What a launch
+        bound once to the builder's buffers reads through: the :attr:`block_tables` views' rows change from step to
+        step, the buffer's stay, and they bound the request a kernel may look up (``ops.triton.index.table_slots``)."""
+        if kind not in self.block_tables:
+            raise ValueError(f"kind {kind!r} has no block table in this batch (has {self.kinds})")
+        return self.block_tables[kind] if self.builder is None else self.builder.table_buffer(kind)
+
     @property
     def raw_kind(self) -> str:
         """The raw-token cache kind: ``"swa"`` (V4) or ``"dsa"`` (V3.2)."""
@@ -301,6 +310,10 @@ class StepBatchBuilder:
         largest = int(used_rows.max()) if rows.numel() else -1
         _check_aliasing(kind, used_rows, [r.shared_prefix_blocks.get(kind, 0) for r in requests], largest)
         return rows.to(torch.int32), largest
+
+    def table_buffer(self, kind: str) -> torch.Tensor:
+        """The ``kind`` block table's buffer, ``(max_reqs, max_blocks)``: every build's tables are its first rows."""
+        return self._tables[kind]
 
     def build(self, requests: Sequence[Request]) -> StepBatch:
         """Fill the buffers from ``requests`` (decodes first) and return views of them."""

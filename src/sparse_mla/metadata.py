@@ -262,8 +262,9 @@ def window_lists_filler(batch: StepBatch, lists: dict[str, tuple[torch.Tensor, t
     context-parallel rank's lists (:func:`sparse_mla.context_parallel.build_rank_metadata`), bound once to its
     buffers and to ``batch``'s builder's (``fill`` takes each step's batch of that builder)."""
     if builders_use_triton(batch.device):
-        tables, sizes = batch.block_tables, batch.block_sizes
-        window = {k: triton_index.WindowList(tables[k], sizes[k], idx, ln, span) for k, (idx, ln, span) in lists.items()}
+        sizes = batch.block_sizes  # the tables: the builder's buffers (the launch is bound once)
+        window = {k: triton_index.WindowList(batch.table_buffer(k), sizes[k], idx, ln, span)
+                  for k, (idx, ln, span) in lists.items()}
         launch = triton_index.step_lists_launcher(batch.positions, batch.token_to_req, valid, window.get("swa"),
                                                   window.get("c128a"), None, 1, world, rank)
         return lambda current: launch()
@@ -284,10 +285,10 @@ def _step_lists_triton(batch: StepBatch, out: StepMetadata) -> None:
     """Fill ``out``'s shared lists (validity, SWA, C128A, emptied picks buffers) in one launch, bound on the
     first build: every later build reads the same builder buffers (``_check_reusable``) into the same lists."""
     if out._fill_lists is None:
-        tables, sizes = batch.block_tables, batch.block_sizes
-
         def window_list(kind: str, indices: torch.Tensor | None, lens: torch.Tensor | None):
-            return None if indices is None else triton_index.WindowList(tables[kind], sizes[kind], indices, lens)
+            # the table as the builder's buffer: its rows, not this step's, bound a request's (table_slots)
+            return None if indices is None else triton_index.WindowList(batch.table_buffer(kind),
+                                                                        batch.block_sizes[kind], indices, lens)
 
         picks = _picks_buffers(out)
         out._fill_lists = triton_index.step_lists_launcher(

@@ -109,7 +109,7 @@ class PicksConversion:
         outs = (self.indices, self.lens, self.kept)
         # the Triton builders bind their launch once (ops.triton.index) to the builder's buffers, the same every
         # step (a context-parallel rank keeps its conversions across steps); None: the torch twin, per call
-        self._launch = (triton_index.picks_converter(*self._batch_args(batch), *outs, world, rank)
+        self._launch = (triton_index.picks_converter(*self._batch_args(batch, bound=True), *outs, world, rank)
                         if builders_use_triton(batch.device) else None)
         # the step's picks buffers are shared by every picks kind's conversion (V4.1's c2a and c1a) and, for the kept
         # picks, by the combined form's: which picks they hold converted by the indexer's select is one record of
@@ -121,12 +121,14 @@ class PicksConversion:
         self._selected: list = meta.plan(("picks", "selected"), lambda: [None])
         self._into: dict[tuple[int, int], PicksInto] = {}  # select_into's views, by (first token, rows)
 
-    def _batch_args(self, batch) -> tuple:
+    def _batch_args(self, batch, bound: bool = False) -> tuple:
         """What the conversion reads of the step's batch: positions, requests, the kind's block table and block size,
-        and its compress ratio (the torch twin reads the current batch's: its table views are the step's rows)."""
+        and its compress ratio. ``bound``: for a launch (or the select's :class:`PicksInto`) kept across the builder's
+        steps, the block table as the builder's whole buffer (:meth:`StepBatch.table_buffer`: its rows, not one
+        step's, bound a request's); else the current batch's view, the step's rows (the torch twin's, per call)."""
         kind = self.kind
-        return batch.positions, batch.token_to_req, batch.block_tables[kind], batch.block_sizes[kind], \
-            COMPRESS_RATIO[kind]
+        table = batch.table_buffer(kind) if bound else batch.block_tables[kind]
+        return batch.positions, batch.token_to_req, table, batch.block_sizes[kind], COMPRESS_RATIO[kind]
 
     @property
     def takes_select(self) -> bool:
@@ -143,7 +145,7 @@ class PicksConversion:
         if into is None:  # the step's chunks: the same views for every layer of the step
             from .ops.triton.indexer import PicksInto  # Triton is imported only where it runs
 
-            positions, token_to_req, table, block_size, _ = self._batch_args(self.meta.batch)
+            positions, token_to_req, table, block_size, _ = self._batch_args(self.meta.batch, bound=True)
             end = first + rows
             into = self._into[first, rows] = PicksInto(
                 positions[first:end], token_to_req[first:end], table, block_size, self.indices[first:end],
