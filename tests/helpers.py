@@ -65,8 +65,10 @@ HARDWARE = ("gpu", "hopper")  # the others (gluon, flash_mla, transformers: _MIS
 def _hopper_missing() -> str | None:
     if not ON_GPU or torch.version.hip is not None:
         return "needs an NVIDIA Hopper GPU (sm_90)"
-    major, minor = torch.cuda.get_device_capability()
-    return None if major == 9 else f"needs an NVIDIA Hopper GPU (sm_90), found sm_{major}{minor}"
+    from sparse_mla.ops import targets
+
+    target = targets.target_of(torch.device("cuda"))  # a lowering's (SPARSE_MLA_LOWERING) target, not the GPU's
+    return None if target.hopper else f"needs an NVIDIA Hopper GPU (sm_90), the kernels' target is {target.name}"
 
 
 def _gluon_missing() -> str | None:
