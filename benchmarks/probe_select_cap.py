@@ -14,15 +14,11 @@ from __future__ import annotations
 from contextlib import ExitStack
 from unittest import mock
 
-import torch
-
 from sparse_mla.ops.triton import indexer as kernels
-from sparse_mla.picks import step_picks
 
-from bench_indexer import STEP_LAYERS, layers_step, scored_cases, select_rows
 from harness import probe_main
 from probe_select_warps import v39_rule
-from timing import graphed, timed_variants
+from select_sides import run_sides
 
 NAMES = ("v4-flash-b128", "v4-flash-b32", "prefill-4k-on-32k", "v41-flash-b128", "v4-flash-b8-512k", "v32-b32")
 
@@ -34,7 +30,6 @@ def v40_rule(rows: int, lanes: int, sms: int, digits: bool = False, keys: bool =
 
 VARIANTS = {"v40": (v40_rule, False), "rule, no cap": (kernels.select_warps, False),
             "rule": (kernels.select_warps, True)}
-SIDES = ("select converting", "select", "layer", "step")
 
 
 def variant(name: str) -> ExitStack:
@@ -47,39 +42,7 @@ def variant(name: str) -> ExitStack:
 
 
 def run(names: list[str]) -> list[dict]:
-    out = []
-    for case, s in scored_cases(names):
-        rows, picks = select_rows(s)
-        conversion = step_picks(s.meta, case.kind)
-        into = conversion.select_into(0, s.plan.picks.shape[0]) if conversion.takes_select else None
-        step, layer_picks = layers_step(case, s, list(VARIANTS))
-        fns, got, eager = {}, {}, {}
-        for name in VARIANTS:
-            with variant(name):
-                kernels.launch_topk_rows(rows, case.topk, picks)
-                got[name] = picks.clone()
-                fns["select converting", name] = graphed(lambda: kernels.launch_topk_rows(rows, case.topk, picks,
-                                                                                          into))
-                fns["select", name] = graphed(lambda: kernels.launch_topk_rows(rows, case.topk, picks))
-                step(name, STEP_LAYERS)
-                eager[name] = [p.clone() for p in layer_picks[name]]
-                fns["layer", name] = graphed(lambda name=name: step(name, 1))
-                fns["step", name] = graphed(lambda name=name: step(name, STEP_LAYERS))
-        us = timed_variants(fns)
-        for fn in fns.values():  # every graph's own picks, after all the replays
-            fn()
-        torch.cuda.synchronize()
-        first = next(iter(VARIANTS))
-        same = all(torch.equal(got[first], g) for g in got.values())
-        same &= all(torch.equal(a, b) for v in VARIANTS for a, b in zip(eager[v], layer_picks[v]))
-        same &= all(torch.equal(a, b) for v in VARIANTS for a, b in zip(layer_picks[first], layer_picks[v]))
-        row = dict(case=case.name, rows=rows.shape[0], cols=rows.shape[1], converts=into is not None, same=same)
-        for name in VARIANTS:
-            row[name] = {f"{side.replace(' ', '_')}_us": us[side, name] for side in SIDES}
-            row[name]["in_step_us"] = round(row[name].pop("step_us") / STEP_LAYERS, 2)
-        out.append(row)
-        print(row, flush=True)
-    return out
+    return run_sides(names, {name: (lambda name=name: variant(name)) for name in VARIANTS})
 
 
 if __name__ == "__main__":
