@@ -407,3 +407,33 @@ def test_compressor_kernels_clamp_request_indices_into_the_step_s_tensors():
         results.append([latent, entries, *feeder.pool.layers[comp.layer]])
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert results[0][0].abs().sum() > 0  # entries were completed
+
+
+def test_compressor_reads_no_input_row_outside_the_step_whatever_the_requests():
+    """A token named to another request than its own (an in-range bad ``token_to_req`` value: request 0's tokens
+    named request 1, whose prefix is 0, not 5) puts its window's new slots before the step's first input row: those
+    slots read nothing (the input's guards are NaN: none reaches an output)."""
+    import dataclasses
+
+    from compress_feed import Feeder, make_params, make_sequences
+    from sparse_mla.compressor import KVCompressor
+    from sparse_mla.ops.triton import compress as triton_compress
+
+    lengths, ratio, dim = [9, 6], 4, 128
+    feeder = Feeder(lengths, ratio, device=DEVICE)
+    weight, ape = make_params(ratio, dim)
+    comp = KVCompressor(feeder.pool, dim, weight, 1e-6, ape=ape, backend="triton")
+    seqs = [(kv.to(DEVICE), score.to(DEVICE)) for kv, score in make_sequences(lengths, ratio, dim)]
+    latent, entries = (torch.zeros(10, dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    for step, bad in (([(0, 5)], False), ([(0, 4), (1, 6)], True)):
+        order, batch, meta = feeder.step(step)
+        chunks = {i: (feeder.done[i] - n, n) for i, n in step}
+        kv, score = (Guarded(Feeder.rows(order, chunks, seqs, which), float("nan")) for which in (0, 1))
+        if bad:
+            req = batch.token_to_req.clone()
+            req[req == 0] = 1
+            meta = dataclasses.replace(meta, batch=dataclasses.replace(batch, token_to_req=req))
+        rows = kv.t.shape[0]
+        triton_compress.compress(kv.t, score.t, comp.ape, comp.norm_weight, comp.eps, comp.inv_freq, meta,
+                                 feeder.pool.layers[comp.layer], latent[:rows], entries[:rows])
+        assert not latent.isnan().any() and not entries.isnan().any(), bad

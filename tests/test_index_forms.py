@@ -262,6 +262,21 @@ def test_form_argument_checks():
                                 combined_window=1, backend="reference")
 
 
+@pytest.mark.parametrize("table,match", [
+    (torch.zeros(0, 4, dtype=torch.int32), "a row and a column"), (torch.zeros(2, 0, dtype=torch.int32),
+                                                                    "a row and a column"),
+    (torch.zeros(4, 2, dtype=torch.int32).t(), "unit column stride"), (torch.zeros(2, 4), "block_table")])
+def test_combined_from_picks_names_a_block_table_it_cannot_read(table, match):
+    """A table of no row (the kernel's request clamp would take row -1), of no column, of strided columns (read at
+    unit stride: other blocks) or not int32 is named before any launch."""
+    i32 = dict(dtype=torch.int32)
+    positions, reqs = torch.tensor([5, 9], **i32), torch.tensor([0, 1], **i32)
+    local, swa, swa_lens = torch.zeros(2, 3, **i32), torch.zeros(2, 4, **i32), torch.ones(2, **i32)
+    out, lens, kept = torch.empty(2, 7, **i32), torch.empty(2, **i32), torch.empty(2, 3, **i32)
+    with pytest.raises((ValueError, TypeError), match=match):
+        combined_from_picks(positions, reqs, table, 4, 4, local, swa, swa_lens, out, lens, kept)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_long_c128a_rows_in_ragged_form(backend):
     """C128A lists of 0 … 1024 entries per token (a 128K context): the ragged buffer holds only their sum."""

@@ -153,6 +153,11 @@ def combined_from_picks(positions: torch.Tensor, token_to_req: torch.Tensor, blo
         check_tensor(name, t, dtype=torch.int32, shape=(num_tokens,), device=swa_indices.device)
     _check_combined(swa_indices, swa_lens, topk, out_indices, out_lens)
     check_tensor("out_kept", out_kept, dtype=torch.int32, shape=(num_tokens, topk), device=swa_indices.device)
+    # the kernel reads a request's row at unit column stride, its request and block column clamped into the table
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=swa_indices.device)
+    if 0 in block_table.shape or block_table.stride(1) != 1:
+        raise ValueError(f"block_table must have a row and a column, at unit column stride, got shape "
+                         f"{tuple(block_table.shape)} strides {block_table.stride()}")
     if not is_int(block_size) or block_size <= 0 or not is_int(ratio) or ratio <= 0:
         raise ValueError(f"block_size and ratio must be positive ints, got {block_size!r}, {ratio!r}")
     _combined_picks(positions, token_to_req, block_table, block_size, ratio, topk_local, swa_indices, swa_lens,

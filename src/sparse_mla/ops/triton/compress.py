@@ -58,7 +58,7 @@ def _window_values(x_ptr, ring_ptr, in_off, ring_off, from_input, from_ring, RIN
 
 
 @triton.jit
-def _compress_kernel(kv_ptr, score_ptr, in_stride, ape_ptr, weight_ptr, inv_freq_ptr, eps,
+def _compress_kernel(kv_ptr, score_ptr, in_stride, in_rows, ape_ptr, weight_ptr, inv_freq_ptr, eps,
                      pos_ptr, req_ptr, num_reqs, entry_pos_ptr, prefix_ptr, state_slot_ptr,
                      ring_kv_ptr, ring_score_ptr, ring_stride0, ring_stride1, latent_ptr, entry_ptr,
                      R: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, HAS_APE: tl.constexpr,
@@ -91,9 +91,12 @@ def _compress_kernel(kv_ptr, score_ptr, in_stride, ape_ptr, weight_ptr, inv_freq
             chan = 0
             if OVERLAP:  # slots [0, R): window w-1's first halves; [R, 2R): window w's second halves
                 chan = tl.where(jb >= R, D, 0)
-            from_input = (exists & new)[:, None]
+            # the slot's row of this step's input; inside it for a consistent step (a token's request's prefix and
+            # positions), masked if not: a bad token_to_req value reads no row outside the input
+            in_row = t - (p - pj)
+            from_input = (exists & new & (in_row >= 0) & (in_row < in_rows))[:, None]
             from_ring = (exists & ~new)[:, None]
-            in_off = (t - (p - pj))[:, None] * in_stride + chan + cols[None, :]
+            in_off = in_row[:, None] * in_stride + chan + cols[None, :]  # read only where from_input
             ring_off = state + (tl.where(exists, pj, 0) % RING_MOD)[:, None] * ring_stride1 + chan + cols[None, :]
             x = _window_values(kv_ptr, ring_kv_ptr, in_off, ring_off, from_input, from_ring, RING)
             s = tl.zeros([BJ, D], tl.float32)
@@ -155,18 +158,21 @@ def compress(kv: torch.Tensor, score: torch.Tensor | None, ape: torch.Tensor | N
     batch = meta.batch
     ring_kv, ring_score = rings
     score_arg = kv if score is None else score
+    # a token's request is clamped into this step's requests (the per-request tensors' rows: the metadata's are the
+    # builder's max_reqs, the batch's seq_lens its num_reqs) in both kernels
+    num_reqs = min(batch.seq_lens.shape[0], meta.prefix_lens.shape[0], meta.state_slots.shape[0])
     overlap, has_score = ratio == OVERLAP_RATIO, score is not None
     constexprs = (("R", ratio), ("D", dim), ("OVERLAP", overlap), ("HAS_APE", ape is not None),
                   ("HAS_SCORE", has_score), ("RING", ring), ("BJ", block_slots(ratio, dim)),
                   ("ROPE", 2 * inv_freq.shape[0]))
     cached_launch(_compress_kernel, constexprs, (("num_warps", 4),))(
-        (rows,), kv, score_arg, kv.stride(0), weight if ape is None else ape, weight, inv_freq, float(eps),
-        batch.positions, batch.token_to_req, min(meta.prefix_lens.shape[0], meta.state_slots.shape[0]),
+        (rows,), kv, score_arg, kv.stride(0), rows, weight if ape is None else ape, weight, inv_freq, float(eps),
+        batch.positions, batch.token_to_req, num_reqs,
         meta.entry_positions, meta.prefix_lens, meta.state_slots, ring_kv, ring_score, ring_kv.stride(0),
         max(ring_kv.stride(1), 1), latent, entries)
     if ring:
         cached_launch(_state_kernel, (("WIDTH", kv.shape[1]), ("RING", ring), ("HAS_SCORE", has_score)),
                       (("num_warps", 4),))(
             (rows,), kv, score_arg, kv.stride(0), batch.positions, batch.token_to_req,
-            min(batch.seq_lens.shape[0], meta.state_slots.shape[0]), batch.seq_lens, meta.state_slots, ring_kv,
+            num_reqs, batch.seq_lens, meta.state_slots, ring_kv,
             ring_score, ring_kv.stride(0), ring_kv.stride(1))
