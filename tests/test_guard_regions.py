@@ -412,7 +412,7 @@ def test_compressor_kernels_clamp_request_indices_into_the_step_s_tensors():
 def test_compressor_reads_no_input_row_outside_the_step_whatever_the_requests():
     """A token named to another request than its own (an in-range bad ``token_to_req`` value: request 0's tokens
     named request 1, whose prefix is 0, not 5) puts its window's new slots before the step's first input row: those
-    slots read nothing (the input's guards are NaN: none reaches an output)."""
+    slots read no row before the input (its guards are NaN: none reaches an output)."""
     import dataclasses
 
     from compress_feed import Feeder, make_params, make_sequences

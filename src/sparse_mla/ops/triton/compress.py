@@ -58,7 +58,7 @@ def _window_values(x_ptr, ring_ptr, in_off, ring_off, from_input, from_ring, RIN
 
 
 @triton.jit
-def _compress_kernel(kv_ptr, score_ptr, in_stride, in_rows, ape_ptr, weight_ptr, inv_freq_ptr, eps,
+def _compress_kernel(kv_ptr, score_ptr, in_stride, ape_ptr, weight_ptr, inv_freq_ptr, eps,
                      pos_ptr, req_ptr, num_reqs, entry_pos_ptr, prefix_ptr, state_slot_ptr,
                      ring_kv_ptr, ring_score_ptr, ring_stride0, ring_stride1, latent_ptr, entry_ptr,
                      R: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr, HAS_APE: tl.constexpr,
@@ -74,7 +74,10 @@ def _compress_kernel(kv_ptr, score_ptr, in_stride, in_rows, ape_ptr, weight_ptr,
     else:
         p = tl.load(pos_ptr + t).to(tl.int64)
         req = request_row(tl.load(req_ptr + t), num_reqs)
-        prefix = tl.load(prefix_ptr + req)
+        # the window's slots from here on are this step's input rows (before it, the state ring's): at the request's
+        # prefix, and never before the step's first row (row t holds position p: a token named to another request
+        # than its own, a caller's bad token_to_req value, would put the prefix before it and read outside the input)
+        first_new = tl.maximum(tl.load(prefix_ptr + req), p - t)
         state = tl.load(state_slot_ptr + req).to(tl.int64) * ring_stride0
         L: tl.constexpr = 2 * R if OVERLAP else R
         WIDTH: tl.constexpr = 2 * D if OVERLAP else D
@@ -87,16 +90,13 @@ def _compress_kernel(kv_ptr, score_ptr, in_stride, in_rows, ape_ptr, weight_ptr,
             j = jb + tl.arange(0, BJ)
             pj = first + j
             exists = pj >= 0
-            new = pj >= prefix
+            new = pj >= first_new
             chan = 0
             if OVERLAP:  # slots [0, R): window w-1's first halves; [R, 2R): window w's second halves
                 chan = tl.where(jb >= R, D, 0)
-            # the slot's row of this step's input; inside it for a consistent step (a token's request's prefix and
-            # positions), masked if not: a bad token_to_req value reads no row outside the input
-            in_row = t - (p - pj)
-            from_input = (exists & new & (in_row >= 0) & (in_row < in_rows))[:, None]
+            from_input = (exists & new)[:, None]
             from_ring = (exists & ~new)[:, None]
-            in_off = in_row[:, None] * in_stride + chan + cols[None, :]  # read only where from_input
+            in_off = (t - (p - pj))[:, None] * in_stride + chan + cols[None, :]
             ring_off = state + (tl.where(exists, pj, 0) % RING_MOD)[:, None] * ring_stride1 + chan + cols[None, :]
             x = _window_values(kv_ptr, ring_kv_ptr, in_off, ring_off, from_input, from_ring, RING)
             s = tl.zeros([BJ, D], tl.float32)
@@ -166,7 +166,7 @@ def compress(kv: torch.Tensor, score: torch.Tensor | None, ape: torch.Tensor | N
                   ("HAS_SCORE", has_score), ("RING", ring), ("BJ", block_slots(ratio, dim)),
                   ("ROPE", 2 * inv_freq.shape[0]))
     cached_launch(_compress_kernel, constexprs, (("num_warps", 4),))(
-        (rows,), kv, score_arg, kv.stride(0), rows, weight if ape is None else ape, weight, inv_freq, float(eps),
+        (rows,), kv, score_arg, kv.stride(0), weight if ape is None else ape, weight, inv_freq, float(eps),
         batch.positions, batch.token_to_req, num_reqs,
         meta.entry_positions, meta.prefix_lens, meta.state_slots, ring_kv, ring_score, ring_kv.stride(0),
         max(ring_kv.stride(1), 1), latent, entries)
