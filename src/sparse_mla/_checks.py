@@ -91,6 +91,14 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
+def check_rows_apart(name: str, t: torch.Tensor) -> None:
+    """Check the 2-D output ``t``'s rows share no memory (row stride at least its width, where it has two rows or
+    more): a kernel writing each row whole would write one row's values over another's (an expanded view)."""
+    if t.shape[0] > 1 and t.stride(0) < t.shape[1]:
+        raise ValueError(f"{name}'s rows must not overlap (rows apart: row stride >= its {t.shape[1]} columns), got "
+                         f"shape {tuple(t.shape)} strides {t.stride()}")
+
+
 def check_no_overlap(name: str, t: torch.Tensor, inputs: dict[str, torch.Tensor]) -> None:
     """Check the output ``t`` shares no memory with any of ``inputs`` (a kernel would read what it wrote)."""
     storage = t.untyped_storage().data_ptr()

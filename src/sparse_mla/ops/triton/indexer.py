@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._checks import check_no_overlap, check_positive_int, check_tensor, is_int
+from ..._checks import check_no_overlap, check_positive_int, check_rows_apart, check_tensor, is_int
 from ...indexer import (BLOCK_ENTRIES, MAX_SELECT_COLS, SELECT_SEGMENT, StepTokens, check_query_shape,
                         check_step_inputs, select_kernel_takes)
 from ...indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
@@ -461,11 +461,10 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache,
         raise ValueError(f"the token range must satisfy 0 <= t0 < t1 <= {q.shape[0]} (q's rows), got [{t0}, {t1})")
     check_kernel_cache(cache)
     check_tensor("out", out, device=cache.device)
-    if (out.dtype not in (torch.int64, torch.int32) or out.dim() != 2 or out.shape[0] < t1 - t0 or out.stride(1) != 1
-            or (t1 - t0 > 1 and out.stride(0) < out.shape[1])):  # rows sharing memory: each row's scores overwritten
+    if out.dtype not in (torch.int64, torch.int32) or out.dim() != 2 or out.shape[0] < t1 - t0 or out.stride(1) != 1:
         raise ValueError(f"out must be int64 (packed keys) or int32 (words) of shape (>= {t1 - t0}, num_cols) with "
-                         f"unit column stride and rows apart (row stride >= num_cols), got {out.dtype} "
-                         f"{tuple(out.shape)} strides {out.stride()}")
+                         f"unit column stride, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    check_rows_apart("out", out[: t1 - t0])  # rows sharing memory: each token's scores written over another's
     # programs write out while others read the inputs: an aliased input (or the key cache) would be read overwritten
     check_no_overlap("out", out, {"q": q, "weights": weights, "cache.data": cache.data, "positions": step.positions,
                                   "query_start_loc": step.query_start_loc, "block_table": step.block_table})
@@ -947,8 +946,8 @@ def _check_picks_into(into: PicksInto, rows: int, k: int, device: torch.device) 
         check_tensor(f"into.{name}", t, dtype=torch.int32, shape=shape, device=device)
         if t.stride(-1) != 1:
             raise ValueError(f"into.{name} must have unit stride in its last dimension, got {t.stride()}")
-        if name in ("indices", "kept") and n > 1 and t.stride(0) < k:  # a row's picks written over another's
-            raise ValueError(f"into.{name}'s rows must not overlap (row stride >= k = {k}), got strides {t.stride()}")
+        if name in ("indices", "kept"):
+            check_rows_apart(f"into.{name}", t)  # a row's picks written over another's
     if 0 in into.table.shape:
         raise ValueError(f"into.table must have a row and a column, got shape {tuple(into.table.shape)}")
 
@@ -1018,8 +1017,7 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto |
     if packed.stride(1) != 1 or out.stride(1) != 1:  # the kernel reads and writes rows at unit stride
         raise ValueError(f"packed and out must have unit column stride, got strides {packed.stride()} and "
                          f"{out.stride()}")
-    if rows > 1 and out.stride(0) < k:  # rows sharing memory: one row's picks overwritten by another's
-        raise ValueError(f"out's rows must not overlap (row stride >= k = {k}), got strides {out.stride()}")
+    check_rows_apart("out", out)  # rows sharing memory: one row's picks overwritten by another's
     # a program writes its row's outputs while others still read their inputs (their packed rows, the conversion's
     # positions, requests and table) and read their own picks back from out: no output may share memory with an
     # input or another output
