@@ -90,9 +90,8 @@ class StepBatch:
         """The ``kind`` block table as its builder's whole buffer, ``(max_reqs, max_blocks)`` (rows past
         ``num_reqs`` hold other steps' tables or ``-1``); without a builder, :attr:`block_tables`' own. What a launch
         bound once to the builder's buffers reads through: the :attr:`block_tables` views' rows change from step to
-        step, the buffer's stay, and they bound the request a kernel may look up (``ops.triton.index.table_slots``)."""
-        if kind not in self.block_tables:
-            raise ValueError(f"kind {kind!r} has no block table in this batch (has {self.kinds})")
+        step, the buffer's stay, and they bound the request a kernel may look up (``ops.triton.index.table_slots``).
+        ``kind``: one of :attr:`kinds` (the library's bound launches name their own)."""
         return self.block_tables[kind] if self.builder is None else self.builder.table_buffer(kind)
 
     @property

@@ -254,6 +254,13 @@ def _window_indices_torch(batch: StepBatch, kind: str, indices: torch.Tensor, le
     lens.copy_(count)
 
 
+def _bound_window_list(batch: StepBatch, kind: str, indices: torch.Tensor, lens: torch.Tensor,
+                       span: int | None = None) -> triton_index.WindowList:
+    """The ``kind`` window list of a launch bound once to ``batch``'s builder: the table as the builder's whole buffer
+    (:meth:`StepBatch.table_buffer`: its rows, not this step's, bound a request's in ``table_slots``)."""
+    return triton_index.WindowList(batch.table_buffer(kind), batch.block_sizes[kind], indices, lens, span)
+
+
 def window_lists_filler(batch: StepBatch, lists: dict[str, tuple[torch.Tensor, torch.Tensor, int]],
                         valid: torch.Tensor, world: int, rank: int):
     """``fill(batch)``: one launch (the Triton builders; else the torch twin) writing, per kind of ``lists``
@@ -262,9 +269,7 @@ def window_lists_filler(batch: StepBatch, lists: dict[str, tuple[torch.Tensor, t
     context-parallel rank's lists (:func:`sparse_mla.context_parallel.build_rank_metadata`), bound once to its
     buffers and to ``batch``'s builder's (``fill`` takes each step's batch of that builder)."""
     if builders_use_triton(batch.device):
-        sizes = batch.block_sizes  # the tables: the builder's buffers (the launch is bound once)
-        window = {k: triton_index.WindowList(batch.table_buffer(k), sizes[k], idx, ln, span)
-                  for k, (idx, ln, span) in lists.items()}
+        window = {k: _bound_window_list(batch, k, idx, ln, span) for k, (idx, ln, span) in lists.items()}
         launch = triton_index.step_lists_launcher(batch.positions, batch.token_to_req, valid, window.get("swa"),
                                                   window.get("c128a"), None, 1, world, rank)
         return lambda current: launch()
@@ -286,9 +291,7 @@ def _step_lists_triton(batch: StepBatch, out: StepMetadata) -> None:
     first build: every later build reads the same builder buffers (``_check_reusable``) into the same lists."""
     if out._fill_lists is None:
         def window_list(kind: str, indices: torch.Tensor | None, lens: torch.Tensor | None):
-            # the table as the builder's buffer: its rows, not this step's, bound a request's (table_slots)
-            return None if indices is None else triton_index.WindowList(batch.table_buffer(kind),
-                                                                        batch.block_sizes[kind], indices, lens)
+            return None if indices is None else _bound_window_list(batch, kind, indices, lens)
 
         picks = _picks_buffers(out)
         out._fill_lists = triton_index.step_lists_launcher(
