@@ -259,6 +259,8 @@ def test_write_rejects_bad_slots_and_values(fmt, dim):
         cache.write(ok, torch.tensor([1.0]))
     with pytest.raises(ValueError, match="slot_mapping must have shape"):
         cache.write(ok, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="slot_mapping holds slot 3 more than once"):  # -1 twice is fine
+        cache.write(ok.expand(4, dim), torch.tensor([3, -1, -1, 3]))
     with pytest.raises(ValueError, match="kv_new must be finite"):
         cache.write(torch.full((1, dim), float("nan"), dtype=torch.bfloat16), torch.tensor([1]))
     with pytest.raises(ValueError, match="kv_new must have shape"):

@@ -2,6 +2,7 @@
 request's blocks, a block order that is not the table's, or an error from inside torch."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,18 +30,68 @@ def test_entry_slots_takes_a_request_of_the_batch_and_integer_entries():
     entries = torch.tensor([0, 5])
     assert b.entry_slots("swa", 1, entries).tolist() == [4, 13]  # request 1: blocks 1 and 3 of size 4
     for req in (-1, 2):
-        with pytest.raises(ValueError, match="req must be a request of this batch"):
+        with pytest.raises(ValueError, match="req must be request"):
             b.entry_slots("swa", req, entries)
     with pytest.raises(TypeError, match="entries must be an integer tensor"):
         b.entry_slots("swa", 0, torch.tensor([0.9, 5.7]))
 
 
-@pytest.mark.parametrize("bad", [None, "2", [2]])
-def test_a_block_table_entry_that_is_not_a_number_is_named(bad):
-    """A None, a str or a list among a table's block numbers: named with its request and kind."""
+
+@pytest.mark.parametrize("req", [torch.tensor(-1), torch.tensor([0, 2]), torch.tensor([[0], [1], [0]])])
+def test_entry_slots_checks_a_tensor_of_requests(req):
+    """A tensor req is checked like an int: -1 would read the last request's table, 2 of two fail inside torch, and
+    a req that does not broadcast to the entries has no slot to give."""
+    b = two_request_batch()
+    with pytest.raises(ValueError, match=r"req (must|of shape)"):
+        b.entry_slots("swa", req, torch.tensor([0, 5]))
+
+
+def test_entry_slots_takes_requests_per_entry():
+    b = two_request_batch()
+    # request 1's entry 0 (block 1), request 0's entry 5 (block 2, offset 1)
+    assert b.entry_slots("swa", torch.tensor([1, 0]), torch.tensor([0, 5])).tolist() == [4, 9]
+
+
+@pytest.mark.parametrize("req, entries", [(0.0, torch.tensor([0])), (True, torch.tensor([0])),
+                                          (torch.tensor([0.0]), torch.tensor([0])), (0, torch.tensor([True]))])
+def test_entry_slots_refuses_floats_and_bools(req, entries):
+    """A float or bool request or entry would be taken as an int (True as request 1, entry 1)."""
+    with pytest.raises(TypeError, match=r"(req|entries) must be"):
+        two_request_batch().entry_slots("swa", req, entries)
+
+
+def test_entry_slots_of_an_int64_entry_past_int32_is_minus_one():
+    """Entry 2^32 + 1 lies past every table: -1, not entry 1's slot (a cast to int32 would wrap it)."""
+    b = two_request_batch()
+    assert b.entry_slots("swa", 0, torch.tensor([1, 2**32 + 1])).tolist() == [1, -1]
+
+@pytest.mark.parametrize("bad", [None, "2", [2], 0.7, True])
+def test_a_block_table_entry_that_is_not_an_int_is_named(bad):
+    """A None, a str, a list, a float or a bool among a table's block numbers: named with its request and kind (a
+    bool or a float is a number torch would take as block 1 or 0)."""
     builder = StepBatchBuilder(16, 4, 64, block_sizes=SIZES)
     t = tables(10)
     t["swa"] = [0, bad, 4]
+    with pytest.raises(TypeError, match=r"request 0: block table for 'swa' must hold int block numbers"):
+        builder.build([Request(10, 1, t)])
+
+
+@pytest.mark.parametrize("table", [torch.tensor([0, 2, 4]), np.array([0, 2, 4], dtype=np.int32), [0, np.int64(2), 4]])
+def test_a_block_table_of_numpy_or_torch_ints_is_taken(table):
+    """Tables of numpy ints, an int array or an int tensor are block numbers like a list of Python ints."""
+    builder = StepBatchBuilder(16, 4, 64, block_sizes=SIZES)
+    t = tables(10)
+    t["swa"] = table
+    batch = builder.build([Request(10, 1, t)])
+    assert batch.block_tables["swa"][0, :3].tolist() == [0, 2, 4]
+
+
+@pytest.mark.parametrize("table", [torch.tensor([0.0, 2.0, 4.0]), torch.tensor([True, False, True]),
+                                   np.array([0.5, 2.0, 4.0])])
+def test_a_block_table_tensor_of_another_dtype_is_refused(table):
+    builder = StepBatchBuilder(16, 4, 64, block_sizes=SIZES)
+    t = tables(10)
+    t["swa"] = table
     with pytest.raises(TypeError, match=r"request 0: block table for 'swa' must hold int block numbers"):
         builder.build([Request(10, 1, t)])
 

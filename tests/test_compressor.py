@@ -4,6 +4,7 @@ cache format written byte for byte as ``PagedCache.write`` writes the same entri
 pool and compress metadata, and bad input named."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,7 +18,7 @@ from compress_feed import (Feeder, coff, feed, make_params, make_sequences, orac
                            schedule_prefill, schedule_tokens)
 from sparse_mla.batch import Request, StepBatchBuilder
 from sparse_mla.cache import CacheFullError, PagedCache
-from sparse_mla.compress_metadata import build_compress_metadata
+from sparse_mla.compress_metadata import allocate_compress_metadata, build_compress_metadata
 from sparse_mla.compress_state import CompressorStatePool, state_tokens
 from sparse_mla.compressor import KVCompressor
 from sparse_mla.index_keys import insert_index_keys
@@ -209,14 +210,20 @@ def bad_call(case):
         feeder.builder.build([Request(1, 1, feeder.tables[0])])
     elif case == "other pool":
         args["meta"] = Feeder([6], 4).step([(0, 6)])[2]
+    elif case == "hand-made meta":  # its slots would index the state pool and the cache unchecked
+        args["meta"] = dataclasses.replace(meta, state_slots=torch.full_like(meta.state_slots, 7))
+    elif case == "unfilled meta":
+        args["meta"] = allocate_compress_metadata(batch, comp.pool)
     return comp, args
 
 
 @pytest.mark.parametrize("case,match", [("kv shape", "kv must have shape"), ("kv dtype", "kv must have dtype"),
                                         ("score shape", "score must have shape"), ("kv rows", "kv must have between"),
                                         ("cache dim", "IndexerKeyCache takes"), ("block size", "block_size"),
-                                        ("few blocks", "past the cache"), ("stale", "stale"),
-                                        ("other pool", "another CompressorStatePool")])
+                                        ("few blocks", "cache is smaller than the block tables"), ("stale", "stale"),
+                                        ("other pool", "another CompressorStatePool"),
+                                        ("hand-made meta", "filled by build_compress_metadata"),
+                                        ("unfilled meta", "filled by build_compress_metadata")])
 def test_bad_forward_input_is_named(case, match):
     comp, args = bad_call(case)
     before = args["cache"].data.clone()
@@ -248,6 +255,10 @@ def test_bad_construction_is_named():
         KVCompressor(pool, 512.0, w, EPS, ape=ape)
     with pytest.raises(ValueError, match="device must be a torch.device"):
         CompressorStatePool(4, 2, device="bogus")
+    with pytest.raises(ValueError, match="norm_weight is on the meta device"):  # a model built before its weights
+        KVCompressor(pool, 512, w.to("meta"), EPS, ape=ape)
+    with pytest.raises(ValueError, match="ape is on the meta device"):
+        KVCompressor(pool, 512, w, EPS, ape=ape.to("meta"))
 
 
 def test_a_compressor_that_missed_a_step_of_its_pool_is_refused():

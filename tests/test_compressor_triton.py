@@ -145,11 +145,16 @@ def test_index_key_insert_checks_values_where_values_are_checked(backend, debug,
     slots = torch.tensor([0, -1, 2], dtype=torch.int32, device=DEVICE)
     keys[1, 5] = float("nan")  # a skipped row
     insert_index_keys(keys, cache, slots, torch.tensor([0, -5, 3], dtype=torch.int32, device=DEVICE), backend=backend)
-    for bad in (float("nan"), float("inf")):
+    for bad in (float("nan"), float("inf"), 3.4e38):  # 3.4e38: finite in float32, inf in bf16 (the stored precision)
         k = keys.clone()
         k[2, 7] = bad
         with pytest.raises(ValueError, match="keys must be finite"):
             insert_index_keys(k, cache, slots, backend=backend)
+        if backend == "reference":  # the reference writer itself, as docs/indexer.md calls it
+            with pytest.raises(ValueError, match="keys must be finite"):
+                cache.write(k, slots)
+    with pytest.raises(ValueError, match="slots holds slot 2 more than once"):  # two rows would race for slot 2
+        insert_index_keys(keys, cache, torch.tensor([2, -1, 2], dtype=torch.int32, device=DEVICE), backend=backend)
     with pytest.raises(ValueError, match="positions must be >= 0"):
         insert_index_keys(keys, cache, slots, torch.tensor([0, 1, -3], dtype=torch.int32, device=DEVICE),
                           backend=backend)

@@ -317,3 +317,23 @@ def test_the_triton_layer_refuses_a_key_cache_of_other_blocks_before_it_launches
     with pytest.raises(ValueError, match="cache.block_size must be 64"):
         layer(sc.meta, q, w, IndexerKeyCache(64, "fp8", device=DEVICE, block_size=32))
     assert bool((plan.q == 7).all()), "no launch before the refusal"
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_the_layer_refuses_a_key_cache_smaller_than_the_block_tables(backend):
+    """A key cache of fewer blocks than the step's c4a tables name: the kernels would read pages past its end and the
+    reference drop their entries (every pick of a request with a missing block silently -1)."""
+    if backend == "triton" and not KERNEL_RUNS:
+        pytest.skip("the Triton indexer needs a GPU or Triton's CPU interpreter")
+    from sparse_mla.indexer_cache import IndexerKeyCache
+    from sparse_mla.scenario import make_scenario
+
+    sc = make_scenario([(300, 2), (200, 1)], window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,
+                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
+    largest = sc.meta.batch.max_block["c4a"]
+    layer = SparseMLAIndexer("c4a", 8, 32, backend=backend)
+    cap = sc.meta.batch.token_capacity
+    q, w = torch.randn(cap, 8, 128, device=DEVICE), torch.randn(cap, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=rf"cache has {largest} blocks, but the step's 'c4a' block tables name "
+                                         rf"block {largest}"):
+        layer(sc.meta, q, w, IndexerKeyCache(largest, "fp8", device=DEVICE))

@@ -87,6 +87,8 @@ def test_out_of_range_slots_are_skipped_or_rejected(monkeypatch):
     monkeypatch.setenv("SPARSE_MLA_DEBUG", "1")
     with pytest.raises(ValueError, match="slot_mapping holds 4"):
         quantize_and_insert(kv, cache, torch.tensor([4, 0], dtype=torch.int32, device=DEVICE), backend="triton")
+    with pytest.raises(ValueError, match="slot_mapping holds slot 2 more than once"):  # rows racing for one slot
+        quantize_and_insert(kv, cache, torch.tensor([2, 2], dtype=torch.int32, device=DEVICE), backend="triton")
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

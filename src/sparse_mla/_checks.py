@@ -78,7 +78,20 @@ def check_index_range(name: str, idx: torch.Tensor, upper: int, valid: torch.Ten
         raise ValueError(f"{name} holds {first}, out of range: entries must be -1 or in [0, {upper})")
 
 
+def check_distinct_slots(name: str, slots: torch.Tensor) -> None:
+    """No slot (``>= 0``; ``-1`` is skipped) appears twice in ``slots``: two rows written to one slot race on a GPU
+    (which lands, or a mix of an fp8 entry's codes and another's scale, is undefined)."""
+    written = slots[slots >= 0]
+    values, counts = torch.unique(written, return_counts=True)
+    if bool((counts > 1).any()):
+        raise ValueError(f"{name} holds slot {int(values[counts > 1][0])} more than once: each written row needs "
+                         f"its own slot")
+
+
 def check_finite(name: str, t: torch.Tensor) -> None:
+    """``t`` holds values (not a meta tensor) and all of them are finite."""
+    if t.is_meta:
+        raise ValueError(f"{name} is on the meta device: it holds no values (load the weights first)")
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name} must be finite (no NaN or inf)")
 

@@ -6,10 +6,13 @@ Requests come decodes first. Token ``i`` of request ``r`` sits at
 """
 from __future__ import annotations
 
+import functools
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from ._checks import check_device, check_positive_int, is_int
@@ -119,17 +122,35 @@ class StepBatch:
     def kinds(self) -> tuple[str, ...]:
         return tuple(self.block_tables)
 
+    def check_cache_holds_blocks(self, kind: str, num_blocks: int, name: str) -> None:
+        """The ``kind`` cache ``name`` of ``num_blocks`` blocks holds every block this step's ``kind`` tables name: a
+        smaller one would have its blocks past the end read and written by the kernels, or their entries dropped."""
+        if self.max_block.get(kind, -1) >= num_blocks:
+            raise ValueError(f"{name} has {num_blocks} blocks, but the step's {kind!r} block tables name block "
+                             f"{self.max_block[kind]}: the cache is smaller than the block tables")
+
     def entry_slots(self, kind: str, req: int | torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        """Slots in the ``kind`` cache of entries (positions for ``swa``) of request(s) ``req``; ``-1`` stays ``-1``."""
+        """Slots in the ``kind`` cache of entries (positions for ``swa``) of request(s) ``req``; ``-1`` where an entry
+        is negative, lies past the request's table or in a block the table holds as ``-1``.
+
+        req: an int request of this batch, or an integer tensor of them broadcastable to ``entries`` (its values are
+        checked: one host sync for a GPU tensor). entries: an integer tensor. Returns int32 slots of entries' shape.
+        """
         if kind not in self.block_tables:
             raise ValueError(f"kind {kind!r} has no block table in this batch (has {self.kinds})")
-        if is_int(req) and not 0 <= req < self.num_reqs:  # (a negative index would read another request's table)
-            raise ValueError(f"req must be a request of this batch, in [0, {self.num_reqs}), got {req}")
-        if not isinstance(entries, torch.Tensor) or entries.is_floating_point() or entries.is_complex():
-            raise TypeError(f"entries must be an integer tensor, got "
-                            f"{entries.dtype if isinstance(entries, torch.Tensor) else type(entries).__name__}")
-        req_t = torch.as_tensor(req, dtype=torch.int32, device=self.device)
-        return slots_of(self.block_tables[kind], req_t, entries.to(device=self.device, dtype=torch.int32),
+        for name, value in (("req", req), ("entries", entries)):
+            if not (is_int(value) and name == "req") and not _is_int_tensor(value):
+                raise TypeError(f"{name} must be {'an int or ' if name == 'req' else 'an '}integer tensor, got "
+                                f"{value.dtype if isinstance(value, torch.Tensor) else type(value).__name__}")
+        req_t = torch.as_tensor(req, device=self.device)
+        if torch.broadcast_shapes(req_t.shape, entries.shape) != entries.shape:
+            raise ValueError(f"req of shape {tuple(req_t.shape)} must broadcast to entries' {tuple(entries.shape)}")
+        # a negative request is not an index from the end: it would read another request's table
+        if req_t.numel() and not (0 <= int(req_t.min()) and int(req_t.max()) < self.num_reqs):
+            raise ValueError(f"req must be request(s) of this batch, in [0, {self.num_reqs}), got "
+                             f"{req if is_int(req) else req_t.flatten()[:8].tolist()}")
+        # int64 entries are taken as they are: one past int32 lies past every table (-1), not on a wrapped entry
+        return slots_of(self.block_tables[kind], req_t, entries.to(device=self.device, dtype=torch.int64),
                         self.block_sizes[kind])
 
     def new_entries(self, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -150,7 +171,8 @@ class StepBatch:
                                       count.long(), output_size=n)
         start = torch.cumsum(count, 0) - count  # first output row of each request
         entry = first[req.long()] + torch.arange(n, dtype=torch.int32, device=self.device) - start[req.long()]
-        return req, entry.to(torch.int32), self.entry_slots(kind, req, entry)
+        entry = entry.to(torch.int32)
+        return req, entry, slots_of(self.block_tables[kind], req, entry, self.block_sizes[kind])
 
 
 def entries_needed(seq_len: int, kind: str) -> int:
@@ -283,18 +305,19 @@ class StepBatchBuilder:
         fit int32 and, with ``num_blocks``, lie inside the cache; no block may hold two ranges of entries
         (:func:`_check_aliasing`)."""
         width, bs = self._tables[kind].shape[1], self.block_sizes[kind]
-        try:
-            rows = torch.tensor([list(r.block_tables[kind]) + [-1] * (width - len(r.block_tables[kind]))
-                                 for r in requests])
-        except (TypeError, ValueError, RuntimeError):  # an entry torch cannot read as a number (None, a str, a list)
-            r = _first_non_int_table(requests, kind)
-            raise TypeError(f"request {r}: block table for {kind!r} must hold int block numbers, got "
-                            f"{list(requests[r].block_tables[kind])[:8]}") from None
+        rows_np = np.full((len(requests), width), -1, dtype=np.int64)
+        for r, req in enumerate(requests):  # one pass over the entries' types, one numpy copy (~4x torch.tensor's)
+            table = req.block_tables[kind]
+            if not _holds_ints(table):  # a bool would be taken as block 0 or 1, a float cut to an int
+                raise TypeError(f"request {r}: block table for {kind!r} must hold int block numbers, got "
+                                f"{list(table)[:8]}")
+            try:
+                rows_np[r, :len(table)] = table.tolist() if isinstance(table, torch.Tensor) else table
+            except OverflowError:  # past int64: surely past int32's slots, which the checks below name
+                raise ValueError(f"request {r}: block table for {kind!r} holds a block number past int64") from None
+        rows = torch.from_numpy(rows_np)
         need = torch.tensor([blocks_needed(r.seq_len, kind, bs) for r in requests])
         used = torch.arange(width)[None, :] < need[:, None]
-        if rows.dtype != torch.int64:  # a float (or bool) somewhere in the tables
-            r = _first_non_int_table(requests, kind)
-            raise ValueError(f"request {r}: block table for {kind!r} holds a block number that is not an int")
         checks = [(rows < 0, "holds a negative block number"),
                   ((rows + 1) * bs > 2**31, f"holds a block number whose slots (block * {bs} + offset) pass int32")]
         limit = self.num_blocks.get(kind)
@@ -400,9 +423,22 @@ def _check_per_kind(name: str, values: Mapping[str, int] | None, kinds: Sequence
             raise ValueError(f"{name}[{kind!r}] must be an int >= {least}, got {value!r}")
 
 
-def _first_non_int_table(requests: Sequence[Request], kind: str) -> int:
-    """The first request whose ``kind`` block table holds something that is not an int (a table just refused)."""
-    return next((i for i, req in enumerate(requests) if not all(is_int(b) for b in req.block_tables[kind])), 0)
+def _is_int_tensor(value: object) -> bool:
+    """An integer tensor (not bool, float or complex)."""
+    return (isinstance(value, torch.Tensor) and value.dtype != torch.bool and not value.is_floating_point()
+            and not value.is_complex())
+
+
+def _holds_ints(table: Sequence[int] | torch.Tensor | np.ndarray) -> bool:
+    """Every entry of a block table is an int (Python or numpy, not a bool); a tensor or array of an integer dtype."""
+    if isinstance(table, (torch.Tensor, np.ndarray)):
+        return _is_int_tensor(torch.as_tensor(table[:0]))
+    return all(_is_int_type(t) for t in set(map(type, table)))
+
+
+@functools.cache
+def _is_int_type(t: type) -> bool:
+    return issubclass(t, numbers.Integral) and not issubclass(t, bool)
 
 
 def upload(dst: torch.Tensor, values: list[int] | torch.Tensor) -> None:
@@ -423,7 +459,7 @@ def slots_of(table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, block_
     """Slots of cache entries: ``table[req, entry // bs] * bs + entry % bs``; ``-1`` where ``entry < 0``,
     where the entry lies past the table, or where the table holds ``-1``.
 
-    table: ``(num_reqs, max_blocks)`` int32; req, entry: int32 tensors (req broadcastable to entry).
+    table: ``(num_reqs, max_blocks)`` int32; req, entry: int32 or int64 tensors (req broadcastable to entry).
     """
     check_positive_int("block_size", block_size)
     ok = entry >= 0

@@ -14,7 +14,7 @@ the build itself checks the requests on the host and runs eagerly, like ``StepBa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -48,6 +48,9 @@ class CompressMetadata:
     state_slots: torch.Tensor
     step: int = 0
     repeatable: bool = True
+    # set by build_compress_metadata once it has filled the buffers from a checked batch and slots: a compressor
+    # refuses metadata made or dataclasses.replace()d by hand (its slots index the state pool and the cache unchecked)
+    _filled: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
     def ratio(self) -> int:
@@ -105,6 +108,7 @@ def build_compress_metadata(batch: StepBatch, pool: CompressorStatePool, state_s
     elif not isinstance(out, CompressMetadata) or out.pool is not pool or out.entry_slots.shape[0] != \
             batch.token_capacity or out.prefix_lens.shape[0] < batch.num_reqs or out.batch.builder is not batch.builder:
         raise ValueError("out must be CompressMetadata of the same pool and batch builder (allocate_compress_metadata)")
+    out._filled = False  # until its buffers hold this step
     pool.advance(state_slots, prefix_host, batch.seq_lens_host)
     out.step, out.repeatable = pool.steps, max(batch.query_lens_host) <= REPEATABLE_STEP_TOKENS
     n, r = batch.num_reqs, pool.ratio
@@ -116,4 +120,5 @@ def build_compress_metadata(batch: StepBatch, pool: CompressorStatePool, state_s
     entry = torch.where(completes, (pos + 1) // r - 1, -1).to(torch.int32)
     out.entry_slots.copy_(slots_of(batch.block_tables[kind], req.clamp_min(0), entry, batch.block_sizes[kind]))
     out.entry_positions.copy_(torch.where(completes, entry * r, -1))
+    out._filled = True
     return out

@@ -181,6 +181,9 @@ class KVCompressor:
         dev = self.pool.device
         if not isinstance(meta, CompressMetadata):
             raise TypeError(f"meta must be CompressMetadata (build_compress_metadata), got {type(meta).__name__}")
+        if not meta._filled:
+            raise ValueError("meta must be filled by build_compress_metadata: a CompressMetadata made or replaced by "
+                             "hand is not checked against its pool and batch")
         if meta.pool is not self.pool:
             raise ValueError("meta was built for another CompressorStatePool than this compressor's")
         meta.check_current()
@@ -216,9 +219,7 @@ class KVCompressor:
                              f"{meta.batch.block_sizes[meta.kind]}")
         if cache.device != dev:
             raise ValueError(f"cache must be on {dev}, got {cache.device}")
-        if meta.batch.max_block.get(meta.kind, -1) >= cache.num_blocks:
-            raise ValueError(f"the batch's {meta.kind!r} block tables name block {meta.batch.max_block[meta.kind]}, "
-                             f"past the cache's {cache.num_blocks} blocks")
+        meta.batch.check_cache_holds_blocks(meta.kind, cache.num_blocks, "cache")
         if resolve_backend(self.backend, dev) == "reference" or debug_checks_enabled():  # values: a sync
             # before the state is touched: a failed call writes nothing (padding rows may hold anything)
             check_finite("kv", kv[:lo])

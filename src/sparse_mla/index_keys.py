@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_finite, check_index_range, check_tensor
-from .indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
+from ._checks import check_distinct_slots, check_index_range, check_tensor
+from .indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache, check_storable_keys
 from .ops.dispatch import resolve_backend
 from .ops.validate import debug_checks_enabled
 from .rope import V4_COMPRESS_ROPE, RopeSpec, rotate_interleaved_tail
@@ -28,9 +28,9 @@ def insert_index_keys(keys: torch.Tensor, cache: IndexerKeyCache, slots: torch.T
                       backend: str = "auto") -> None:
     """Store ``keys (n, 128)`` (bf16 or float32) at ``slots (n,)`` int32 of ``cache``; ``-1`` skipped. With
     ``positions (n,)`` int32 the keys are first roped (V4's rope: the last ``rope.dim`` channels in interleaved
-    pairs) at those positions (rows with slot ``-1`` may hold any position). Values — slots in range, the written
-    rows' keys finite and positions >= 0 — are checked on the reference path and under ``SPARSE_MLA_DEBUG=1`` (a
-    sync); without them the kernel skips a slot out of range."""
+    pairs) at those positions (rows with slot ``-1`` may hold any position). Values — slots in range and none
+    twice, the written rows' keys finite in bf16 and positions >= 0 — are checked on the reference path and under
+    ``SPARSE_MLA_DEBUG=1`` (a sync); without them the kernel skips a slot out of range."""
     if not isinstance(cache, IndexerKeyCache):
         raise TypeError(f"cache must be an IndexerKeyCache, got {type(cache).__name__}")
     check_tensor("keys", keys, dtype=(torch.bfloat16, torch.float32), shape=(None, INDEX_HEAD_DIM),
@@ -43,7 +43,8 @@ def insert_index_keys(keys: torch.Tensor, cache: IndexerKeyCache, slots: torch.T
     reference = resolve_backend(backend, keys.device) == "reference"
     if reference or debug_checks_enabled():  # values: a sync (docs/checks.md)
         written = slots >= 0
-        check_finite("keys", keys[written])
+        check_storable_keys("keys", keys[written])
+        check_distinct_slots("slots", slots)
         if positions is not None and bool((positions[written] < 0).any()):
             raise ValueError("positions must be >= 0 where slots are (the rows written)")
     if reference:

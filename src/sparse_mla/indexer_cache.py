@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_device, check_index_range, check_positive_int, check_tensor
+from ._checks import check_device, check_distinct_slots, check_index_range, check_positive_int, check_tensor
 from .cache import BlockAllocator, PagePool
 from .formats import E4M3_MAX, E4M3_NAN, ceil_pow2
 
@@ -46,6 +46,13 @@ def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     q = keys.to(torch.bfloat16).float() / scales[:, None]
     codes = q.to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where(torch.isnan(q), E4M3_NAN, codes), scales
+
+
+def check_storable_keys(name: str, keys: torch.Tensor) -> None:
+    """Keys about to be stored must be finite once rounded to bf16, the precision both formats store (fp8 quantises
+    ``bf16(key)``): a float32 key past bf16's range would be stored as inf, or as NaN codes under an inf scale."""
+    if not bool(torch.isfinite(keys.to(torch.bfloat16)).all()):
+        raise ValueError(f"{name} must be finite (no NaN or inf) once rounded to bf16 (|key| < 3.39e38)")
 
 
 def dequantize_index_keys(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -108,6 +115,8 @@ class IndexerKeyCache(PagePool):
         slots = self._check_slots(slots)
         keep = slots >= 0
         keys, slots = keys[keep], slots[keep]
+        check_storable_keys("keys", keys)
+        check_distinct_slots("slots", slots)
         blocks, offsets = slots // self.block_size, slots % self.block_size
         if self.fmt == "bf16":
             self.data[blocks, offsets] = keys.to(torch.bfloat16)

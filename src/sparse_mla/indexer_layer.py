@@ -175,6 +175,7 @@ class SparseMLAIndexer(torch.nn.Module):
                              f"({meta.batch.block_sizes[self.kind]}): the two share their block numbers")
         if meta.batch.device != cache.device:
             raise ValueError(f"cache must be on the step's device {meta.batch.device}, got {cache.device}")
+        meta.batch.check_cache_holds_blocks(self.kind, cache.num_blocks, "cache")
         cap, heads = meta.batch.token_capacity, self.spec.num_heads
         floats = (torch.bfloat16, torch.float16, torch.float32)
         check_tensor("q", q, dtype=floats, shape=(cap, heads, 128), device=cache.device)

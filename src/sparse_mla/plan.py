@@ -127,10 +127,7 @@ def check_step_caches(meta: StepLists, views: dict[str, CacheView], layer_kind: 
         if view.tensor.shape[1] * world != batch.block_sizes[kind]:
             raise ValueError(f"{name} has blocks of {view.tensor.shape[1]} entries, the step's block tables use "
                              f"{batch.block_sizes[kind] // world}")
-        needed = batch.max_block.get(kind, -1) + 1
-        if view.tensor.shape[0] < needed:
-            raise ValueError(f"{name} has {view.tensor.shape[0]} blocks, but the step's {kind!r} block tables "
-                             f"name block {needed - 1}: the cache is smaller than the block tables")
+        batch.check_cache_holds_blocks(kind, view.tensor.shape[0], name)
         if view.tensor.device != batch.device:
             raise ValueError(f"{name} is on {view.tensor.device}, the step's metadata on {batch.device}")
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .._checks import (check_finite, check_index_range, check_kv_scale, check_no_overlap, check_scale, check_sink,
-                       check_tensor, is_int)
+from .._checks import (check_distinct_slots, check_finite, check_index_range, check_kv_scale, check_no_overlap,
+                       check_scale, check_sink, check_tensor, is_int)
 from ..env import switch_on
 from ..cache_views import resolve_cache_once
 from ..formats import FORMAT_NAMES, KVFormat
@@ -331,7 +331,7 @@ def insert_args(kv_new, cache, slot_mapping, fmt=None, check_values: bool = True
     cache view, its format, ``slot_mapping`` contiguous (the kernel reads both at unit stride) and the
     fp8_e4m3 cache's ``kv_scale`` ``(1,)`` float32 (None for the other formats).
 
-    With ``check_values`` (the reference, or ``SPARSE_MLA_DEBUG=1``) also slot ranges and finiteness.
+    With ``check_values`` (the reference, or ``SPARSE_MLA_DEBUG=1``) also slot ranges, no slot twice and finiteness.
     """
     cache, f = resolve_cache_once(cache, fmt)
     check_tensor("kv_new", kv_new, dtype=torch.bfloat16, shape=(None, f.dim), device=cache.device)
@@ -340,6 +340,7 @@ def insert_args(kv_new, cache, slot_mapping, fmt=None, check_values: bool = True
     check_no_overlap("cache", cache, {"kv_new": kv_new, "slot_mapping": slot_mapping})
     if check_values:
         check_index_range("slot_mapping", slot_mapping, cache.shape[0] * cache.shape[1])
+        check_distinct_slots("slot_mapping", slot_mapping)
         check_finite("kv_new", kv_new[slot_mapping >= 0])
     if kv_new.stride(1) != 1:
         kv_new = kv_new.contiguous()
