@@ -1,4 +1,5 @@
-"""Host µs of one call, GPU queue kept busy (V4-Flash decode, B requests of 2 tokens, 64 heads): each layer kind
+"""Host µs of one call, GPU queue kept busy (V4-Flash decode, B requests of 2 tokens, 64 heads): the step batch's
+build from the requests' block tables (Python lists), each layer kind
 (default and batch-invariant; c4a also with the library indexer's picks, which its select converts in its own
 launch), build_step_metadata, our FlashMLA-compatible API and, when the sgl-flash-mla wheel
 is installed, FlashMLA's own call on the same inputs (one SWA scope; and two scopes, SWA + C128A, with per-request
@@ -48,6 +49,22 @@ def load_package(folder: str, name: str) -> ModuleType:
     return module
 
 
+def step_build(batch_mod: ModuleType, like, lengths: list[tuple[int, int]]):
+    """A builder's ``build`` of ``lengths``' requests, tables of distinct blocks in every kind of ``like`` (a batch):
+    its own builder, so that the scenario's batch stays current for the other probes."""
+    sizes = dict(like.block_sizes)
+    builder = batch_mod.StepBatchBuilder(like.token_capacity, len(lengths), max(s for s, _ in lengths),
+                                         kinds=like.kinds, block_sizes=sizes, decode_threshold=2, device=like.device)
+    first, requests = dict.fromkeys(sizes, 0), []
+    for seq_len, query_len in lengths:
+        tables = {}
+        for kind, bs in sizes.items():
+            n = batch_mod.blocks_needed(seq_len, kind, bs)
+            tables[kind], first[kind] = list(range(first[kind], first[kind] + n)), first[kind] + n
+        requests.append(batch_mod.Request(seq_len, query_len, tables))
+    return lambda: builder.build(requests)
+
+
 def package_probes(pkg: ModuleType, flash_mla: ModuleType | None) -> tuple[dict, dict]:
     """``pkg``'s probes (name -> call) and their outputs' relative errors, on inputs made from the same seed for
     every package; FlashMLA's own calls when ``flash_mla`` is given."""
@@ -62,7 +79,8 @@ def package_probes(pkg: ModuleType, flash_mla: ModuleType | None) -> tuple[dict,
     q = torch.randn(sc.batch.token_capacity, h, 512, generator=gen).to(torch.bfloat16).cuda()
     sink = torch.randn(h, generator=gen).cuda()
     out = torch.empty(sc.batch.token_capacity, h, 512, dtype=torch.bfloat16, device="cuda")
-    probes = {"build_step_metadata": lambda: metadata.build_step_metadata(sc.batch, sc.meta.spec, out=sc.meta)}
+    probes = {"build_step_metadata": lambda: metadata.build_step_metadata(sc.batch, sc.meta.spec, out=sc.meta),
+              "StepBatchBuilder.build": step_build(import_module(f"{pkg.__name__}.batch"), sc.batch, lengths)}
     errors = {}
     rows = list(range(0, 2 * b, 17))
     for kind in ("swa", "c4a", "c128a"):
