@@ -195,7 +195,7 @@ def test_requests_of_the_wrong_types_are_named():
     with pytest.raises(TypeError, match=r"request 0: block_tables must be a dict of cache kind -> block numbers, "
                                         r"got None"):
         builder.build([Request(300, 1, None)])
-    with pytest.raises(TypeError, match=r"request 0: block_tables\['swa'\] must be a list of block numbers, got 3"):
+    with pytest.raises(TypeError, match=r"request 0: block_tables\['swa'\] must be a list of block numbers, got 3 "):
         builder.build([Request(3, 1, {"swa": 3, "c4a": [], "c128a": []})])
     with pytest.raises(TypeError, match=r"requests\[1\] must be a Request, got tuple"):
         builder.build([Request(3, 1, table(1)), (3, 1, table(1))])

@@ -37,7 +37,8 @@ def test_entry_slots_takes_a_request_of_the_batch_and_integer_entries():
 
 
 
-@pytest.mark.parametrize("req", [torch.tensor(-1), torch.tensor([0, 2]), torch.tensor([[0], [1], [0]])])
+@pytest.mark.parametrize("req", [torch.tensor(-1), torch.tensor([0, 2]), torch.tensor([[0], [1], [0]]),
+                                 torch.tensor([0, 1, 0]), torch.zeros(0, dtype=torch.int64), 2**70])
 def test_entry_slots_checks_a_tensor_of_requests(req):
     """A tensor req is checked like an int: -1 would read the last request's table, 2 of two fail inside torch, and
     a req that does not broadcast to the entries has no slot to give."""
@@ -87,12 +88,23 @@ def test_a_block_table_of_numpy_or_torch_ints_is_taken(table):
 
 
 @pytest.mark.parametrize("table", [torch.tensor([0.0, 2.0, 4.0]), torch.tensor([True, False, True]),
-                                   np.array([0.5, 2.0, 4.0])])
-def test_a_block_table_tensor_of_another_dtype_is_refused(table):
+                                   np.array([0.5, 2.0, 4.0]), np.array([0, 2, 4], dtype=np.uint64),
+                                   np.array([[0], [2], [4]]), {0: 0, 2: 0, 4: 0}.keys()])
+def test_a_block_table_of_another_dtype_or_shape_is_refused(table):
+    """Floats, bools and uint64 (which int64 would wrap) are not block numbers; a 2-D array or a dict's keys is not a
+    list of them."""
     builder = StepBatchBuilder(16, 4, 64, block_sizes=SIZES)
     t = tables(10)
     t["swa"] = table
-    with pytest.raises(TypeError, match=r"request 0: block table for 'swa' must hold int block numbers"):
+    with pytest.raises(TypeError, match=r"request 0: block_tables\['swa'\] must be a list of block numbers"):
+        builder.build([Request(10, 1, t)])
+
+
+def test_a_block_number_past_int64_is_named():
+    builder = StepBatchBuilder(16, 4, 64, block_sizes=SIZES)
+    t = tables(10)
+    t["swa"] = [0, 2**70, 4]
+    with pytest.raises(ValueError, match=r"block table for 'swa' holds a block number past int64"):
         builder.build([Request(10, 1, t)])
 
 

@@ -214,6 +214,8 @@ def bad_call(case):
         args["meta"] = dataclasses.replace(meta, state_slots=torch.full_like(meta.state_slots, 7))
     elif case == "unfilled meta":
         args["meta"] = allocate_compress_metadata(batch, comp.pool)
+    elif case == "meta assigned to":  # a buffer swapped after the build
+        meta.state_slots = torch.full_like(meta.state_slots, 7)
     return comp, args
 
 
@@ -223,7 +225,8 @@ def bad_call(case):
                                         ("few blocks", "cache is smaller than the block tables"), ("stale", "stale"),
                                         ("other pool", "another CompressorStatePool"),
                                         ("hand-made meta", "filled by build_compress_metadata"),
-                                        ("unfilled meta", "filled by build_compress_metadata")])
+                                        ("unfilled meta", "filled by build_compress_metadata"),
+                                        ("meta assigned to", "filled by build_compress_metadata")])
 def test_bad_forward_input_is_named(case, match):
     comp, args = bad_call(case)
     before = args["cache"].data.clone()

@@ -153,8 +153,16 @@ def test_index_key_insert_checks_values_where_values_are_checked(backend, debug,
         if backend == "reference":  # the reference writer itself, as docs/indexer.md calls it
             with pytest.raises(ValueError, match="keys must be finite"):
                 cache.write(k, slots)
+    k = torch.zeros(3, 128, device=DEVICE)  # finite keys, one pair that the rope at position 1 turns to inf
+    k[2, 128 - V4_COMPRESS_ROPE.dim:128 - V4_COMPRESS_ROPE.dim + 2] = torch.tensor([3.0e38, -3.0e38])
+    with pytest.raises(ValueError, match="keys must be finite"):  # checked as stored: after the rope
+        insert_index_keys(k, cache, slots, torch.tensor([0, 0, 1], dtype=torch.int32, device=DEVICE), backend=backend)
+    twice = torch.tensor([2, -1, 2], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="slots holds slot 2 more than once"):  # two rows would race for slot 2
-        insert_index_keys(keys, cache, torch.tensor([2, -1, 2], dtype=torch.int32, device=DEVICE), backend=backend)
+        insert_index_keys(keys, cache, twice, backend=backend)
+    if backend == "reference":
+        with pytest.raises(ValueError, match="slots holds slot 2 more than once"):
+            cache.write(torch.ones(3, 128, device=DEVICE), twice)
     with pytest.raises(ValueError, match="positions must be >= 0"):
         insert_index_keys(keys, cache, slots, torch.tensor([0, 1, -3], dtype=torch.int32, device=DEVICE),
                           backend=backend)

@@ -150,6 +150,16 @@ def test_layout_rules():
         RankLayout(2.0, 0)
     with pytest.raises(ValueError, match="world"):
         RankLayout(0, 0)
+    # a kind, seq_len and block size named (a KeyError, and -5 or 5.5 tokens taken as a count)
+    for args, error, match in ((("100", "c4a"), TypeError, "seq_len"), ((100, "zz"), ValueError, "kind"),
+                               ((-5, "swa"), ValueError, "seq_len"), ((5.5, "swa"), TypeError, "seq_len"),
+                               ((100, "swa", 0), ValueError, "block_size")):
+        with pytest.raises(error, match=match):
+            layout.blocks_needed(*args)
+    with pytest.raises(ValueError, match="virtual must have dtype"):  # floats were divided into float "slots"
+        layout.local_slots(virtual.float())
+    with pytest.raises(TypeError, match="virtual must be a torch.Tensor"):
+        layout.local_slots([0, 1])
 
 
 def test_rank_metadata_needs_the_ranks_batch():
@@ -240,6 +250,8 @@ def test_rank_metadata_refills_in_place():
         assert getattr(meta, n) is buffers[n] and torch.equal(buffers[n], getattr(fresh, n)), n
     assert torch.equal(meta.c4a_indices(sc.topk_local)[0], fresh.c4a_indices(sc.topk_local)[0])
     assert torch.equal(meta.decode_order("c128a"), fresh.decode_order("c128a"))
+    with pytest.raises(ValueError, match="kind must be one of this step's kinds"):
+        meta.decode_order("c128")
     with pytest.raises(ValueError, match="built for"):
         build_rank_metadata(batch, RankLayout(2, 0), sc.meta.spec, out=meta)
 

@@ -232,6 +232,10 @@ BAD_DECODE = [
     ("kv_format", ValueError, dict(kv_format="V32")),
     ("kv_format", ValueError, dict(kv_format="V41")),  # a 584-byte k_cache declared 528
     ("kv_format", NotImplementedError, dict(kv_format="V32_NO_ROPE")),
+    ("kv_format", ValueError, dict(kv_format="junk")),  # not a FlashMLA format at all: not a missing feature
+    ("kv_format", TypeError, dict(kv_format=3)),
+    # a bf16 cache beside V4's fp8 bytes: FlashMLA's two caches share a format (it was attended as given)
+    ("extra_k_cache", ValueError, dict(extra_k_cache=torch.zeros(3, 64, 1, 512, dtype=torch.bfloat16))),
     ("descale_q", NotImplementedError, dict(descale_q=torch.ones(1))),
 ]
 

@@ -215,6 +215,9 @@ def i32(*shape):
     (lambda s: SparseMLAAttention("swa", 2, kv_format="fp8"), r"kv_format must be None or one of"),
     (lambda s: SparseMLAAttention("c4a", 2, topk=2.5), r"topk must be a positive int"),
     (lambda s: SparseMLAAttention("swa", 8.0), r"num_heads and window must be positive ints"),
+    (lambda s: SparseMLAAttention("swa", 2, sink=torch.zeros(2, device="meta")), r"sink is on the meta device"),
+    (lambda s: SparseMLAAttention("swa", 2, prefill_mode="workspace", workspace_bytes=1e9),
+     r"workspace_bytes must be an int"),
 ])
 def test_mismatched_inputs_raise_value_errors_that_name_the_problem(small, make, match):
     with pytest.raises(ValueError, match=match):

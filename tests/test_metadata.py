@@ -120,6 +120,9 @@ def test_decode_orders_put_the_tokens_with_most_key_blocks_first_refilled_each_s
     spec = MetadataSpec(window=128, topk=100)
     meta = build_step_metadata(batch, spec)
     assert meta.decode_order("swa") is None
+    for typo in ("c4", 3):  # not "no order": a kind this step does not have
+        with pytest.raises(ValueError, match="kind must be one of this step's kinds"):
+            meta.decode_order(typo)
     positions = [p for _, p in token_list(lengths)][:4]
     extra = {"c4a": lambda p: min(100, (p + 1) // 4), "c128a": lambda p: (p + 1) // 128}
     for kind, count in extra.items():
@@ -174,7 +177,8 @@ def test_bad_picks_and_specs_raise_value_error():
         meta.c4a_indices(torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"topk_indices must have shape \(2, 3\)"):
         meta.c4a_indices(torch.zeros(2, 4, dtype=torch.int32))
-    for spec in (MetadataSpec(window=0, topk=3), MetadataSpec(window="8", topk=3), MetadataSpec(window=8, topk=2.5)):
+    for spec in (MetadataSpec(window=0, topk=3), MetadataSpec(window="8", topk=3), MetadataSpec(window=8, topk=2.5),
+                 MetadataSpec(window=10**12, topk=3)):  # (10^12 reached the allocator: 64 TB of window lists)
         with pytest.raises(ValueError, match="spec.window and spec.topk must be positive ints"):
             build_step_metadata(batch, spec)
     with pytest.raises(TypeError, match="spec must be a MetadataSpec, got NoneType"):

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from dense import dense_attention, fake_quant
 from sparse_mla.cache import PagedCache
 from sparse_mla.formats import allocate_cache, quantize_blocks
-from sparse_mla.ops import (dequantize_and_gather, quantize_and_insert, sparse_attention_decode,
-                            sparse_attention_prefill)
+from sparse_mla.ops import (dequantize_and_gather, longest_first, merge_partials, quantize_and_insert,
+                            sparse_attention_decode, sparse_attention_prefill)
 
 FORMATS = [("bf16", 512), ("fp8_v4", 512), ("fp8_v32", 576), ("bf16", 576)]
 SINKS = ["none", "finite", "+inf", "-inf", "mixed"]
@@ -455,3 +455,28 @@ def test_q_on_another_device_than_the_cache_is_named():
     q = torch.zeros(2, 1, 512, dtype=torch.bfloat16, device="meta")
     with pytest.raises(ValueError, match="q must be on cache's device cpu, got meta"):
         sparse_attention_decode(q, cache.data, torch.zeros(2, 3, dtype=torch.int32), backend="reference")
+
+
+META_CALLS = {
+    "dequantize_and_gather": lambda m: dequantize_and_gather(
+        torch.zeros(2, 4, 512, dtype=torch.bfloat16, device=m), torch.tensor([3], device=m), backend="reference"),
+    "sparse_attention_decode": lambda m: sparse_attention_decode(
+        torch.zeros(2, 4, 512, dtype=torch.bfloat16, device=m), torch.zeros(2, 4, 512, dtype=torch.bfloat16, device=m),
+        torch.zeros(2, 3, dtype=torch.int32, device=m), backend="reference"),
+    "quantize_and_insert": lambda m: quantize_and_insert(
+        torch.zeros(1, 512, dtype=torch.bfloat16, device=m), torch.zeros(2, 4, 512, dtype=torch.bfloat16, device=m),
+        torch.tensor([3], device=m), backend="reference"),
+    "longest_first": lambda m: longest_first(torch.tensor([3, 4], dtype=torch.int32, device=m)),
+    "merge_partials": lambda m: merge_partials(torch.zeros(2, 3, 4, 8, device=m), torch.zeros(2, 3, 4, device=m),
+                                               backend="reference"),
+}
+
+
+@pytest.mark.parametrize("op", sorted(META_CALLS))
+def test_an_op_on_meta_tensors_alone_is_named(op):
+    """Every tensor on the meta device (a model built before its weights): no values to read. It failed inside
+    torch's ``.item()`` of a value check, or (every meta tensor has data pointer 0) as an output overlapping an
+    input; now the first tensor checked is named."""
+    META_CALLS[op]("cpu")  # the same call with values runs
+    with pytest.raises(ValueError, match=r"is on the meta device: it holds no values"):
+        META_CALLS[op]("meta")

@@ -20,7 +20,7 @@ CACHE = "cache" if getattr(transformers, "__version__", None) == "5.24.0" else "
 PROMPT, PADS, STEPS = 150, 13, 8
 
 
-def _v4_model(index_head_dim=64, index_heads=2):
+def _v4_model(index_head_dim=64, index_heads=2, device=DEVICE):
     torch.manual_seed(0)
     cfg = transformers.DeepseekV4Config(
         vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
@@ -33,7 +33,7 @@ def _v4_model(index_head_dim=64, index_heads=2):
         for name in ("sinks", "position_bias"):
             if isinstance(getattr(module, name, None), torch.nn.Parameter):
                 torch.nn.init.normal_(getattr(module, name))
-    return model.to(DEVICE)
+    return model.to(device)
 
 
 def _inputs():
@@ -171,6 +171,15 @@ def test_errors(v4):
     finally:
         integration.remove()
     assert model.config._attn_implementation == "eager"
+
+
+def test_a_model_on_the_meta_device_is_refused():
+    """A model built before its weights (``torch.device("meta")``): its sinks and weights have no values to copy into
+    the library's layers (torch failed on ``.item()`` or the copy); named with the first such weight."""
+    with torch.device("meta"):
+        model = _v4_model(device="meta")
+    with pytest.raises(ValueError, match=r"model has weights on the meta device \(model\."):
+        enable_sparse_mla(model)
 
 
 def test_enabling_twice_is_refused_and_a_second_remove_does_nothing(v4):

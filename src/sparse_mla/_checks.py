@@ -34,7 +34,9 @@ def check_tensor(
     shape: Sequence[int | None] | None = None,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Check ``t`` is a tensor with the given dtype(s), rank, shape (``None`` = any size) and device."""
+    """Check ``t`` is a tensor with the given dtype(s), rank, shape (``None`` = any size) and device, and not a meta
+    tensor (it holds no values: a meta tensor among others names the device; meta tensors alone would otherwise fail
+    in a value check, or as an overlap: every one has data pointer 0)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtype is not None:
@@ -54,7 +56,14 @@ def check_tensor(
                 raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)} (axis {axis})")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if t.is_meta:
+        raise _meta_error(name)
     return t
+
+
+def _meta_error(name: str) -> ValueError:
+    return ValueError(f"{name} is on the meta device: it holds no values (a model built before its weights were "
+                      f"loaded?)")
 
 
 def check_device(name: str, device: object) -> torch.device:
@@ -91,7 +100,7 @@ def check_distinct_slots(name: str, slots: torch.Tensor) -> None:
 def check_finite(name: str, t: torch.Tensor) -> None:
     """``t`` holds values (not a meta tensor) and all of them are finite."""
     if t.is_meta:
-        raise ValueError(f"{name} is on the meta device: it holds no values (load the weights first)")
+        raise _meta_error(name)
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name} must be finite (no NaN or inf)")
 

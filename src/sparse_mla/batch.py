@@ -7,10 +7,10 @@ Requests come decodes first. Token ``i`` of request ``r`` sits at
 from __future__ import annotations
 
 import functools
-import math
 import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from itertools import chain
 
 import numpy as np
 import torch
@@ -142,13 +142,20 @@ class StepBatch:
             if not (is_int(value) and name == "req") and not _is_int_tensor(value):
                 raise TypeError(f"{name} must be {'an int or ' if name == 'req' else 'an '}integer tensor, got "
                                 f"{value.dtype if isinstance(value, torch.Tensor) else type(value).__name__}")
+        in_batch = f"req must be request(s) of this batch, in [0, {self.num_reqs})"
+        if is_int(req) and not 0 <= req < self.num_reqs:  # (also one past int64, which no tensor holds)
+            raise ValueError(f"{in_batch}, got {req}")
         req_t = torch.as_tensor(req, device=self.device)
-        if torch.broadcast_shapes(req_t.shape, entries.shape) != entries.shape:
+        try:
+            fits = torch.broadcast_shapes(req_t.shape, entries.shape) == entries.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
             raise ValueError(f"req of shape {tuple(req_t.shape)} must broadcast to entries' {tuple(entries.shape)}")
         # a negative request is not an index from the end: it would read another request's table
-        if req_t.numel() and not (0 <= int(req_t.min()) and int(req_t.max()) < self.num_reqs):
-            raise ValueError(f"req must be request(s) of this batch, in [0, {self.num_reqs}), got "
-                             f"{req if is_int(req) else req_t.flatten()[:8].tolist()}")
+        lo, hi = torch.stack(torch.aminmax(req_t)).tolist() if req_t.numel() else (0, 0)  # one sync
+        if not (0 <= lo and hi < self.num_reqs):
+            raise ValueError(f"{in_batch}, got {req_t.flatten()[:8].tolist()}")
         # int64 entries are taken as they are: one past int32 lies past every table (-1), not on a wrapped entry
         return slots_of(self.block_tables[kind], req_t, entries.to(device=self.device, dtype=torch.int64),
                         self.block_sizes[kind])
@@ -179,16 +186,18 @@ def entries_needed(seq_len: int, kind: str) -> int:
     """Cache entries a request of ``seq_len`` tokens occupies in the cache of ``kind``."""
     if kind not in COMPRESS_RATIO:
         raise ValueError(f"kind must be one of {tuple(COMPRESS_RATIO)}, got {kind!r}")
+    if not is_int(seq_len):
+        raise TypeError(f"seq_len must be an int, got {seq_len!r}")
+    if seq_len < 0:
+        raise ValueError(f"seq_len must be >= 0, got {seq_len}")
     return complete_entries(seq_len, COMPRESS_RATIO[kind])
 
 
 def blocks_needed(seq_len: int, kind: str, block_size: int | None = None) -> int:
     """Blocks of the ``kind`` cache a request of ``seq_len`` tokens needs (its block table's minimum length)."""
     entries = entries_needed(seq_len, kind)
-    bs = DEFAULT_BLOCK_SIZE[kind] if block_size is None else block_size
-    if bs < 1:
-        raise ValueError(f"block_size must be positive, got {bs}")
-    return math.ceil(entries / bs)
+    bs = DEFAULT_BLOCK_SIZE[kind] if block_size is None else check_positive_int("block_size", block_size)
+    return -(-entries // bs)
 
 
 class StepBatchBuilder:
@@ -267,9 +276,9 @@ class StepBatchBuilder:
                 if table is None:
                     raise ValueError(f"request {r}: block_tables has no {kind!r} table (keys: {sorted(req.block_tables)}); "
                                      f"every kind in {self.kinds} needs one, empty while seq_len needs no block")
-                if isinstance(table, (str, bytes, set, frozenset, Mapping)) or not hasattr(table, "__len__"):
+                if not _is_table_container(table):  # a set or dict view has no order: blocks in hash order
                     raise TypeError(f"request {r}: block_tables[{kind!r}] must be a list of block numbers, got "
-                                    f"{table!r}")
+                                    f"{table!r} (or a 1-D array / tensor of an integer dtype int64 holds)")
                 if len(table) < need:
                     raise ValueError(f"request {r}: block table for {kind!r} has {len(table)} "
                                      f"blocks, seq_len {req.seq_len} needs {need}")
@@ -305,16 +314,21 @@ class StepBatchBuilder:
         fit int32 and, with ``num_blocks``, lie inside the cache; no block may hold two ranges of entries
         (:func:`_check_aliasing`)."""
         width, bs = self._tables[kind].shape[1], self.block_sizes[kind]
-        rows_np = np.full((len(requests), width), -1, dtype=np.int64)
-        for r, req in enumerate(requests):  # one pass over the entries' types, one numpy copy (~4x torch.tensor's)
-            table = req.block_tables[kind]
-            if not _holds_ints(table):  # a bool would be taken as block 0 or 1, a float cut to an int
-                raise TypeError(f"request {r}: block table for {kind!r} must hold int block numbers, got "
-                                f"{list(table)[:8]}")
-            try:
-                rows_np[r, :len(table)] = table.tolist() if isinstance(table, torch.Tensor) else table
-            except OverflowError:  # past int64: surely past int32's slots, which the checks below name
-                raise ValueError(f"request {r}: block table for {kind!r} holds a block number past int64") from None
+        # arrays and tensors as lists (rare); then one pass over the entries' types and one numpy copy of them all
+        # (~3x torch.tensor of the padded rows on long tables, ~4x on short ones)
+        tables = [t.tolist() if isinstance(t, (np.ndarray, torch.Tensor)) else t
+                  for t in (r.block_tables[kind] for r in requests)]
+        if not all(_is_int_type(t) for t in set(map(type, chain.from_iterable(tables)))):
+            r = next(i for i, t in enumerate(tables) if not all(_is_int_type(e) for e in set(map(type, t))))
+            raise TypeError(f"request {r}: block table for {kind!r} must hold int block numbers (a bool or float "
+                            f"would be taken as one; a tensor's entries: .tolist()), got {list(tables[r])[:8]}")
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        try:
+            values = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
+        except OverflowError:  # past int64: surely past int32's slots
+            raise ValueError(f"a block table for {kind!r} holds a block number past int64") from None
+        rows_np = np.full((len(tables), width), -1, dtype=np.int64)
+        rows_np[np.arange(width)[None, :] < lens[:, None]] = values  # row-major: the tables' entries in order
         rows = torch.from_numpy(rows_np)
         need = torch.tensor([blocks_needed(r.seq_len, kind, bs) for r in requests])
         used = torch.arange(width)[None, :] < need[:, None]
@@ -429,11 +443,14 @@ def _is_int_tensor(value: object) -> bool:
             and not value.is_complex())
 
 
-def _holds_ints(table: Sequence[int] | torch.Tensor | np.ndarray) -> bool:
-    """Every entry of a block table is an int (Python or numpy, not a bool); a tensor or array of an integer dtype."""
-    if isinstance(table, (torch.Tensor, np.ndarray)):
-        return _is_int_tensor(torch.as_tensor(table[:0]))
-    return all(_is_int_type(t) for t in set(map(type, table)))
+def _is_table_container(table: object) -> bool:
+    """A block table holds its blocks in order: a sequence (list, tuple, range), or a 1-D array / tensor of an integer
+    dtype that int64 holds (uint64 would wrap)."""
+    if isinstance(table, np.ndarray):
+        return table.ndim == 1 and np.issubdtype(table.dtype, np.integer) and np.can_cast(table.dtype, np.int64)
+    if isinstance(table, torch.Tensor):
+        return table.dim() == 1 and _is_int_tensor(table) and table.dtype != torch.uint64
+    return isinstance(table, Sequence) and not isinstance(table, (str, bytes))
 
 
 @functools.cache

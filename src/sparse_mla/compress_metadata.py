@@ -52,6 +52,12 @@ class CompressMetadata:
     # refuses metadata made or dataclasses.replace()d by hand (its slots index the state pool and the cache unchecked)
     _filled: bool = field(default=False, init=False, repr=False, compare=False)
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # a field set after the build (a buffer swapped, a step renumbered) leaves metadata no build has checked
+        object.__setattr__(self, name, value)
+        if name != "_filled":
+            object.__setattr__(self, "_filled", False)
+
     @property
     def ratio(self) -> int:
         return self.pool.ratio

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_device, check_no_overlap, check_positive_int, check_sink, check_tensor, is_int
-from .batch import StepBatch, StepBatchBuilder, blocks_needed
+from .batch import StepBatch, StepBatchBuilder, blocks_needed, entries_needed
 from .config import DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS
 from .metadata import (ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata,
                        window_lists_filler)
@@ -67,7 +67,8 @@ class RankLayout:
         """Blocks of its ``kind`` cache (``block_size`` entries each, default the kind's) the rank's table of a
         request of ``seq_len`` tokens must list: the same count on every rank (the most any rank needs; a rank
         that owns fewer entries leaves at most the last block unused)."""
-        bs = DEFAULT_BLOCK_SIZE[kind] if block_size is None else block_size
+        entries_needed(seq_len, kind)  # names a bad seq_len or kind
+        bs = DEFAULT_BLOCK_SIZE[kind] if block_size is None else check_positive_int("block_size", block_size)
         return blocks_needed(seq_len, kind, bs * self.world)
 
     def batch_builder(self, max_tokens: int, max_reqs: int, max_model_len: int, kinds: Sequence[str] = V4_KINDS,
@@ -82,6 +83,7 @@ class RankLayout:
     def local_slots(self, virtual: torch.Tensor) -> torch.Tensor:
         """Virtual slots (a rank batch's, any shape, int32) -> this rank's real cache slots; ``-1`` where another
         rank owns the entry, or the slot is ``-1``."""
+        check_tensor("virtual", virtual, dtype=(torch.int32, torch.int64))
         owned = (virtual >= 0) & (virtual % self.world == self.rank)
         return torch.where(owned, virtual // self.world, -1)
 
@@ -225,6 +227,8 @@ class RankStepMetadata:
         """The ops' ``order`` for this rank's decode tokens in layers of ``kind``, longest rank-local lists first
         (as :meth:`StepMetadata.decode_order`); None for SWA layers."""
         buf = self.decode_orders.get(kind)
+        if buf is None and kind not in self.batch.kinds:
+            raise ValueError(f"kind must be one of this step's kinds {self.batch.kinds}, got {kind!r}")
         return None if buf is None else buf[: self.batch.num_decode_tokens]
 
     def new_entries(self, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

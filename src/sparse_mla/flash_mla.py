@@ -113,15 +113,15 @@ def _v41_format(cache: torch.Tensor | None) -> str | None:
     return None if cache is None or cache.dtype != torch.uint8 else V41_FORMAT_OF_BYTES.get(cache.shape[-1])
 
 
-def _check_v41_pair(k_cache: torch.Tensor, extra_k_cache: torch.Tensor | None) -> None:
-    """FlashMLA's rule for V4.1's caches: fp4 only as ``extra_k_cache``, beside an fp8_v41 ``k_cache``; an
-    extra cache in ``k_cache``'s format otherwise (``ValueError`` naming the pair)."""
+def _check_cache_pair(k_cache: torch.Tensor, extra_k_cache: torch.Tensor | None) -> None:
+    """FlashMLA's rule for a layer's two caches: V4.1's fp4 only as ``extra_k_cache``, beside an fp8_v41 ``k_cache``;
+    otherwise an extra cache in ``k_cache``'s format: its dtype and bytes a token (``ValueError`` naming the pair)."""
     main, extra = _v41_format(k_cache), _v41_format(extra_k_cache)
     if main == "fp4_v41":
         raise ValueError("k_cache holds fp4_v41 (288 B per token): FlashMLA reads the fp4 cache only as "
                          "extra_k_cache, beside an fp8_v41 (528 B) k_cache (sparse_mla.ops.sparse_attention_decode "
                          "reads an fp4 first scope)")
-    if extra_k_cache is not None and (main or extra):
+    if extra_k_cache is not None:  # any other pair: one layout (V4's fp8 bytes beside bf16 was attended as given)
         check_scope_formats(main or f"{k_cache.shape[-1]}-byte {k_cache.dtype}",
                             extra or f"{extra_k_cache.shape[-1]}-byte {extra_k_cache.dtype}",
                             ("k_cache", "extra_k_cache"))
@@ -301,6 +301,11 @@ def flash_mla_with_kvcache(
         raise ValueError(f"is_fp8_kvcache={is_fp8_kvcache} but k_cache has dtype {k_cache.dtype}: fp8 caches are "
                          "uint8 / int8 / float8_e4m3fn bytes, bf16 caches bfloat16")
     if kv_format is not None:
+        if not isinstance(kv_format, str):
+            raise TypeError(f"kv_format must be None or a str, got {type(kv_format).__name__}")
+        if kv_format not in _KV_FORMAT_BYTES and kv_format not in _UNSUPPORTED_KV_FORMATS:
+            known = ", ".join(f"{k!r} ({n} B)" for k, n in _KV_FORMAT_BYTES.items())
+            raise ValueError(f"kv_format must be None or one of {known}, got {kv_format!r}")
         if kv_format not in _KV_FORMAT_BYTES:
             unsupported = _UNSUPPORTED_KV_FORMATS.get(kv_format, "not a FlashMLA format we read")
             raise NotImplementedError(f"kv_format={kv_format!r} ({unsupported}) is not supported: use None or one of "
@@ -310,7 +315,7 @@ def flash_mla_with_kvcache(
                              f"k_cache is {k_cache.dtype} with last axis {k_cache.shape[-1]}")
     if extra_k_cache is not None:
         extra_k_cache = _paged("extra_k_cache", extra_k_cache)
-    _check_v41_pair(k_cache, extra_k_cache)
+    _check_cache_pair(k_cache, extra_k_cache)
     extra_idx = None if extra_indices_in_kvcache is None else _tokens(
         "extra_indices_in_kvcache", extra_indices_in_kvcache, b, s_q)
     q_rows = q.reshape(b * s_q, h_q, d)

@@ -43,10 +43,13 @@ def insert_index_keys(keys: torch.Tensor, cache: IndexerKeyCache, slots: torch.T
     reference = resolve_backend(backend, keys.device) == "reference"
     if reference or debug_checks_enabled():  # values: a sync (docs/checks.md)
         written = slots >= 0
-        check_storable_keys("keys", keys[written])
+        stored = keys[written]
+        if positions is not None:
+            if bool((positions[written] < 0).any()):
+                raise ValueError("positions must be >= 0 where slots are (the rows written)")
+            stored = rotate_interleaved_tail(stored, positions[written], rope)  # as stored: after the rope
+        check_storable_keys("keys", stored)
         check_distinct_slots("slots", slots)
-        if positions is not None and bool((positions[written] < 0).any()):
-            raise ValueError("positions must be >= 0 where slots are (the rows written)")
     if reference:
         if positions is not None:
             keys = rotate_interleaved_tail(keys, positions.clamp_min(0), rope)

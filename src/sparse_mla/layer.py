@@ -92,8 +92,9 @@ class SparseMLAAttention(torch.nn.Module):
         if kind == "dsa" and scale is None:
             raise ValueError("scale is required for a dsa layer: V3.2's is qk_head_dim ** -0.5 * mscale ** 2 "
                              "(get_config('deepseek-v3.2').softmax_scale), not 576 ** -0.5")
-        if workspace_bytes < 2 * head_dim:
-            raise ValueError(f"workspace_bytes must hold at least one {head_dim}-d bf16 row, got {workspace_bytes}")
+        if not is_int(workspace_bytes) or workspace_bytes < 2 * head_dim:  # (a float failed in the first call's empty())
+            raise ValueError(f"workspace_bytes must be an int holding at least one {head_dim}-d bf16 row, got "
+                             f"{workspace_bytes!r}")
         if (kind in PICKS_KINDS or topk is not None) and not (is_int(topk) and topk >= 1):
             # (a kind without picks ignores a valid one: callers may pass one top-k to every compressed kind)
             raise ValueError(f"topk must be a positive int, got {topk!r}")

@@ -171,6 +171,8 @@ class StepMetadata:
         refilled by each build (so a CUDA graph that reads it stays valid). None for SWA layers, whose
         lists (at most the window) are too short for their order to matter."""
         buf = self.decode_orders.get(kind)  # checks the metadata is current
+        if buf is None and kind not in self.batch.kinds:  # (a typo would read as "no order")
+            raise ValueError(f"kind must be one of this step's kinds {self.batch.kinds}, got {kind!r}")
         return None if buf is None else buf[: self.batch.num_decode_tokens]
 
     def plan(self, key: tuple, make):
@@ -325,8 +327,9 @@ def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),
             raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
     if out is not None and not isinstance(out, StepMetadata):
         raise TypeError(f"out must be a StepMetadata (an earlier step's) or None, got {type(out).__name__}")
-    if not (is_int(spec.window) and is_int(spec.topk)) or spec.window < 1 or spec.topk < 1:
-        raise ValueError(f"spec.window and spec.topk must be positive ints, got {spec}")
+    if not (is_int(spec.window) and is_int(spec.topk)) or not (0 < spec.window < 2**31 and 0 < spec.topk < 2**31):
+        # (int32 positions and entries: a larger one is no window; it reached the allocator)
+        raise ValueError(f"spec.window and spec.topk must be positive ints below 2^31, got {spec}")
     batch.check_current()
     if out is None:
         out = allocate_metadata(batch, spec)

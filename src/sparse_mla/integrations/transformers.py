@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -181,6 +182,10 @@ class SparseMLAIntegration:
         if any(layer.self_attn in _ATTACHED for layer in base.layers):
             raise ValueError("model already runs sparse-mla: remove() the integration enable_sparse_mla returned "
                              "before enabling it again")
+        meta = next((name for name, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta), None)
+        if meta is not None:  # sinks, compressor weights and absorbed projections are copied from the model's values
+            raise ValueError(f"model has weights on the meta device ({meta}): load its weights before enabling "
+                             f"sparse-mla")
         self.model, self.kv_format, self.backend = model, kv_format, backend
         self.pipeline, self.index_format = bool(pipeline), index_format
         self.config = model.config
