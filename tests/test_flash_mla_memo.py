@@ -96,7 +96,8 @@ def test_a_changed_signature_goes_the_checked_path(checked):
         return got
 
     # another format (bf16), another shape (more blocks), another 16-byte alignment of the same bytes
-    bf16 = dict(case, k_cache=paged("bf16", 3, 64, 512, gen).to(DEVICE))
+    bf16 = dict(case, k_cache=paged("bf16", 3, 64, 512, gen).to(DEVICE),  # both caches: FlashMLA's pairs share one
+                extra_k_cache=paged("bf16", 24, 2, 512, gen).to(DEVICE))
     assert not equal(fresh(bf16), base)
     bigger, shifted = relocated(case["k_cache"], 0, extra_blocks=1), relocated(case["k_cache"], 4)
     assert equal(fresh(dict(case, k_cache=bigger)), base)

@@ -450,10 +450,16 @@ def test_nan_sink_and_boolean_scale_are_rejected():
 
 
 def test_q_on_another_device_than_the_cache_is_named():
-    """q is checked against the cache's device before the index tensors are checked against q's."""
+    """q is checked against the cache's device before the index tensors are checked against q's (a meta q is named
+    as such: it holds no values, whatever the cache's device)."""
     cache = PagedCache(1, 4, "bf16")
     q = torch.zeros(2, 1, 512, dtype=torch.bfloat16, device="meta")
-    with pytest.raises(ValueError, match="q must be on cache's device cpu, got meta"):
+    with pytest.raises(ValueError, match="q is on the meta device"):
+        sparse_attention_decode(q, cache.data, torch.zeros(2, 3, dtype=torch.int32), backend="reference")
+    if not torch.cuda.is_available():
+        return
+    q = torch.zeros(2, 1, 512, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="q must be on cache's device cpu, got cuda"):
         sparse_attention_decode(q, cache.data, torch.zeros(2, 3, dtype=torch.int32), backend="reference")
 
 
