@@ -50,6 +50,10 @@ def test_sharded_weight_equals_slice_of_full():
     (dict(heads=slice(0, 2), rank=0), "not both"),
     (dict(rank=0, world_size=3), "world_size must be a positive int dividing"),
     (dict(rank=4, world_size=4), "rank must be an int in"),
+    (dict(dtype="bfloat16"), "dtype"),  # a string: torch took it for a device
+    (dict(dtype=torch.int32), "dtype"),  # the weights truncated to ints
+    (dict(dtype=torch.float8_e4m3fn), "dtype"),  # no matmul: absorb_query failed later
+    (dict(weight=_weight().to(torch.float8_e4m3fn)), "dequantise it"),
 ])
 def test_bad_arguments(kwargs, match):
     args = dict(weight=_weight(), num_heads=H, qk_nope_head_dim=NOPE, v_head_dim=V, kv_lora_rank=R) | kwargs
@@ -65,3 +69,7 @@ def test_bad_inputs():
         ab.absorb_query(torch.randn(2, H, NOPE), torch.randn(3, H, ROPE))
     with pytest.raises(ValueError, match="o must have shape"):
         ab.expand_output(torch.randn(2, H - 1, R))
+    with pytest.raises(ValueError, match="o must have dtype"):  # an int o came back truncated, a bool meaningless
+        ab.expand_output(torch.ones(2, H, R, dtype=torch.int32))
+    with pytest.raises(ValueError, match="q_nope must have dtype"):
+        ab.absorb_query(torch.ones(2, H, NOPE, dtype=torch.bool), torch.randn(2, H, ROPE))

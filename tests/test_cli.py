@@ -90,6 +90,9 @@ BAD_OPTIONS = [
     (["bench", "--rep", "fast"], "--rep"),
     (["bench", "--rounds", "-2", "--smoke"], "--rounds"),
     (["demo", "--seed", "99999999999999999999"], "--seed"),
+    (["demo", "--max-context", "99999999999999999999999"], "--max-context"),  # a traceback in the draw
+    (["demo", "--decodes", "100000000"], "--decodes"),  # drawn for minutes before the memory check
+    (["demo", "--prefill-tokens", str(2**31)], "--prefill-tokens"),
     (["verify", "--seed", "-1"], "--seed"),
     (["bench", "--smoke", "--seed", "99999999999999999999"], "--seed"),
 ] + ([] if ON_GPU else [(["demo", "--device", "cuda"], "--device cuda"),
@@ -134,17 +137,17 @@ def test_usage_error_from_the_console_has_no_traceback():
                           text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == ("sparse-mla demo: error: argument --decodes: must be an integer "
-                                                    ">= 0, got -1")
+                                                    "in [0, 65536], got -1")
 
 
 def test_demo_too_big_for_memory_is_one_error_line():
     """Sizes no machine holds (terabytes of caches and oracle keys) end in one ``error:`` line, at once, instead of
     the OOM killer or an allocation traceback."""
-    done = subprocess.run([sys.executable, "-m", "sparse_mla.cli", "demo", "--decodes", "100000", "--max-context",
+    done = subprocess.run([sys.executable, "-m", "sparse_mla.cli", "demo", "--decodes", "60000", "--max-context",
                            "100000"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("sparse-mla demo: error: --decodes 100000 --max-context 100000") and "memory" in last
+    assert last.startswith("sparse-mla demo: error: --decodes 60000 --max-context 100000") and "memory" in last
 
 
 def test_demo_checks_its_memory_against_what_is_available(monkeypatch, capsys):

@@ -65,6 +65,29 @@ def test_the_visibility_rule_and_the_scope_format_pairs():
             check_scope_formats(*pair)
 
 
+def test_a_model_config_names_bad_ratios_and_sources():
+    """Ratios the family has no kind for were a KeyError at layer_kind; a source id out of range, or on a layer of the
+    wrong kind (a window-only layer as a kv source), gave later layers wrong roles silently."""
+    import dataclasses
+
+    v41 = get_config("deepseek-v4.1-flash")
+    for change, match in ((dict(compress_ratios=(2,)), r"compress_ratios of a v4 model must be in \(1, 4, 128\)"),
+                          (dict(compress_ratios=()), "compress_ratios must be a non-empty tuple")):
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(get_config("deepseek-v4-flash"), **change)
+    for change, match in ((dict(compress_ratios=(0, 2, 4) + v41.compress_ratios[3:]), "must be in"),
+                          (dict(kv_source_layer_ids=(-5,)), r"kv_source_layer_ids must be a tuple of layer ids"),
+                          (dict(kv_source_layer_ids=(2, 99)), r"kv_source_layer_ids must be a tuple of layer ids"),
+                          (dict(kv_source_layer_ids=(0, 8)), r"kv_source_layer_ids names layer 0, a swa layer"),
+                          (dict(index_source_layer_ids=[2, 8]), r"index_source_layer_ids must be a tuple")):
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(v41, **change)
+    with pytest.raises(ValueError, match="ratio must be a positive int"):  # 0 divided by zero; -4 counted backwards
+        complete_entries(10, 0)
+    with pytest.raises(TypeError, match="format names"):
+        check_scope_formats(None, "fp8_v41")
+
+
 def test_a_family_is_one_the_kinds_are_named_for():
     import dataclasses
 

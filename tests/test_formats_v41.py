@@ -170,6 +170,26 @@ def raw_pages(cache: torch.Tensor) -> list[list[int]]:
 # ------------------------------------------------------------------------------------- the table
 
 
+def test_zero_blocks_of_fp4_dequantise_to_nothing():
+    """An fp4 cache of no blocks (a c2a cache before its first entry): the nibble unpacking reshaped 0 elements into
+    (0, -1) and failed, in the demo and in make_scenario too."""
+    for fmt in ("fp4_v41", "fp8_v41"):
+        assert dequantize_blocks(allocate_cache(fmt, 1, 4)[:0]).shape == (0, 4, 512)
+
+
+def test_a_scale_given_to_a_tiled_format_is_refused():
+    """kv_scale is fp8_e4m3's: given with a tiled format it was ignored (the bytes equal to those without it)."""
+    kv = torch.randn(1, 4, 512).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_scale is only for fp8_e4m3 caches, got a fp8_v41 cache"):
+        quantize_blocks(kv, "fp8_v41", 2.0)
+    with pytest.raises(ValueError, match="kv_scale is only for fp8_e4m3 caches"):
+        dequantize_blocks(quantize_blocks(kv, "fp4_v41"), kv_scale=2.0)
+    with pytest.raises(TypeError, match="fmt must be a KVFormat"):
+        page_fields("fp8_v41", 4)
+    with pytest.raises(ValueError, match="past any device"):  # torch failed to unpack the size
+        allocate_cache("fp8_v41", 2**40, 2**20)
+
+
 def test_sizes_names_and_page_fields():
     assert {"fp8_v41", "fp8_v41_planar", "fp4_v41", "fp4_v41_planar"} <= set(FORMAT_NAMES)
     for name in V41:

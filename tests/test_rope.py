@@ -67,7 +67,13 @@ def test_half_split_head_rotates_channel_i_with_i_plus_half():
 
 
 @pytest.mark.parametrize("kwargs,match", [({"theta": 1.0}, "theta"), ({"theta": 1e4, "dim": 63}, "dim"),
-                                          ({"theta": 1e4, "factor": 0.5}, "factor")])
+                                          ({"theta": 1e4, "factor": 0.5}, "factor"),
+                                          ({"theta": math.inf}, "theta and factor must be finite"),
+                                          # YaRN's ramp divided by zero or took the log of 0 / NaN unnamed
+                                          ({"theta": 1e4, "factor": 4, "beta_fast": 0}, "beta_fast"),
+                                          ({"theta": 1e4, "factor": 4, "beta_slow": math.nan}, "beta_slow"),
+                                          ({"theta": 1e4, "factor": 4, "original_max_position": 0},
+                                           "original_max_position")])
 def test_bad_spec_is_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RopeSpec(**kwargs)
@@ -78,3 +84,23 @@ def test_bad_positions_are_named():
         rotate_interleaved_tail(torch.randn(3, 64), torch.arange(4))
     with pytest.raises(ValueError, match="x must have a last dimension"):
         rotate_interleaved_tail(torch.randn(3, 32), torch.arange(3))
+    with pytest.raises(ValueError, match="positions must have fewer dims than x"):  # a position per channel too
+        rotate_interleaved_tail(torch.randn(1, 64), torch.zeros(1, 64, dtype=torch.int64))
+    with pytest.raises(TypeError, match="spec must be a RopeSpec"):
+        rotate_interleaved_tail(torch.randn(3, 64), torch.arange(3), None)
+    spec, pos = RopeSpec(10000.0), torch.arange(5)
+    for cos_sin, error, match in (((torch.zeros(3, 32), torch.zeros(3, 32)), ValueError, r"cos_sin's cos must have "),
+                                  ([1, 2], TypeError, "cos_sin must be the pair")):
+        with pytest.raises(error, match=match):
+            rotate_half_split_head(torch.randn(5, 64), pos, spec, cos_sin)
+
+
+def test_a_yarn_config_without_its_numbers_is_named():
+    class Config:
+        rope_parameters = {"compress": {"rope_type": "yarn", "rope_theta": 1e4}}
+
+    with pytest.raises(ValueError, match=r"lacks \['factor', 'original_max_position_embeddings'\]"):
+        rope_from_hf_config(Config())
+    Config.rope_parameters = "yarn"
+    with pytest.raises(ValueError, match="rope_parameters must be a dict"):
+        rope_from_hf_config(Config())

@@ -67,6 +67,9 @@ class Absorption:
         check_tensor("weight", weight, shape=(num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank))
         if not weight.is_floating_point():
             raise ValueError(f"weight must be a floating-point tensor, got {weight.dtype}")
+        if (dtype or weight.dtype) not in _WEIGHT_DTYPES:  # (an int truncated the weights; fp8 has no matmul)
+            raise ValueError(f"the weights' dtype (dtype, default weight's) must be one of {_WEIGHT_DTYPES} (an fp8 "
+                             f"weight: dequantise it with its scales first), got {dtype or weight.dtype!r}")
         shard = _head_shard(num_heads, heads, rank, world_size)
         w = weight.detach().view(num_heads, qk_nope_head_dim + v_head_dim, kv_lora_rank)[shard]
         w = w.to(dtype or weight.dtype)
@@ -75,8 +78,10 @@ class Absorption:
     def absorb_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """``q_nope (T, H, qk_nope)``, ``q_pe (T, H, rope)`` (rope already applied) → ``(T, H, r + rope)``
         bf16: ``[q_nope · W_UK | q_pe]``."""
-        check_tensor("q_nope", q_nope, shape=(None, self.num_heads, self.qk_nope_head_dim), device=self.w_uk.device)
-        check_tensor("q_pe", q_pe, shape=(q_nope.shape[0], self.num_heads, None), device=self.w_uk.device)
+        check_tensor("q_nope", q_nope, dtype=_WEIGHT_DTYPES, shape=(None, self.num_heads, self.qk_nope_head_dim),
+                     device=self.w_uk.device)
+        check_tensor("q_pe", q_pe, dtype=_WEIGHT_DTYPES, shape=(q_nope.shape[0], self.num_heads, None),
+                     device=self.w_uk.device)
         out = torch.empty(q_nope.shape[0], self.num_heads, self.kv_lora_rank + q_pe.shape[2], dtype=torch.bfloat16,
                           device=q_nope.device)
         latent = torch.bmm(q_nope.transpose(0, 1).to(self.w_uk.dtype), self.w_uk)  # (H, T, r)
@@ -86,9 +91,14 @@ class Absorption:
 
     def expand_output(self, o: torch.Tensor) -> torch.Tensor:
         """The attention's latent output ``o (T, H, r)`` → ``o · W_UVᵀ`` ``(T, H, v)`` in ``o``'s dtype."""
-        check_tensor("o", o, shape=(None, self.num_heads, self.kv_lora_rank), device=self.w_uv.device)
+        check_tensor("o", o, dtype=_WEIGHT_DTYPES, shape=(None, self.num_heads, self.kv_lora_rank),
+                     device=self.w_uv.device)
         v = torch.bmm(o.transpose(0, 1).to(self.w_uv.dtype), self.w_uv.transpose(1, 2))  # (H, T, v)
         return v.transpose(0, 1).to(o.dtype)
+
+
+# the dtypes the absorbed weights and their operands may have (torch.bmm's real floating types)
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _head_shard(num_heads: int, heads: slice | None, rank: int | None, world_size: int | None) -> slice:

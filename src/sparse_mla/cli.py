@@ -55,16 +55,20 @@ def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentPars
     return register
 
 
-def _int_at_least(least: int) -> Callable[[str], int]:
+def _int_in(least: int, most: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {value}")
+        if not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{least}, {most}], got {value}")
         return value
     return parse
+
+
+# the demo's sizes: one step's requests, and positions that int32 holds (the memory check then says what fits)
+MAX_DEMO_DECODES, MAX_DEMO_TOKENS = 2**16, 2**30
 
 
 SEED_LIMIT = 2**32  # seeds are in [0, 2^32): torch's generators take 64 bits, and the benchmarks add offsets
@@ -107,12 +111,12 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: Triton (Gluon on Hopper) on cuda, the reference on cpu; triton on cpu needs "
                         "TRITON_INTERPRET=1 (default: auto)")
     p.add_argument("--model", default="deepseek-v4-flash", choices=[n for n in PRESETS if "v4" in n])
-    p.add_argument("--decodes", type=_int_at_least(0), default=16,
+    p.add_argument("--decodes", type=_int_in(0, MAX_DEMO_DECODES), default=16,
                    help="decode requests (default 16; every 4th has 1 MTP token)")
-    p.add_argument("--max-context", type=_int_at_least(2), default=8192,
+    p.add_argument("--max-context", type=_int_in(2, MAX_DEMO_TOKENS), default=8192,
                    help="decode contexts drawn from [min(1024, this), this] (default 8192; at least 2: the first "
                         "request holds an MTP draft token)")
-    p.add_argument("--prefill-tokens", type=_int_at_least(0), default=256,
+    p.add_argument("--prefill-tokens", type=_int_in(0, MAX_DEMO_TOKENS), default=256,
                    help="tokens of each of the 2 prefill chunks (default 256; 0: decodes only)")
     p.add_argument("--prefill-mode", default="paged", choices=PREFILL_MODES)
     p.add_argument("--format", default=None, choices=FORMAT_NAMES, help="cache format (default: the model's)")

@@ -50,12 +50,16 @@ def complete_entries(num_tokens: Count, ratio: int) -> Count:
     ``complete_entries(p + 1, r)``; a request of ``seq_len`` tokens holds ``complete_entries(seq_len, r)`` entries.
     Ratio 1 (V4.1's c1a, V3.2's raw picks): entries ``0 … p``.
     """
+    if not is_int(ratio) or ratio < 1:  # (0 divided by zero, a negative ratio counted backwards)
+        raise ValueError(f"ratio must be a positive int, got {ratio!r}")
     return num_tokens // ratio
 
 
 def check_scope_formats(window: str, compressed: str, names: tuple[str, str] = ("kv", "extra_kv")) -> None:
     """A layer's two scopes' formats (format names, either page layout): one encoding, or (V4.1) an fp4 compressed
     cache beside an fp8 window cache (:data:`MIXED_SCOPE_ENCODINGS`); else ``ValueError`` naming the pair."""
+    if not (isinstance(window, str) and isinstance(compressed, str)):
+        raise TypeError(f"the scopes' formats must be format names (str), got {window!r} and {compressed!r}")
     pair = tuple(name.removesuffix(PLANAR_SUFFIX) for name in (window, compressed))
     if pair[0] != pair[1] and pair not in MIXED_SCOPE_ENCODINGS:
         mixed = " or ".join(f"{c} {names[1]} beside {w} {names[0]}" for w, c in sorted(MIXED_SCOPE_ENCODINGS))
@@ -90,6 +94,23 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        ratios = self.compress_ratios
+        if not isinstance(ratios, tuple) or not ratios or not all(is_int(r) for r in ratios):
+            raise ValueError(f"compress_ratios must be a non-empty tuple of ints, got {ratios!r}")
+        if self.family != "v3.2" and self.window != 0:  # (V3.2's layers are all dsa whatever their ratio)
+            known = V41_KIND_OF_RATIO if self.family == "v4.1" else KIND_OF_RATIO
+            bad = [r for r in ratios if r not in known]
+            if bad:
+                raise ValueError(f"compress_ratios of a {self.family} model must be in {tuple(known)}, got {bad[0]}")
+        # a source must be a layer of the kinds it serves: a window-only one would make a later layer read nothing
+        for name, kinds in (("kv_source_layer_ids", COMPRESSED_KINDS), ("index_source_layer_ids", PICKS_KINDS)):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple) or not all(is_int(i) and 0 <= i < len(ratios) for i in ids):
+                raise ValueError(f"{name} must be a tuple of layer ids in [0, {len(ratios)}), got {ids!r}")
+            wrong = [i for i in ids if self.layer_kind(i) not in kinds]
+            if wrong:
+                raise ValueError(f"{name} names layer {wrong[0]}, a {self.layer_kind(wrong[0])} layer: its sources "
+                                 f"are {'/'.join(kinds)} layers")
 
     @property
     def nope_dim(self) -> int:

@@ -274,6 +274,8 @@ class PageFields(NamedTuple):
 def page_fields(fmt: KVFormat, block_size: int) -> PageFields:
     """:class:`PageFields` of ``fmt`` for pages of ``block_size`` tokens (e.g. fp8_v41: ``(528, 512, 528)``;
     fp8_v41_planar: ``(512, block_size * 512, 16)``; fp8_v4: ``(576, block_size * 576, 8)``)."""
+    if not isinstance(fmt, KVFormat):
+        raise TypeError(f"fmt must be a KVFormat (get_format), got {type(fmt).__name__}")
     if fmt.planar:
         return PageFields(fmt.scale_offset, block_size * fmt.scale_offset, fmt.token_bytes - fmt.scale_offset)
     return PageFields(fmt.token_bytes, fmt.scale_offset, fmt.token_bytes)
@@ -466,7 +468,7 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """:func:`pack_e2m1` undone: ``(n, d // 2)`` uint8 -> codes ``(n, d)`` uint8."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], 2 * packed.shape[1])
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -569,6 +571,9 @@ def allocate_cache(fmt: str | KVFormat, num_blocks: int, block_size: int, device
     if f.name == "bf16":
         return torch.zeros(num_blocks, block_size, f.dim, dtype=torch.bfloat16, device=device)
     stride0 = block_bytes(f, block_size)
+    if num_blocks * stride0 >= 2**62:  # (torch failed to unpack the size: "Overflow when unpacking long long")
+        raise ValueError(f"a cache of {num_blocks} blocks of {block_size} tokens ({num_blocks * stride0} bytes) is "
+                         f"past any device")
     raw = torch.zeros(num_blocks * stride0, dtype=_storage_dtype(f), device=device)
     return torch.as_strided(raw, (num_blocks, block_size, f.token_bytes), (stride0, f.token_bytes, 1))
 
@@ -577,6 +582,16 @@ def _block_grid(num_blocks: int, block_size: int, device: torch.device) -> tuple
     blocks = torch.arange(num_blocks, device=device).repeat_interleave(block_size)
     offsets = torch.arange(block_size, device=device).repeat(num_blocks)
     return blocks, offsets
+
+
+def cache_scale(f: KVFormat, kv_scale, device: torch.device, check_values: bool = True) -> torch.Tensor | None:
+    """``kv_scale`` as ``(1,)`` float32 for an fp8_e4m3 cache (required), None for the others (must be None: a scale
+    given to a tiled format would be ignored)."""
+    if not f.per_tensor:
+        if kv_scale is not None:
+            raise ValueError(f"kv_scale is only for fp8_e4m3 caches, got a {f.name} cache")
+        return None
+    return check_kv_scale(kv_scale, device, "kv_scale", check_values)
 
 
 def quantize_blocks(kv: torch.Tensor, fmt: str | KVFormat, kv_scale: float | torch.Tensor | None = None
@@ -594,7 +609,7 @@ def quantize_blocks(kv: torch.Tensor, fmt: str | KVFormat, kv_scale: float | tor
     nb, bs, _ = kv.shape
     if nb == 0 or bs == 0:
         raise ValueError(f"kv must hold at least one block of at least one token, got shape {tuple(kv.shape)}")
-    scale = check_kv_scale(kv_scale, kv.device) if f.per_tensor else None
+    scale = cache_scale(f, kv_scale, kv.device)
     cache = allocate_cache(f, nb, bs, kv.device, f.dim)
     blocks, offsets = _block_grid(nb, bs, kv.device)
     write_tokens(as_paged(cache, f), f, blocks, offsets, kv.reshape(nb * bs, f.dim), scale)
@@ -607,6 +622,6 @@ def dequantize_blocks(cache: torch.Tensor, fmt: str | KVFormat | None = None,
     fp8_e4m3 cache's)."""
     cache, f = resolve_cache(cache, fmt)
     nb, bs, _ = cache.shape
-    scale = check_kv_scale(kv_scale, cache.device) if f.per_tensor else None
+    scale = cache_scale(f, kv_scale, cache.device)
     blocks, offsets = _block_grid(nb, bs, cache.device)
     return read_tokens(cache, f, blocks, offsets, scale).to(torch.bfloat16).view(nb, bs, f.dim)

@@ -108,6 +108,8 @@ class IndexerRole:
 def indexer_role(config: ModelConfig, layer: int) -> IndexerRole | None:
     """The indexer role of ``layer`` (None: a layer without picks). V4 / V3.2: every picks layer runs its own
     indexer over its own keys. V4.1: :class:`IndexerRole` as the module docstring says."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig (get_config), got {type(config).__name__}")
     source = config.index_source_layer(layer)
     if source is None:
         return None

@@ -236,7 +236,8 @@ class SparseMLAAttention(torch.nn.Module):
                 raise ValueError(f"topk_indices must be given to a {self.kind} layer: the indexer's picks, "
                                  f"(T, topk) int32")
         elif topk_indices is not None:
-            raise ValueError(f"topk_indices must be given only to a c4a or dsa layer, not to this {self.kind} layer")
+            raise ValueError(f"topk_indices must be given only to a layer of the kinds {PICKS_KINDS}, not to this "
+                             f"{self.kind} layer")
         if context_parallel is None:
             plan(q, out, caches_t, topk_indices, sink, self.scale, q_scale, kv_scale)
             return out

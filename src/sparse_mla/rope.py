@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_tensor
+from ._checks import check_tensor, is_int
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,15 @@ class RopeSpec:
             raise ValueError(f"theta must be a number > 1, got {self.theta!r}")
         if not (isinstance(self.factor, (int, float)) and self.factor >= 1):
             raise ValueError(f"factor must be a number >= 1, got {self.factor!r}")
+        if not math.isfinite(self.theta) or not math.isfinite(self.factor):
+            raise ValueError(f"theta and factor must be finite, got {self.theta!r} and {self.factor!r}")
+        # YaRN's ramp: the correction range's logs and its division need a positive context and positive turns
+        if not (is_int(self.original_max_position) and self.original_max_position >= 1):
+            raise ValueError(f"original_max_position must be a positive int, got {self.original_max_position!r}")
+        for name in ("beta_fast", "beta_slow"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
     def _correction_dim(self, rotations: float) -> float:
         """The pair index whose wavelength fits ``rotations`` turns in the original context."""
@@ -88,6 +97,8 @@ def rope_from_hf_config(config: Any, rope_type: str = "compress") -> RopeSpec:
     ``"compress"``, nested in ``config.rope_parameters``; V3.2: its one ``rope_parameters`` / ``rope_scaling``).
     A config without YaRN numbers gives the plain rope of its θ (as transformers does)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config.rope_parameters must be a dict, got {type(params).__name__}")
     if isinstance(params.get(rope_type), dict):
         params = params[rope_type]
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
@@ -96,14 +107,21 @@ def rope_from_hf_config(config: Any, rope_type: str = "compress") -> RopeSpec:
     dim = int(getattr(config, "qk_rope_head_dim", None) or 64)
     if params.get("rope_type", params.get("type", "default")) != "yarn":
         return RopeSpec(theta=float(theta), dim=dim)
+    missing = [k for k in ("factor", "original_max_position_embeddings") if k not in params]
+    if missing:
+        raise ValueError(f"config's yarn rope {rope_type!r} lacks {missing}")
     return RopeSpec(theta=float(theta), dim=dim, factor=float(params["factor"]),
                     original_max_position=int(params["original_max_position_embeddings"]),
                     beta_fast=float(params.get("beta_fast", 32.0)), beta_slow=float(params.get("beta_slow", 1.0)))
 
 
 def _check(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> None:
+    if not isinstance(spec, RopeSpec):
+        raise TypeError(f"spec must be a RopeSpec, got {type(spec).__name__}")
     check_tensor("x", x, dtype=(torch.bfloat16, torch.float16, torch.float32, torch.float64))
     check_tensor("positions", positions, dtype=(torch.int32, torch.int64), device=x.device)
+    if positions.dim() >= x.dim():  # the last dim of x holds the channels
+        raise ValueError(f"positions must have fewer dims than x {tuple(x.shape)}, got {tuple(positions.shape)}")
     if x.dim() < 1 or x.shape[-1] < spec.dim:
         raise ValueError(f"x must have a last dimension of at least {spec.dim} (the rope width), got {tuple(x.shape)}")
     if tuple(positions.shape) != tuple(x.shape[:positions.dim()]):
@@ -134,6 +152,12 @@ def rotate_half_split_head(x: torch.Tensor, positions: torch.Tensor, spec: RopeS
     ``i + dim/2``, rotated by ``positions (*P)``; the other channels unchanged. Returns x's dtype. cos_sin:
     ``spec.cos_sin(positions)`` when the caller made it already (a step's, shared by its layers)."""
     _check(x, positions, spec)
+    if cos_sin is not None:
+        if not (isinstance(cos_sin, tuple) and len(cos_sin) == 2):
+            raise TypeError(f"cos_sin must be the pair spec.cos_sin(positions), got {type(cos_sin).__name__}")
+        for name, t in zip(("cos", "sin"), cos_sin):
+            check_tensor(f"cos_sin's {name}", t, dtype=torch.float32, shape=(*positions.shape, spec.dim // 2),
+                         device=x.device)
     cos, sin = (_broadcast(t, x, positions) for t in (cos_sin or spec.cos_sin(positions)))
     head = x[..., :spec.dim].float()
     first, second = head[..., :spec.dim // 2], head[..., spec.dim // 2:]

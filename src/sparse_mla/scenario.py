@@ -22,7 +22,8 @@ import torch
 
 from .batch import Request, StepBatch, StepBatchBuilder, blocks_needed, slots_of
 from .cache import PagedCache
-from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS, complete_entries
+from ._checks import check_tensor, is_int
+from .config import COMPRESS_RATIO, DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS, check_scope_formats, complete_entries
 from .formats import KVFormat, decode_records, encode_records
 from .metadata import MetadataSpec, StepMetadata, build_step_metadata
 from .oracle import DenseOracle
@@ -122,6 +123,14 @@ def make_scenario(lengths: list[tuple[int, int]], *, window: int = 128, topk: in
     kind (default: :func:`random_picks` at each kind's ratio); only picked entries are written to a picks kind's
     cache (c4a, c2a, c1a; dsa for V3.2, ``dim=576``).
     """
+    if not is_int(seed):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if not (is_int(window) and window >= 1):
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    if kinds is not None and (isinstance(kinds, str) or any(k not in DEFAULT_BLOCK_SIZE for k in kinds)):
+        raise ValueError(f"kinds must be a sequence of cache kinds {tuple(DEFAULT_BLOCK_SIZE)}, got {kinds!r}")
+    if compressed_fmt is not None:  # the pairs a layer's caches may hold
+        check_scope_formats(fmt, compressed_fmt, ("fmt", "compressed_fmt"))
     gen = torch.Generator().manual_seed(seed)
     kinds = tuple(kinds) if kinds is not None else ("dsa",) if dim == 576 else V4_KINDS
     sizes = {k: (block_sizes or {}).get(k, DEFAULT_BLOCK_SIZE[k]) for k in kinds}
@@ -150,7 +159,12 @@ def make_scenario(lengths: list[tuple[int, int]], *, window: int = 128, topk: in
                                num_blocks={k: c.num_blocks for k, c in caches.items()})
     batch = builder.build(requests)
     picks_kinds = [k for k in kinds if k in PICKS_KINDS]
-    given = picks if isinstance(picks, Mapping) else {} if picks is None else {picks_kinds[0]: picks}
+    given = picks if isinstance(picks, Mapping) else {} if picks is None or not picks_kinds else {picks_kinds[0]: picks}
+    if (picks is not None and not given) or any(k not in picks_kinds for k in given):  # (else random picks)
+        raise ValueError(f"picks must be for this scenario's picks kinds {picks_kinds}, got "
+                         f"{list(given) if isinstance(picks, Mapping) else 'a tensor'}")
+    for kind, t in given.items():
+        check_tensor(f"picks[{kind!r}]", t, dtype=(torch.int32, torch.int64), shape=(batch.token_capacity, None))
     all_picks = {}
     for kind in picks_kinds:
         ratio = COMPRESS_RATIO[kind]

@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from ._checks import check_device, check_positive_int
 from .cache import PagedCache
 from .config import PICKS_KINDS, V4_KINDS, V41_KINDS, get_config
 from .formats import quantize_blocks
@@ -76,6 +77,7 @@ def support_markdown() -> str:
 
 def support_line(device: torch.device) -> str:
     """What ``sparse-mla verify`` prints about the GPU it runs on: its support row, one line."""
+    device = check_device("device", device)
     if device.type != "cuda":
         return "no GPU: the reference ops run here (and the Triton kernels in Triton's CPU interpreter)"
     row = support_row(targets.target_of(device))
@@ -120,6 +122,8 @@ class Check:
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error of ``out`` against ``ref`` (on the CPU: an oracle's reference lives there)."""
+    if out.shape != ref.shape:
+        raise ValueError(f"out must have ref's shape {tuple(ref.shape)}, got {tuple(out.shape)}")
     out, ref = out.float().cpu(), ref.float().cpu()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-20)).item()
 
@@ -130,6 +134,10 @@ def random_scope(gen: torch.Generator, fmt: str, dim: int, num_tokens: int, widt
     """A NaN-poisoned paged cache with a random 3/4 of its slots written, and random indices into those
     (10 % ``-1``). ``lens_mode="random"``: random lengths with token 0 full, token 1 empty and every entry
     of token 2 invalid; ``"full"``: every token the whole width."""
+    if lens_mode not in ("random", "full"):
+        raise ValueError(f"lens_mode must be 'random' or 'full', got {lens_mode!r}")
+    check_positive_int("num_tokens", num_tokens)
+    check_positive_int("width", width)
     cache = PagedCache(num_blocks, block_size, fmt, dim, device)
     cache.poison()
     num_slots = num_blocks * block_size
@@ -151,6 +159,7 @@ def random_scope(gen: torch.Generator, fmt: str, dim: int, num_tokens: int, widt
 
 def random_sink(gen: torch.Generator, num_heads: int, device: torch.device | str) -> torch.Tensor:
     """Random per-head sinks with every third head ``-inf`` (no sink) and head 1 ``+inf`` (zeroed)."""
+    check_positive_int("num_heads", num_heads)
     sink = torch.randn(num_heads, generator=gen)
     sink[::3] = float("-inf")
     if num_heads > 1:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._checks import check_positive_int
 from .batch import slots_of
 from .config import COMPRESS_RATIO, PICKS_KINDS
 from .metadata import StepMetadata, visible_entries
@@ -99,6 +100,9 @@ def plan_prefill_workspace(meta: StepMetadata, kind: str, budget_bytes: int,
     is split between chunks. Planning runs on the host from the batch's host copies (no device sync);
     only the per-chunk index tensors are built on the device, vectorised. Stale metadata is a ``ValueError``.
     """
+    if not isinstance(meta, StepMetadata):
+        raise TypeError(f"meta must be the step's StepMetadata, got {type(meta).__name__}")
+    check_positive_int("budget_bytes", budget_bytes)
     meta.check_current()
     if kind not in meta.batch.block_tables:
         raise ValueError(f"kind must be one of this batch's kinds {meta.batch.kinds}, got {kind!r}")

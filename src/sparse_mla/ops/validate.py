@@ -14,7 +14,7 @@ from .._checks import (check_distinct_slots, check_finite, check_index_range, ch
                        check_scale, check_sink, check_tensor, is_int)
 from ..env import switch_on
 from ..cache_views import resolve_cache_once
-from ..formats import FORMAT_NAMES, KVFormat
+from ..formats import FORMAT_NAMES, KVFormat, cache_scale
 
 D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part of 576)
 # log2(e): the kernels' softmax is in base 2 (exp2 of the scores times scale · LOG2E; the LSE divided back by it)
@@ -314,15 +314,6 @@ def prefill_args(q, kv, indices, lens=None, sink=None, scale=None, check_ranges:
         raise ValueError("kv must have contiguous rows (stride(-1) == 1)")
     return decode_args(q, kv.unsqueeze(1), indices, lens, sink=sink, scale=scale, check_ranges=check_ranges,
                        out=out, cache_name="kv", indptr=indptr)
-
-
-def cache_scale(f: KVFormat, kv_scale, device: torch.device, check_values: bool) -> torch.Tensor | None:
-    """``kv_scale`` as ``(1,)`` float32 for an fp8_e4m3 cache (required), None for the others (must be None)."""
-    if not f.per_tensor:
-        if kv_scale is not None:
-            raise ValueError(f"kv_scale is only for fp8_e4m3 caches, got a {f.name} cache")
-        return None
-    return check_kv_scale(kv_scale, device, "kv_scale", check_values)
 
 
 def insert_args(kv_new, cache, slot_mapping, fmt=None, check_values: bool = True, kv_scale=None
