@@ -16,10 +16,8 @@ probe's ratio ours / base (median of the rounds' ratios).
     python3 benchmarks/host_probe.py [B] [--rounds N] [--base DIR] [--profile] [--json PATH]
 """
 import argparse
-import importlib.util
 import json
 import statistics
-import sys
 from collections import OrderedDict
 from types import ModuleType
 
@@ -28,6 +26,7 @@ import torch
 import sparse_mla
 
 from harness import fill_random_keys  # benchmarks/ (this script's folder is first on sys.path)
+from host_builder import load_package, step_build
 from timing import host_samples
 
 parser = argparse.ArgumentParser()
@@ -38,31 +37,6 @@ parser.add_argument("--profile", action="store_true")
 parser.add_argument("--json")
 cli = parser.parse_args()
 b, h = cli.b, 64
-
-
-def load_package(folder: str, name: str) -> ModuleType:
-    """The package at ``folder`` imported as ``name`` (its modules import each other relatively)."""
-    spec = importlib.util.spec_from_file_location(name, f"{folder}/__init__.py", submodule_search_locations=[folder])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def step_build(batch_mod: ModuleType, like, lengths: list[tuple[int, int]]):
-    """A builder's ``build`` of ``lengths``' requests, tables of distinct blocks in every kind of ``like`` (a batch):
-    its own builder, so that the scenario's batch stays current for the other probes."""
-    sizes = dict(like.block_sizes)
-    builder = batch_mod.StepBatchBuilder(like.token_capacity, len(lengths), max(s for s, _ in lengths),
-                                         kinds=like.kinds, block_sizes=sizes, decode_threshold=2, device=like.device)
-    first, requests = dict.fromkeys(sizes, 0), []
-    for seq_len, query_len in lengths:
-        tables = {}
-        for kind, bs in sizes.items():
-            n = batch_mod.blocks_needed(seq_len, kind, bs)
-            tables[kind], first[kind] = list(range(first[kind], first[kind] + n)), first[kind] + n
-        requests.append(batch_mod.Request(seq_len, query_len, tables))
-    return lambda: builder.build(requests)
 
 
 def package_probes(pkg: ModuleType, flash_mla: ModuleType | None) -> tuple[dict, dict]:
@@ -80,7 +54,8 @@ def package_probes(pkg: ModuleType, flash_mla: ModuleType | None) -> tuple[dict,
     sink = torch.randn(h, generator=gen).cuda()
     out = torch.empty(sc.batch.token_capacity, h, 512, dtype=torch.bfloat16, device="cuda")
     probes = {"build_step_metadata": lambda: metadata.build_step_metadata(sc.batch, sc.meta.spec, out=sc.meta),
-              "StepBatchBuilder.build": step_build(import_module(f"{pkg.__name__}.batch"), sc.batch, lengths)}
+              "StepBatchBuilder.build": step_build(import_module(f"{pkg.__name__}.batch"), lengths, sc.batch.kinds,
+                                                   dict(sc.batch.block_sizes), "cuda", sc.batch.token_capacity)[0]}
     errors = {}
     rows = list(range(0, 2 * b, 17))
     for kind in ("swa", "c4a", "c128a"):

@@ -53,7 +53,9 @@ def test_sharded_weight_equals_slice_of_full():
     (dict(dtype="bfloat16"), "dtype"),  # a string: torch took it for a device
     (dict(dtype=torch.int32), "dtype"),  # the weights truncated to ints
     (dict(dtype=torch.float8_e4m3fn), "dtype"),  # no matmul: absorb_query failed later
-    (dict(weight=_weight().to(torch.float8_e4m3fn)), "dequantise it"),
+    (dict(weight=_weight().to(torch.float8_e4m3fn)), "dequantise an fp8 weight"),
+    # cast to bf16 alone it would lose its block scales
+    (dict(weight=_weight().to(torch.float8_e4m3fn), dtype=torch.bfloat16), "dequantise an fp8 weight"),
 ])
 def test_bad_arguments(kwargs, match):
     args = dict(weight=_weight(), num_heads=H, qk_nope_head_dim=NOPE, v_head_dim=V, kv_lora_rank=R) | kwargs

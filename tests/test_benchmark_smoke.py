@@ -90,3 +90,21 @@ def test_v41_benchmark_smoke_writes_the_expected_json(tmp_path, monkeypatch):
     assert {(p["kind"], p["format"]) for p in result["prefill"]} == {
         (k, n) for k in ("c2a", "c1a") for n in bench_v41.FORMATS}
     assert all(p["finite"] and p["us"] > 0 for p in result["prefill"])
+
+
+def test_host_builder_times_ours_against_a_base(monkeypatch, capsys):
+    """``benchmarks/host_builder.py --base``: every case timed for both packages (here the same tree twice), with the
+    ratio printed; the builds it times are real builds (a batch of the case's requests)."""
+    host_builder = load_script("host_builder", monkeypatch)
+    monkeypatch.setattr(host_builder, "CASES", ((3, 70),))
+    import sparse_mla
+    from sparse_mla import batch as batch_mod
+
+    build, builder = host_builder.step_build(batch_mod, [(70, 1)] * 3, ("swa", "c4a", "c128a"),
+                                             {"swa": 64, "c4a": 64, "c128a": 2}, "cpu")
+    assert build().num_reqs == 3
+    monkeypatch.setattr(sys, "argv", ["host_builder.py", "--device", "cpu", "--rounds", "1", "--base",
+                                      os.path.dirname(sparse_mla.__file__)])
+    host_builder.main()
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and all("ours / base" in line for line in lines)

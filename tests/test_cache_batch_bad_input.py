@@ -104,7 +104,7 @@ def test_a_block_number_past_int64_is_named():
     builder = StepBatchBuilder(16, 4, 64, block_sizes=SIZES)
     t = tables(10)
     t["swa"] = [0, 2**70, 4]
-    with pytest.raises(ValueError, match=r"block table for 'swa' holds a block number past int64"):
+    with pytest.raises(ValueError, match=r"request 0: block table for 'swa' holds a block number past int64"):
         builder.build([Request(10, 1, t)])
 
 

@@ -72,7 +72,9 @@ def test_a_model_config_names_bad_ratios_and_sources():
 
     v41 = get_config("deepseek-v4.1-flash")
     for change, match in ((dict(compress_ratios=(2,)), r"compress_ratios of a v4 model must be in \(1, 4, 128\)"),
-                          (dict(compress_ratios=()), "compress_ratios must be a non-empty tuple")):
+                          (dict(compress_ratios=()), "compress_ratios must be a non-empty tuple"),
+                          (dict(window=0, compress_ratios=(-4,)), "compress_ratios must be a non-empty tuple of ints"),
+                          (dict(window=-1), "window must be an int >= 0")):
         with pytest.raises(ValueError, match=match):
             dataclasses.replace(get_config("deepseek-v4-flash"), **change)
     for change, match in ((dict(compress_ratios=(0, 2, 4) + v41.compress_ratios[3:]), "must be in"),

@@ -30,12 +30,18 @@ def test_make_scenario_names_a_bad_argument(change, error, match):
         make_scenario([(9, 1), (5, 1)], **(V41 | change))
 
 
+def test_make_scenario_takes_kinds_from_a_generator_and_no_picks():
+    """Kinds given as a generator are read once (checked, then used), and an empty dict of picks means random ones."""
+    sc = make_scenario([(9, 1), (5, 1)], **(V41 | dict(kinds=(k for k in V41_KINDS), picks={})))
+    assert sc.batch.kinds == V41_KINDS
+
+
 def test_plan_prefill_workspace_names_its_meta_and_budget():
     sc = make_scenario([(40, 8)], **V41)
     assert plan_prefill_workspace(sc.meta, "c1a", 10**6)  # the same call with its arguments runs
     with pytest.raises(TypeError, match="meta must be the step's StepMetadata"):
         plan_prefill_workspace(None, "c1a", 10**6)
-    with pytest.raises(TypeError, match="budget_bytes must be a positive int"):
+    with pytest.raises(TypeError, match="budget_bytes must be an int >= 0"):
         plan_prefill_workspace(sc.meta, "c1a", None)
 
 

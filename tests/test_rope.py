@@ -69,6 +69,7 @@ def test_half_split_head_rotates_channel_i_with_i_plus_half():
 @pytest.mark.parametrize("kwargs,match", [({"theta": 1.0}, "theta"), ({"theta": 1e4, "dim": 63}, "dim"),
                                           ({"theta": 1e4, "factor": 0.5}, "factor"),
                                           ({"theta": math.inf}, "theta and factor must be finite"),
+                                          ({"theta": 1e4, "factor": True}, "factor"),
                                           # YaRN's ramp divided by zero or took the log of 0 / NaN unnamed
                                           ({"theta": 1e4, "factor": 4, "beta_fast": 0}, "beta_fast"),
                                           ({"theta": 1e4, "factor": 4, "beta_slow": math.nan}, "beta_slow"),
@@ -86,6 +87,8 @@ def test_bad_positions_are_named():
         rotate_interleaved_tail(torch.randn(3, 32), torch.arange(3))
     with pytest.raises(ValueError, match="positions must have fewer dims than x"):  # a position per channel too
         rotate_interleaved_tail(torch.randn(1, 64), torch.zeros(1, 64, dtype=torch.int64))
+    with pytest.raises(ValueError, match="x must have a last dimension"):  # a 0-d x: not the positions' fault
+        rotate_interleaved_tail(torch.tensor(1.0), torch.tensor(0))
     with pytest.raises(TypeError, match="spec must be a RopeSpec"):
         rotate_interleaved_tail(torch.randn(3, 64), torch.arange(3), None)
     spec, pos = RopeSpec(10000.0), torch.arange(5)

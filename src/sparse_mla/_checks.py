@@ -13,7 +13,8 @@ import torch
 
 def is_int(v: object) -> bool:
     """An integer (Python or numpy), not a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    # (a plain int first: isinstance against the numbers ABC costs ~0.25 us, and the builder asks per request)
+    return type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
 
 
 def check_positive_int(name: str, v: object) -> int:
@@ -62,8 +63,7 @@ def check_tensor(
 
 
 def _meta_error(name: str) -> ValueError:
-    return ValueError(f"{name} is on the meta device: it holds no values (a model built before its weights were "
-                      f"loaded?)")
+    return ValueError(f"{name} is on the meta device: it holds no values")
 
 
 def check_device(name: str, device: object) -> torch.device:

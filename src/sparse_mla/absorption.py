@@ -67,9 +67,12 @@ class Absorption:
         check_tensor("weight", weight, shape=(num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank))
         if not weight.is_floating_point():
             raise ValueError(f"weight must be a floating-point tensor, got {weight.dtype}")
-        if (dtype or weight.dtype) not in _WEIGHT_DTYPES:  # (an int truncated the weights; fp8 has no matmul)
-            raise ValueError(f"the weights' dtype (dtype, default weight's) must be one of {_WEIGHT_DTYPES} (an fp8 "
-                             f"weight: dequantise it with its scales first), got {dtype or weight.dtype!r}")
+        # (an int dtype truncated the weights; fp8 has no matmul, and an fp8 weight cast alone drops its block scales)
+        if weight.dtype not in _WEIGHT_DTYPES:
+            raise ValueError(f"weight (kv_b_proj.weight) must be one of {_WEIGHT_DTYPES}, got {weight.dtype}: "
+                             f"dequantise an fp8 weight with its scales first")
+        if dtype is not None and dtype not in _WEIGHT_DTYPES:
+            raise ValueError(f"dtype must be None or one of {_WEIGHT_DTYPES}, got {dtype!r}")
         shard = _head_shard(num_heads, heads, rank, world_size)
         w = weight.detach().view(num_heads, qk_nope_head_dim + v_head_dim, kv_lora_rank)[shard]
         w = w.to(dtype or weight.dtype)

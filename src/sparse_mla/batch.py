@@ -152,8 +152,9 @@ class StepBatch:
             fits = False
         if not fits:
             raise ValueError(f"req of shape {tuple(req_t.shape)} must broadcast to entries' {tuple(entries.shape)}")
-        # a negative request is not an index from the end: it would read another request's table
-        lo, hi = torch.stack(torch.aminmax(req_t)).tolist() if req_t.numel() else (0, 0)  # one sync
+        # a negative request is not an index from the end: it would read another request's table (an int req was
+        # checked above; a tensor's values cost one sync)
+        lo, hi = torch.stack(torch.aminmax(req_t)).tolist() if req_t.numel() and not is_int(req) else (0, 0)
         if not (0 <= lo and hi < self.num_reqs):
             raise ValueError(f"{in_batch}, got {req_t.flatten()[:8].tolist()}")
         # int64 entries are taken as they are: one past int32 lies past every table (-1), not on a wrapped entry
@@ -326,7 +327,8 @@ class StepBatchBuilder:
         try:
             values = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
         except OverflowError:  # past int64: surely past int32's slots
-            raise ValueError(f"a block table for {kind!r} holds a block number past int64") from None
+            r = next(i for i, t in enumerate(tables) if any(not -2**63 <= b < 2**63 for b in t))
+            raise ValueError(f"request {r}: block table for {kind!r} holds a block number past int64") from None
         rows_np = np.full((len(tables), width), -1, dtype=np.int64)
         rows_np[np.arange(width)[None, :] < lens[:, None]] = values  # row-major: the tables' entries in order
         rows = torch.from_numpy(rows_np)

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ._checks import is_int
+from ._checks import check_positive_int, is_int
 from .formats import PLANAR_SUFFIX, READERS
 
 V4_KINDS = ("swa", "c4a", "c128a")
@@ -50,8 +50,8 @@ def complete_entries(num_tokens: Count, ratio: int) -> Count:
     ``complete_entries(p + 1, r)``; a request of ``seq_len`` tokens holds ``complete_entries(seq_len, r)`` entries.
     Ratio 1 (V4.1's c1a, V3.2's raw picks): entries ``0 … p``.
     """
-    if not is_int(ratio) or ratio < 1:  # (0 divided by zero, a negative ratio counted backwards)
-        raise ValueError(f"ratio must be a positive int, got {ratio!r}")
+    if type(ratio) is not int or ratio < 1:  # (0 divided by zero, a negative ratio counted backwards)
+        check_positive_int("ratio", ratio)  # (the test above first: the builder counts entries per request)
     return num_tokens // ratio
 
 
@@ -95,8 +95,10 @@ class ModelConfig:
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
         ratios = self.compress_ratios
-        if not isinstance(ratios, tuple) or not ratios or not all(is_int(r) for r in ratios):
-            raise ValueError(f"compress_ratios must be a non-empty tuple of ints, got {ratios!r}")
+        if not isinstance(ratios, tuple) or not ratios or not all(is_int(r) and r >= 0 for r in ratios):
+            raise ValueError(f"compress_ratios must be a non-empty tuple of ints >= 0, got {ratios!r}")
+        if not (is_int(self.window) and self.window >= 0):
+            raise ValueError(f"window must be an int >= 0 (0: no sliding window, V3.2), got {self.window!r}")
         if self.family != "v3.2" and self.window != 0:  # (V3.2's layers are all dsa whatever their ratio)
             known = V41_KIND_OF_RATIO if self.family == "v4.1" else KIND_OF_RATIO
             bad = [r for r in ratios if r not in known]

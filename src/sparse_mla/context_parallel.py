@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_device, check_no_overlap, check_positive_int, check_sink, check_tensor, is_int
-from .batch import StepBatch, StepBatchBuilder, blocks_needed, entries_needed
+from .batch import StepBatch, StepBatchBuilder, entries_needed
 from .config import DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS
 from .metadata import (ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata,
-                       window_lists_filler)
+                       decode_order_of, window_lists_filler)
 from .ops.dispatch import backend_for
 from .ops.merge import (PARTIAL_DTYPES, check_merge_args, check_merge_outputs, launch_merge, launch_rescale,
                         merge_partials, rescale_partial)
@@ -67,9 +67,9 @@ class RankLayout:
         """Blocks of its ``kind`` cache (``block_size`` entries each, default the kind's) the rank's table of a
         request of ``seq_len`` tokens must list: the same count on every rank (the most any rank needs; a rank
         that owns fewer entries leaves at most the last block unused)."""
-        entries_needed(seq_len, kind)  # names a bad seq_len or kind
+        entries = entries_needed(seq_len, kind)  # (names a bad seq_len or kind)
         bs = DEFAULT_BLOCK_SIZE[kind] if block_size is None else check_positive_int("block_size", block_size)
-        return blocks_needed(seq_len, kind, bs * self.world)
+        return -(-entries // (bs * self.world))
 
     def batch_builder(self, max_tokens: int, max_reqs: int, max_model_len: int, kinds: Sequence[str] = V4_KINDS,
                       block_sizes: dict[str, int] | None = None, decode_threshold: int = 1,
@@ -226,10 +226,7 @@ class RankStepMetadata:
     def decode_order(self, kind: str) -> torch.Tensor | None:
         """The ops' ``order`` for this rank's decode tokens in layers of ``kind``, longest rank-local lists first
         (as :meth:`StepMetadata.decode_order`); None for SWA layers."""
-        buf = self.decode_orders.get(kind)
-        if buf is None and kind not in self.batch.kinds:
-            raise ValueError(f"kind must be one of this step's kinds {self.batch.kinds}, got {kind!r}")
-        return None if buf is None else buf[: self.batch.num_decode_tokens]
+        return decode_order_of(self.decode_orders, self.batch, kind)
 
     def new_entries(self, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The entries of ``kind`` this step completes (:meth:`StepBatch.new_entries`): ``(req, entry, slot)``,

@@ -303,13 +303,12 @@ def flash_mla_with_kvcache(
     if kv_format is not None:
         if not isinstance(kv_format, str):
             raise TypeError(f"kv_format must be None or a str, got {type(kv_format).__name__}")
-        if kv_format not in _KV_FORMAT_BYTES and kv_format not in _UNSUPPORTED_KV_FORMATS:
-            known = ", ".join(f"{k!r} ({n} B)" for k, n in _KV_FORMAT_BYTES.items())
-            raise ValueError(f"kv_format must be None or one of {known}, got {kv_format!r}")
+        known = ", ".join(f"{k!r} ({n} B)" for k, n in _KV_FORMAT_BYTES.items())
+        if kv_format in _UNSUPPORTED_KV_FORMATS:  # FlashMLA's layout, which we do not read
+            raise NotImplementedError(f"kv_format={kv_format!r} ({_UNSUPPORTED_KV_FORMATS[kv_format]}) is not "
+                                      f"supported: use None or one of {known}")
         if kv_format not in _KV_FORMAT_BYTES:
-            unsupported = _UNSUPPORTED_KV_FORMATS.get(kv_format, "not a FlashMLA format we read")
-            raise NotImplementedError(f"kv_format={kv_format!r} ({unsupported}) is not supported: use None or one of "
-                                      + ", ".join(f"{k!r} ({n} B)" for k, n in _KV_FORMAT_BYTES.items()))
+            raise ValueError(f"kv_format must be None or one of {known}, got {kv_format!r}")
         if not is_fp8 or k_cache.shape[-1] != _KV_FORMAT_BYTES[kv_format]:
             raise ValueError(f"kv_format={kv_format!r} needs {_KV_FORMAT_BYTES[kv_format]}-byte fp8 tokens, but "
                              f"k_cache is {k_cache.dtype} with last axis {k_cache.shape[-1]}")

@@ -170,10 +170,7 @@ class StepMetadata:
         :func:`~sparse_mla.ops.longest_first` permutation, ``(num_decode_tokens,)`` int32, a view of a buffer
         refilled by each build (so a CUDA graph that reads it stays valid). None for SWA layers, whose
         lists (at most the window) are too short for their order to matter."""
-        buf = self.decode_orders.get(kind)  # checks the metadata is current
-        if buf is None and kind not in self.batch.kinds:  # (a typo would read as "no order")
-            raise ValueError(f"kind must be one of this step's kinds {self.batch.kinds}, got {kind!r}")
-        return None if buf is None else buf[: self.batch.num_decode_tokens]
+        return decode_order_of(self.decode_orders, self.batch, kind)  # (decode_orders checks the step is current)
 
     def plan(self, key: tuple, make):
         """The step-scoped plan stored under ``key``, made by ``make()`` on first use (cleared by each build)."""
@@ -316,6 +313,15 @@ def _step_lists_torch(batch: StepBatch, out: StepMetadata) -> None:
         for buf, empty in zip(picks, (-1, -1, 0)):
             buf.fill_(empty)
         out._picks_bound.copy_(visible_entries(batch, out.picks_ratio).clamp_max(out.spec.topk))
+
+
+def decode_order_of(decode_orders: dict[str, torch.Tensor], batch: StepBatch, kind: str) -> torch.Tensor | None:
+    """``kind``'s decode order among a step's ``decode_orders`` buffers, cut to its decode tokens; None for a kind of
+    the step without one (a kind the step does not have is a ``ValueError``: a typo would read as "no order")."""
+    buf = decode_orders.get(kind)
+    if buf is None and kind not in batch.kinds:
+        raise ValueError(f"kind must be one of this step's kinds {batch.kinds}, got {kind!r}")
+    return None if buf is None else buf[: batch.num_decode_tokens]
 
 
 def build_step_metadata(batch: StepBatch, spec: MetadataSpec = MetadataSpec(),

@@ -44,11 +44,11 @@ class RopeSpec:
     beta_slow: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.dim, int) and self.dim > 0 and self.dim % 2 == 0):
+        if not (is_int(self.dim) and self.dim > 0 and self.dim % 2 == 0):
             raise ValueError(f"dim must be a positive even int, got {self.dim!r}")
         if not (isinstance(self.theta, (int, float)) and self.theta > 1):
             raise ValueError(f"theta must be a number > 1, got {self.theta!r}")
-        if not (isinstance(self.factor, (int, float)) and self.factor >= 1):
+        if isinstance(self.factor, bool) or not (isinstance(self.factor, (int, float)) and self.factor >= 1):
             raise ValueError(f"factor must be a number >= 1, got {self.factor!r}")
         if not math.isfinite(self.theta) or not math.isfinite(self.factor):
             raise ValueError(f"theta and factor must be finite, got {self.theta!r} and {self.factor!r}")
@@ -96,9 +96,10 @@ def rope_from_hf_config(config: Any, rope_type: str = "compress") -> RopeSpec:
     """The :class:`RopeSpec` of a transformers DeepSeek config's rope ``rope_type`` (V4: ``"main"`` or
     ``"compress"``, nested in ``config.rope_parameters``; V3.2: its one ``rope_parameters`` / ``rope_scaling``).
     A config without YaRN numbers gives the plain rope of its θ (as transformers does)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    source = "rope_parameters" if getattr(config, "rope_parameters", None) else "rope_scaling"
+    params = getattr(config, source, None) or {}
     if not isinstance(params, dict):
-        raise ValueError(f"config.rope_parameters must be a dict, got {type(params).__name__}")
+        raise ValueError(f"config.{source} must be a dict, got {type(params).__name__}")
     if isinstance(params.get(rope_type), dict):
         params = params[rope_type]
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
@@ -107,7 +108,7 @@ def rope_from_hf_config(config: Any, rope_type: str = "compress") -> RopeSpec:
     dim = int(getattr(config, "qk_rope_head_dim", None) or 64)
     if params.get("rope_type", params.get("type", "default")) != "yarn":
         return RopeSpec(theta=float(theta), dim=dim)
-    missing = [k for k in ("factor", "original_max_position_embeddings") if k not in params]
+    missing = [k for k in ("factor", "original_max_position_embeddings") if params.get(k) is None]
     if missing:
         raise ValueError(f"config's yarn rope {rope_type!r} lacks {missing}")
     return RopeSpec(theta=float(theta), dim=dim, factor=float(params["factor"]),
@@ -120,10 +121,10 @@ def _check(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> None:
         raise TypeError(f"spec must be a RopeSpec, got {type(spec).__name__}")
     check_tensor("x", x, dtype=(torch.bfloat16, torch.float16, torch.float32, torch.float64))
     check_tensor("positions", positions, dtype=(torch.int32, torch.int64), device=x.device)
-    if positions.dim() >= x.dim():  # the last dim of x holds the channels
-        raise ValueError(f"positions must have fewer dims than x {tuple(x.shape)}, got {tuple(positions.shape)}")
     if x.dim() < 1 or x.shape[-1] < spec.dim:
         raise ValueError(f"x must have a last dimension of at least {spec.dim} (the rope width), got {tuple(x.shape)}")
+    if positions.dim() >= x.dim():  # the last dim of x holds the channels
+        raise ValueError(f"positions must have fewer dims than x {tuple(x.shape)}, got {tuple(positions.shape)}")
     if tuple(positions.shape) != tuple(x.shape[:positions.dim()]):
         raise ValueError(f"positions must have shape {tuple(x.shape[:positions.dim()])} (x's leading dims), "
                          f"got {tuple(positions.shape)}")

@@ -127,12 +127,14 @@ def make_scenario(lengths: list[tuple[int, int]], *, window: int = 128, topk: in
         raise TypeError(f"seed must be an int, got {seed!r}")
     if not (is_int(window) and window >= 1):
         raise ValueError(f"window must be a positive int, got {window!r}")
+    if kinds is not None and not isinstance(kinds, str):
+        kinds = tuple(kinds)  # (once: a generator read twice is empty the second time)
     if kinds is not None and (isinstance(kinds, str) or any(k not in DEFAULT_BLOCK_SIZE for k in kinds)):
         raise ValueError(f"kinds must be a sequence of cache kinds {tuple(DEFAULT_BLOCK_SIZE)}, got {kinds!r}")
     if compressed_fmt is not None:  # the pairs a layer's caches may hold
         check_scope_formats(fmt, compressed_fmt, ("fmt", "compressed_fmt"))
     gen = torch.Generator().manual_seed(seed)
-    kinds = tuple(kinds) if kinds is not None else ("dsa",) if dim == 576 else V4_KINDS
+    kinds = kinds if kinds is not None else ("dsa",) if dim == 576 else V4_KINDS
     sizes = {k: (block_sizes or {}).get(k, DEFAULT_BLOCK_SIZE[k]) for k in kinds}
     caches, tables = {}, {k: [] for k in kinds}
     scale = None
@@ -160,7 +162,7 @@ def make_scenario(lengths: list[tuple[int, int]], *, window: int = 128, topk: in
     batch = builder.build(requests)
     picks_kinds = [k for k in kinds if k in PICKS_KINDS]
     given = picks if isinstance(picks, Mapping) else {} if picks is None or not picks_kinds else {picks_kinds[0]: picks}
-    if (picks is not None and not given) or any(k not in picks_kinds for k in given):  # (else random picks)
+    if (picks is not None and not picks_kinds) or any(k not in picks_kinds for k in given):  # (else random picks)
         raise ValueError(f"picks must be for this scenario's picks kinds {picks_kinds}, got "
                          f"{list(given) if isinstance(picks, Mapping) else 'a tensor'}")
     for kind, t in given.items():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_positive_int
+from ._checks import is_int
 from .batch import slots_of
 from .config import COMPRESS_RATIO, PICKS_KINDS
 from .metadata import StepMetadata, visible_entries
@@ -102,7 +102,8 @@ def plan_prefill_workspace(meta: StepMetadata, kind: str, budget_bytes: int,
     """
     if not isinstance(meta, StepMetadata):
         raise TypeError(f"meta must be the step's StepMetadata, got {type(meta).__name__}")
-    check_positive_int("budget_bytes", budget_bytes)
+    if not is_int(budget_bytes) or budget_bytes < 0:  # (0 plans a step without prefill tokens; one with them fails)
+        raise TypeError(f"budget_bytes must be an int >= 0, got {budget_bytes!r}")
     meta.check_current()
     if kind not in meta.batch.block_tables:
         raise ValueError(f"kind must be one of this batch's kinds {meta.batch.kinds}, got {kind!r}")

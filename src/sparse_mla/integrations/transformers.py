@@ -184,8 +184,8 @@ class SparseMLAIntegration:
                              "before enabling it again")
         meta = next((name for name, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta), None)
         if meta is not None:  # sinks, compressor weights and absorbed projections are copied from the model's values
-            raise ValueError(f"model has weights on the meta device ({meta}): load its weights before enabling "
-                             f"sparse-mla")
+            raise ValueError(f"model has weights on the meta device ({meta}): the layers copy their values, so "
+                             f"materialise them (load or move the model onto a device) before enabling sparse-mla")
         self.model, self.kv_format, self.backend = model, kv_format, backend
         self.pipeline, self.index_format = bool(pipeline), index_format
         self.config = model.config
