@@ -77,7 +77,8 @@ def support_markdown() -> str:
 
 def support_line(device: torch.device) -> str:
     """What ``sparse-mla verify`` prints about the GPU it runs on: its support row, one line."""
-    device = check_device("device", device)
+    if not isinstance(device, torch.device):  # (a string: the device it names, checked)
+        device = check_device("device", device)
     if device.type != "cuda":
         return "no GPU: the reference ops run here (and the Triton kernels in Triton's CPU interpreter)"
     row = support_row(targets.target_of(device))
