@@ -316,7 +316,7 @@ class StepBatchBuilder:
         (:func:`_check_aliasing`)."""
         width, bs = self._tables[kind].shape[1], self.block_sizes[kind]
         # arrays and tensors as lists (rare); then one pass over the entries' types and one numpy copy of them all
-        # (~3x torch.tensor of the padded rows on long tables, ~4x on short ones)
+        # (3-4x faster than torch.tensor of the padded rows)
         tables = [t.tolist() if isinstance(t, (np.ndarray, torch.Tensor)) else t
                   for t in (r.block_tables[kind] for r in requests)]
         if not all(_is_int_type(t) for t in set(map(type, chain.from_iterable(tables)))):
