@@ -173,6 +173,60 @@ def test_errors(v4):
     assert model.config._attn_implementation == "eager"
 
 
+def test_beam_search_is_refused_and_remove_gives_the_cache_its_reorder_back(v4):
+    """Beam search reorders HF's cache rows each step; the paged caches would stay in their order and the tokens
+    differ from eager's without an error (seen: 0.67 relative logit error at 8 tokens): refused at the first reorder.
+    remove() gives the caches their own reorder_cache again."""
+    model, ids, mask, _ = v4
+    integration = enable_sparse_mla(model)
+    try:
+        with torch.no_grad():
+            with pytest.raises(ValueError, match=r"beam search \(num_beams > 1\)"):
+                model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False)
+            cache = getattr(model(ids[:1, :8]), CACHE)
+            with pytest.raises(ValueError, match="beam search"):
+                cache.reorder_cache(torch.zeros(1, dtype=torch.long, device=DEVICE))
+    finally:
+        integration.remove()
+    cache.reorder_cache(torch.zeros(1, dtype=torch.long, device=DEVICE))  # HF's own again
+
+
+def test_a_backward_through_the_attention_is_refused(v4):
+    """The library's attention runs without gradients: a backward through a forward with gradients enabled raises
+    (the projections' and sinks' gradients came back None, the output projections' wrong, with no error); the forward
+    itself runs (an eval forward without torch.no_grad())."""
+    model, ids, _, _ = v4
+    integration = enable_sparse_mla(model)
+    try:
+        loss = model(ids[:1, :20]).logits.float().square().mean()
+        with pytest.raises(RuntimeError, match="computes no gradients"):
+            loss.backward()
+    finally:
+        integration.remove()
+        model.zero_grad(set_to_none=True)
+
+
+def test_a_reset_cache_starts_a_new_generation_of_any_batch(v4):
+    """cache.reset() then a forward of another batch size: a new generation on that cache (its old rows' tables gave
+    an IndexError); the logits are eager's."""
+    model, ids, _, _ = v4
+
+    def run():
+        with torch.no_grad():
+            cache = getattr(model(ids[:1, :20]), CACHE)
+            cache.reset()
+            return model(ids[:, :10], attention_mask=torch.ones(2, 10, dtype=torch.long, device=DEVICE),
+                         **{CACHE: cache}).logits.float()
+
+    eager = run()
+    integration = enable_sparse_mla(model)
+    try:
+        ours = run()
+    finally:
+        integration.remove()
+    assert ((ours - eager).norm() / eager.norm()).item() < 2e-2
+
+
 def test_a_model_on_the_meta_device_is_refused():
     """A model built before its weights (``torch.device("meta")``): its sinks and weights have no values to copy into
     the library's layers (torch failed on ``.item()`` or the copy); named with the first such weight."""

@@ -256,6 +256,8 @@ class SparseMLAIntegration:
         self._replaced = []
         for attn in self.attentions:
             _ATTACHED.pop(attn, None)
+        for cache in list(self._sessions):  # the caches' own reorder_cache again (_end_step's refusal)
+            cache.__dict__.pop("reorder_cache", None)
         self.model.set_attn_implementation(self._previous_impl)
 
     # ------------------------------------------------------------------ set-up
@@ -326,6 +328,11 @@ class SparseMLAIntegration:
         cache = _model_cache(kwargs)
         session = self._sessions.get(cache) if cache is not None else None
         past = cache.get_seq_length() if cache is not None else 0
+        if session is not None and past == 0:  # the cache was reset(): a new generation on it, new paged caches
+            session = None
+        if session is not None and len(session.tables) != num_rows:
+            raise ValueError(f"the cache (past_key_values) holds a generation of {len(session.tables)} rows, this "
+                             f"forward has {num_rows}: a cache serves one batch (reset() it, or pass a new one)")
         mask = kwargs.get("attention_mask")
         if isinstance(mask, dict) or (mask is not None and mask.dim() != 2):
             raise ValueError("sparse-mla needs the 2-D attention_mask (or none), as generate() passes with a "
@@ -361,6 +368,8 @@ class SparseMLAIntegration:
     def _end_step(self, module, args, kwargs, output) -> None:
         cache = _model_cache(output)
         if cache is not None and self._step is not None:
+            if cache not in self._sessions:  # beam search would reorder HF's rows, not the paged caches: refused
+                cache.reorder_cache = _refuse_reorder
             self._sessions[cache] = self._step.session
         self._step = None
 
@@ -699,7 +708,31 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
                            "call sparse_mla.integrations.transformers.enable_sparse_mla(model)")
     integration, layer = attached
     with torch.no_grad():
-        return integration.attend(module, layer, query, key, indices), None
+        out = integration.attend(module, layer, query, key, indices)
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+        out = _InferenceOnly.apply(out, query, key)  # a backward through it raises, not leaves gradients unset
+    return out, None
+
+
+class _InferenceOnly(torch.autograd.Function):
+    """The attention's output as autograd sees it where its inputs need gradients: the library computed it without
+    any, so a backward through it raises (the projections' and sinks' gradients would be missing or wrong)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> None:
+        raise RuntimeError("sparse-mla's attention computes no gradients (inference only): remove() the integration "
+                           "to train the model")
+
+
+def _refuse_reorder(beam_idx: torch.Tensor) -> None:
+    """A sparse-mla cache's ``reorder_cache``: beam search reorders HF's rows each step; the paged caches and the
+    rows' compressor states would stay in their order (tokens different from eager's, no error)."""
+    raise ValueError("beam search (num_beams > 1) reorders the cache's rows, which sparse-mla's paged caches do not "
+                     "follow: generate with num_beams=1, or remove() the integration")
 
 
 def enable_sparse_mla(model: torch.nn.Module, kv_format: str = "bf16", device: torch.device | str | None = None,
