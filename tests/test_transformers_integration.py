@@ -6,6 +6,8 @@ c128a entry exists. The c4a layer comes first: an indexer's top-k is discontinuo
 layers bf16 rounding upstream can flip a near-tied pick (seen: one flip in 8 steps, 0.26 relative
 logits error at that step), which says nothing about the attention itself.
 """
+import copy
+
 import pytest
 import torch
 
@@ -186,6 +188,7 @@ def test_beam_search_is_refused_and_remove_gives_the_cache_its_reorder_back(v4):
             cache = getattr(model(ids[:1, :8]), CACHE)
             with pytest.raises(ValueError, match="beam search"):
                 cache.reorder_cache(torch.zeros(1, dtype=torch.long, device=DEVICE))
+            copy.deepcopy(cache).reorder_cache(torch.zeros(1, dtype=torch.long, device=DEVICE))  # a copy: not served
     finally:
         integration.remove()
     cache.reorder_cache(torch.zeros(1, dtype=torch.long, device=DEVICE))  # HF's own again
@@ -197,12 +200,20 @@ def test_a_backward_through_the_attention_is_refused(v4):
     itself runs (an eval forward without torch.no_grad())."""
     model, ids, _, _ = v4
     integration = enable_sparse_mla(model)
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     try:
         loss = model(ids[:1, :20]).logits.float().square().mean()
         with pytest.raises(RuntimeError, match="computes no gradients"):
             loss.backward()
+        for name, p in model.named_parameters():  # only the sinks train (and lm_head): q and k need no gradient
+            p.requires_grad_(name.endswith("sinks") or name.startswith("lm_head"))
+        loss = model(ids[:1, :20]).logits.float().square().mean()
+        with pytest.raises(RuntimeError, match="computes no gradients"):  # the sinks' gradients were left None
+            loss.backward()
     finally:
         integration.remove()
+        for name, p in model.named_parameters():
+            p.requires_grad_(trainable[name])
         model.zero_grad(set_to_none=True)
 
 

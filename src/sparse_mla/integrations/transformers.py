@@ -65,6 +65,7 @@ What HF does, read in transformers 5.23.0 (``models/deepseek_v4/modeling_deepsee
 """
 from __future__ import annotations
 
+import types
 import weakref
 from dataclasses import dataclass, field
 from itertools import chain
@@ -258,6 +259,7 @@ class SparseMLAIntegration:
             _ATTACHED.pop(attn, None)
         for cache in list(self._sessions):  # the caches' own reorder_cache again (_end_step's refusal)
             cache.__dict__.pop("reorder_cache", None)
+            _SERVED.discard(cache)
         self.model.set_attn_implementation(self._previous_impl)
 
     # ------------------------------------------------------------------ set-up
@@ -369,7 +371,8 @@ class SparseMLAIntegration:
         cache = _model_cache(output)
         if cache is not None and self._step is not None:
             if cache not in self._sessions:  # beam search would reorder HF's rows, not the paged caches: refused
-                cache.reorder_cache = _refuse_reorder
+                cache.reorder_cache = types.MethodType(_refuse_reorder, cache)  # (a deep copy binds to the copy)
+                _SERVED.add(cache)
             self._sessions[cache] = self._step.session
         self._step = None
 
@@ -709,8 +712,12 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     integration, layer = attached
     with torch.no_grad():
         out = integration.attend(module, layer, query, key, indices)
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
-        out = _InferenceOnly.apply(out, query, key)  # a backward through it raises, not leaves gradients unset
+    if torch.is_grad_enabled():
+        # what would need gradients through the attention: q and k, the layer's own parameters (the sinks, and with
+        # pipeline=True the compressor's and indexer's): a backward through the output raises, never leaves them unset
+        trained = [t for t in (query, key, *module.parameters()) if t.requires_grad]
+        if trained:
+            out = _InferenceOnly.apply(out, *trained)
     return out, None
 
 
@@ -720,7 +727,7 @@ class _InferenceOnly(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-        return out.view_as(out)
+        return out.clone()  # (not a view: HF code or a hook may change the output in place)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> None:
@@ -728,9 +735,16 @@ class _InferenceOnly(torch.autograd.Function):
                            "to train the model")
 
 
-def _refuse_reorder(beam_idx: torch.Tensor) -> None:
-    """A sparse-mla cache's ``reorder_cache``: beam search reorders HF's rows each step; the paged caches and the
-    rows' compressor states would stay in their order (tokens different from eager's, no error)."""
+# the HF caches an integration serves now (each given _refuse_reorder as its reorder_cache; remove() takes them out)
+_SERVED: "weakref.WeakSet[object]" = weakref.WeakSet()
+
+
+def _refuse_reorder(cache: object, beam_idx: torch.Tensor) -> None:
+    """A served cache's ``reorder_cache`` (bound to it): beam search reorders HF's rows each step; the paged caches and
+    the rows' compressor states would stay in their order (tokens different from eager's, no error). A cache no
+    integration serves (after ``remove()``, or a deep copy) reorders as its class does."""
+    if cache not in _SERVED:
+        return type(cache).reorder_cache(cache, beam_idx)
     raise ValueError("beam search (num_beams > 1) reorders the cache's rows, which sparse-mla's paged caches do not "
                      "follow: generate with num_beams=1, or remove() the integration")
 
