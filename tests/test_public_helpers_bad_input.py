@@ -41,8 +41,10 @@ def test_plan_prefill_workspace_names_its_meta_and_budget():
     assert plan_prefill_workspace(sc.meta, "c1a", 10**6)  # the same call with its arguments runs
     with pytest.raises(TypeError, match="meta must be the step's StepMetadata"):
         plan_prefill_workspace(None, "c1a", 10**6)
-    with pytest.raises(TypeError, match="budget_bytes must be an int >= 0"):
+    with pytest.raises(TypeError, match="budget_bytes must be an int"):
         plan_prefill_workspace(sc.meta, "c1a", None)
+    with pytest.raises(ValueError, match="budget_bytes must be >= 0"):
+        plan_prefill_workspace(sc.meta, "c1a", -1)
 
 
 def test_verify_helpers_name_a_bad_argument():

@@ -114,7 +114,6 @@ def build_compress_metadata(batch: StepBatch, pool: CompressorStatePool, state_s
     elif not isinstance(out, CompressMetadata) or out.pool is not pool or out.entry_slots.shape[0] != \
             batch.token_capacity or out.prefix_lens.shape[0] < batch.num_reqs or out.batch.builder is not batch.builder:
         raise ValueError("out must be CompressMetadata of the same pool and batch builder (allocate_compress_metadata)")
-    out._filled = False  # until its buffers hold this step
     pool.advance(state_slots, prefix_host, batch.seq_lens_host)
     out.step, out.repeatable = pool.steps, max(batch.query_lens_host) <= REPEATABLE_STEP_TOKENS
     n, r = batch.num_reqs, pool.ratio

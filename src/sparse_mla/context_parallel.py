@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_device, check_no_overlap, check_positive_int, check_sink, check_tensor, is_int
-from .batch import StepBatch, StepBatchBuilder, entries_needed
+from .batch import StepBatch, StepBatchBuilder, blocks_needed, entries_needed
 from .config import DEFAULT_BLOCK_SIZE, PICKS_KINDS, V4_KINDS
 from .metadata import (ORDERED_KINDS, MetadataSpec, StepMetadata, _fill_decode_orders, build_step_metadata,
                        decode_order_of, window_lists_filler)
@@ -67,9 +67,9 @@ class RankLayout:
         """Blocks of its ``kind`` cache (``block_size`` entries each, default the kind's) the rank's table of a
         request of ``seq_len`` tokens must list: the same count on every rank (the most any rank needs; a rank
         that owns fewer entries leaves at most the last block unused)."""
-        entries = entries_needed(seq_len, kind)  # (names a bad seq_len or kind)
+        entries_needed(seq_len, kind)  # (names a bad seq_len or kind before the default block size is looked up)
         bs = DEFAULT_BLOCK_SIZE[kind] if block_size is None else check_positive_int("block_size", block_size)
-        return -(-entries // (bs * self.world))
+        return blocks_needed(seq_len, kind, bs * self.world)
 
     def batch_builder(self, max_tokens: int, max_reqs: int, max_model_len: int, kinds: Sequence[str] = V4_KINDS,
                       block_sizes: dict[str, int] | None = None, decode_threshold: int = 1,

@@ -41,22 +41,21 @@ def insert_index_keys(keys: torch.Tensor, cache: IndexerKeyCache, slots: torch.T
         if not isinstance(rope, RopeSpec) or rope.dim > INDEX_HEAD_DIM:
             raise ValueError(f"rope must be a RopeSpec of at most {INDEX_HEAD_DIM} channels, got {rope!r}")
     reference = resolve_backend(backend, keys.device) == "reference"
-    if reference or debug_checks_enabled():  # values: a sync (docs/checks.md)
-        written = slots >= 0
-        stored = keys[written]
-        if positions is not None:
-            if bool((positions[written] < 0).any()):
-                raise ValueError("positions must be >= 0 where slots are (the rows written)")
-            stored = rotate_interleaved_tail(stored, positions[written], rope)  # as stored: after the rope
-        check_storable_keys("keys", stored)
-        check_distinct_slots("slots", slots)
-    if reference:
+    checked = reference or debug_checks_enabled()  # values: a sync (docs/checks.md)
+    if checked and positions is not None and bool((positions[slots >= 0] < 0).any()):
+        raise ValueError("positions must be >= 0 where slots are (the rows written)")
+    if reference:  # the reference writer checks the slots and the keys it stores (IndexerKeyCache.write)
         if positions is not None:
             keys = rotate_interleaved_tail(keys, positions.clamp_min(0), rope)
         cache.write(keys, slots)
         return
-    if debug_checks_enabled():
+    if checked:  # the writer's checks, on what the kernel stores: the keys after the rope
+        written = slots >= 0
         check_index_range("slots", slots, cache.num_slots)
+        check_distinct_slots("slots", slots)
+        stored = keys[written] if positions is None else rotate_interleaved_tail(keys[written], positions[written],
+                                                                                 rope)
+        check_storable_keys("keys", stored)
     from .ops.triton import index_cache
 
     index_cache.insert_index_keys(keys, cache.data, cache.fmt == "fp8", slots, positions,

@@ -102,8 +102,10 @@ def plan_prefill_workspace(meta: StepMetadata, kind: str, budget_bytes: int,
     """
     if not isinstance(meta, StepMetadata):
         raise TypeError(f"meta must be the step's StepMetadata, got {type(meta).__name__}")
-    if not is_int(budget_bytes) or budget_bytes < 0:  # (0 plans a step without prefill tokens; one with them fails)
-        raise TypeError(f"budget_bytes must be an int >= 0, got {budget_bytes!r}")
+    if not is_int(budget_bytes):
+        raise TypeError(f"budget_bytes must be an int, got {budget_bytes!r}")
+    if budget_bytes < 0:  # (0 plans a step without prefill tokens; one with them fails as too small)
+        raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
     meta.check_current()
     if kind not in meta.batch.block_tables:
         raise ValueError(f"kind must be one of this batch's kinds {meta.batch.kinds}, got {kind!r}")
