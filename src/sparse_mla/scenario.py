@@ -127,10 +127,10 @@ def make_scenario(lengths: list[tuple[int, int]], *, window: int = 128, topk: in
         raise TypeError(f"seed must be an int, got {seed!r}")
     if not (is_int(window) and window >= 1):
         raise ValueError(f"window must be a positive int, got {window!r}")
-    if kinds is not None and not isinstance(kinds, str):
-        kinds = tuple(kinds)  # (once: a generator read twice is empty the second time)
-    if kinds is not None and (isinstance(kinds, str) or any(k not in DEFAULT_BLOCK_SIZE for k in kinds)):
-        raise ValueError(f"kinds must be a sequence of cache kinds {tuple(DEFAULT_BLOCK_SIZE)}, got {kinds!r}")
+    if kinds is not None:
+        kinds = kinds if isinstance(kinds, str) else tuple(kinds)  # (read once: a generator is empty the second time)
+        if isinstance(kinds, str) or any(k not in DEFAULT_BLOCK_SIZE for k in kinds):
+            raise ValueError(f"kinds must be a sequence of cache kinds {tuple(DEFAULT_BLOCK_SIZE)}, got {kinds!r}")
     if compressed_fmt is not None:  # the pairs a layer's caches may hold
         check_scope_formats(fmt, compressed_fmt, ("fmt", "compressed_fmt"))
     gen = torch.Generator().manual_seed(seed)
