@@ -59,6 +59,9 @@ def check_close(got, ref) -> None:
 # machine with a CUDA GPU is a failure naming it, so that a GPU run cannot go green without having tested it, unless
 # the run lists it in SPARSE_MLA_EXPECT_MISSING (comma-separated names, e.g. ``flash_mla,gluon``); on a CPU, a skip.
 HARDWARE = ("gpu", "hopper")  # the others (gluon, flash_mla, transformers: _MISSING's keys) are software
+# software that runs on some hardware alone: without that hardware (a lowering's target counts) a skip, as for the
+# hardware's own tests; with it, missing software fails as any other
+RUNS_ON = {"gluon": "hopper"}
 
 
 
@@ -103,7 +106,7 @@ def _transformers_missing() -> str | None:
 
 
 _MISSING = {"gpu": lambda: None if ON_GPU else "needs a CUDA GPU", "hopper": _hopper_missing,
-            "gluon": lambda: _hopper_missing() or _gluon_missing(), "flash_mla": _flash_mla_missing,
+            "gluon": _gluon_missing, "flash_mla": _flash_mla_missing,
             "transformers": _transformers_missing}
 
 
@@ -123,6 +126,9 @@ def requirement(*deps: str) -> tuple[str, str] | None:
     why)`` for the first one missing."""
     _check_names(deps)
     for dep in deps:
+        why = _MISSING[RUNS_ON[dep]]() if dep in RUNS_ON else None
+        if why is not None:
+            return "skip", f"{why} (a subset of scripts/gpu_check.sh runs it)"
         why = _MISSING[dep]()
         if why is None:
             continue

@@ -146,3 +146,18 @@ def test_missing_software_fails_a_gpu_run_unless_expected(monkeypatch, on_gpu):
     assert verdict == "skip" and why.startswith("no flash_mla here")
     with pytest.raises(ValueError, match=r"unknown dependencies \['flashmla'\]"):
         helpers.requirement("flashmla")
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+def test_gluon_skips_without_hopper_and_fails_a_hopper_run_that_lacks_it(monkeypatch, hopper):
+    """The Gluon kernel runs on Hopper alone: on another target (an sm_80 lowering of an H200 run too) its tests skip
+    as the hardware's do; on Hopper a Gluon that is off or missing fails the run unless it expects that."""
+    monkeypatch.setattr(helpers, "ON_GPU", True)
+    monkeypatch.setitem(helpers._MISSING, "hopper", lambda: None if hopper else "needs Hopper, the target is sm_80")
+    monkeypatch.setitem(helpers._MISSING, "gluon", lambda: "the Gluon kernel: off")
+    monkeypatch.delenv("SPARSE_MLA_EXPECT_MISSING", raising=False)
+    verdict, why = helpers.requirement("gluon")
+    assert (verdict, why.split(" (")[0]) == (("fail", "the Gluon kernel: off; a GPU run needs it") if hopper
+                                              else ("skip", "needs Hopper, the target is sm_80"))
+    monkeypatch.setenv("SPARSE_MLA_EXPECT_MISSING", "gluon")
+    assert helpers.requirement("gluon")[0] == "skip"
