@@ -1,6 +1,7 @@
-"""Host µs of a step batch's build from the requests' Python block tables (``StepBatchBuilder.build``, the
-engine's per-step host work before any layer), and of ``StepBatch.new_entries``: on the CPU or a GPU (its queue kept
-busy), for a few batch shapes, V4's kinds at their default block sizes.
+"""Host µs of a step batch's build (``StepBatchBuilder.build``, the engine's per-step host work before any layer)
+from the requests' block tables as Python lists and as rows of an engine's int32 ``(requests, blocks)`` table (numpy
+views), and of ``StepBatch.new_entries``: on the CPU or a GPU (its queue kept busy), for a few batch shapes, V4's
+kinds at their default block sizes.
 
 ``--base DIR``: also time another tree's package (``…/src/sparse_mla``, e.g. a ``git archive`` of the commit a change
 starts from), alternating with ours in the same rounds, and print ours / base.
@@ -15,6 +16,7 @@ import statistics
 import sys
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from timing import host_samples
@@ -33,9 +35,11 @@ def load_package(folder: str, name: str) -> ModuleType:
 
 
 def step_build(batch_mod: ModuleType, lengths: list[tuple[int, int]], kinds: tuple[str, ...],
-               block_sizes: dict[str, int], device: torch.device | str, token_capacity: int | None = None):
+               block_sizes: dict[str, int], device: torch.device | str, token_capacity: int | None = None,
+               arrays: bool = False):
     """``build`` of ``lengths``' ``(seq_len, query_len)`` requests by a builder of their own (tables of distinct
-    blocks in every kind) and the builder: ``(call, builder)``. ``batch_mod``: a package's ``batch`` module."""
+    blocks in every kind) and the builder: ``(call, builder)``. ``batch_mod``: a package's ``batch`` module;
+    ``arrays``: each table a row view of one int32 numpy ``(requests, blocks)`` array a kind, else a list."""
     capacity = token_capacity or sum(q for _, q in lengths)
     builder = batch_mod.StepBatchBuilder(capacity, len(lengths), max(s for s, _ in lengths), kinds=kinds,
                                          block_sizes=block_sizes, decode_threshold=2, device=device)
@@ -46,6 +50,12 @@ def step_build(batch_mod: ModuleType, lengths: list[tuple[int, int]], kinds: tup
             n = batch_mod.blocks_needed(seq_len, kind, bs)
             tables[kind], first[kind] = list(range(first[kind], first[kind] + n)), first[kind] + n
         requests.append(batch_mod.Request(seq_len, query_len, tables))
+    if arrays:  # the tables as an engine keeps them: one array a kind, a request's blocks the start of its row
+        for kind in block_sizes:
+            grid = np.full((len(requests), max(len(r.block_tables[kind]) for r in requests)), -1, dtype=np.int32)
+            for r, req in enumerate(requests):
+                grid[r, : len(req.block_tables[kind])] = req.block_tables[kind]
+                req.block_tables[kind] = grid[r, : len(req.block_tables[kind])]
     return (lambda: builder.build(requests)), builder
 
 
@@ -60,6 +70,8 @@ def probes(pkg: ModuleType, device: str) -> dict:
     for n, seq in CASES:
         lengths = [(seq, 1)] * n
         out[f"build, {n} requests of {seq}"] = step_build(batch_mod, lengths, config.V4_KINDS, sizes, device)[0]
+        out[f"build, {n} requests of {seq}, array rows"] = step_build(batch_mod, lengths, config.V4_KINDS, sizes,
+                                                                      device, arrays=True)[0]
         batch = step_build(batch_mod, lengths, config.V4_KINDS, sizes, device)[0]()
         out[f"new_entries('c4a'), {n} requests of {seq}"] = lambda batch=batch: batch.new_entries("c4a")
     return out

@@ -276,3 +276,37 @@ def test_aliasing_check_with_large_block_numbers():
     with pytest.raises(ValueError, match=f"requests 0 and 1 both use block {big + 1}"):
         builder.build([Request(40, 1, alias_tables([big, big + 1, 7], [0, 1, 2])),
                        Request(20, 1, alias_tables([big + 1, 8], [3, 4]))])
+
+
+@pytest.mark.parametrize("form", ["numpy int32", "numpy int64", "torch int32", "torch int64", "rows of a 2-D table",
+                                  "arrays and a list"])
+def test_tables_as_arrays_or_tensors_build_what_lists_build(form):
+    """Tables an engine keeps as arrays (numpy, CPU tensors, row views of one ``(reqs, blocks)`` table) are copied
+    in one concatenation, not read entry by entry: the batch is the lists' bit for bit, and a mix takes the lists'
+    path."""
+    import numpy as np
+
+    lengths = [(200, 1), (7, 2), (1, 1), (90, 5)]  # (1 token: no c128a block)
+    requests = [Request(s, q, tables_for(s, 1000 * r)) for r, (s, q) in enumerate(lengths)]
+    width = max(len(t) for rq in requests for t in rq.block_tables.values())
+    grid = {k: np.full((len(requests), width + 3), -1, dtype=np.int64) for k in SIZES}
+    for r, rq in enumerate(requests):
+        for k, t in rq.block_tables.items():
+            grid[k][r, : len(t)] = t
+
+    def array(r: int, kind: str, t: list[int]):
+        if form == "rows of a 2-D table":
+            return grid[kind][r, : len(t)]  # a view into the engine's table
+        if form == "arrays and a list":
+            return t if r == 3 else np.asarray(t, dtype=np.int32)
+        lib, bits = form.split()
+        dtype = getattr(np if lib == "numpy" else torch, bits)
+        return np.asarray(t, dtype=dtype) if lib == "numpy" else torch.tensor(t, dtype=dtype)
+
+    as_arrays = [Request(rq.seq_len, rq.query_len, {k: array(r, k, t) for k, t in rq.block_tables.items()})
+                 for r, rq in enumerate(requests)]
+    want = StepBatchBuilder(16, 4, 256, block_sizes=SIZES, decode_threshold=2).build(requests)
+    got = StepBatchBuilder(16, 4, 256, block_sizes=SIZES, decode_threshold=2).build(as_arrays)
+    for kind in SIZES:
+        assert torch.equal(got.block_tables[kind], want.block_tables[kind]), kind
+    assert torch.equal(got.slot_mapping, want.slot_mapping)

@@ -103,8 +103,11 @@ def test_host_builder_times_ours_against_a_base(monkeypatch, capsys):
     build, builder = host_builder.step_build(batch_mod, [(70, 1)] * 3, ("swa", "c4a", "c128a"),
                                              {"swa": 64, "c4a": 64, "c128a": 2}, "cpu")
     assert build().num_reqs == 3
+    from_arrays, _ = host_builder.step_build(batch_mod, [(70, 1)] * 3, ("swa", "c4a", "c128a"),
+                                             {"swa": 64, "c4a": 64, "c128a": 2}, "cpu", arrays=True)
+    assert torch.equal(from_arrays().block_tables["c4a"], build().block_tables["c4a"])
     monkeypatch.setattr(sys, "argv", ["host_builder.py", "--device", "cpu", "--rounds", "1", "--base",
                                       os.path.dirname(sparse_mla.__file__)])
     host_builder.main()
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 2 and all("ours / base" in line for line in lines)
+    assert len(lines) == 3 and all("ours / base" in line for line in lines)

@@ -89,10 +89,11 @@ def test_a_block_table_of_numpy_or_torch_ints_is_taken(table):
 
 @pytest.mark.parametrize("table", [torch.tensor([0.0, 2.0, 4.0]), torch.tensor([True, False, True]),
                                    np.array([0.5, 2.0, 4.0]), np.array([0, 2, 4], dtype=np.uint64),
-                                   np.array([[0], [2], [4]]), {0: 0, 2: 0, 4: 0}.keys()])
+                                   np.array([[0], [2], [4]]), {0: 0, 2: 0, 4: 0}.keys(),
+                                   torch.tensor([0, 2, 4], device="meta")])
 def test_a_block_table_of_another_dtype_or_shape_is_refused(table):
     """Floats, bools and uint64 (which int64 would wrap) are not block numbers; a 2-D array or a dict's keys is not a
-    list of them."""
+    list of them, nor a meta tensor (no values)."""
     builder = StepBatchBuilder(16, 4, 64, block_sizes=SIZES)
     t = tables(10)
     t["swa"] = table
@@ -146,3 +147,18 @@ def test_max_model_len_fits_int32_positions():
     big = {"swa": 2**30, "c4a": 2**30, "c128a": 2**30}  # tiny tables: the check comes first anyway
     with pytest.raises(ValueError, match="max_model_len must be below 2"):
         StepBatchBuilder(16, 1, 2**40, block_sizes=big)
+
+
+@pytest.mark.parametrize("make", [lambda t: np.asarray(t, dtype=np.int64),
+                                  lambda t: torch.tensor(t, dtype=torch.int32)])
+@pytest.mark.parametrize("blocks, message", [([0, -3, 4], "holds a negative block number"),
+                                             ([0, 2, 99], r"holds block 99, past the cache's num_blocks\['swa'\]=50"),
+                                             ([0, 2, 0], "names block 0 twice"),
+                                             ([0, 2**31 // 4, 4], "whose slots .* pass int32")])
+def test_bad_blocks_in_array_tables_are_named_as_in_lists(make, blocks, message):
+    """Array and tensor tables take the builder's one-concatenation path: their values get the lists' checks."""
+    builder = StepBatchBuilder(16, 4, 64, block_sizes=SIZES, num_blocks={"swa": 50} if "99" in message else None)
+    t = tables(10, start=10)
+    t["swa"] = make(blocks)
+    with pytest.raises(ValueError, match=message):
+        builder.build([Request(10, 1, t)])
