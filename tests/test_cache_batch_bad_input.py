@@ -90,10 +90,10 @@ def test_a_block_table_of_numpy_or_torch_ints_is_taken(table):
 @pytest.mark.parametrize("table", [torch.tensor([0.0, 2.0, 4.0]), torch.tensor([True, False, True]),
                                    np.array([0.5, 2.0, 4.0]), np.array([0, 2, 4], dtype=np.uint64),
                                    np.array([[0], [2], [4]]), {0: 0, 2: 0, 4: 0}.keys(),
-                                   torch.tensor([0, 2, 4], device="meta")])
+                                   torch.tensor([0, 2, 4], device="meta"), np.ma.array([0, 99, 4], mask=[0, 1, 0])])
 def test_a_block_table_of_another_dtype_or_shape_is_refused(table):
     """Floats, bools and uint64 (which int64 would wrap) are not block numbers; a 2-D array or a dict's keys is not a
-    list of them, nor a meta tensor (no values)."""
+    list of them, nor a meta tensor (no values) or a masked array (its hidden values would be taken as blocks)."""
     builder = StepBatchBuilder(16, 4, 64, block_sizes=SIZES)
     t = tables(10)
     t["swa"] = table
@@ -162,3 +162,29 @@ def test_bad_blocks_in_array_tables_are_named_as_in_lists(make, blocks, message)
     t["swa"] = make(blocks)
     with pytest.raises(ValueError, match=message):
         builder.build([Request(10, 1, t)])
+
+
+@pytest.mark.parametrize("make", [list, np.array])
+def test_a_block_number_whose_slots_pass_int32_is_named_however_large(make):
+    """2^62 · 4 wraps int64 to 0: the check compares the block with int32's last slot's block, no product."""
+    for big in (2**62, 2**61 + 1, 2**31 // 4):
+        t = tables(10, start=10)
+        t["swa"] = make([big, 2, 4])
+        with pytest.raises(ValueError, match=r"request 0: block table for 'swa' holds a block number whose slots"):
+            StepBatchBuilder(16, 4, 64, block_sizes=SIZES).build([Request(10, 1, t)])
+
+
+def test_a_table_s_entries_past_its_need_are_not_stored():
+    """The rows hold the blocks seq_len needs and -1 after them: entries past them are not read, so not checked,
+    and their int32 cast (2^40 is 0) could have named a real block."""
+    t = tables(10, start=10)
+    t["swa"] = [3, 5, 7, 2**40, 9]  # 10 tokens in blocks of 4: 3 blocks
+    batch = StepBatchBuilder(16, 4, 64, block_sizes=SIZES).build([Request(10, 1, t)])
+    assert batch.block_tables["swa"][0, :6].tolist() == [3, 5, 7, -1, -1, -1]
+
+
+def test_a_negated_tensor_view_gives_its_values():
+    t = tables(10, start=10)
+    t["swa"] = torch._neg_view(torch.tensor([-3, -5, -7]))
+    batch = StepBatchBuilder(16, 4, 64, block_sizes=SIZES).build([Request(10, 1, t)])
+    assert batch.block_tables["swa"][0, :3].tolist() == [3, 5, 7]
