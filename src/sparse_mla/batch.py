@@ -479,6 +479,8 @@ def _host_arrays(tables: list) -> list[np.ndarray] | None:
 def _is_table_container(table: object) -> bool:
     """A block table holds its blocks in order: a sequence (list, tuple, range), or a 1-D array / tensor of an integer
     dtype that int64 holds (uint64 would wrap)."""
+    if type(table) in (list, tuple, range):  # (the usual tables, before the Sequence ABC's slower test)
+        return True
     if isinstance(table, np.ndarray):  # (a masked array's hidden values are no blocks)
         return table.ndim == 1 and _is_block_dtype(table.dtype) and not isinstance(table, np.ma.MaskedArray)
     if isinstance(table, torch.Tensor):  # (a meta tensor has no values to read)
