@@ -150,6 +150,8 @@ def test_layout_rules():
         RankLayout(2.0, 0)
     with pytest.raises(ValueError, match="world"):
         RankLayout(0, 0)
+    with pytest.raises(ValueError, match=r"world must be below 2\^31"):  # (int32 slots: 2^32 + 2 acted as 2)
+        RankLayout(2**32 + 2, 1)
     # a kind, seq_len and block size named (a KeyError, and -5 or 5.5 tokens taken as a count)
     for args, error, match in ((("100", "c4a"), TypeError, "seq_len"), ((100, "zz"), ValueError, "kind"),
                                ((-5, "swa"), ValueError, "seq_len"), ((5.5, "swa"), TypeError, "seq_len"),

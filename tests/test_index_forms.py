@@ -277,6 +277,30 @@ def test_combined_from_picks_names_a_block_table_it_cannot_read(table, match):
         combined_from_picks(positions, reqs, table, 4, 4, local, swa, swa_lens, out, lens, kept)
 
 
+@pytest.mark.parametrize("change,match", [
+    (dict(table=2**32 // 64), r"block_table holds block 67108864, whose slots \(block \* 64 \+ offset\) pass int32"),
+    (dict(block_size=2**32 + 64), "block_size and ratio must be positive ints below 2\\^31"),
+    (dict(ratio=2**32 + 4), "block_size and ratio must be positive ints below 2\\^31"),
+    (dict(position=2**31 - 1), r"positions must be below 2\^31 - 1")])
+def test_combined_from_picks_names_values_its_int32_arithmetic_would_wrap(change, match, monkeypatch):
+    """A block whose slots pass int32 (block 2^26 of 64 wrapped to slot 3, a real entry's), a block size or ratio
+    past it (2^32 + 64 acting as 64), a position whose entry count overflows: named, on the torch path always and
+    on the kernels' with SPARSE_MLA_DEBUG=1 (here: the torch path of CPU tensors)."""
+    monkeypatch.delenv("SPARSE_MLA_DEBUG", raising=False)
+    i32 = dict(dtype=torch.int32)
+    positions = torch.tensor([change.get("position", 99)], **i32)
+    table = torch.tensor([[change.get("table", 5)]], **i32)
+    local, swa, swa_lens = torch.tensor([[3, -1]], **i32), torch.tensor([[7, 8]], **i32), torch.tensor([2], **i32)
+    out, lens, kept = torch.empty(1, 4, **i32), torch.empty(1, **i32), torch.empty(1, 2, **i32)
+    args = (positions, torch.zeros(1, **i32), table, change.get("block_size", 64), change.get("ratio", 4), local, swa,
+            swa_lens, out, lens, kept)
+    with pytest.raises(ValueError, match=match):
+        combined_from_picks(*args)
+    ok = (torch.tensor([99], **i32),) + args[1:2] + (torch.tensor([[5]], **i32), 64, 4) + args[5:]
+    combined_from_picks(*ok)
+    assert out.tolist() == [[7, 8, 5 * 64 + 3, -1]] and lens.tolist() == [3]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_long_c128a_rows_in_ragged_form(backend):
     """C128A lists of 0 … 1024 entries per token (a 128K context): the ragged buffer holds only their sum."""

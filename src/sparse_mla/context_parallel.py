@@ -55,6 +55,8 @@ class RankLayout:
 
     def __post_init__(self) -> None:
         check_positive_int("world", self.world)
+        if self.world >= 2**31:  # (slots are int32: a world past it wraps in their arithmetic, 2^32 + 2 acting as 2)
+            raise ValueError(f"world must be below 2^31, got {self.world}")
         if not (is_int(self.rank) and 0 <= self.rank < self.world):
             raise ValueError(f"rank must be an int in [0, world={self.world}), got {self.rank!r}")
 

@@ -22,6 +22,7 @@ import torch
 from ._checks import check_tensor, is_int
 from .metadata import StepMetadata
 from .ops.triton import index as triton_index
+from .ops.validate import debug_checks_enabled
 from .picks import PicksConversion, check_picks_kind, compressed_picks_torch, step_picks
 
 
@@ -158,8 +159,18 @@ def combined_from_picks(positions: torch.Tensor, token_to_req: torch.Tensor, blo
     if 0 in block_table.shape or block_table.stride(1) != 1:
         raise ValueError(f"block_table must have a row and a column, at unit column stride, got shape "
                          f"{tuple(block_table.shape)} strides {block_table.stride()}")
-    if not is_int(block_size) or block_size <= 0 or not is_int(ratio) or ratio <= 0:
-        raise ValueError(f"block_size and ratio must be positive ints, got {block_size!r}, {ratio!r}")
+    if not (is_int(block_size) and 0 < block_size < 2**31 and is_int(ratio) and 0 < ratio < 2**31):
+        # (int32 arithmetic: a larger one would wrap, 2^32 + 64 acting as 64)
+        raise ValueError(f"block_size and ratio must be positive ints below 2^31, got {block_size!r}, {ratio!r}")
+    if not _on_triton(topk_local) or debug_checks_enabled():  # values: a sync (docs/checks.md)
+        # the slots and visibility are int32 arithmetic: a block past 2^31 // block_size would wrap to a real slot
+        largest = int(block_table.max())
+        if largest > 2**31 // block_size - 1:
+            raise ValueError(f"block_table holds block {largest}, whose slots (block * {block_size} + offset) pass "
+                             f"int32")
+        if num_tokens and int(positions.max()) >= 2**31 - 1:
+            raise ValueError(f"positions must be below 2^31 - 1 (a token's entries count position + 1 in int32), got "
+                             f"{int(positions.max())}")
     _combined_picks(positions, token_to_req, block_table, block_size, ratio, topk_local, swa_indices, swa_lens,
                     out_indices, out_lens, out_kept)
 
