@@ -301,6 +301,14 @@ def test_combined_from_picks_names_values_its_int32_arithmetic_would_wrap(change
     assert out.tolist() == [[7, 8, 5 * 64 + 3, -1]] and lens.tolist() == [3]
 
 
+def test_ragged_form_refuses_padded_rows_whose_sum_could_pass_int32():
+    """2^31 padded entries (an expanded view: nothing allocated) could sum past the int32 indptr: named first."""
+    i32 = dict(dtype=torch.int32)
+    indices = torch.zeros(1, 1, **i32).expand(2**16, 2**15)
+    with pytest.raises(ValueError, match=r"indices must hold fewer than 2\^31 entries"):
+        ragged_from_padded(indices, torch.zeros(2**16, **i32), torch.empty(2**16 + 1, **i32), torch.empty(8, **i32))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_long_c128a_rows_in_ragged_form(backend):
     """C128A lists of 0 … 1024 entries per token (a 128K context): the ragged buffer holds only their sum."""

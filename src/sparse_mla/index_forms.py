@@ -51,6 +51,9 @@ def ragged_from_padded(indices: torch.Tensor, lens: torch.Tensor, out_indptr: to
     largest: ``T · width`` always does); entries past it are dropped, never written outside the buffer.
     """
     num_tokens, width = _check_padded(indices, lens)
+    if num_tokens * width >= 2**31:  # the lens' sum, at most this, must fit the int32 indptr (else it wraps)
+        raise ValueError(f"indices must hold fewer than 2^31 entries (out_indptr is int32), got shape "
+                         f"{tuple(indices.shape)}")
     check_tensor("out_indptr", out_indptr, dtype=torch.int32, shape=(num_tokens + 1,), device=indices.device)
     check_tensor("out_flat", out_flat, dtype=torch.int32, ndim=1, device=indices.device)
     if out_flat.stride(0) != 1 or out_indptr.stride(0) != 1:
