@@ -97,3 +97,16 @@ def test_the_model_family_is_named_before_a_token_capacity_that_differs():
     q = torch.zeros(v32.batch.token_capacity + 5, 2, 512, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"meta was built from a batch of kinds \('dsa',\), but a swa layer reads V4"):
         SparseMLAAttention("swa", 2, window=8, backend="reference")(q, v32.meta, v32.caches)
+
+
+def test_a_stale_batch_s_entry_slots_and_new_entries_are_value_errors():
+    """Both read the builder's buffers, which hold the next step once it is built: step 1's new entries came out in
+    step 2's slots (an engine writing step N's entries after building step N + 1 wrote them there), silently."""
+    sc = make_scenario([(40, 1), (30, 4)], window=8, topk=4, block_sizes=SIZES, padding=1)
+    batch = sc.batch
+    batch.new_entries("c4a")
+    batch.entry_slots("swa", 0, torch.tensor([3]))
+    next_step(sc)
+    for read in (lambda: batch.new_entries("c4a"), lambda: batch.entry_slots("swa", 0, torch.tensor([3]))):
+        with pytest.raises(ValueError, match="stale step: this batch .* is build 1 of its StepBatchBuilder"):
+            read()

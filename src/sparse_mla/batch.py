@@ -139,7 +139,9 @@ class StepBatch:
 
         req: an int request of this batch, or an integer tensor of them broadcastable to ``entries`` (its values are
         checked: one host sync for a GPU tensor). entries: an integer tensor. Returns int32 slots of entries' shape.
+        A batch whose builder has built a later step is refused (its tables are that step's now).
         """
+        self.check_current()
         if kind not in self.block_tables:
             raise ValueError(f"kind {kind!r} has no block table in this batch (has {self.kinds})")
         for name, value in (("req", req), ("entries", entries)):
@@ -171,7 +173,9 @@ class StepBatch:
         Request ``r`` completes entries ``complete_entries(prefix_len) … complete_entries(seq_len) - 1`` (of the
         ratio of ``kind``, :func:`~sparse_mla.config.complete_entries`; for ``"swa"`` and ``"c1a"`` these are the new
         tokens' positions). Returns ``(req, entry, slot)``, three ``(n,)`` int32 tensors ordered by request then entry.
+        A batch whose builder has built a later step is refused (its lengths and tables are that step's now).
         """
+        self.check_current()
         if kind not in self.block_tables:
             raise ValueError(f"kind must be one of this batch's kinds {tuple(self.block_tables)}, got {kind!r}")
         ratio = COMPRESS_RATIO[kind]
