@@ -301,6 +301,23 @@ def test_combined_from_picks_names_values_its_int32_arithmetic_would_wrap(change
     assert out.tolist() == [[7, 8, 5 * 64 + 3, -1]] and lens.tolist() == [3]
 
 
+@pytest.mark.parametrize("alias", ["out_flat in indices", "out_indptr in lens", "out_flat in out_indptr"])
+def test_ragged_form_refuses_outputs_sharing_memory_with_its_inputs(alias):
+    """The kernel's programs write the outputs while others read the inputs: an output over an input is named."""
+    i32 = dict(dtype=torch.int32)
+    indices, lens = torch.arange(12, **i32).view(3, 4), torch.tensor([4, 2, 0, 0], **i32)
+    flat, indptr = torch.empty(12, **i32), torch.empty(4, **i32)
+    if alias == "out_flat in indices":
+        flat = indices.view(-1)
+    elif alias == "out_indptr in lens":
+        indptr = lens
+    else:
+        both = torch.empty(14, **i32)
+        flat, indptr = both[:12], both[10:]
+    with pytest.raises(ValueError, match=alias.split()[0]):
+        ragged_from_padded(indices, lens[:3], indptr, flat)
+
+
 def test_ragged_form_refuses_padded_rows_whose_sum_could_pass_int32():
     """2^31 padded entries (an expanded view: nothing allocated) could sum past the int32 indptr: named first."""
     i32 = dict(dtype=torch.int32)

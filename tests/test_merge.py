@@ -106,6 +106,14 @@ def test_reproducible_and_strided(backend):
     lone_out, lone_lse = outs[:1].float(), lses[:1]
     out, lse = merge_partials(lone_out, lone_lse, None, backend=backend)
     assert torch.equal(out, lone_out[0]) and torch.equal(lse, lone_lse[0])
+    # a strided sink (every other logit of a wider tensor): each head its own (the kernels read heads at unit stride)
+    wide = torch.stack([sink, sink + 3.0], 1).flatten()
+    strided = wide[::2]
+    assert strided.stride() == (2,)
+    assert all(torch.equal(a, b) for a, b in zip(merge_partials(outs, lses, strided, backend=backend), first))
+    ranks_rescaled = rescale_partial(outs[1], lses, 1, strided, backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(ranks_rescaled, rescale_partial(outs[1], lses, 1, sink,
+                                                                                 backend=backend)))
 
 
 def test_merge_of_key_halves_is_attention_over_all_keys():

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_tensor, is_int
+from ._checks import check_no_overlap, check_tensor, is_int
 from .metadata import StepMetadata
 from .ops.triton import index as triton_index
 from .ops.validate import debug_checks_enabled
@@ -58,6 +58,9 @@ def ragged_from_padded(indices: torch.Tensor, lens: torch.Tensor, out_indptr: to
     check_tensor("out_flat", out_flat, dtype=torch.int32, ndim=1, device=indices.device)
     if out_flat.stride(0) != 1 or out_indptr.stride(0) != 1:
         raise ValueError("out_flat and out_indptr must be contiguous")
+    # the kernel's programs write the outputs while others still read the inputs
+    check_no_overlap("out_flat", out_flat, {"indices": indices, "lens": lens, "out_indptr": out_indptr})
+    check_no_overlap("out_indptr", out_indptr, {"indices": indices, "lens": lens})
     if num_tokens == 0:
         out_indptr.zero_()
         out_flat.fill_(-1)

@@ -141,7 +141,7 @@ def launch_merge(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | No
     num_ranks, num_tokens, num_heads, dim = outs.shape
     block = min(triton.next_power_of_2(dim), 512)
     launch = cached_launch(_merge_kernel, (("HAS_SINK", sink is not None), ("BLOCK_D", block)))
-    launch((num_tokens * num_heads, triton.cdiv(dim, block)), outs, lses, sink if sink is not None else lses, out,
+    launch((num_tokens * num_heads, triton.cdiv(dim, block)), outs, lses, _unit_stride(sink, lses), out,
            lse_out, num_heads, dim, num_ranks, *outs.stride()[:3], *lses.stride())
 
 
@@ -192,9 +192,15 @@ def launch_rescale(part: torch.Tensor, lses: torch.Tensor, rank: int, sink: torc
         return
     block = min(triton.next_power_of_2(dim), 512)
     launch = cached_launch(_rescale_kernel, (("HAS_SINK", sink is not None), ("BLOCK_D", block)))
-    launch((num_tokens * num_heads, triton.cdiv(dim, block)), part, lses, sink if sink is not None else lses, out,
+    launch((num_tokens * num_heads, triton.cdiv(dim, block)), part, lses, _unit_stride(sink, lses), out,
            lse_out, num_tokens, num_heads, dim, lses.shape[0], rank, num_heads // shards, part.stride(0),
            part.stride(1), *lses.stride())
+
+
+def _unit_stride(sink: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    """The kernels' sink argument: ``sink`` at unit stride (they read head ``h`` at ``sink + h``: a strided sink, e.g.
+    ``x[::2]``, gave each head another's logit), or ``stand_in`` where there is none (never read)."""
+    return stand_in if sink is None else sink.contiguous()
 
 
 def check_merge_args(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None, out: torch.Tensor | None,
