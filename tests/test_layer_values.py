@@ -81,6 +81,10 @@ def test_a_valid_sink_or_scale_assigned_later_is_the_one_used(sc, backend):
     layer.sink = None  # no sink again
     assert torch.equal(layer(q, sc.meta, sc.caches), SparseMLAAttention(
         "swa", HEADS, window=8, scale=0.03, backend=backend)(q, sc.meta, sc.caches))
+    # an nn.Parameter stays the layer's sink buffer (Module's assignment made it a parameter, and the call a KeyError)
+    layer.sink = torch.nn.Parameter(sink.clone(), requires_grad=False)
+    assert "sink" in layer._buffers and "sink" not in layer._parameters
+    assert torch.equal(layer(q, sc.meta, sc.caches), got)
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -1.0, 0, True, torch.tensor([0.1]), "0.1"])  # 0-d: a scale

@@ -58,7 +58,8 @@ class SparseMLAAttention(torch.nn.Module):
     ``forward``.
 
     After construction, ``sink`` and ``scale`` may be replaced (``layer.sink = new``: checked at once — shape,
-    dtype, contiguity, no NaN, which syncs once for a GPU tensor —, and its device at the next call; a sink whose
+    dtype, contiguity, no NaN, which syncs once for a GPU tensor —, and its device at the next call; an
+    ``nn.Parameter`` is held as the buffer too; a sink whose
     storage, shape or dtype is changed under it, ``layer.sink.data = ...`` or ``resize_``, is checked again at the
     next call, whatever path it takes: a host compare of well under a microsecond) and so may
     a cache's ``kv_scale`` (checked the first time a call reads it); the rest of the configuration is fixed
@@ -134,6 +135,9 @@ class SparseMLAAttention(torch.nn.Module):
         if name == "sink":
             if value is not None:
                 _check_layer_sink(value, self.num_heads)  # values: a sync for a GPU tensor, once per assignment
+            if isinstance(value, torch.nn.Parameter):  # a buffer still, as the constructor holds one (Module's
+                self.register_buffer("sink", value)     # assignment would move it to the parameters, unread)
+                return
         elif name == "scale":
             value = check_scale(value)
         elif name in FIXED_CONFIGURATION and name in self.__dict__:
