@@ -13,8 +13,11 @@ token: the share of rows equal), CUDA-graph replays of: the whole layer call (``
 prep alone, the score kernel alone, the top-k alone (the Triton select, the layer's, and ``torch.topk`` over the
 packed rows), a layer's share of one graph of :data:`STEP_LAYERS` layers' calls over their own key caches (*in a
 step*: a decode step's graph launches once for all its layers, a replay of one layer pays that launch, 6-11 µs on an
-H200, each time), and a plain PyTorch path (the keys gathered and dequantised,
-one einsum, ReLU, the weighted head sum, the causal mask, ``torch.topk``; what an engine without kernels runs).
+H200, each time), the score kernel's and the select's shares of graphs of :data:`STEP_LAYERS` launches each (*scores
+in step*, *top-k in step*: the kernels' own times, the launch paid once; their ratio the top-k's share of the
+scoring time without the replay's launch, which a one-launch replay adds to both), and a plain PyTorch path (the
+keys gathered and dequantised, one einsum, ReLU, the weighted head sum, the causal mask, ``torch.topk``; what an
+engine without kernels runs).
 Against (a) the time to read the case's key bytes at the copy rate measured in the same run (a device-to-device
 copy of 1 GiB: bytes read + written over time; the decode goal: at most 2×), the q·k flops at the bf16 matmul rate of
 the same run (the prefill's tensor-core ceiling; goal: within 2×) and (b) the PyTorch path. JSON to
@@ -127,7 +130,7 @@ class ScoresAlone(NamedTuple):
     """The score launch of a layer call of one token chunk, on its own (:func:`scores_alone`)."""
 
     scores: torch.Tensor  # (tokens, num_cols): the plan's workspace rows it writes, words or packed keys
-    launch: Callable[..., None]  # launch(out=scores, **index_scores options)
+    launch: Callable[..., None]  # launch(out=scores, cache=the layer's, **index_scores options)
 
 
 def scores_alone(layer: SparseMLAIndexer, plan: IndexerPlan, q_ready: torch.Tensor, w_ready: torch.Tensor,
@@ -144,8 +147,8 @@ def scores_alone(layer: SparseMLAIndexer, plan: IndexerPlan, q_ready: torch.Tens
     scores, dot = plan.scores(t1 - t0, words), plan.q.dtype
     q_dot, native = q_ready.to(dot), targets.target_of(cache.device).native_fp8
 
-    def launch(out: torch.Tensor = scores, **options) -> None:
-        kernels.index_scores(q_dot, w_ready, cache, step, out, t0, t1, longest, dot, native, **options)
+    def launch(out: torch.Tensor = scores, keys: IndexerKeyCache = cache, **options) -> None:
+        kernels.index_scores(q_dot, w_ready, keys, step, out, t0, t1, longest, dot, native, **options)
 
     return ScoresAlone(scores, launch)
 
@@ -265,6 +268,30 @@ def in_step_us(case: Case, env: Env, meta: StepMetadata, q: torch.Tensor, w: tor
         return None
 
 
+def parts_in_step_us(case: Case, env: Env, parts: dict[str, Callable[[int], object]], layers: int = STEP_LAYERS
+                     ) -> dict[str, float | None]:
+    """Each part's share of a CUDA graph of ``layers`` launches of it, the ``i``-th ``parts[name](i)`` (its own inputs
+    and outputs: layer ``i``'s), as :func:`in_step_us` times whole layers: the graph's launch, which a one-launch
+    replay pays each time (4-5 µs on an H200, about a third of a B 128 select's replay), is paid once for them, so
+    the shares compare the kernels' own times. ``do_bench`` flushes L2 before each replay: every launch reads its
+    inputs from DRAM, where a layer's select reads words the score kernel has just written. µs by name (``None``
+    where its buffers do not fit)."""
+    out: dict[str, float | None] = {}
+    for name, part in parts.items():
+        def step(part: Callable[[int], object] = part) -> None:
+            for i in range(layers):
+                part(i)
+
+        env.console.log(f"{case.name}: {name}, {layers} launches in one graph")
+        try:
+            out[name] = timed(graphed(step) if env.graphs else step, env.rep_ms) / layers
+        except torch.OutOfMemoryError:
+            out[name] = None
+        if env.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
     from sparse_mla.ops.triton import indexer as kernels
 
@@ -302,6 +329,18 @@ def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
     parts["torch_us"] = lambda: torch_path(q_ready, w_ready, cache, step, case)
     env.console.log(f"{case.name}: {STEP_LAYERS} layers in one graph")
     row["layer_in_step_us"] = in_step_us(case, env, meta, q, w, cache)
+    if alone is not None:
+        try:  # layer i's own keys, scores and picks (layer 0: this call's)
+            caches = [cache] + [key_cache(case, dev, seed) for seed in range(1, STEP_LAYERS)]
+            scores = [alone.scores] + [alone.scores.clone() for _ in range(1, STEP_LAYERS)]
+            picks = [plan.picks[: alone.scores.shape[0]]] + [plan.picks[: alone.scores.shape[0]].clone()
+                                                             for _ in range(1, STEP_LAYERS)]
+            row.update(parts_in_step_us(case, env, {
+                "scores_in_step_us": lambda i: alone.launch(scores[i], caches[i]),
+                "topk_in_step_us": lambda i: kernels.topk_rows(scores[i], case.topk, picks[i])}))
+            del caches, scores, picks
+        except torch.OutOfMemoryError:
+            pass
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     for name, fn in parts.items():
@@ -320,6 +359,8 @@ def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
     select_us = row.get("topk_us") or row.get("topk_torch_us")
     if row.get("scores_us") and select_us:
         row["topk_share_of_scores"] = select_us / row["scores_us"]
+    if row.get("scores_in_step_us") and row.get("topk_in_step_us"):
+        row["topk_share_of_scores_in_step"] = row["topk_in_step_us"] / row["scores_in_step_us"]
     if row.get("torch_us"):
         row["speedup_vs_torch"] = row["torch_us"] / row["layer_us"]
     return row
@@ -329,11 +370,13 @@ def results_table(result: dict) -> Table:
     table = Table(title=f"Lightning indexer per layer (prep + scores + top-k) — {result['device']}",
                   caption=f"µs, CUDA-graph replays; key read = the keys' bytes at the copy rate "
                           f"({result['copy_gbs']:.0f} GB/s, same run); in step = a layer's share of a graph of "
-                          f"{STEP_LAYERS} layers' calls (its launch paid once); TC = the q·k flops at the bf16 "
+                          f"{STEP_LAYERS} layers' calls (its launch paid once), scores / top-k in step: of "
+                          f"{STEP_LAYERS} launches of each; TC = the q·k flops at the bf16 "
                           f"matmul rate ({result['matmul_tflops']:.0f} TFLOP/s, same run); = ref: rows whose picks "
                           f"equal the reference's; recall: the share of the reference's picks the layer's hold")
     for col in ("case", "keys MB", "key read", "layer", "× key read", "in step", "× key read", "× TC", "prep", "scores",
-                "top-k", "torch.topk", "top-k / scores", "PyTorch", "speed-up", "= ref", "recall"):
+                "top-k", "torch.topk", "top-k / scores", "scores in step", "top-k in step", "top-k / scores in step",
+                "PyTorch", "speed-up", "= ref", "recall"):
         table.add_column(col, justify="left" if col == "case" else "right")
 
     def f(v, spec=".1f"):
@@ -344,7 +387,9 @@ def results_table(result: dict) -> Table:
                       f(r["layer_over_key_read"], ".2f"), f(r.get("layer_in_step_us")),
                       f(r.get("in_step_over_key_read"), ".2f"), f(r["layer_over_tensor_core"], ".2f"),
                       f(r.get("prep_us")), f(r.get("scores_us")), f(r.get("topk_us")), f(r.get("topk_torch_us")),
-                      f(r.get("topk_share_of_scores"), ".0%"), f(r.get("torch_us")),
+                      f(r.get("topk_share_of_scores"), ".0%"), f(r.get("scores_in_step_us")),
+                      f(r.get("topk_in_step_us")), f(r.get("topk_share_of_scores_in_step"), ".0%"),
+                      f(r.get("torch_us")),
                       f(r.get("speedup_vs_torch"), ".1f"), f(r["rows_equal_reference"], ".3f"),
                       f(r.get("recall_of_reference"), ".4f"))
     return table
