@@ -2,6 +2,8 @@
 the plain per-argument walk did (what Triton specialises a compiled binary on)."""
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 import pathlib
 import random
@@ -159,8 +161,14 @@ class _Param:
 
 
 class _CudaArg:
-    """A stand-in first argument on a CUDA device (the direct path is for CUDA tensors)."""
+    """A stand-in first argument on a CUDA device (the direct path is for CUDA tensors): GPU ``device``."""
     is_cuda = True
+
+    def __init__(self, device: int = 0) -> None:
+        self.device = device
+
+    def get_device(self) -> int:
+        return self.device
 
 
 def _fake_cuda_binary(calls: list, **launcher_values):
@@ -193,6 +201,41 @@ def test_the_installed_triton_takes_the_direct_path():
     assert launch.fast_path_enabled()
     jit_call = "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,"
     assert jit_call in inspect.getsource(JITFunction.run)  # the Python launcher's form, as the fallback makes it
+
+
+def test_a_launch_runs_on_its_first_tensor_s_gpu_where_another_is_current(monkeypatch):
+    """Triton compiles, loads and launches on the current device: a launch whose tensors live on another GPU makes
+    theirs current for the call (the JIT call, then the direct one, each under it), and the caller's back after."""
+    current = [0]
+    switches = []
+
+    @contextlib.contextmanager
+    def device(index):
+        switches.append(index)
+        before, current[0] = current[0], index
+        yield
+        current[0] = before
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0x5EA + device, raising=False)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    calls, jit_devices = [], []
+    binary = _fake_cuda_binary(calls)
+
+    class Kernel:
+        params = [_Param("x"), _Param("n"), _Param("BLOCK", True)]
+        __name__ = "kernel"
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: jit_devices.append(current[0]) or binary
+
+    run = launch.Launch(Kernel(), {"BLOCK": 64})
+    on_1 = _CudaArg(1)
+    assert run((1,), on_1, 7) is binary and jit_devices == [1] and switches == [1] and current[0] == 0
+    assert run((1,), on_1, 7) is binary and jit_devices == [1] and switches == [1, 1] and current[0] == 0
+    assert _by_slot(calls[0])[0]["stream"] == 0x5EA + 1  # the direct call: on GPU 1's stream
+    assert run((1,), _CudaArg(0), 7) is binary and switches == [1, 1]  # a tensor on the current GPU: no switch
+    assert launch.on_device_of(torch.zeros(1)).__class__ is contextlib.nullcontext  # a CPU tensor: nothing
 
 
 def test_a_launch_goes_direct_after_its_first_call_with_the_installed_launchers_arguments(monkeypatch):

@@ -65,7 +65,10 @@ class StepGraph:
                 step(batch)
         torch.cuda.current_stream(batch.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with record_sinks() as sinks, torch.cuda.graph(self.graph):
+        # captured on the batch's device (the current one may be another GPU: the launches would run there, uncaptured)
+        # and its own side stream (torch.cuda.graph's default one lives on the device current at its first use)
+        with (torch.cuda.device(batch.device), record_sinks() as sinks,
+              torch.cuda.graph(self.graph, stream=stream)):
             step(batch)
         # each captured layer's sink once (a replay checks they are still the captured tensors, as laid out then)
         self.sinks = list({id(layer): (layer, seen) for layer, seen in sinks}.values())

@@ -20,6 +20,7 @@ the ordinary JIT call — on Triton 3.9 some 5-8 times the host time of a direct
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -76,6 +77,19 @@ def fingerprint(args: tuple) -> tuple:
     return types, fingerprint_function(types)(args)
 
 
+def on_device_of(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """``tensor``'s CUDA device made the current one for the launches inside, where it is not (else nothing). Triton
+    compiles, loads and launches on the current device whatever device the arguments live on: a tensor on another
+    GPU was refused with a misleading "Pointer argument cannot be accessed from Triton (cpu tensor?)", and a binary
+    launched directly (:class:`Launch`) would have run in the wrong device's context. Torch's own ops follow their
+    tensors; the library's launches now do too."""
+    if tensor.is_cuda:
+        index = tensor.get_device()
+        if index != torch._C._cuda_getDevice():
+            return torch.cuda.device(index)
+    return contextlib.nullcontext()
+
+
 def _launch_hooks_installed() -> bool:
     """Whether a profiler hooked kernel launches (Triton 3.6 keeps chains of hooks, empty by default)."""
     runtime = _knobs.runtime
@@ -114,16 +128,21 @@ class Launch:
                                       for n, p in zip(names, [p for p in params if p.is_constexpr]))
 
     def __call__(self, grid: tuple, *args):
-        if not self._fast or not args[0].is_cuda or _launch_hooks_installed():
+        if not args[0].is_cuda:  # the CPU interpreter
+            return self.kernel[grid](*args, **self.kwargs)
+        # where the JIT call compiles, loads and launches (torch.cuda.current_device() without its lazy-init test:
+        # CUDA is initialised), which must be where the tensors live (args[0] among them): else switched to it
+        device = torch._C._cuda_getDevice()
+        if args[0].get_device() != device:
+            with torch.cuda.device(args[0].get_device()):
+                return self(grid, *args)
+        if not self._fast or _launch_hooks_installed():
             return self.kernel[grid](*args, **self.kwargs)
         types = tuple(map(type, args))
         by_types = self._binaries.get(types)
         if by_types is None:
             by_types = self._binaries[types] = (fingerprint_function(types), {})
         fingerprint_of, binaries = by_types
-        # where the JIT call compiles, loads and launches (torch.cuda.current_device() without its lazy-init test:
-        # CUDA is initialised, args[0] lives there)
-        device = torch._C._cuda_getDevice()
         key = (device, fingerprint_of(args))
         direct = binaries.get(key)
         if direct is None:
@@ -150,7 +169,7 @@ class Launch:
         if not self._fast or not args[0].is_cuda or _launch_hooks_installed():
             return None
         by_types = self._binaries.get(tuple(map(type, args)))
-        device = torch._C._cuda_getDevice()
+        device = args[0].get_device()  # where the call compiled it (Launch.__call__ runs it there)
         direct = None if by_types is None else by_types[1].get((device, by_types[0](args)))
         if direct is None:
             return None

@@ -15,7 +15,7 @@ import triton.language as tl
 from ... import formats
 from .. import launch_configs, targets
 from ..fp8 import e4m3_decode, e4m3_gain
-from ..launch import cached_launch, fp_fusion
+from ..launch import cached_launch, fp_fusion, on_device_of
 from .rows import (E4M3_NAN, E4M3_TOKEN_BYTES, FMT_BF16, FMT_FP4_V41, FMT_FP4_V41_PLANAR, FMT_FP8_E4M3, FMT_FP8_V4,
                    FMT_FP8_V41, FMT_FP8_V41_PLANAR, ROPE_DIM, UE8M0_BIAS, UE8M0_NAN, V4_BODY_BYTES, V4_SCALE_BYTES,
                    V4_TILE, V32_ROPE_OFFSET, V32_SCALE_OFFSET, V32_TILE, V32_TOKEN_BYTES, V41_FP4_TILE, V41_FP8_TILE,
@@ -237,9 +237,10 @@ def dequantize_and_gather(cache: torch.Tensor, fmt: formats.KVFormat, kv_scale: 
         out = torch.empty(flat.numel(), fmt.dim, dtype=torch.bfloat16, device=cache.device)
     if flat.numel():
         pa, pb, pc, _ = latent_pieces(fmt.dim)
-        _gather_kernel[(flat.numel(),)](cache, cache.stride(0), cache.shape[0] * cache.shape[1], flat, out,
-                                        flat if kv_scale is None else kv_scale,
-                                        FMT=fmt.code, BS=cache.shape[1], PA=pa, PB=pb, PC=pc,
-                                        NATIVE_FP8=targets.target_of(cache.device).native_fp8 if native_fp8 is None
-                                        else native_fp8, **fp_fusion())
+        with on_device_of(cache):
+            _gather_kernel[(flat.numel(),)](cache, cache.stride(0), cache.shape[0] * cache.shape[1], flat, out,
+                                            flat if kv_scale is None else kv_scale,
+                                            FMT=fmt.code, BS=cache.shape[1], PA=pa, PB=pb, PC=pc,
+                                            NATIVE_FP8=targets.target_of(cache.device).native_fp8 if native_fp8 is None
+                                            else native_fp8, **fp_fusion())
     return out.view(*slots.shape, fmt.dim)

@@ -49,7 +49,7 @@ from ...indexer_cache import INDEX_HEAD_DIM, IndexerKeyCache
 from .. import targets
 from ..dispatch import interpreting
 from ..fp8 import e4m3_as_f16, e4m3_decode, e4m3_f16_ptx, e4m3_gain
-from ..launch import fp_fusion, register_cap
+from ..launch import fp_fusion, on_device_of, register_cap
 from .cache import round_half_even
 from .dependent import launch_options, wait_for_previous
 from .index import table_slots
@@ -385,9 +385,11 @@ def launch_prepare_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Te
     q and weights, made contiguous, into its plan's buffers, which the plan made to fit)."""
     heads = min(PREP_HEADS, triton.next_power_of_2(q.shape[1]))
     grid = (q.shape[0], -(-q.shape[1] // heads))
-    _prepare_queries_kernel[grid](q, weights, cos, sin, q_out, w_out, q.shape[1], weight_scale, HB=heads,
-                                  D=INDEX_HEAD_DIM, HALF_SPLIT=half_split, FP8_Q=fp8_q, HW_ROUND=not interpreting(),
-                                  num_warps=4, **fp_fusion(False), **launch_options(q.device))
+    with on_device_of(q):
+        _prepare_queries_kernel[grid](q, weights, cos, sin, q_out, w_out, q.shape[1], weight_scale, HB=heads,
+                                      D=INDEX_HEAD_DIM, HALF_SPLIT=half_split, FP8_Q=fp8_q,
+                                      HW_ROUND=not interpreting(), num_warps=4, **fp_fusion(False),
+                                      **launch_options(q.device))
 
 
 def launch_shape(num_heads: int, max_query_len: int, num_reqs: int, num_cols: int, wave: int = 0
@@ -516,15 +518,17 @@ def launch_index_scores(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKe
     if chained is None:
         chained = heads_chained(target)
     chained = chained and hp >= 8  # fewer padded heads: a token's lie within one lane group, tl.sum's
-    _index_scores_kernel[grid](
-        q, weights, cache.data, scale_view, step.positions, step.query_start_loc, step.block_table, out,
-        t0, t1, q.shape[1], step.ratio, cache.num_blocks, step.block_table.stride(0), step.block_table.shape[1],
-        out.stride(0), num_cols,
-        HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
-        DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, WORDS=out.dtype == torch.int32, num_warps=warps, CHAINED=chained,
-        PTX_DECODE=target.backend == "cuda" and not interpreting(),
-        num_stages=stages, **fp_fusion(), **launch_options(q.device),
-        **register_cap(FP8_DOT_MAXNREG if fp8_dot and target.name in FP8_DOT_CAPPED else None))
+    with on_device_of(q):
+        _index_scores_kernel[grid](
+            q, weights, cache.data, scale_view, step.positions, step.query_start_loc, step.block_table, out,
+            t0, t1, q.shape[1], step.ratio, cache.num_blocks, step.block_table.stride(0), step.block_table.shape[1],
+            out.stride(0), num_cols,
+            HP=hp, QT=qt, PAGES=per_program, PAGE=64, D=INDEX_HEAD_DIM, FP8=fp8, NATIVE_FP8=native_fp8,
+            DOT_DTYPE=dot, FP8_DOT=fp8_dot, STAGES=stages, WORDS=out.dtype == torch.int32, num_warps=warps,
+            CHAINED=chained,
+            PTX_DECODE=target.backend == "cuda" and not interpreting(),
+            num_stages=stages, **fp_fusion(), **launch_options(q.device),
+            **register_cap(FP8_DOT_MAXNREG if fp8_dot and target.name in FP8_DOT_CAPPED else None))
 
 
 @triton.jit
@@ -985,13 +989,14 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
         conv = (into.positions, into.token_to_req, into.table, into.table.stride(0), *into.table.shape,
                 into.indices, into.indices.stride(0), into.lens, into.kept, into.kept.stride(0))
         grid, bs = into.rows, into.block_size
-    _topk_rows_kernel[(grid,)](packed, words, out, packed.stride(0), out.stride(0), cols, rows, segments, *conv, K=k,
-                               KP=triton.next_power_of_2(k), C=main, TAIL=tail, KEYS=keys,
-                               COLUMN_ENTRIES=column_entries, CONVERT=into is not None, BS=bs, WORDS=words_in,
-                               ENTRY_BITS=max(1, (entries - 1).bit_length()), DIGIT=digit_bits,
-                               RUNS=select_runs(target, warps, main, words_in), V=SELECT_VECTOR,
-                               PTX_STORE=PTX_STORE and target.backend == "cuda" and not interpreting(),
-                               num_warps=warps, **register_cap(maxnreg), **fp_fusion(), **launch_options(packed.device))
+    with on_device_of(packed):
+        _topk_rows_kernel[(grid,)](
+            packed, words, out, packed.stride(0), out.stride(0), cols, rows, segments, *conv, K=k,
+            KP=triton.next_power_of_2(k), C=main, TAIL=tail, KEYS=keys, COLUMN_ENTRIES=column_entries,
+            CONVERT=into is not None, BS=bs, WORDS=words_in, ENTRY_BITS=max(1, (entries - 1).bit_length()),
+            DIGIT=digit_bits, RUNS=select_runs(target, warps, main, words_in), V=SELECT_VECTOR,
+            PTX_STORE=PTX_STORE and target.backend == "cuda" and not interpreting(), num_warps=warps,
+            **register_cap(maxnreg), **fp_fusion(), **launch_options(packed.device))
 
 
 def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto | None = None, *,
