@@ -235,6 +235,11 @@ def test_a_launch_runs_on_its_first_tensor_s_gpu_where_another_is_current(monkey
     assert run((1,), on_1, 7) is binary and jit_devices == [1] and switches == [1, 1] and current[0] == 0
     assert _by_slot(calls[0])[0]["stream"] == 0x5EA + 1  # the direct call: on GPU 1's stream
     assert run((1,), _CudaArg(0), 7) is binary and switches == [1, 1]  # a tensor on the current GPU: no switch
+    bound = run.bind((1,), (on_1, 7))  # bound to GPU 1's binary: launched only while GPU 1 is current
+    launched = len(calls)
+    assert bound is not None and not bound([]) and len(calls) == launched
+    with device(1):
+        assert bound([]) and len(calls) == launched + 1 and _by_slot(calls[-1])[0]["stream"] == 0x5EA + 1
     assert launch.on_device_of(torch.zeros(1)).__class__ is contextlib.nullcontext  # a CPU tensor: nothing
 
 

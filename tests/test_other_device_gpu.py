@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from indexer_cases import layer_step
+from sparse_mla._checks import check_device
 from sparse_mla.graphs import StepGraph
 from sparse_mla.indexer_layer import SparseMLAIndexer
 from sparse_mla.metadata import MetadataSpec, build_step_metadata
@@ -71,3 +72,11 @@ def test_the_indexer_and_a_captured_step_give_the_picks_of_the_tensors_own_gpu()
     torch.cuda.synchronize(OTHER)
     assert torch.equal(picks, want)
     assert torch.cuda.current_device() == 0
+
+
+def test_a_gpu_named_without_its_index_is_the_one_current_when_named():
+    """``"cuda"`` given to an object that keeps its device (a builder, a cache, a compressor pool) is the GPU current
+    then, for good: its later tensors land there, whichever GPU is current by then."""
+    with torch.cuda.device(OTHER):
+        assert check_device("device", "cuda") == OTHER
+    assert check_device("device", "cuda") == torch.device("cuda:0")

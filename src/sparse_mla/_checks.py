@@ -68,13 +68,18 @@ def _meta_error(name: str) -> ValueError:
 
 def check_device(name: str, device: object) -> torch.device:
     """``device`` as a :class:`torch.device`: a device or a string torch knows (``"cpu"``, ``"cuda:0"``), and (a GPU)
-    one this machine has."""
+    one this machine has. A GPU without an index (``"cuda"``) becomes the current one's (``"cuda:1"`` where that is
+    current), as torch places a tensor made there: an object that keeps the device (a builder, a cache, a pool) then
+    makes every later tensor on the GPU of its first ones, whichever is current by then, and compares equal to its
+    tensors' devices."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"{name} must be a torch.device or a device string such as 'cuda:0', got {device!r}") from None
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         raise ValueError(f"{name} {device!r} is not a GPU of this machine ({torch.cuda.device_count()} visible)")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

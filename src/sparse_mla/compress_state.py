@@ -62,8 +62,7 @@ class CompressorStatePool:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
         self.ratio = int(ratio)
         self.max_requests = check_positive_int("max_requests", max_requests)
-        # "cuda" -> "cuda:0": compared with tensors' devices
-        self.device = torch.empty(0, device=check_device("device", device)).device
+        self.device = check_device("device", device)  # "cuda" -> the current GPU's: compared with tensors' devices
         self.dtype = dtype
         self.ring = state_tokens(self.ratio)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []

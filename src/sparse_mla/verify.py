@@ -261,11 +261,11 @@ def run_layer_against_oracle(sc: Scenario, layer: SparseMLAAttention, q: torch.T
     layer(q, None, sc.caches, out=out)  # warm-up without metadata: zeros
     if q.is_cuda:  # compile the kernels outside the timed call
         layer(q, sc.meta, sc.caches, picks, out=out)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(q.device)
     t = time.perf_counter()
     layer(q, sc.meta, sc.caches, picks, out=out)
     if q.is_cuda:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(q.device)
     elapsed = time.perf_counter() - t
     ref = sc.expected(q, layer.kind, sample, sink, layer.scale)
     got = out[sample].double().cpu()

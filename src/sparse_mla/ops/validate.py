@@ -78,8 +78,14 @@ class AttentionArgs:
 
 
 def graph_capturing(device: torch.device) -> bool:
-    """Whether work for ``device`` is being captured into a CUDA graph (recorded to run at each replay, not now)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """Whether work for ``device`` is being captured into a CUDA graph (recorded to run at each replay, not now):
+    its current stream's, which is the one asked where ``device`` is the current GPU (torch asks the current one)."""
+    if device.type != "cuda":
+        return False
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 @functools.lru_cache(maxsize=64)
