@@ -126,6 +126,28 @@ def test_single_scope_no_sink_and_noncontiguous_q(view):
     check_close(got, ref)
 
 
+def test_a_q_whose_heads_lie_2_31_elements_apart_reads_like_its_contiguous_copy():
+    """The kernels offset q's heads in int32 (head · q.stride(1)): a head-major buffer's transposed view whose heads
+    lie 2^30 + 2^20 elements apart put head 2 past 2^31, which wrapped (it read other memory: a zero q's LSE, ln 16).
+    Such a q goes to the kernels as its contiguous copy (``validate.kernel_takes_q``). The storage is 2.15 GiB of
+    float8 codes, only the heads' rows of it ever touched."""
+    from sparse_mla.ops.validate import kernel_takes_q
+
+    gen = torch.Generator().manual_seed(12)
+    heads, dim, apart = 3, 512, (1 << 30) + (1 << 20)
+    store = torch.empty((heads - 1) * apart + dim, dtype=torch.float8_e4m3fn, device=DEVICE)
+    q = store.as_strided((1, heads, dim), (dim, apart, 1))
+    q.copy_((torch.randn(1, heads, dim, generator=gen) * 8).to(torch.float8_e4m3fn).to(DEVICE))
+    assert not kernel_takes_q(q) and kernel_takes_q(q.contiguous())
+    cache = torch.randn(1, 64, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    idx = torch.arange(16, dtype=torch.int32, device=DEVICE)[None]
+    q_scale = torch.tensor([0.05], device=DEVICE)
+    got = sparse_attention_decode(q, cache, idx, fmt="bf16", q_scale=q_scale, backend="triton")
+    ref = sparse_attention_decode(q.contiguous(), cache, idx, fmt="bf16", q_scale=q_scale, backend="reference")
+    check_close(got, ref)
+    del q, store
+
+
 @pytest.mark.parametrize("layout", ["strided", "broadcast"])
 def test_strided_indices_lens_and_sink_read_like_contiguous_ones(layout):
     """Index rows, lens and sink with any strides (views, expands) give the contiguous answer."""

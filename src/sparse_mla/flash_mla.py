@@ -40,7 +40,7 @@ from ._checks import check_tensor
 from .config import check_scope_formats
 from .ops import reference, sparse_attention_prefill
 from .ops.memo import Remembered, keep, recall, signature
-from .ops.validate import AttentionArgs, debug_checks_enabled
+from .ops.validate import AttentionArgs, debug_checks_enabled, kernel_takes_q
 
 if TYPE_CHECKING:
     from .ops.attention_plan import AttentionPlan
@@ -165,7 +165,7 @@ def _remember(sig: tuple, args: AttentionArgs, plan: AttentionPlan, q: torch.Ten
     on the raw arguments of a later call launches what the checks would have; a call whose tensors needed a copy
     (a reshape of a q or indices whose batch and token axes do not merge, say ``q_all[:, :s_q]``) is not
     remembered: it goes the checked path each time."""
-    if args.q is not q or q.stride(-1) != 1 or args.sink is not sink:
+    if args.q is not q or not kernel_takes_q(q) or args.sink is not sink:
         return
     if any(view.data_ptr() != given.data_ptr() for view, given in zip((q, *indices), raw)):
         return  # a copy: a later call's raw tensors are not laid out as the launch the plan would bind

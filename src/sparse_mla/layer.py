@@ -16,7 +16,7 @@ from .formats import FORMAT_NAMES, get_format
 from .index_forms import check_index_form
 from .metadata import StepMetadata
 from .ops.dispatch import check_backend_name
-from .ops.validate import D_V
+from .ops.validate import D_V, kernel_takes_q
 from .plan import (PREFILL_MODES, LayerPlan, StepLists, check_cache_kv_scale, check_step_caches, layer_kv_scale,
                    resolve_cache_arg)
 from .workspace import DEFAULT_WORKSPACE_BYTES, shared_workspace
@@ -215,7 +215,7 @@ class SparseMLAAttention(torch.nn.Module):
             if q.shape[0] != capacity:
                 raise ValueError(f"q has {q.shape[0]} tokens, the step's token capacity is {capacity}")
             check_tensor("q", q, device=device)
-        if q.stride(2) != 1:
+        if not kernel_takes_q(q):
             q = q.contiguous()
         out = self._out(q, out, capacity, self.num_heads if context_parallel is None else context_parallel.out_heads)
         sink = self._buffers["sink"]

@@ -22,7 +22,7 @@ from . import dispatch, gluon as gluon_kernel, launch_configs, targets
 from .launch import Launch, cached_launch
 from .triton.attention import _combine_kernel, _sparse_mla_kernel
 from .triton.rows import latent_pieces
-from .validate import D_V, LOG2E, AttentionArgs
+from .validate import D_V, LOG2E, AttentionArgs, kernel_takes_q
 
 def choose_splits(num_tokens: int, num_heads: int, head_blocks: int, max_blocks: int, sms: int,
                   tails: bool = False) -> tuple[int, int]:
@@ -403,7 +403,7 @@ def plan_for(args: AttentionArgs, batch_invariant: bool = False, **overrides) ->
 def call_arguments(args: AttentionArgs) -> tuple:
     """The arguments of an :class:`AttentionPlan` call for checked arguments (``out``: ``args.out`` or a new
     ``(T, H, 512)`` bf16 tensor; ``lse``: a new ``(T, H)`` float32 one), in :meth:`AttentionPlan.__call__`'s order."""
-    q = args.q if args.q.stride(-1) == 1 else args.q.contiguous()
+    q = args.q if kernel_takes_q(args.q) else args.q.contiguous()
     out = args.out if args.out is not None else torch.empty(*q.shape[:2], D_V, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(*q.shape[:2], dtype=torch.float32, device=q.device)
     return (q, out, lse, args.sink, args.scale, tuple(s.cache for s in args.scopes),

@@ -25,7 +25,7 @@ import torch
 from .._checks import check_kv_scale, check_no_overlap
 from . import attention_plan
 from .launch import BindOnce
-from .validate import D_V, AttentionArgs
+from .validate import D_V, AttentionArgs, kernel_takes_q
 
 _PLAIN = frozenset((type(None), bool, int, float, str))
 
@@ -134,7 +134,7 @@ def remember_call(sig: tuple, args: AttentionArgs, plan: attention_plan.Attentio
         pairs += [(scope.indices, idx), (scope.lens if scope.indptr is None else scope.indptr, ln)]
         if scope.cache.data_ptr() != cache.data_ptr():
             return
-    if q.stride(-1) == 1 and all(_same(checked, given) for checked, given in pairs):
+    if kernel_takes_q(q) and all(_same(checked, given) for checked, given in pairs):
         keep(CALLS, sig, entry, MAX_CALLS)
 
 

@@ -21,6 +21,18 @@ D_V = 512  # output width: the 512-d latent (V4: all of it; V3.2: the nope part 
 LOG2E = 1.4426950408889634
 
 
+# the attention kernels (Triton's _load_q, Gluon's query loads) offset q's tokens in int64 and its heads in int32
+# (head · q.stride(-2)): the heads must lie less than 2^31 elements apart in all
+Q_HEAD_SPAN = 2 ** 31
+
+
+def kernel_takes_q(q: torch.Tensor) -> bool:
+    """Whether the attention kernels read ``q (..., H, d)`` as it is: rows at unit stride, and its ``H`` heads
+    less than :data:`Q_HEAD_SPAN` elements apart in all. Else they take its contiguous copy (a head-major buffer's
+    transposed view of 128 heads over 33K tokens wrapped its high heads' offsets: they read other memory)."""
+    return q.stride(-1) == 1 and q.stride(-2) * q.shape[-2] < Q_HEAD_SPAN
+
+
 def debug_checks_enabled() -> bool:
     """Whether fast kernels also check index ranges on entry (``SPARSE_MLA_DEBUG=1``)."""
     return switch_on("SPARSE_MLA_DEBUG")
