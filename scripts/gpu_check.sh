@@ -35,8 +35,8 @@
 #               (transformers 5.23.0's Requires-Dist newer than the box may have; huggingface-hub 2.x imports httpx2,
 #               which the box lacks); the call prints any unmet
 #   cp          2 or 4 GPUs: the context-parallel test (NCCL, 2 ranks and, with 4 GPUs, 4; both exchange forms,
-#               eager and a CUDA graph) and, unless BENCH=none, the context-parallel benchmark instead of the step
-#               one (1, 2 and, with 4 GPUs, 4 ranks; ~3 min)
+#               eager and a CUDA graph), the kernels on GPU 1 while GPU 0 is current, and, unless BENCH=none, the
+#               context-parallel benchmark instead of the step one (1, 2 and, with 4 GPUs, 4 ranks; ~3 min)
 set -uo pipefail
 SUBSETS=scripts/gpu_subsets.txt
 SINGLE_GPU="default more layers v41 v41gluon misc pipeline guards hf lowerings"  # GPU_TESTS=all, in this order
