@@ -135,6 +135,19 @@ def test_a_gpu_this_machine_does_not_have_is_named():
             StepBatchBuilder(16, 4, 64, device=bad)
 
 
+@pytest.mark.parametrize("device", ["mps", "xpu:0", "hpu"])
+def test_a_device_type_the_library_does_not_run_on_is_named(device):
+    """Every object that keeps its device refuses torch's other backends by name (they raised an AssertionError, a
+    NotImplementedError or a ModuleNotFoundError from inside torch, or passed, to fail at the first tensor made)."""
+    from sparse_mla.compress_state import CompressorStatePool
+    from sparse_mla.indexer_cache import IndexerKeyCache
+
+    for make in (lambda: PagedCache(2, 4, "bf16", device=device), lambda: StepBatchBuilder(16, 4, 64, device=device),
+                 lambda: IndexerKeyCache(2, "fp8", device=device), lambda: CompressorStatePool(4, 8, device=device)):
+        with pytest.raises(ValueError, match="device must be the CPU or a CUDA / ROCm GPU"):
+            make()
+
+
 def test_slots_of_takes_a_positive_block_size():
     table = torch.tensor([[0, 1], [5, 6]], dtype=torch.int32)
     assert slots_of(table, torch.tensor([1]), torch.tensor([5]), 4).tolist() == [25]  # block 6 · 4 + 1

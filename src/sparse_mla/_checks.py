@@ -66,6 +66,11 @@ def _meta_error(name: str) -> ValueError:
     return ValueError(f"{name} is on the meta device: it holds no values")
 
 
+# the device types an object that keeps its device may name: the CPU, a GPU (ROCm's too: torch calls it "cuda"), and
+# torch's shape-only "meta" device (its tensors hold no values: the kernels' entry checks refuse them)
+DEVICE_TYPES = ("cpu", "cuda", "meta")
+
+
 def check_device(name: str, device: object) -> torch.device:
     """``device`` as a :class:`torch.device`: a device or a string torch knows (``"cpu"``, ``"cuda:0"``), and (a GPU)
     one this machine has. A GPU without an index (``"cuda"``) becomes the current one's (``"cuda:1"`` where that is
@@ -76,6 +81,9 @@ def check_device(name: str, device: object) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"{name} must be a torch.device or a device string such as 'cuda:0', got {device!r}") from None
+    if dev.type not in DEVICE_TYPES:  # torch's other backends (xpu, mps, ...): their errors came from deep inside
+        raise ValueError(f"{name} must be the CPU or a CUDA / ROCm GPU ('cpu', 'cuda:0'), got {device!r}: the library "
+                         f"runs on no {dev.type} device")
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         raise ValueError(f"{name} {device!r} is not a GPU of this machine ({torch.cuda.device_count()} visible)")
     if dev.type == "cuda" and dev.index is None:
