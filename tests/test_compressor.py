@@ -258,6 +258,9 @@ def test_bad_construction_is_named():
         KVCompressor(pool, 512.0, w, EPS, ape=ape)
     with pytest.raises(ValueError, match="device must be a torch.device"):
         CompressorStatePool(4, 2, device="bogus")
+    with pytest.raises(ValueError, match="norm_weight must be below 1.06e\\+37 in magnitude"):  # entries past bf16
+        KVCompressor(pool, 512, torch.full_like(w, 3e38), EPS, ape=ape)
+    KVCompressor(pool, 512, torch.full_like(w, 1e37), EPS, ape=ape)  # under the bound
     with pytest.raises(ValueError, match="norm_weight is on the meta device"):  # a model built before its weights
         KVCompressor(pool, 512, w.to("meta"), EPS, ape=ape)
     with pytest.raises(ValueError, match="ape is on the meta device"):

@@ -157,6 +157,14 @@ class KVCompressor:
         check_tensor("norm_weight", norm_weight, shape=(self.dim,),
                      dtype=(torch.float32, torch.bfloat16, torch.float16))
         check_finite("norm_weight", norm_weight)  # once (a sync): a NaN weight would make every entry NaN
+        # a normalised latent's channel is at most sqrt(dim) times its weight (x / rms(x) <= sqrt(dim)), its rope pair
+        # sqrt(2) times that: a weight under this bound keeps every entry finite in bf16 on both backends (at 3e38 the
+        # reference refused the entries after its state ring moved, naming keys, and the kernels wrote inf entries)
+        bound = torch.finfo(torch.bfloat16).max / math.sqrt(2 * self.dim)
+        largest = float(norm_weight.detach().abs().max()) if norm_weight.numel() else 0.0
+        if largest >= bound:
+            raise ValueError(f"norm_weight must be below {bound:.3g} in magnitude (an entry's channel can reach "
+                             f"sqrt(2 · dim) times its weight, past bf16's range), got {largest:.3g}")
         self.norm_weight = norm_weight.detach().to(device=pool.device, dtype=torch.float32).contiguous()
         if self.ratio in APE_RATIOS:
             if ape is None:
