@@ -204,15 +204,20 @@ def entries_needed(seq_len: int, kind: str) -> int:
 
 def blocks_needed(seq_len: int, kind: str, block_size: int | None = None) -> int:
     """Blocks of the ``kind`` cache a request of ``seq_len`` tokens needs (its block table's minimum length)."""
-    entries_needed(seq_len, kind)  # its checks
+    entries = entries_needed(seq_len, kind)
     bs = DEFAULT_BLOCK_SIZE[kind] if block_size is None else check_positive_int("block_size", block_size)
-    return _blocks_for(seq_len, COMPRESS_RATIO[kind], bs)
+    return _blocks_of(entries, bs)
 
 
 def _blocks_for(seq_len: int, ratio: int, block_size: int) -> int:
     """:func:`blocks_needed` of arguments known good (a builder's own kinds and block sizes, a request's checked
     seq_len): the builder asks it of every request and kind each step, and the checks cost 4x the arithmetic."""
-    return -(-complete_entries(seq_len, ratio) // block_size)
+    return _blocks_of(complete_entries(seq_len, ratio), block_size)
+
+
+def _blocks_of(entries: int, block_size: int) -> int:
+    """Blocks of ``block_size`` entries that hold ``entries``."""
+    return -(-entries // block_size)
 
 
 class StepBatchBuilder:
