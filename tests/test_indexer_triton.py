@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import sys
 
 import pytest
@@ -672,6 +673,57 @@ def test_non_finite_queries_or_weights_are_refused_where_values_are_checked(back
         (q2[1, 3, 7] if bad_q else w2[2, 5]).fill_(value)
         with pytest.raises(ValueError, match=f"{name} must be finite"):
             layer(sc.meta, q2, w2, cache)
+
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend,debug", [("reference", False), ("triton", True)])
+@pytest.mark.parametrize("bad", ["weights 3e38", "q 3e38"])
+def test_finite_inputs_whose_scores_overflow_are_refused_where_values_are_checked(backend, debug, bad, monkeypatch):
+    """Finite q and weights so large that a score overflows float32 (weights of 3e38: |w|·|q·k| past 3.4e38) or the
+    rope does (q of 3e38: x·cos + y·sin past it) are refused with the scores' message on the reference and, with
+    SPARSE_MLA_DEBUG=1, on the kernels (whose picks among such scores differed from the reference's: a helper's
+    probe, docs/history.md version 46); the same call with ordinary values passes."""
+    from sparse_mla.indexer import SCORES_OVERFLOW
+    from sparse_mla.scenario import make_scenario
+
+    if debug:
+        monkeypatch.setenv("SPARSE_MLA_DEBUG", "1")
+    sc = make_scenario([(300, 2), (200, 1)], window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,
+                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
+    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, "fp8", device=DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    for r, seq_len in enumerate((300, 200)):
+        entries = torch.arange(seq_len // 4, dtype=torch.int32)
+        cache.write(torch.randn(len(entries), 128, generator=gen).to(DEVICE), sc.batch.entry_slots("c4a", r, entries))
+    q = torch.randn(sc.batch.token_capacity, 8, 128, generator=gen).to(DEVICE)
+    w = torch.randn(sc.batch.token_capacity, 8, generator=gen).abs().to(DEVICE)
+    layer = SparseMLAIndexer("c4a", 8, 32, backend=backend)
+    layer(sc.meta, q, w, cache)
+    if bad == "weights 3e38":
+        w[1] = 3e38
+    else:
+        q[1, :, 64:] = 3e38  # the rotated dims: each a sum of two products of 3e38
+    with pytest.raises(ValueError, match=re.escape(SCORES_OVERFLOW)):
+        layer(sc.meta, q, w, cache)
+
+
+def test_scores_finite_reads_both_score_formats():
+    """``scores_finite`` over words and packed keys: a candidate of score +inf, -inf or NaN is not finite; a finite
+    score and no candidate (word 0, packed ``INT64_MIN``) are."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    def order_bits(x: float) -> int:
+        bits = torch.tensor([x], dtype=torch.float32).view(torch.int32).item()
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+    for score, finite in ((1.5, True), (-2.0, True), (0.0, True), (float("inf"), False), (float("-inf"), False),
+                          (float("nan"), False)):
+        word = (order_bits(score) ^ -2147483648) & 0xFFFFFFFF
+        words = torch.tensor([[0, max(word, 1) - (1 << 32 if word >= 1 << 31 else 0)]], dtype=torch.int32)
+        packed = torch.tensor([[kernels.INT64_MIN, (order_bits(score) << 32) | 0xFFFFFFF0]], dtype=torch.int64)
+        assert kernels.scores_finite(words, True) is finite, score
+        assert kernels.scores_finite(packed, False) is finite, score
 
 
 def packed_keys_unless(monkeypatch, words: bool) -> None:

@@ -201,6 +201,17 @@ def _merge_topk(best_val: torch.Tensor, best_idx: torch.Tensor, val: torch.Tenso
     return vals[:, :k], torch.gather(torch.cat((best_idx, idx), 1), 1, order[:, :k])
 
 
+# what a score past float32's range means: the inputs, not the keys (the caches hold bounded values)
+SCORES_OVERFLOW = ("q and weights must give finite scores: a token's Σ_h w·ReLU(q·k) overflowed float32 (q or weights "
+                   "too large in magnitude); the backends' picks among such scores are unspecified")
+
+
+def check_scores_finite(finite: bool) -> None:
+    """``ValueError`` (:data:`SCORES_OVERFLOW`) unless ``finite``: whether every visible score of a call was finite."""
+    if not finite:
+        raise ValueError(SCORES_OVERFLOW)
+
+
 def _chunk_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``q (t, H, 128)``, ``w (t, H)``, ``keys (E, 128)`` -> ``(t, E)`` ``Σ_h w·ReLU(q·k)`` in float32."""
     return torch.einsum("th,the->te", w, torch.relu(torch.einsum("thd,ed->the", q, keys)))
@@ -237,6 +248,9 @@ def _stream_topk(q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache, step:
                 keys, block_ok = _page_keys(cache, table_row, entries)
                 scores = _chunk_scores(q[t0:t1].float(), w[t0:t1], keys)
                 visible = block_ok[None, :] & (entries[None, :] < nvis[:, None])
+                # finite q and weights can still overflow (|w|·|q·k| past 3.4e38): refused, as the kernels' debug
+                # check does, rather than ranked (a NaN would sort first; the kernels' ReLU drops it)
+                check_scores_finite(bool(torch.isfinite(scores[visible]).all()))
                 if allowed is not None:
                     visible &= allowed[t0:t1, entries // BLOCK_ENTRIES]
                 scores = torch.where(visible, scores, float("-inf"))

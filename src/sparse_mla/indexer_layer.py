@@ -23,8 +23,8 @@ import torch
 from ._checks import check_finite, check_positive_int, check_tensor
 from .batch import StepBatch
 from .config import COMPRESS_RATIO, PICKS_KINDS, ModelConfig
-from .indexer import (KEPT_BLOCKS, MAX_SELECT_COLS, SELECT_SEGMENT, IndexerSpec, StepTokens, index_topk_reference,
-                      prepare_queries, select_kernel_takes, top_blocks_reference)
+from .indexer import (KEPT_BLOCKS, MAX_SELECT_COLS, SELECT_SEGMENT, IndexerSpec, StepTokens, check_scores_finite,
+                      index_topk_reference, prepare_queries, select_kernel_takes, top_blocks_reference)
 from .indexer_cache import INDEX_FORMATS, IndexerKeyCache
 from .metadata import StepMetadata
 from .ops import targets
@@ -247,8 +247,9 @@ class SparseMLAIndexer(torch.nn.Module):
         select_blocks (V4.1's last kv source): also return the kept blocks ``(T_cap, 2048)`` int32, picking inside
         them; kept_blocks (later sources): pick only inside these (a block number outside ``[0, blocks)`` selects
         nothing, like ``-1``: its values are not checked, which would sync). q and weights of the step's tokens must
-        be finite: checked on the reference backend, and with ``SPARSE_MLA_DEBUG=1`` on the kernels (a sync; without
-        it a token with a NaN or infinite score gets picks the reference would not give).
+        be finite, and so must the scores they give (a finite q or weight near float32's range can overflow the rope
+        or a score): checked on the reference backend, and with ``SPARSE_MLA_DEBUG=1`` on the kernels (a sync;
+        without it a token with a NaN or infinite score gets picks the reference would not give).
         """
         self._check(meta, q, weights, cache)
         if not isinstance(select_blocks, bool):
@@ -301,6 +302,9 @@ class SparseMLAIndexer(torch.nn.Module):
         kernels.launch_prepare_queries(q, w, plan.cos, plan.sin, self.kind == "dsa", self.spec.q_format == "fp8",
                                        self.spec.weight_scale, plan.q, plan.w)
         q, w = plan.q, plan.w
+        if debug_checks_enabled():  # a q whose rope overflowed prepares to inf / NaN, which the kernels' ReLU drops
+            n = meta.batch.num_tokens
+            check_scores_finite(bool(torch.isfinite(q[:n].float()).all() and torch.isfinite(w[:n]).all()))
         dot_dtype = q.dtype
         native_fp8 = targets.target_of(cache.device).native_fp8
         kernel_select = self._kernel_select()
@@ -313,6 +317,8 @@ class SparseMLAIndexer(torch.nn.Module):
         for i, (t0, t1, longest) in enumerate(chunks):
             packed = plan.scores(t1 - t0, words)
             kernels.launch_index_scores(q, w, cache, plan.step, packed, t0, t1, longest, dot_dtype, native_fp8)
+            if debug_checks_enabled():  # values: a sync (docs/checks.md); the reference refuses these always
+                check_scores_finite(kernels.scores_finite(packed, words))
             # the chunks cover the step's real tokens [0, num_tokens); padding rows keep the plan's -1
             if select_blocks:
                 plan.kept[t0:t1] = kernels.top_blocks_from_packed(packed, plan.step.positions[t0:t1],

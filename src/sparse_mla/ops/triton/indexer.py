@@ -1080,6 +1080,21 @@ def dot_dtype_for(target: targets.Target, key_format: str, q_format: str) -> tor
     return torch.bfloat16
 
 
+# a word's bits (unsigned) for the scores past float32's range: +inf and the NaNs from here up, -inf's
+_WORD_POS_INF, _WORD_NEG_INF = 0xFF800000, 0x007FFFFF
+
+
+def scores_finite(scores: torch.Tensor, words: bool) -> bool:
+    """Whether every candidate of a score launch's ``scores`` (int32 words, else packed int64 keys) has a finite score
+    (a device sync: the layer's debug check, docs/checks.md)."""
+    if words:
+        bits = scores.to(torch.int64) & 0xFFFFFFFF
+        return not bool(((bits >= _WORD_POS_INF) | (bits == _WORD_NEG_INF)).any())
+    high = scores >> 32  # the order bits: float order as signed ints, +inf 0x7F800000, -inf 0x807FFFFF
+    bad = (high >= 0x7F800000) | ((high <= -2139095041) & (scores != INT64_MIN))
+    return not bool(bad.any())
+
+
 def unpack_entries(packed: torch.Tensor) -> torch.Tensor:
     """Packed keys -> their entries, int32, ``-1`` for ``INT64_MIN`` (no candidate)."""
     entries = _LOW_MASK - (packed & _LOW_MASK)
