@@ -292,6 +292,47 @@ def parts_in_step_us(case: Case, env: Env, parts: dict[str, Callable[[int], obje
     return out
 
 
+def layer_parts_in_step_us(case: Case, env: Env, layer: SparseMLAIndexer, meta: StepMetadata, plan: IndexerPlan,
+                           q: torch.Tensor, w: torch.Tensor, caches: Sequence[IndexerKeyCache]
+                           ) -> dict[str, float | None]:
+    """What each part adds to a layer in a step: graphs of :data:`STEP_LAYERS` layers' query preps, of their preps
+    and score launches, and (:func:`in_step_us`) of their whole calls, each launched as the layer launches them (the
+    score kernel a programmatic dependent of the prep, the select of the scores, reading the words the scores just
+    wrote to L2, converting its picks): the prep's share, then the scores' and the top-k's as the differences
+    (``scores_added_us``, ``topk_added_us``), which count what overlaps the part before it as the layer does. For a
+    call of one token chunk of words; ``{}`` otherwise."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    words = layer.scores_as_words(plan)
+    chunks = plan.chunks_for(words)
+    if not words or len(chunks) != 1:
+        return {}
+    (t0, t1, longest), = chunks
+    scores = plan.scores(t1 - t0, words)
+    native = targets.target_of(env.device).native_fp8
+
+    def prep(i: int) -> None:
+        kernels.launch_prepare_queries(q, w, plan.cos, plan.sin, case.kind == "dsa", layer.spec.q_format == "fp8",
+                                       layer.spec.weight_scale, plan.q, plan.w)
+
+    def prep_scores(i: int) -> None:
+        prep(i)
+        kernels.launch_index_scores(plan.q, plan.w, caches[i], plan.step, scores, t0, t1, longest, plan.q.dtype,
+                                    native)
+
+    def whole(i: int) -> None:
+        layer(meta, q, w, caches[i])
+
+    out = parts_in_step_us(case, env, {"prep_in_step_us": prep, "prep_scores_in_step_us": prep_scores,
+                                       "whole_in_step_us": whole})
+    if None in out.values():
+        return out
+    out["scores_added_us"] = out["prep_scores_in_step_us"] - out["prep_in_step_us"]
+    out["topk_added_us"] = out["whole_in_step_us"] - out["prep_scores_in_step_us"]
+    out["topk_share_of_scores_added"] = out["topk_added_us"] / out["scores_added_us"]
+    return out
+
+
 def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
     from sparse_mla.ops.triton import indexer as kernels
 
@@ -338,6 +379,7 @@ def run_case(case: Case, env: Env, rate_gbs: float, tflops: float) -> dict:
             row.update(parts_in_step_us(case, env, {
                 "scores_in_step_us": lambda i: alone.launch(scores[i], caches[i]),
                 "topk_in_step_us": lambda i: kernels.topk_rows(scores[i], case.topk, picks[i])}))
+            row.update(layer_parts_in_step_us(case, env, layer, meta, plan, q, w, caches))
             del caches, scores, picks
         except torch.OutOfMemoryError:
             pass
@@ -371,12 +413,15 @@ def results_table(result: dict) -> Table:
                   caption=f"µs, CUDA-graph replays; key read = the keys' bytes at the copy rate "
                           f"({result['copy_gbs']:.0f} GB/s, same run); in step = a layer's share of a graph of "
                           f"{STEP_LAYERS} layers' calls (its launch paid once), scores / top-k in step: of "
-                          f"{STEP_LAYERS} launches of each; TC = the q·k flops at the bf16 "
+                          f"{STEP_LAYERS} launches of each; added: what the scores and the top-k add to "
+                          f"{STEP_LAYERS} layers' preps in one graph, launched as the layer does; TC = the q·k flops "
+                          f"at the bf16 "
                           f"matmul rate ({result['matmul_tflops']:.0f} TFLOP/s, same run); = ref: rows whose picks "
                           f"equal the reference's; recall: the share of the reference's picks the layer's hold")
     for col in ("case", "keys MB", "key read", "layer", "× key read", "in step", "× key read", "× TC", "prep", "scores",
                 "top-k", "torch.topk", "top-k / scores", "scores in step", "top-k in step", "top-k / scores in step",
-                "PyTorch", "speed-up", "= ref", "recall"):
+                "prep in layers", "scores added", "top-k added", "top-k / scores added", "PyTorch", "speed-up", "= ref",
+                "recall"):
         table.add_column(col, justify="left" if col == "case" else "right")
 
     def f(v, spec=".1f"):
@@ -389,7 +434,8 @@ def results_table(result: dict) -> Table:
                       f(r.get("prep_us")), f(r.get("scores_us")), f(r.get("topk_us")), f(r.get("topk_torch_us")),
                       f(r.get("topk_share_of_scores"), ".0%"), f(r.get("scores_in_step_us")),
                       f(r.get("topk_in_step_us")), f(r.get("topk_share_of_scores_in_step"), ".0%"),
-                      f(r.get("torch_us")),
+                      f(r.get("prep_in_step_us")), f(r.get("scores_added_us")), f(r.get("topk_added_us")),
+                      f(r.get("topk_share_of_scores_added"), ".0%"), f(r.get("torch_us")),
                       f(r.get("speedup_vs_torch"), ".1f"), f(r["rows_equal_reference"], ".3f"),
                       f(r.get("recall_of_reference"), ".4f"))
     return table

@@ -1123,6 +1123,10 @@ def test_benchmark_smoke_writes_the_expected_json(tmp_path, monkeypatch):
         assert r["rows_equal_reference"] == 1.0
         assert all(r[k] > 0 for k in ("layer_us", "prep_us", "scores_us", "topk_us", "topk_torch_us", "torch_us",
                                       "key_read_us"))
+        # a layer's parts in a step (one chunk of words: both cases): the preps, the preps and scores, whole layers
+        assert all(r[k] > 0 for k in ("prep_in_step_us", "prep_scores_in_step_us", "whole_in_step_us"))
+        assert r["scores_added_us"] == r["prep_scores_in_step_us"] - r["prep_in_step_us"]
+        assert r["topk_added_us"] == r["whole_in_step_us"] - r["prep_scores_in_step_us"]
 
 
 def test_the_plan_bounds_the_workspace_for_a_16k_chunk_on_a_1m_context():
