@@ -249,8 +249,11 @@ def _stream_topk(q: torch.Tensor, w: torch.Tensor, cache: IndexerKeyCache, step:
                 scores = _chunk_scores(q[t0:t1].float(), w[t0:t1], keys)
                 visible = block_ok[None, :] & (entries[None, :] < nvis[:, None])
                 # finite q and weights can still overflow (|w|·|q·k| past 3.4e38): refused, as the kernels' debug
-                # check does, rather than ranked (a NaN would sort first; the kernels' ReLU drops it)
-                check_scores_finite(bool(torch.isfinite(scores[visible]).all()))
+                # check does, rather than ranked (a NaN would sort first; the kernels' ReLU drops it). Only over
+                # finite keys: the cache refuses non-finite keys on write, so a non-finite one is a slot never
+                # written (a visible entry the engine has not compressed yet), whose picks are unspecified anyway
+                written = torch.isfinite(keys).all(1)
+                check_scores_finite(bool(torch.isfinite(scores[visible & written[None, :]]).all()))
                 if allowed is not None:
                     visible &= allowed[t0:t1, entries // BLOCK_ENTRIES]
                 scores = torch.where(visible, scores, float("-inf"))
