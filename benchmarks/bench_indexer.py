@@ -296,7 +296,8 @@ def layer_parts_in_step_us(case: Case, env: Env, layer: SparseMLAIndexer, meta: 
                            q: torch.Tensor, w: torch.Tensor, caches: Sequence[IndexerKeyCache]
                            ) -> dict[str, float | None]:
     """What each part adds to a layer in a step: graphs of :data:`STEP_LAYERS` layers' query preps, of their preps
-    and score launches, and (:func:`in_step_us`) of their whole calls, each launched as the layer launches them (the
+    and score launches, and of their whole calls (``layer`` over each of ``caches``: the layers of one configuration
+    share the step's plan, as :func:`in_step_us`'s do), each launched as the layer launches them (the
     score kernel a programmatic dependent of the prep, the select of the scores, reading the words the scores just
     wrote to L2, converting its picks): the prep's share, then the scores' and the top-k's as the differences
     (``scores_added_us``, ``topk_added_us``), which count what overlaps the part before it as the layer does. For a

@@ -1,8 +1,9 @@
 """The select over rows the SMs outnumber: each row whole in one program (rows up to 16,384 columns; longer ones in
 segments of 8,192), against every row in segments of 4,096 or 2,048 columns (a first launch of one program a
 segment, each keeping its top k, then the row's top k of their winners), so that a step of few rows spreads over more
-programs: the select alone on the layer's own scores, the picks compared (the same, in the same order), CUDA-graph
-replays alternating (docs/history.md version 39). Segments at most k long keep nothing out and are skipped.
+programs (docs/history.md version 39), and long rows (V3.2's 32,768 positions, 512K's 131,072 entries) in segments of
+16,384 or 32,768 (fewer first-pass programs and winners; version 47): the select alone on the layer's own scores, the
+picks compared (the same, in the same order), CUDA-graph replays alternating. Segments at most k long are skipped.
 
     python benchmarks/probe_select_split_rows.py [--cases ...] [--out results/]
 """
@@ -21,6 +22,7 @@ from timing import graphed, timed_variants
 
 NAMES = ("v4-flash-b32", "v4-pro-b32-top1024", "v41-flash-b32", "v4-flash-b8-512k", "v32-b32", "v4-flash-b128")
 SEGMENTS = (None, 4096, 2048)  # None: the rule's (rows whole up to MAX_SELECT_COLS)
+LONG_SEGMENTS = (16384, 32768)  # for rows past MAX_SELECT_COLS: longer segments (32,768: a V3.2 row whole)
 
 
 def segments_of(cols: int | None):
@@ -28,7 +30,7 @@ def segments_of(cols: int | None):
     a context."""
     if cols is None:
         return contextlib.nullcontext()
-    return mock.patch.multiple(kernels, MAX_SELECT_COLS=cols, SELECT_SEGMENT=cols)
+    return mock.patch.multiple(kernels, MAX_SELECT_COLS=max(cols, kernels.MAX_SELECT_COLS), SELECT_SEGMENT=cols)
 
 
 def run(names: list[str]) -> list[dict]:
@@ -37,7 +39,7 @@ def run(names: list[str]) -> list[dict]:
     for case in (c for c in cases(False) if c.name in names):
         rows, picks = select_rows(scored_layer(case, dev))
         got, fns = {}, {}
-        for cols in SEGMENTS:
+        for cols in SEGMENTS + (LONG_SEGMENTS if rows.shape[1] > kernels.MAX_SELECT_COLS else ()):
             if cols is not None and (cols <= case.topk or rows.shape[1] % cols):
                 continue
             with segments_of(cols):

@@ -93,3 +93,22 @@ def test_bad_format_is_named():
         IndexerKeyCache(2, "fp4")
     with pytest.raises(ValueError, match="device must be a torch.device"):
         IndexerKeyCache(2, "fp8", device="bogus")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_finite_slots_tells_the_written_slots_of_a_poisoned_cache(fmt):
+    """``finite_slots``: a new cache's zeros are finite keys, a poisoned one's none; after writes, exactly the written
+    slots (an fp8 slot with one NaN code byte, or a NaN scale, is not finite)."""
+    cache = IndexerKeyCache(3, fmt, block_size=4)
+    assert cache.finite_slots().shape == (3, 4) and bool(cache.finite_slots().all())
+    cache.poison()
+    assert not bool(cache.finite_slots().any())
+    slots = torch.tensor([0, 5, 11], dtype=torch.int32)
+    cache.write(torch.randn(3, 128), slots)
+    want = torch.zeros(12, dtype=torch.bool)
+    want[slots.long()] = True
+    assert torch.equal(cache.finite_slots().flatten(), want)
+    if fmt == "fp8":
+        cache.codes()[1, 1, 7] = 0xFF  # slot 5: one NaN code
+        want[5] = False
+        assert torch.equal(cache.finite_slots().flatten(), want)

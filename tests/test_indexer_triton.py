@@ -680,10 +680,11 @@ def test_non_finite_queries_or_weights_are_refused_where_values_are_checked(back
 @pytest.mark.parametrize("backend,debug", [("reference", False), ("triton", True)])
 @pytest.mark.parametrize("bad", ["weights 3e38", "q 3e38"])
 def test_finite_inputs_whose_scores_overflow_are_refused_where_values_are_checked(backend, debug, bad, monkeypatch):
-    """Finite q and weights so large that a score overflows float32 (weights of 3e38: |w|·|q·k| past 3.4e38) or the
-    rope does (q of 3e38: x·cos + y·sin past it) are refused with the scores' message on the reference and, with
-    SPARSE_MLA_DEBUG=1, on the kernels (whose picks among such scores differed from the reference's: a helper's
-    probe, docs/history.md version 46); the same call with ordinary values passes."""
+    """Finite q and weights so large that a score overflows float32 (weights of 3e38: |w|·|q·k| past 3.4e38; q of
+    3e38: the rope's sums past it, which the fp8 prep turns into infinite weights and NaN codes) are refused with the
+    scores' message on the reference and, with SPARSE_MLA_DEBUG=1, on the kernels (whose picks among such scores
+    differed from the reference's: a helper's probe, docs/history.md version 46); the same call with ordinary values
+    passes."""
     from sparse_mla.indexer import SCORES_OVERFLOW
     from sparse_mla.scenario import make_scenario
 
@@ -708,22 +709,58 @@ def test_finite_inputs_whose_scores_overflow_are_refused_where_values_are_checke
         layer(sc.meta, q, w, cache)
 
 
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+@pytest.mark.parametrize("words", [True, False])
+def test_the_debug_score_check_passes_entries_never_written(fmt, words, monkeypatch):
+    """With SPARSE_MLA_DEBUG=1 the kernels' score check, like the reference's, counts only written keys: visible
+    entries whose slots were never written (here the poisoned cache's NaN) give no error on either backend, in
+    either score format (their picks are unspecified, as they always were); ordinary q and weights."""
+    from sparse_mla.scenario import make_scenario
+
+    monkeypatch.setenv("SPARSE_MLA_DEBUG", "1")
+    packed_keys_unless(monkeypatch, words)
+    sc = make_scenario([(300, 2), (200, 1)], window=4, topk=64, fmt="bf16", decode_threshold=2, padding=2,
+                       block_sizes={"swa": 64, "c4a": 64, "c128a": 2}, device=DEVICE)
+    cache = IndexerKeyCache(sc.caches["c4a"].num_blocks, fmt, device=DEVICE)
+    cache.poison()
+    gen = torch.Generator().manual_seed(6)
+    for r, seq_len in enumerate((300, 200)):
+        entries = torch.arange(seq_len // 4 - 5, dtype=torch.int32)  # the last 5 visible entries never written
+        cache.write(torch.randn(len(entries), 128, generator=gen).to(DEVICE), sc.batch.entry_slots("c4a", r, entries))
+    assert not bool(cache.finite_slots().all())
+    q = torch.randn(sc.batch.token_capacity, 8, 128, generator=gen).to(DEVICE)
+    w = torch.randn(sc.batch.token_capacity, 8, generator=gen).to(DEVICE)
+    for backend in ("reference", "triton"):
+        picks = SparseMLAIndexer("c4a", 8, 32, backend=backend)(sc.meta, q, w, cache)
+        assert picks.shape == (sc.batch.token_capacity, 32)
+
+
 def test_scores_finite_reads_both_score_formats():
     """``scores_finite`` over words and packed keys: a candidate of score +inf, -inf or NaN is not finite; a finite
     score and no candidate (word 0, packed ``INT64_MIN``) are."""
     from sparse_mla.ops.triton import indexer as kernels
 
-    def order_bits(x: float) -> int:
-        bits = torch.tensor([x], dtype=torch.float32).view(torch.int32).item()
-        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    def from_bits(bits: int) -> float:
+        return torch.tensor([bits - (1 << 32 if bits >= 1 << 31 else 0)], dtype=torch.int32).view(torch.float32).item()
 
-    for score, finite in ((1.5, True), (-2.0, True), (0.0, True), (float("inf"), False), (float("-inf"), False),
-                          (float("nan"), False)):
-        word = (order_bits(score) ^ -2147483648) & 0xFFFFFFFF
-        words = torch.tensor([[0, max(word, 1) - (1 << 32 if word >= 1 << 31 else 0)]], dtype=torch.int32)
-        packed = torch.tensor([[kernels.INT64_MIN, (order_bits(score) << 32) | 0xFFFFFFF0]], dtype=torch.int64)
-        assert kernels.scores_finite(words, True) is finite, score
-        assert kernels.scores_finite(packed, False) is finite, score
+    tiny, most = from_bits(0x00000001), from_bits(0x7F7FFFFF)  # the smallest subnormal, the largest finite
+    # NaNs of either sign and payload (x86's inf - inf is 0xFFC00000; a poisoned scale 0xFFFFFFFF)
+    nans = [from_bits(b) for b in (0x7FC00000, 0x7F800001, 0x7FFFFFFF, 0xFFC00000, 0xFF800001, 0xFFFFFFFF)]
+    cases = [(x, True) for x in (1.5, -2.0, 0.0, -0.0, tiny, -tiny, most, -most)]
+    cases += [(float("inf"), False), (float("-inf"), False)] + [(x, False) for x in nans]
+    for score, finite in cases:
+        bits = torch.tensor([score], dtype=torch.float32).view(torch.int32).item()
+        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        word = max((order ^ -2147483648) & 0xFFFFFFFF, 1)  # a candidate's word: at least 1
+        words = torch.tensor([[0, word - (1 << 32 if word >= 1 << 31 else 0)]], dtype=torch.int32)
+        packed = torch.tensor([[kernels.INT64_MIN, (order << 32) | 0xFFFFFFF0]], dtype=torch.int64)
+        assert kernels.scores_finite(words, True) is finite, (score, hex(bits))
+        assert kernels.scores_finite(packed, False) is finite, (score, hex(bits))
+        # a column not written (a key the cache never stored): not counted
+        unwritten = torch.tensor([[True, False]])
+        assert kernels.scores_finite(words, True, unwritten) and kernels.scores_finite(packed, False, unwritten)
 
 
 def packed_keys_unless(monkeypatch, words: bool) -> None:

@@ -212,6 +212,22 @@ def check_scores_finite(finite: bool) -> None:
         raise ValueError(SCORES_OVERFLOW)
 
 
+def written_columns(cache: IndexerKeyCache, step: StepTokens, t0: int, t1: int, num_cols: int) -> torch.Tensor:
+    """``(t1 - t0, num_cols)`` bool: for the tokens ``[t0, t1)``, whether column (entry) ``c`` of the token's request
+    holds a finite key in the cache (:meth:`IndexerKeyCache.finite_slots`), or is no key at all (a block ``-1`` or
+    past the cache or the table: never read). The debug check of the kernels' scores reads it, as the reference
+    checks its scores over written keys only."""
+    bs = cache.block_size
+    cols = torch.arange(num_cols, device=cache.device)
+    table = step.block_table[step.token_to_req[t0:t1].long().clamp_min(0)]  # (t, pages) a padding row: request 0's
+    page = cols // bs
+    in_table = page < table.shape[1]
+    block = torch.where(in_table[None, :], table[:, page.clamp_max(table.shape[1] - 1)].long(), -1)
+    present = (block >= 0) & (block < cache.num_blocks)
+    finite = cache.finite_slots()[block.clamp(0, cache.num_blocks - 1), (cols % bs)[None, :]]
+    return ~present | finite
+
+
 def _chunk_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``q (t, H, 128)``, ``w (t, H)``, ``keys (E, 128)`` -> ``(t, E)`` ``Σ_h w·ReLU(q·k)`` in float32."""
     return torch.einsum("th,the->te", w, torch.relu(torch.einsum("thd,ed->the", q, keys)))

@@ -101,6 +101,15 @@ class IndexerKeyCache(PagePool):
         """Every byte 0xFF (NaN in bf16, e4m3 and float32), so unwritten slots read as NaN."""
         self.data.view(torch.uint8).fill_(0xFF)
 
+    def finite_slots(self) -> torch.Tensor:
+        """``(num_blocks, block_size)`` bool: whether each slot holds a finite key (fp8: a finite scale and no NaN
+        code; bf16: every value finite). :meth:`write` stores finite keys only, so a slot that is not is one never
+        written (an allocation's zeros are finite; a poisoned slot, :meth:`poison`, is not)."""
+        if self.fmt == "bf16":
+            return torch.isfinite(self.data).all(-1)
+        codes = self.codes()
+        return torch.isfinite(self.scales()) & ~((codes & 0x7F) == E4M3_NAN).any(-1)
+
     def _check_slots(self, slots: torch.Tensor) -> torch.Tensor:
         check_tensor("slots", slots, dtype=(torch.int32, torch.int64), device=self.device)
         check_index_range("slots", slots, self.num_slots)

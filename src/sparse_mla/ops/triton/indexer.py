@@ -1080,18 +1080,26 @@ def dot_dtype_for(target: targets.Target, key_format: str, q_format: str) -> tor
     return torch.bfloat16
 
 
-# a word's bits (unsigned) for the scores past float32's range: +inf and the NaNs from here up, -inf's
+# the words of the scores past float32's range (unsigned): +inf and the positive NaNs from 0xFF800000 up, -inf at
+# 0x007FFFFF and the negative NaNs below it (a candidate's word is at least 1); a finite score's lies in between
 _WORD_POS_INF, _WORD_NEG_INF = 0xFF800000, 0x007FFFFF
+# the packed keys' high words (signed): +inf and the positive NaNs from 0x7F800000 up, -inf (0x807FFFFF) and the
+# negative NaNs at or below it (no candidate, INT64_MIN, excluded)
+_HIGH_POS_INF, _HIGH_NEG_INF = 0x7F800000, -2139095041
 
 
-def scores_finite(scores: torch.Tensor, words: bool) -> bool:
-    """Whether every candidate of a score launch's ``scores`` (int32 words, else packed int64 keys) has a finite score
-    (a device sync: the layer's debug check, docs/checks.md)."""
+def scores_finite(scores: torch.Tensor, words: bool, written: torch.Tensor | None = None) -> bool:
+    """Whether every candidate of a score launch's ``scores`` (int32 words, else packed int64 keys) has a finite score,
+    counting only the columns ``written`` (a bool mask like ``scores``: :func:`sparse_mla.indexer.written_columns`)
+    where given (a device sync: the layer's debug check, docs/checks.md)."""
     if words:
         bits = scores.to(torch.int64) & 0xFFFFFFFF
-        return not bool(((bits >= _WORD_POS_INF) | (bits == _WORD_NEG_INF)).any())
-    high = scores >> 32  # the order bits: float order as signed ints, +inf 0x7F800000, -inf 0x807FFFFF
-    bad = (high >= 0x7F800000) | ((high <= -2139095041) & (scores != INT64_MIN))
+        bad = (bits >= _WORD_POS_INF) | ((bits >= 1) & (bits <= _WORD_NEG_INF))
+    else:
+        high = scores >> 32  # the order bits: float order as signed ints
+        bad = (high >= _HIGH_POS_INF) | ((high <= _HIGH_NEG_INF) & (scores != INT64_MIN))
+    if written is not None:
+        bad &= written
     return not bool(bad.any())
 
 
