@@ -12,7 +12,8 @@ import torch
 from helpers import DEVICE, needs
 from indexer_cases import make_case, write_step_keys
 from sparse_mla.config import get_config
-from sparse_mla.indexer import IndexerSpec, StepTokens, index_topk_reference, prepare_queries, top_blocks_reference
+from sparse_mla.indexer import (IndexerSpec, StepTokens, index_topk_reference, prepare_queries, top_blocks_reference,
+                                written_columns)
 from sparse_mla.indexer_cache import IndexerKeyCache
 from sparse_mla.indexer_layer import SparseMLAIndexer, indexer_role
 from sparse_mla.layer import SparseMLAAttention
@@ -358,3 +359,21 @@ def test_a_captured_plan_names_the_batches_it_cannot_replay():
                                             "capture another graph")
     two_tokens = make_scenario([(300, 2)], topk=64, decode_threshold=2).batch
     assert "tokens [0, 2) hold a request's run longer than the captured 1" in plan.replay_mismatch(two_tokens)
+
+
+def test_written_columns_maps_a_chunk_s_columns_to_its_requests_written_slots():
+    """``written_columns``: token rows of two requests (one with a missing block and a column past its table), each
+    column true where its slot holds a finite key or there is no key to read, false where the slot was never written
+    (a poisoned cache's NaN)."""
+    cache = IndexerKeyCache(4, "fp8", block_size=4)
+    cache.poison()
+    cache.write(torch.randn(3, 128), torch.tensor([0, 1, 9], dtype=torch.int32))  # block 0 slots 0-1, block 2 slot 1
+    table = torch.tensor([[0, -1], [2, 3]], dtype=torch.int32)  # request 0: block 0, then none; request 1: 2, 3
+    step = StepTokens(torch.tensor([8, 8, 8], dtype=torch.int32), torch.tensor([0, 1, 1], dtype=torch.int32),
+                      torch.tensor([0, 1, 3], dtype=torch.int32), table, 1)
+    got = written_columns(cache, step, 0, 3, 12)  # columns 8-11: past both tables (two pages of 4)
+    want = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1],
+                         [0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1],
+                         [0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(got, want)
+    assert torch.equal(written_columns(cache, step, 1, 2, 12), want[1:2])

@@ -219,13 +219,15 @@ def written_columns(cache: IndexerKeyCache, step: StepTokens, t0: int, t1: int, 
     checks its scores over written keys only."""
     bs = cache.block_size
     cols = torch.arange(num_cols, device=cache.device)
-    table = step.block_table[step.token_to_req[t0:t1].long().clamp_min(0)]  # (t, pages) a padding row: request 0's
+    # per request, then its tokens' rows (a 16K-token chunk is one request's: its rows share one mask)
+    reqs, row_of = torch.unique(step.token_to_req[t0:t1].long().clamp_min(0), return_inverse=True)
+    table = step.block_table[reqs]  # (requests, pages)
     page = cols // bs
     in_table = page < table.shape[1]
     block = torch.where(in_table[None, :], table[:, page.clamp_max(table.shape[1] - 1)].long(), -1)
     present = (block >= 0) & (block < cache.num_blocks)
     finite = cache.finite_slots()[block.clamp(0, cache.num_blocks - 1), (cols % bs)[None, :]]
-    return ~present | finite
+    return (~present | finite)[row_of]
 
 
 def _chunk_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
