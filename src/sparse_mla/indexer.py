@@ -181,16 +181,22 @@ def check_step_inputs(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyC
     check_positive_int("ratio", step.ratio)
 
 
+def _entry_slots(cache: IndexerKeyCache, table: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    """Cache slots of request-local ``entries (E,)`` through block-table rows ``table (..., pages)``: ``(..., E)``
+    int64, ``-1`` where the entry's page is past the row or its block is ``-1`` or past the cache (never read)."""
+    bs = cache.block_size
+    page = entries // bs
+    block = torch.where(page < table.shape[-1], table[..., page.clamp_max(table.shape[-1] - 1)].long(), -1)
+    valid = (block >= 0) & (block < cache.num_blocks)
+    return torch.where(valid, block * bs + entries % bs, -1)
+
+
 def _page_keys(cache: IndexerKeyCache, table_row: torch.Tensor, entries: torch.Tensor) -> tuple[torch.Tensor,
                                                                                                   torch.Tensor]:
     """Dequantised keys of request-local ``entries (E,)`` through one request's ``table_row``: ``(E, 128)`` float32
     (zeros where the entry's block is missing or out of range) and ``(E,)`` bool, whether the block is valid."""
-    bs = cache.block_size
-    page = entries // bs
-    block = torch.where(page < table_row.shape[0], table_row[page.clamp_max(table_row.shape[0] - 1)].long(), -1)
-    valid = (block >= 0) & (block < cache.num_blocks)
-    slots = torch.where(valid, block * bs + entries % bs, -1)
-    return cache.read(slots), valid
+    slots = _entry_slots(cache, table_row, entries)
+    return cache.read(slots), slots >= 0
 
 
 def _merge_topk(best_val: torch.Tensor, best_idx: torch.Tensor, val: torch.Tensor, idx: torch.Tensor, k: int
@@ -212,22 +218,19 @@ def check_scores_finite(finite: bool) -> None:
         raise ValueError(SCORES_OVERFLOW)
 
 
-def written_columns(cache: IndexerKeyCache, step: StepTokens, t0: int, t1: int, num_cols: int) -> torch.Tensor:
+def written_columns(cache: IndexerKeyCache, step: StepTokens, t0: int, t1: int, num_cols: int,
+                    finite: torch.Tensor | None = None) -> torch.Tensor:
     """``(t1 - t0, num_cols)`` bool: for the tokens ``[t0, t1)``, whether column (entry) ``c`` of the token's request
-    holds a finite key in the cache (:meth:`IndexerKeyCache.finite_slots`), or is no key at all (a block ``-1`` or
-    past the cache or the table: never read). The debug check of the kernels' scores reads it, as the reference
-    checks its scores over written keys only."""
-    bs = cache.block_size
+    holds a finite key in the cache, or is no key at all (a block ``-1`` or past the cache or the table: never read).
+    ``finite``: the cache's :meth:`IndexerKeyCache.finite_slots`, where the caller has it (one pass over the cache for
+    all its chunks). The debug check of the kernels' scores reads it, as the reference checks its scores over written
+    keys only."""
+    finite = (cache.finite_slots() if finite is None else finite).flatten()
     cols = torch.arange(num_cols, device=cache.device)
     # per request, then its tokens' rows (a 16K-token chunk is one request's: its rows share one mask)
     reqs, row_of = torch.unique(step.token_to_req[t0:t1].long().clamp_min(0), return_inverse=True)
-    table = step.block_table[reqs]  # (requests, pages)
-    page = cols // bs
-    in_table = page < table.shape[1]
-    block = torch.where(in_table[None, :], table[:, page.clamp_max(table.shape[1] - 1)].long(), -1)
-    present = (block >= 0) & (block < cache.num_blocks)
-    finite = cache.finite_slots()[block.clamp(0, cache.num_blocks - 1), (cols % bs)[None, :]]
-    return (~present | finite)[row_of]
+    slots = _entry_slots(cache, step.block_table[reqs], cols)  # (requests, num_cols)
+    return ((slots < 0) | finite[slots.clamp_min(0)])[row_of]
 
 
 def _chunk_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -312,11 +312,12 @@ class SparseMLAIndexer(torch.nn.Module):
         fused = kernel_select and conversion is not None and conversion.takes_select
         words = self.scores_as_words(plan, select_blocks or kept_blocks is not None)
         chunks, capacity = plan.chunks_for(words), plan.picks.shape[0]
+        finite = cache.finite_slots() if debug_checks_enabled() else None  # the debug check's written keys: once
         for i, (t0, t1, longest) in enumerate(chunks):
             packed = plan.scores(t1 - t0, words)
             kernels.launch_index_scores(q, w, cache, plan.step, packed, t0, t1, longest, dot_dtype, native_fp8)
-            if debug_checks_enabled():  # values: a sync (docs/checks.md); the reference refuses these always
-                written = written_columns(cache, plan.step, t0, t1, packed.shape[1])  # (a slot never written: not q's)
+            if finite is not None:  # values: a sync (docs/checks.md); the reference refuses these always
+                written = written_columns(cache, plan.step, t0, t1, packed.shape[1], finite)  # (never written: not q's)
                 check_scores_finite(kernels.scores_finite(packed, words, written))
             # the chunks cover the step's real tokens [0, num_tokens); padding rows keep the plan's -1
             if select_blocks:
