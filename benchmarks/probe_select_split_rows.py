@@ -2,7 +2,8 @@
 segments of 8,192), against every row in segments of 4,096 or 2,048 columns (a first launch of one program a
 segment, each keeping its top k, then the row's top k of their winners), so that a step of few rows spreads over more
 programs (docs/history.md version 39), and long rows (V3.2's 32,768 positions, 512K's 131,072 entries) in segments of
-16,384 or 32,768 (fewer first-pass programs and winners; version 47): the select alone on the layer's own scores, the
+8,192 (the rule before version 48), 16,384 or 32,768 (fewer first-pass programs and winners; version 47; V3.2's
+rows whole by the rule since version 48): the select alone on the layer's own scores, the
 picks compared (the same, in the same order), CUDA-graph replays alternating. Segments at most k long are skipped.
 
     python benchmarks/probe_select_split_rows.py [--cases ...] [--out results/]
@@ -21,8 +22,9 @@ from harness import probe_main
 from timing import graphed, timed_variants
 
 NAMES = ("v4-flash-b32", "v4-pro-b32-top1024", "v41-flash-b32", "v4-flash-b8-512k", "v32-b32", "v4-flash-b128")
-SEGMENTS = (None, 4096, 2048)  # None: the rule's (rows whole up to MAX_SELECT_COLS)
-LONG_SEGMENTS = (16384, 32768)  # for rows past MAX_SELECT_COLS: longer segments (32,768: a V3.2 row whole)
+SEGMENTS = (None, 4096, 2048)  # None: the rule's (rows whole up to MAX_SELECT_COLS, or select_takes_whole)
+# for rows past MAX_SELECT_COLS: segments of 8,192 (the rule before version 48) and longer (32,768: a V3.2 row whole)
+LONG_SEGMENTS = (8192, 16384, 32768)
 
 
 def segments_of(cols: int | None):
@@ -30,7 +32,8 @@ def segments_of(cols: int | None):
     a context."""
     if cols is None:
         return contextlib.nullcontext()
-    return mock.patch.multiple(kernels, MAX_SELECT_COLS=max(cols, kernels.MAX_SELECT_COLS), SELECT_SEGMENT=cols)
+    return mock.patch.multiple(kernels, MAX_SELECT_COLS=max(cols, kernels.MAX_SELECT_COLS), SELECT_SEGMENT=cols,
+                               select_takes_whole=lambda *args: False)
 
 
 def run(names: list[str]) -> list[dict]:

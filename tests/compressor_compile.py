@@ -65,7 +65,8 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
     select takes rows whole, ``SparseMLAIndexer.scores_as_words``); where the target converts fp8, e4m3 q against the
     fp8 codes (the layer's dot there), elsewhere float16 q against their integer decode (the float16 dot), packed and
     as words; the query prep (V4, with ``every`` V3.2's half-split rope); the select over packed keys (two launches:
-    512 of 32768, then of 2048), its first over words, and, over packed keys and over words, a row of 9,216 in two
+    512 of 32768, then of 2048), the first of 65,536 words, V3.2's few rows of 32,768 words converted (whole where
+    ``select_takes_whole``, else the last launch), and, over packed keys and over words, a row of 9,216 in two
     tiles and the V4 decode's 8,192 converted in its launch; and :func:`capped_selects`."""
     out = []
     # the page loop as a decode runs it: 16 pages a program (the e4m3 dot's: 32, as on sm_90), pipelined (a recorded
@@ -110,9 +111,13 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
     with recorded_launches(target) as calls:
         indexer.topk_rows(packed, 512, torch.zeros(4, 512, dtype=torch.int32), into(4, 512))
     out += [(f"indexer select 512 of {n}", [c]) for n, c in zip((32768, "2048 into slots"), calls)]
-    with recorded_launches(target) as calls:  # the same row as words: the first pass packs its winners' keys
-        indexer.topk_rows(torch.zeros(4, 32768, dtype=torch.int32), 512, torch.zeros(4, 512, dtype=torch.int32))
-    out.append(("indexer select 512 of 32768 words", calls[:1]))
+    with recorded_launches(target) as calls:  # a row of words in segments: the first pass packs its winners' keys
+        indexer.topk_rows(torch.zeros(4, 65536, dtype=torch.int32), 512, torch.zeros(4, 512, dtype=torch.int32))
+    out.append(("indexer select 512 of 65536 words", calls[:1]))
+    with recorded_launches(target) as calls:  # V3.2's few rows of words: whole where select_takes_whole, else the
+        indexer.topk_rows(torch.zeros(4, 32768, dtype=torch.int32), 512,  # segments' winners (as above)
+                          torch.zeros(4, 512, dtype=torch.int32), into(4, 512))
+    out.append(("indexer select 512 of 32768 words into slots", calls[-1:]))
     for rows, words in ((torch.int64, ""), (torch.int32, " words")):
         with recorded_launches(target) as calls:  # a row in two tiles: 8,192 + 1,024
             indexer.topk_rows(torch.zeros(4, 9216, dtype=rows), 512, torch.zeros(4, 512, dtype=torch.int32))

@@ -265,6 +265,66 @@ def test_select_kernel_refuses_a_segmented_row_whose_k_would_not_shorten_it():
         kernels.topk_rows(packed, SELECT_SEGMENT, out)
 
 
+def test_rows_of_words_go_whole_only_where_the_digit_search_serves_few_of_them():
+    """``select_takes_whole``: rows past MAX_SELECT_COLS go whole only as words of at most 32,768 columns, searched by
+    the target's own digits (NVIDIA on a Triton that counts histograms by shared-memory atomics; an explicit bit
+    search keeps segments), at most two rows an SM; the warps for such a row: 32."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    cuda, hip = targets.DEFAULT, next(t for t in targets.MATRIX if t.backend == "hip")
+    digits = kernels.select_digit_bits(cuda, True) > 0
+    assert kernels.select_takes_whole(cuda, 264, 32768, 132, True, None) == digits
+    assert kernels.select_takes_whole(cuda, 264, 24576, 132, True, 8) == digits
+    for rows, cols, words, digit_bits in ((265, 32768, True, None), (64, 32768 + 8192, True, None),
+                                          (64, 32768, False, None), (64, 32768, True, 0)):
+        assert not kernels.select_takes_whole(cuda, rows, cols, 132, words, digit_bits)
+    assert not kernels.select_takes_whole(hip, 8, 32768, 304, True, None)
+    assert kernels.select_warps(264, 32768, 132, True) == 32 and kernels.select_warps(264, 16384, 132, True) == 16
+
+
+@needs_kernels
+@pytest.mark.parametrize("cols", [3 * SELECT_SEGMENT, 4 * SELECT_SEGMENT])
+def test_a_row_of_words_whole_picks_as_its_segments_do(cols, monkeypatch):
+    """Few rows of words past MAX_SELECT_COLS (ties across segments, a row of few candidates), converting their
+    picks: selected whole in one launch where ``select_takes_whole``, the same picks in the same order and the same
+    slots as in segments (two launches) and as torch.topk's set."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    gen = torch.Generator().manual_seed(cols)
+    scores = torch.randn(2, cols, generator=gen)
+    scores[0, 8000:8400] = scores[0, cols - 400:] = 2.5  # ties at the threshold, in the first and last segments
+    assert (scores[0] > 2.5).sum() < 512 < (scores[0] >= 2.5).sum()
+    scores[1, torch.rand(cols, generator=gen) < 0.99] = float("nan")  # fewer candidates than k
+    packed = packed_rows(scores)
+    words = words_of(packed).to(DEVICE)
+    target = targets.target_of(words.device)
+    took_whole = kernels.select_takes_whole(target, 2, cols, targets.num_sms(words.device, target), True, None)
+    launch = kernels._launch_select
+    launches = {True: [], False: []}  # the rows each launch took, by way
+    table = torch.arange(2 * cols // 64, dtype=torch.int32, device=DEVICE).view(2, -1)
+    lists = {}
+    for whole in (True, False):
+        if not whole:
+            monkeypatch.setattr(kernels, "select_takes_whole", lambda *args: False)
+        monkeypatch.setattr(kernels, "_launch_select", lambda rows, *a, **kw: launches[whole].append(tuple(rows.shape))
+                            or launch(rows, *a, **kw))
+        bufs = [torch.full(shape, 7, dtype=torch.int32, device=DEVICE) for shape in ((2, 512), (2, 512), (2,),
+                                                                                      (2, 512))]
+        into = kernels.PicksInto(torch.full((2,), 4 * cols, dtype=torch.int32, device=DEVICE),
+                                 torch.arange(2, dtype=torch.int32, device=DEVICE), table, 64, *bufs[1:], 2)
+        kernels.topk_rows(words, 512, bufs[0], into)
+        lists[whole] = [b.cpu() for b in bufs]
+    segmented = [(2 * cols // SELECT_SEGMENT, SELECT_SEGMENT), (2, 512 * cols // SELECT_SEGMENT)]
+    assert launches[False] == segmented
+    assert launches[True] == ([(2, cols)] if took_whole else segmented)
+    for got, want in zip(lists[True], lists[False]):
+        assert torch.equal(got, want)
+    picks = lists[True][0]
+    assert torch.equal(picks[0], torch.topk(packed[0], 512).indices.sort().values.int())
+    candidates = (packed[1] != torch.iinfo(torch.int64).min).nonzero().flatten().int()
+    assert torch.equal(picks[1, :candidates.numel()], candidates) and (picks[1, candidates.numel():] == -1).all()
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows,cols,k,valid", [(5, 512, 64, 300), (3, 1024, 512, 1024), (4, 640, 512, 100),
                                                (2, 2048, 128, 2048), (3, 256, 256, 256), (2, 32768, 512, 30000),
@@ -1092,11 +1152,11 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     family = target in FAMILIES  # the V3.2 query prep too
     # the score launches packed and as words (fp8 keys; with the family bf16 keys and a prefill), the V4 prep (and
-    # V3.2's), the selects (two of a segmented row, the first of it as words; over packed keys and words, two each;
-    # two converting words over more rows than the SMs);
+    # V3.2's), the selects (two of a segmented row, the first of a longer one as words, V3.2's rows of words whole;
+    # over packed keys and words, two each; two converting words over more rows than the SMs);
     # where the dot takes e4m3, its score launch packed and as words and the prep into e4m3 (V4, and V3.2); elsewhere
     # the float16 dot's, and the prep into float16
-    assert len(rows) == (17 if family else 12) + (4 if family else 3), \
+    assert len(rows) == (18 if family else 13) + (4 if family else 3), \
         f"exit {done.returncode}: {done.stderr[-2000:]}"
     for r in rows:
         print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "

@@ -874,11 +874,13 @@ def select_warps(rows: int, lanes: int, sms: int, digits: bool = False, keys: bo
     More rows than two an SM, where :func:`select_maxnreg` caps them (``keys`` off, rows of at most 9,216 keys): 8.
     The 4K prefill chunk's 4,096 rows of 9,216 alone, not converting their picks, 4 / 8 / 16 / 32 warps: 239.6 /
     194.2 / 252.7 / 297.7 µs, but its layer 1,006 µs at 8 uncapped against 936 at 4 (version 40); capped at 8,
-    1,009 -> 923 against 954 at 4 (version 41). Else (a segment pass writing keys, wider rows) the bit rounds' rule,
-    the only one measured there."""
+    1,009 -> 923 against 954 at 4 (version 41). A row past :data:`MAX_SELECT_COLS` taken whole
+    (:func:`select_takes_whole`): 32, a row of 32,768 words at 32 a thread (at 16, 64 a thread spill inside its
+    loops on sm_90; at 32 the 128-136 B spilled lie outside them). Else (a segment pass writing keys, wider rows) the
+    bit rounds' rule, the only one measured there."""
     if digits and lanes >= DIGIT_SELECT_MIN_LANES:
         if rows <= 2 * sms:
-            return 16
+            return 16 if lanes <= MAX_SELECT_COLS else 32  # (a whole row past MAX_SELECT_COLS: select_takes_whole)
         if cap_takes(8, lanes, keys):
             return 8
     warps = max(4, triton.next_power_of_2(-(-lanes // (72 * 32))))
@@ -888,6 +890,20 @@ def select_warps(rows: int, lanes: int, sms: int, digits: bool = False, keys: bo
 
 
 DIGIT_SELECT_MIN_LANES = 8192  # rows the digit search's warps were measured on (shorter: the bit rounds' rule)
+WHOLE_SELECT_COLS = 32768  # the widest rows of words select_takes_whole takes in one program
+
+
+def select_takes_whole(target: targets.Target, rows: int, cols: int, sms: int, words: bool,
+                       digit_bits: int | None) -> bool:
+    """Whether ``rows`` rows of ``cols`` columns past :data:`MAX_SELECT_COLS` go whole, one program a row, not in
+    segments: rows of ``words`` of at most :data:`WHOLE_SELECT_COLS` columns, searched by the target's own digits
+    (:func:`select_digit_bits`; ``digit_bits`` None or nonzero), at most two an SM of ``sms`` — where segments would
+    only add programs the SMs have room for, and a second launch. H200, Triton 3.9, V3.2 B 32's 64 rows of 32,768
+    words, the select alone: 34.6 µs in segments of 8,192 (then their 8,192 winners), 26.2 whole at 32 warps
+    (docs/history.md version 47); the same picks in the same order. B 8 at 512K's rows (131,072) stay in segments:
+    in segments of 32,768 they ran slower (37.4 against 29.8)."""
+    return (words and cols <= WHOLE_SELECT_COLS and rows <= 2 * sms and digit_bits != 0
+            and select_digit_bits(target, True) > 0)
 CAPPED_LANES = {16: 8192, 8: 9216}  # the widest rows the cap takes at each warp count (the prefill chunk's 9,216 at 8)
 
 
@@ -1006,7 +1022,8 @@ def topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: PicksInto |
     column ``c`` holds entry ``c``'s key (or ``INT64_MIN``), or (int32) its word (0: none; the module docstring).
     A row longer than :data:`MAX_SELECT_COLS` (``num_cols`` then a multiple of :data:`SELECT_SEGMENT`, ``k`` below
     a segment) is selected in two launches or more: each segment's top ``k`` keys (from words, packed from them and
-    their entries), then the top ``k`` of those (the row's top ``k`` are among them).
+    their entries), then the top ``k`` of those (the row's top ``k`` are among them); or whole in one, where
+    :func:`select_takes_whole` (words, few rows).
 
     into: also convert the picks into cache slots in the (last) launch (:class:`PicksInto`), the same values as
     :class:`sparse_mla.picks.PicksConversion` writes for ``out``'s picks, provided every candidate of a row is an
@@ -1048,10 +1065,16 @@ def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: Pick
     workspace and picks buffer, the step conversion's :class:`PicksInto`)."""
     rows, cols = packed.shape
     column_entries, entries = True, cols  # the row's entries: its columns, below cols
+    target = targets.target_of(packed.device)
+    # (whole or not, a long row must be one segments could take: the same calls valid on every GPU)
+    whole = select_takes_whole(target, rows, cols, targets.num_sms(packed.device, target),
+                               packed.dtype == torch.int32, digit_bits)
     while cols > MAX_SELECT_COLS:
         if cols % SELECT_SEGMENT or not select_kernel_takes(k) or not packed.is_contiguous():
             raise ValueError(f"a row of {cols} columns must be contiguous, a multiple of {SELECT_SEGMENT} columns, and "
                              f"k ({k}) below {SELECT_SEGMENT} (each segment's top k must shorten it)")
+        if whole:
+            break
         segments = packed.view(rows * (cols // SELECT_SEGMENT), SELECT_SEGMENT)
         winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
         # a first pass's entries are its segments' columns (words: the winners' keys are packed from them); a later
