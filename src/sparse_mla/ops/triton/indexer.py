@@ -1065,16 +1065,15 @@ def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: Pick
     workspace and picks buffer, the step conversion's :class:`PicksInto`)."""
     rows, cols = packed.shape
     column_entries, entries = True, cols  # the row's entries: its columns, below cols
-    target = targets.target_of(packed.device)
-    # (whole or not, a long row must be one segments could take: the same calls valid on every GPU)
-    whole = select_takes_whole(target, rows, cols, targets.num_sms(packed.device, target),
-                               packed.dtype == torch.int32, digit_bits)
     while cols > MAX_SELECT_COLS:
+        # (whole or not, a long row must be one segments could take: the same calls valid on every GPU)
         if cols % SELECT_SEGMENT or not select_kernel_takes(k) or not packed.is_contiguous():
             raise ValueError(f"a row of {cols} columns must be contiguous, a multiple of {SELECT_SEGMENT} columns, and "
                              f"k ({k}) below {SELECT_SEGMENT} (each segment's top k must shorten it)")
-        if whole:
-            break
+        if packed.dtype == torch.int32:  # the score kernel's words (a first pass: the winners are keys)
+            target = targets.target_of(packed.device)
+            if select_takes_whole(target, rows, cols, targets.num_sms(packed.device, target), True, digit_bits):
+                break
         segments = packed.view(rows * (cols // SELECT_SEGMENT), SELECT_SEGMENT)
         winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
         # a first pass's entries are its segments' columns (words: the winners' keys are packed from them); a later
