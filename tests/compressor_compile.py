@@ -66,7 +66,8 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
     fp8 codes (the layer's dot there), elsewhere float16 q against their integer decode (the float16 dot), packed and
     as words; the query prep (V4, with ``every`` V3.2's half-split rope); the select over packed keys (two launches:
     512 of 32768, then of 2048), the first of 65,536 words, V3.2's few rows of 32,768 words converted (whole where
-    ``select_takes_whole``, else the last launch), and, over packed keys and over words, a row of 9,216 in two
+    ``select_takes_whole``, else the last launch), the last pass over segments' winners of more rows than two an SM,
+    and, over packed keys and over words, a row of 9,216 in two
     tiles and the V4 decode's 8,192 converted in its launch; and :func:`capped_selects`."""
     out = []
     # the page loop as a decode runs it: 16 pages a program (the e4m3 dot's: 32, as on sm_90), pipelined (a recorded
@@ -118,6 +119,10 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
         indexer.topk_rows(torch.zeros(4, 32768, dtype=torch.int32), 512,  # segments' winners (as above)
                           torch.zeros(4, 512, dtype=torch.int32), into(4, 512))
     out.append(("indexer select 512 of 32768 words into slots", calls[-1:]))
+    rows = 2 * target.sms + 1  # the segments' winners (8 x 1,024) over more rows than two an SM: capped where by digits
+    with recorded_launches(target) as calls:
+        indexer.topk_rows(torch.zeros(rows, 65536, dtype=torch.int32), 1024, torch.zeros(rows, 1024, dtype=torch.int32))
+    out.append((f"indexer select 1024 of 8192 winners, {rows} rows", calls[-1:]))
     for rows, words in ((torch.int64, ""), (torch.int32, " words")):
         with recorded_launches(target) as calls:  # a row in two tiles: 8,192 + 1,024
             indexer.topk_rows(torch.zeros(4, 9216, dtype=rows), 512, torch.zeros(4, 512, dtype=torch.int32))

@@ -268,7 +268,7 @@ def test_select_kernel_refuses_a_segmented_row_whose_k_would_not_shorten_it():
 def test_rows_of_words_go_whole_only_where_the_digit_search_serves_few_of_them():
     """``select_takes_whole``: rows past MAX_SELECT_COLS go whole only as words of at most 32,768 columns, searched by
     the target's own digits (NVIDIA on a Triton that counts histograms by shared-memory atomics; an explicit bit
-    search keeps segments), at most two rows an SM; the warps for such a row: 32."""
+    search keeps segments), at most two rows an SM; the digit search's warps for few rows of 16,384 keys or more: 32."""
     from sparse_mla.ops.triton import indexer as kernels
 
     cuda, hip = targets.DEFAULT, next(t for t in targets.MATRIX if t.backend == "hip")
@@ -279,7 +279,8 @@ def test_rows_of_words_go_whole_only_where_the_digit_search_serves_few_of_them()
                                           (64, 32768, False, None), (64, 32768, True, 0)):
         assert not kernels.select_takes_whole(cuda, rows, cols, 132, words, digit_bits)
     assert not kernels.select_takes_whole(hip, 8, 32768, 304, True, None)
-    assert kernels.select_warps(264, 32768, 132, True) == 32 and kernels.select_warps(264, 16384, 132, True) == 16
+    assert kernels.select_warps(264, 32768, 132, True) == 32 and kernels.select_warps(264, 16384, 132, True) == 32
+    assert kernels.select_warps(264, 12288, 132, True) == 16 and kernels.select_warps(265, 16384, 132, True) < 32
 
 
 @needs_kernels
@@ -372,13 +373,15 @@ DIGIT_BITS = (0, 3, 8, 11)
 def test_the_select_searches_by_digits_on_nvidia_rows_of_words_where_the_histogram_is_atomics(target, atomics,
                                                                                             monkeypatch):
     """The rule (:func:`select_digit_bits`): digits where Triton lowers ``tl.histogram`` to shared-memory atomics
-    (NVIDIA, Triton 3.8 and later) over rows of words; a bit a round over packed keys, on AMD, and on a Triton whose
-    histogram is a vote a digit bit (slower than the rounds it replaces: docs/history.md versions 28 and 37)."""
+    (NVIDIA, Triton 3.8 and later) over rows of words and over segments' winners; a bit a round over other packed
+    keys, on AMD, and on a Triton whose histogram is a vote a digit bit (slower than the rounds it replaces:
+    docs/history.md versions 28 and 37)."""
     from sparse_mla.ops.triton import indexer as kernels
 
     monkeypatch.setattr(kernels, "HISTOGRAM_BY_ATOMICS", atomics)
     digits = kernels.SELECT_DIGIT_BITS if atomics and target.backend == "cuda" else 0
     assert kernels.select_digit_bits(target, True) == digits
+    assert kernels.select_digit_bits(target, False, winners=True) == digits
     assert kernels.select_digit_bits(target, False) == 0
 
 
@@ -1152,11 +1155,12 @@ def test_indexer_kernel_compiles_and_fits_on_every_target(target):
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     family = target in FAMILIES  # the V3.2 query prep too
     # the score launches packed and as words (fp8 keys; with the family bf16 keys and a prefill), the V4 prep (and
-    # V3.2's), the selects (two of a segmented row, the first of a longer one as words, V3.2's rows of words whole;
-    # over packed keys and words, two each; two converting words over more rows than the SMs);
+    # V3.2's), the selects (two of a segmented row, the first of a longer one as words, V3.2's rows of words whole,
+    # the winners of many rows; over packed keys and words, two each; two converting words over more rows than the
+    # SMs);
     # where the dot takes e4m3, its score launch packed and as words and the prep into e4m3 (V4, and V3.2); elsewhere
     # the float16 dot's, and the prep into float16
-    assert len(rows) == (18 if family else 13) + (4 if family else 3), \
+    assert len(rows) == (19 if family else 14) + (4 if family else 3), \
         f"exit {done.returncode}: {done.stderr[-2000:]}"
     for r in rows:
         print(f"{r['target']:8} {r['variant']:28} regs {r['registers']} spills {r['spill_stores']}/{r['spill_loads']} "

@@ -826,12 +826,16 @@ SELECT_DIGIT_BITS = 8
 MAX_DIGIT_BITS = 11  # a histogram of 2,048 bins (8 KB of shared memory a program)
 
 
-def select_digit_bits(target: targets.Target, words: bool) -> int:
+def select_digit_bits(target: targets.Target, words: bool, winners: bool = False) -> int:
     """The select's threshold search for ``target``: ``0``, a bit a round (a count of the row's words at or above a
     candidate), or :data:`SELECT_DIGIT_BITS` bits a pass (one ``tl.histogram`` of the words still in play) — over rows
-    of words (``words``) on NVIDIA where the installed Triton lowers the histogram to shared-memory atomics
-    (:data:`HISTOGRAM_BY_ATOMICS`). The picks are the same either way."""
-    return SELECT_DIGIT_BITS if words and target.backend == "cuda" and HISTOGRAM_BY_ATOMICS else 0
+    of words (``words``), or of segments' winners (``winners``: packed keys, the search over their high words), on
+    NVIDIA where the installed Triton lowers the histogram to shared-memory atomics (:data:`HISTOGRAM_BY_ATOMICS`).
+    The picks are the same either way. The winners by digits, H200, Triton 3.9, the select alone on the layer's own
+    scores: B 8 at 512K (16 rows, 16 segments of 8,192 a row) 29.3 -> 27.1 µs, V3.2 B 32 in segments 34.4 -> 31.5
+    (docs/history.md version 48); other packed keys (V4.1's two-level rows) keep the bit rounds, measured faster there
+    in version 37."""
+    return SELECT_DIGIT_BITS if (words or winners) and target.backend == "cuda" and HISTOGRAM_BY_ATOMICS else 0
 
 
 # the select stores its chosen entries by inline PTX on CUDA (:func:`_scatter`; not in the interpreter). H200, Triton
@@ -865,22 +869,23 @@ def select_warps(rows: int, lanes: int, sms: int, digits: bool = False, keys: bo
     at 256.
 
     ``digits`` (the search by histograms, :func:`select_digit_bits`), rows of at least 8,192 keys, at most two an SM
-    (their passes are the launch's latency): 16, since a pass costs a shared-memory increment a key and a few scans of
-    the bins whatever the warps. H200, Triton 3.9, the select alone on the layer's words, 4 / 8 / 16 / 32 warps
-    (docs/history.md version 40): V4-Flash B 32 (64 rows of 8,192) 16.4 / 13.1 / 11.6 / 12.4 µs, B 128 (256 rows)
-    21.2 / 18.1 / 17.2 / 19.1, V4.1-Flash B 128 (256 of 16,384) 35.6 / 37.2 / 32.6 / 31.5, V3.2 B 32 (64 rows in
-    segments of 8,192, then 8,192 winners) 43.9 / 38.1 / 36.1 / 41.0; the layer, this rule against the bit rounds'
-    one (two runs): B 32 32.6 -> 31.0, B 128 74.2 -> 73.9, V4.1-Flash B 128 127.8 -> 123.0, V3.2 90.3 -> 86.4.
-    More rows than two an SM, where :func:`select_maxnreg` caps them (``keys`` off, rows of at most 9,216 keys): 8.
-    The 4K prefill chunk's 4,096 rows of 9,216 alone, not converting their picks, 4 / 8 / 16 / 32 warps: 239.6 /
-    194.2 / 252.7 / 297.7 µs, but its layer 1,006 µs at 8 uncapped against 936 at 4 (version 40); capped at 8,
-    1,009 -> 923 against 954 at 4 (version 41). A row past :data:`MAX_SELECT_COLS` taken whole
-    (:func:`select_takes_whole`): 32, a row of 32,768 words at 32 a thread (at 16, 64 a thread spill inside its
-    loops on sm_90; at 32 the 128-136 B spilled lie outside them). Else (a segment pass writing keys, wider rows) the
-    bit rounds' rule, the only one measured there."""
+    (their passes are the launch's latency): 16 (32 from :data:`WIDE_SELECT_LANES`, below), since a pass costs a
+    shared-memory increment a key and a few scans of the bins whatever the warps. H200, Triton 3.9, the select alone on
+    the layer's words, 4 / 8 / 16 / 32 warps (docs/history.md version 40): V4-Flash B 32 (64 rows of 8,192) 16.4 / 13.1
+    / 11.6 / 12.4 µs, B 128 (256 rows) 21.2 / 18.1 / 17.2 / 19.1, V4.1-Flash B 128 (256 of 16,384) 35.6 / 37.2 / 32.6 /
+    31.5, V3.2 B 32 (64 rows in segments of 8,192, then 8,192 winners) 43.9 / 38.1 / 36.1 / 41.0; the layer, this rule
+    against the bit rounds' one (two runs): B 32 32.6 -> 31.0, B 128 74.2 -> 73.9, V4.1-Flash B 128 127.8 -> 123.0, V3.2
+    90.3 -> 86.4. More rows than two an SM, where :func:`select_maxnreg` caps them (``keys`` off, rows of at most 9,216
+    keys): 8. The 4K prefill chunk's 4,096 rows of 9,216 alone, not converting their picks, 4 / 8 / 16 / 32 warps: 239.6
+    / 194.2 / 252.7 / 297.7 µs, but its layer 1,006 µs at 8 uncapped against 936 at 4 (version 40); capped at 8, 1,009
+    -> 923 against 954 at 4 (version 41). Rows of :data:`WIDE_SELECT_LANES` keys or more, at most two an SM: 32 (version
+    48, H200, Triton 3.9, 4 / 8 / 16 / 32 warps: V4.1-Flash B 32's 64 rows of 16,384 words 24.1 / 18.2 / 15.9 / 14.7 µs,
+    B 128's 256 rows 33.3 / 34.2 / 29.3 / 26.6; V3.2's rows of 32,768 taken whole, :func:`select_takes_whole`: at 16
+    warps 64 words a thread spill inside its loops on sm_90, at 32 the 128-136 B spilled lie outside them; version 47).
+    Else (a segment pass writing keys, wider rows) the bit rounds' rule, the only one measured there."""
     if digits and lanes >= DIGIT_SELECT_MIN_LANES:
         if rows <= 2 * sms:
-            return 16 if lanes <= MAX_SELECT_COLS else 32  # (a whole row past MAX_SELECT_COLS: select_takes_whole)
+            return 16 if lanes < WIDE_SELECT_LANES else 32
         if cap_takes(8, lanes, keys):
             return 8
     warps = max(4, triton.next_power_of_2(-(-lanes // (72 * 32))))
@@ -890,6 +895,7 @@ def select_warps(rows: int, lanes: int, sms: int, digits: bool = False, keys: bo
 
 
 DIGIT_SELECT_MIN_LANES = 8192  # rows the digit search's warps were measured on (shorter: the bit rounds' rule)
+WIDE_SELECT_LANES = 16384  # from these, the digit search's few rows take 32 warps (select_warps)
 WHOLE_SELECT_COLS = 32768  # the widest rows of words select_takes_whole takes in one program
 
 
@@ -989,7 +995,7 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     # the GPU's own SMs; on the CPU (interpreter, the portability matrix's recorded launches) those of its target
     target = targets.target_of(packed.device)
     words_in = packed.dtype == torch.int32  # the score kernel's words: the search's words themselves
-    own_digits = select_digit_bits(target, words_in)
+    own_digits = select_digit_bits(target, words_in, winners=not column_entries)
     digit_bits = own_digits if digit_bits is None else digit_bits
     # the digit search's warps and register cap where it is the target's own (histograms by shared-memory atomics
     # over words); an explicit digit_bits elsewhere (a test, a probe) keeps the bit rounds' warps, the only ones
