@@ -283,6 +283,36 @@ def test_rows_of_words_go_whole_only_where_the_digit_search_serves_few_of_them()
     assert kernels.select_warps(264, 12288, 132, True) == 16 and kernels.select_warps(265, 16384, 132, True) < 32
 
 
+@needs_gpu  # the register cap and the warps change the compiled code alone: the interpreter runs none
+def test_segments_winners_over_more_rows_than_two_an_sm_pick_the_top_k(monkeypatch):
+    """Rows of words in 8 segments over more rows than two an SM (ties, rows of few candidates): the last pass over
+    the winners' keys (8,192 a row; by digits at 8 warps under select_maxnreg's cap where the target searches by
+    digits) gives torch.topk's set, in entry order."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    device = torch.device(DEVICE)
+    target = targets.target_of(device)
+    rows, cols, k = 2 * targets.num_sms(device, target) + 1, 8 * SELECT_SEGMENT, 1024
+    gen = torch.Generator().manual_seed(rows)
+    scores = torch.randn(rows, cols, generator=gen)
+    scores[0, 5000:60000:7] = 3.0  # ties at the threshold in every segment
+    scores[1, torch.rand(cols, generator=gen) < 0.99] = float("nan")  # fewer candidates than k
+    packed = packed_rows(scores)
+    asked = []
+    cap = kernels.select_maxnreg
+    monkeypatch.setattr(kernels, "select_maxnreg", lambda *a, **kw: asked.append(cap(*a, **kw)) or asked[-1])
+    out = torch.full((rows, k), 7, dtype=torch.int32, device=DEVICE)
+    kernels.topk_rows(words_of(packed).to(DEVICE), k, out)
+    if kernels.select_digit_bits(target, False, winners=True):
+        assert asked[-1]  # the winners' pass ran capped
+    got = out.cpu()
+    want = kernels.topk_from_packed(packed, k)
+    same_sets(got, want, rows)
+    for r in (0, 1, 2):
+        chosen = [x for x in got[r].tolist() if x >= 0]
+        assert chosen == sorted(chosen) and len(chosen) == min(k, int((packed[r] != kernels.INT64_MIN).sum()))
+
+
 @needs_kernels
 @pytest.mark.parametrize("cols", [3 * SELECT_SEGMENT, 4 * SELECT_SEGMENT])
 def test_a_row_of_words_whole_picks_as_its_segments_do(cols, monkeypatch):
