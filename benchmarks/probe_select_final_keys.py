@@ -1,7 +1,7 @@
 """Rows in segments (B 8 at 512K's 131,072 entries; V3.2's 32,768 positions with their whole-row rule turned off):
-the last pass over the segments' winners — packed keys, searched a bit a round by the rule (``select_digit_bits``
-gives digits to words alone) — against the same pass searching their high words by 8-bit digits at the digit
-search's warps (16 where the rows are at most two an SM); the select alone on the layer's own scores, the picks
+the last pass over the segments' winners (packed keys) searching their high words by 8-bit digits at the digit
+search's warps (16 where the rows are at most two an SM: the rule since version 48) against a bit a round (the rule
+before: ``select_digit_bits`` gave digits to words alone); the select alone on the layer's own scores, the picks
 compared (the same, in the same order), CUDA-graph replays alternating (docs/history.md version 48).
 
     python benchmarks/probe_select_final_keys.py [--cases ...] [--out results/]
@@ -18,19 +18,17 @@ from harness import probe_main
 from timing import graphed, timed_variants
 
 NAMES = ("v4-flash-b8-512k", "v32-b32")
-
-
 _OWN_DIGITS = kernels.select_digit_bits
 
 
-def digits_over_keys(target, words: bool) -> int:
-    """``select_digit_bits`` with packed keys searched by digits as words are."""
-    return _OWN_DIGITS(target, True)
+def winners_by_bits(target, words: bool, winners: bool = False) -> int:
+    """``select_digit_bits`` before version 48: digits for words alone, the winners' keys a bit a round."""
+    return _OWN_DIGITS(target, words)
 
 
-NO_WHOLE = ("select_takes_whole", lambda *args: False)
-VARIANTS = {"rule": (), "segments": (NO_WHOLE,),
-            "segments, keys by digits": (NO_WHOLE, ("select_digit_bits", digits_over_keys))}
+NO_WHOLE, BITS = ("select_takes_whole", lambda *args: False), ("select_digit_bits", winners_by_bits)
+VARIANTS = {"rule": (), "winners by bits": (BITS,), "segments": (NO_WHOLE,),
+            "segments, winners by bits": (NO_WHOLE, BITS)}
 
 
 def patched(changes) -> contextlib.ExitStack:
