@@ -119,10 +119,10 @@ def indexer_launches(target: targets.Target, every: bool = True) -> list[tuple[s
         indexer.topk_rows(torch.zeros(4, 32768, dtype=torch.int32), 512,  # segments' winners (as above)
                           torch.zeros(4, 512, dtype=torch.int32), into(4, 512))
     out.append(("indexer select 512 of 32768 words into slots", calls[-1:]))
-    rows = 2 * target.sms + 1  # the segments' winners (8 x 1,024) over more rows than two an SM: capped where by digits
+    rows = 2 * target.sms + 1  # the segments' winners (4 x 2,048) over more rows than two an SM: capped where by digits
     with recorded_launches(target) as calls:
-        indexer.topk_rows(torch.zeros(rows, 65536, dtype=torch.int32), 1024, torch.zeros(rows, 1024, dtype=torch.int32))
-    out.append((f"indexer select 1024 of 8192 winners, {rows} rows", calls[-1:]))
+        indexer.topk_rows(torch.zeros(rows, 32768, dtype=torch.int32), 2048, torch.zeros(rows, 2048, dtype=torch.int32))
+    out.append((f"indexer select 2048 of 8192 winners, {rows} rows", calls[-1:]))
     for rows, words in ((torch.int64, ""), (torch.int32, " words")):
         with recorded_launches(target) as calls:  # a row in two tiles: 8,192 + 1,024
             indexer.topk_rows(torch.zeros(4, 9216, dtype=rows), 512, torch.zeros(4, 512, dtype=torch.int32))

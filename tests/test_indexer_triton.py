@@ -266,19 +266,18 @@ def test_select_kernel_refuses_a_segmented_row_whose_k_would_not_shorten_it():
 
 
 def test_rows_of_words_go_whole_only_where_the_digit_search_serves_few_of_them():
-    """``select_takes_whole``: rows past MAX_SELECT_COLS go whole only as words of at most 32,768 columns, searched by
-    the target's own digits (NVIDIA on a Triton that counts histograms by shared-memory atomics; an explicit bit
-    search keeps segments), at most two rows an SM; the digit search's warps for few rows of 16,384 keys or more: 32."""
+    """``select_takes_whole``: rows of words past MAX_SELECT_COLS go whole only up to 32,768 columns, searched by the
+    target's own digits (NVIDIA on a Triton that counts histograms by shared-memory atomics; an explicit bit search
+    keeps segments), no more rows than the SMs; the digit search's warps for few rows of 16,384 keys or more: 32."""
     from sparse_mla.ops.triton import indexer as kernels
 
     cuda, hip = targets.DEFAULT, next(t for t in targets.MATRIX if t.backend == "hip")
     digits = kernels.select_digit_bits(cuda, True) > 0
-    assert kernels.select_takes_whole(cuda, 264, 32768, 132, True, None) == digits
-    assert kernels.select_takes_whole(cuda, 264, 24576, 132, True, 8) == digits
-    for rows, cols, words, digit_bits in ((265, 32768, True, None), (64, 32768 + 8192, True, None),
-                                          (64, 32768, False, None), (64, 32768, True, 0)):
-        assert not kernels.select_takes_whole(cuda, rows, cols, 132, words, digit_bits)
-    assert not kernels.select_takes_whole(hip, 8, 32768, 304, True, None)
+    assert kernels.select_takes_whole(cuda, 132, 32768, 132, None) == digits
+    assert kernels.select_takes_whole(cuda, 132, 24576, 132, 8) == digits
+    for rows, cols, digit_bits in ((133, 32768, None), (64, 32768 + 8192, None), (64, 16384, None), (64, 32768, 0)):
+        assert not kernels.select_takes_whole(cuda, rows, cols, 132, digit_bits)
+    assert not kernels.select_takes_whole(hip, 8, 32768, 304, None)
     assert kernels.select_warps(264, 32768, 132, True) == 32 and kernels.select_warps(264, 16384, 132, True) == 32
     assert kernels.select_warps(264, 12288, 132, True) == 16 and kernels.select_warps(265, 16384, 132, True) < 32
 
@@ -303,8 +302,8 @@ def test_segments_winners_over_more_rows_than_two_an_sm_pick_the_top_k(monkeypat
     monkeypatch.setattr(kernels, "select_maxnreg", lambda *a, **kw: asked.append(cap(*a, **kw)) or asked[-1])
     out = torch.full((rows, k), 7, dtype=torch.int32, device=DEVICE)
     kernels.topk_rows(words_of(packed).to(DEVICE), k, out)
-    if kernels.select_digit_bits(target, False, winners=True):
-        assert asked[-1]  # the winners' pass ran capped
+    if kernels.select_digit_bits(target, False, winners=True):  # the winners' pass ran at 8 warps, capped
+        assert asked[-1] == target.register_file // (2 * target.warp_size * 8)
     got = out.cpu()
     want = kernels.topk_from_packed(packed, k)
     same_sets(got, want, rows)
@@ -329,7 +328,7 @@ def test_a_row_of_words_whole_picks_as_its_segments_do(cols, monkeypatch):
     packed = packed_rows(scores)
     words = words_of(packed).to(DEVICE)
     target = targets.target_of(words.device)
-    took_whole = kernels.select_takes_whole(target, 2, cols, targets.num_sms(words.device, target), True, None)
+    took_whole = kernels.select_takes_whole(target, 2, cols, targets.num_sms(words.device, target), None)
     launch = kernels._launch_select
     launches = {True: [], False: []}  # the rows each launch took, by way
     table = torch.arange(2 * cols // 64, dtype=torch.int32, device=DEVICE).view(2, -1)
@@ -365,7 +364,8 @@ def test_a_row_of_words_whole_picks_as_its_segments_do(cols, monkeypatch):
 def test_select_kernel_picks_the_same_set_as_torch_topk(rows, cols, k, valid):
     """Rows in one program (9,216 columns: two tiles, 8,192 + 1,024; 513: 512 + 2), and long rows by segments (two
     launches), against torch.topk's set; k of any size, not only powers of two (100, 500, 1,000). The same rows as
-    words give the same picks in the same order (long rows' segments: the winners' keys packed from the words)."""
+    words give the same picks in the same order (long rows' segments: the winners' keys packed from the words; where
+    the target searches by digits, the words' long rows whole: select_takes_whole)."""
     from sparse_mla.ops.triton import indexer as kernels
 
     gen = torch.Generator().manual_seed(cols + k)
@@ -525,7 +525,7 @@ def test_select_kernel_is_exact_on_rows_of_ties_and_extreme_scores(values, cols,
     version 30); rows of three segments (24,576 columns: ties among the segments' winners, entries read from their
     keys) and of six whose winners (24,576) are selected in segments again, a pass whose entries are the whole row's
     (up to 49,151). The same rows as words give the same picks in the same order (a long row's first pass packs its
-    segments' winners' keys from their words)."""
+    segments' winners' keys from their words; where the target searches by digits, the 24,576 columns go whole)."""
     from sparse_mla.ops.triton import indexer as kernels
 
     gen = torch.Generator().manual_seed(cols + k + len(values))

@@ -15,8 +15,8 @@ entry; an entry the token may not see (``(w + 1)·r > p + 1``, a block number ``
 ``INT64_MIN``. The top-k of a row is then a unique set, ties to the lowest entry, whatever the select's order of work:
 the Triton select (:func:`topk_rows`) or ``torch.topk`` over the int64 keys (:func:`topk_from_packed`), both CUDA-graph
 capturable. -0.0 is stored as +0.0 (ReLU zeros weighted by a negative weight), so the order is the float order. Rows the
-Triton select takes (no V4.1 block restriction; rows past :data:`MAX_SELECT_COLS` in segments) may be stored as *words*
-instead: int32, the high word's order bits alone as an unsigned value (the sign bit flipped; 0: no candidate, a
+Triton select takes (no V4.1 block restriction; rows past :data:`MAX_SELECT_COLS` in segments or whole) may be stored as
+*words* instead: int32, the high word's order bits alone as an unsigned value (the sign bit flipped; 0: no candidate, a
 candidate at least 1: the one score whose bits would give 0, a NaN of all ones, counts as 1, as ``torch.topk`` keeps it,
 where the select over packed keys, reading their high words alone, takes it for none — non-finite scores only), the
 entry being the column. Half the bytes written and read; the select's loads of them are contiguous (16 B each), where
@@ -562,7 +562,7 @@ def _digit_search(words, tail, thr, count, bit, k, zeros, HAS_TAIL: tl.constexpr
     histogram, the highest digit at or above which ``k`` or more lie taken. ``zeros``: how many words are 0 (no
     candidate; in play, in digit 0, while ``thr`` is 0)."""
     BINS: tl.constexpr = 1 << DIGIT
-    COUNT_BITS: tl.constexpr = 31 - DIGIT  # >= 20: a count is at most the row's lanes (< 2^15, select_tiles)
+    COUNT_BITS: tl.constexpr = 31 - DIGIT  # >= 20: a count is at most the row's lanes (<= 2^15: WHOLE_SELECT_COLS)
     bins = tl.arange(0, BINS)
     while (bit >= 0) & (count != k):
         shift = tl.maximum(bit + 1 - DIGIT, 0)  # this pass's digit: bits [shift, bit]
@@ -829,12 +829,13 @@ MAX_DIGIT_BITS = 11  # a histogram of 2,048 bins (8 KB of shared memory a progra
 def select_digit_bits(target: targets.Target, words: bool, winners: bool = False) -> int:
     """The select's threshold search for ``target``: ``0``, a bit a round (a count of the row's words at or above a
     candidate), or :data:`SELECT_DIGIT_BITS` bits a pass (one ``tl.histogram`` of the words still in play) — over rows
-    of words (``words``), or of segments' winners (``winners``: packed keys, the search over their high words), on
-    NVIDIA where the installed Triton lowers the histogram to shared-memory atomics (:data:`HISTOGRAM_BY_ATOMICS`).
-    The picks are the same either way. The winners by digits, H200, Triton 3.9, the select alone on the layer's own
-    scores: B 8 at 512K (16 rows, 16 segments of 8,192 a row) 29.3 -> 27.1 µs, V3.2 B 32 in segments 34.4 -> 31.5
-    (docs/history.md version 48); other packed keys (V4.1's two-level rows) keep the bit rounds, measured faster there
-    in version 37."""
+    of words (``words``), or of segments' winners in the last pass (``winners``: packed keys, the search over their high
+    words), on NVIDIA where the installed Triton lowers the histogram to shared-memory atomics
+    (:data:`HISTOGRAM_BY_ATOMICS`). The picks are the same either way. The winners by digits, H200, Triton 3.9, the
+    select alone on the layer's own scores: B 8 at 512K (16 rows, 16 segments of 8,192 a row) 29.3 -> 27.1 µs, V3.2 B 32
+    in segments 34.4 -> 31.5 (docs/history.md version 48); other packed keys (V4.1's two-level rows, a middle pass
+    writing keys) keep the bit rounds, not timed by digits since version 37 found digits over packed keys slower at the
+    warps of the time."""
     return SELECT_DIGIT_BITS if (words or winners) and target.backend == "cuda" and HISTOGRAM_BY_ATOMICS else 0
 
 
@@ -899,16 +900,16 @@ WIDE_SELECT_LANES = 16384  # from these, the digit search's few rows take 32 war
 WHOLE_SELECT_COLS = 32768  # the widest rows of words select_takes_whole takes in one program
 
 
-def select_takes_whole(target: targets.Target, rows: int, cols: int, sms: int, words: bool,
-                       digit_bits: int | None) -> bool:
-    """Whether ``rows`` rows of ``cols`` columns past :data:`MAX_SELECT_COLS` go whole, one program a row, not in
-    segments: rows of ``words`` of at most :data:`WHOLE_SELECT_COLS` columns, searched by the target's own digits
-    (:func:`select_digit_bits`; ``digit_bits`` None or nonzero), at most two an SM of ``sms`` — where segments would
-    only add programs the SMs have room for, and a second launch. H200, Triton 3.9, V3.2 B 32's 64 rows of 32,768
-    words, the select alone: 34.6 µs in segments of 8,192 (then their 8,192 winners), 26.2 whole at 32 warps
-    (docs/history.md version 47); the same picks in the same order. B 8 at 512K's rows (131,072) stay in segments:
-    in segments of 32,768 they ran slower (37.4 against 29.8)."""
-    return (words and cols <= WHOLE_SELECT_COLS and rows <= 2 * sms and digit_bits != 0
+def select_takes_whole(target: targets.Target, rows: int, cols: int, sms: int, digit_bits: int | None) -> bool:
+    """Whether ``rows`` rows of words (the score kernel's) of ``cols`` columns past :data:`MAX_SELECT_COLS` go
+    whole, one program a row, not in segments: rows of at most :data:`WHOLE_SELECT_COLS` columns, searched by the
+    target's own digits (:func:`select_digit_bits`; ``digit_bits`` None or nonzero), no more than the SMs of ``sms``
+    (at 32 warps, 64 registers a thread, a program fills an SM's registers: more rows would take a second wave,
+    not measured) — where segments would only add programs the SMs have room for, and a second launch. H200, Triton
+    3.9, V3.2 B 32's 64 rows of 32,768 words, the select alone: 34.1 µs in segments of 8,192 (then their 8,192
+    winners), 25.9 whole at 32 warps (docs/history.md version 48); the same picks in the same order. B 8 at 512K's
+    rows (131,072) stay in segments: in segments of 32,768 they ran slower (35.4 against 29.4)."""
+    return (MAX_SELECT_COLS < cols <= WHOLE_SELECT_COLS and rows <= sms and digit_bits != 0
             and select_digit_bits(target, True) > 0)
 CAPPED_LANES = {16: 8192, 8: 9216}  # the widest rows the cap takes at each warp count (the prefill chunk's 9,216 at 8)
 
@@ -995,11 +996,13 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     # the GPU's own SMs; on the CPU (interpreter, the portability matrix's recorded launches) those of its target
     target = targets.target_of(packed.device)
     words_in = packed.dtype == torch.int32  # the score kernel's words: the search's words themselves
-    own_digits = select_digit_bits(target, words_in, winners=not column_entries)
+    # (winners: the last pass over segments' winners, the one measured by digits; not a middle pass writing keys)
+    own_digits = select_digit_bits(target, words_in, winners=not column_entries and not keys)
     digit_bits = own_digits if digit_bits is None else digit_bits
     # the digit search's warps and register cap where it is the target's own (histograms by shared-memory atomics
-    # over words); an explicit digit_bits elsewhere (a test, a probe) keeps the bit rounds' warps, the only ones
-    # measured there; both by the packed rows (the programs past them, a step's padding tokens, write empty rows)
+    # over words or the last winners); an explicit digit_bits elsewhere (a test, a probe) keeps the bit rounds' warps,
+    # the only ones measured there; both by the packed rows (the programs past them, a step's padding tokens, write
+    # empty rows)
     own_search, sms = digit_bits > 0 and own_digits > 0, targets.num_sms(packed.device, target)
     warps = select_warps(rows, lanes, sms, own_search, keys)
     maxnreg = select_maxnreg(target, warps, lanes, rows, sms, keys=keys) if own_search else None
@@ -1078,7 +1081,7 @@ def launch_topk_rows(packed: torch.Tensor, k: int, out: torch.Tensor, into: Pick
                              f"k ({k}) below {SELECT_SEGMENT} (each segment's top k must shorten it)")
         if packed.dtype == torch.int32:  # the score kernel's words (a first pass: the winners are keys)
             target = targets.target_of(packed.device)
-            if select_takes_whole(target, rows, cols, targets.num_sms(packed.device, target), True, digit_bits):
+            if select_takes_whole(target, rows, cols, targets.num_sms(packed.device, target), digit_bits):
                 break
         segments = packed.view(rows * (cols // SELECT_SEGMENT), SELECT_SEGMENT)
         winners = torch.empty(segments.shape[0], k, dtype=torch.int64, device=packed.device)
