@@ -282,6 +282,34 @@ def test_rows_of_words_go_whole_only_where_the_digit_search_serves_few_of_them()
     assert kernels.select_warps(264, 12288, 132, True) == 16 and kernels.select_warps(265, 16384, 132, True) < 32
 
 
+def test_each_select_pass_searches_and_spreads_as_its_rule_says(monkeypatch):
+    """The launches of a select, recorded, not run, on a target that searches by digits (sm_90, 132 SMs; histograms by
+    shared-memory atomics): a long row of words in segments (131,072 columns, k 2,048) searches its words by digits,
+    the middle pass over the first winners' keys a bit a round (untimed by digits), the last pass over the winners by
+    digits at 16 warps; a row of 32,768 words goes whole at 32 warps; rows of 16,384 at 32 warps, 8,192 at 16."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    launches = []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((args[0].shape, args[0].dtype, kw["DIGIT"], kw["num_warps"]))
+
+    monkeypatch.setattr(kernels, "HISTOGRAM_BY_ATOMICS", True)
+    monkeypatch.setattr(kernels, "_topk_rows_kernel", Recorded())
+    monkeypatch.setattr(targets, "target_of", lambda device: targets.DEFAULT)
+    monkeypatch.setattr(targets, "num_sms", lambda device, target=None: 132)
+    words, keys, bits = torch.int32, torch.int64, kernels.SELECT_DIGIT_BITS
+    kernels.topk_rows(torch.zeros(1, 131072, dtype=words), 2048, torch.zeros(1, 2048, dtype=torch.int32))
+    assert [(shape, dtype, digit) for shape, dtype, digit, _ in launches] == [
+        ((16, 8192), words, bits), ((4, 8192), keys, 0), ((1, 8192), keys, bits)]
+    assert launches[-1][3] == 16
+    for cols, warps in ((32768, 32), (16384, 32), (8192, 16)):
+        launches.clear()
+        kernels.topk_rows(torch.zeros(2, cols, dtype=words), 512, torch.zeros(2, 512, dtype=torch.int32))
+        assert launches == [((2, cols), words, bits, warps)], cols
+
+
 @needs_gpu  # the register cap and the warps change the compiled code alone: the interpreter runs none
 def test_segments_winners_over_more_rows_than_two_an_sm_pick_the_top_k(monkeypatch):
     """Rows of words in 8 segments over more rows than two an SM (ties, rows of few candidates): the last pass over
