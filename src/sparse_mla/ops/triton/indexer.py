@@ -839,6 +839,16 @@ def select_digit_bits(target: targets.Target, words: bool, winners: bool = False
     return SELECT_DIGIT_BITS if (words or winners) and target.backend == "cuda" and HISTOGRAM_BY_ATOMICS else 0
 
 
+def digit_search(target: targets.Target, words: bool, winners: bool, digit_bits: int | None) -> tuple[int, bool]:
+    """A select launch's threshold search: ``(bits, own)``, the bits a pass (``digit_bits`` where given, else the
+    target's, :func:`select_digit_bits`) and whether they are the target's own digit search (digits where the target
+    searches by them; an explicit ``digit_bits`` elsewhere, a test's or a probe's, is not), the one the launch rules
+    (:func:`select_warps`, :func:`select_maxnreg`, :func:`select_takes_whole`) were measured on."""
+    own_digits = select_digit_bits(target, words, winners)
+    bits = own_digits if digit_bits is None else digit_bits
+    return bits, bits > 0 and own_digits > 0
+
+
 # the select stores its chosen entries by inline PTX on CUDA (:func:`_scatter`; not in the interpreter). H200, Triton
 # 3.9, graphs alternating in one process, tl.store -> PTX, µs: the converting select V4-Flash B 32 12.2 -> 11.5, B 128
 # 17.5 -> 16.3, V4.1-Flash B 128 34.1 -> 31.1, the 4K prefill chunk 205.9 -> 182.0; B 128's layer 69.3 -> 68.1; V3.2's
@@ -898,20 +908,20 @@ def select_warps(rows: int, lanes: int, sms: int, digits: bool = False, keys: bo
 DIGIT_SELECT_MIN_LANES = 8192  # rows the digit search's warps were measured on (shorter: the bit rounds' rule)
 WIDE_SELECT_LANES = 16384  # from these, the digit search's few rows take 32 warps (select_warps)
 WHOLE_SELECT_COLS = 32768  # the widest rows of words select_takes_whole takes in one program
+CAPPED_LANES = {16: 8192, 8: 9216}  # the widest rows the cap takes at each warp count (the prefill chunk's 9,216 at 8)
 
 
 def select_takes_whole(target: targets.Target, rows: int, cols: int, sms: int, digit_bits: int | None) -> bool:
-    """Whether ``rows`` rows of words (the score kernel's) of ``cols`` columns past :data:`MAX_SELECT_COLS` go
-    whole, one program a row, not in segments: rows of at most :data:`WHOLE_SELECT_COLS` columns, searched by the
-    target's own digits (:func:`select_digit_bits`; ``digit_bits`` None or nonzero), no more than the SMs of ``sms``
-    (at 32 warps, 64 registers a thread, a program fills an SM's registers: more rows would take a second wave,
-    not measured) — where segments would only add programs the SMs have room for, and a second launch. H200, Triton
-    3.9, V3.2 B 32's 64 rows of 32,768 words, the select alone: 34.1 µs in segments of 8,192 (then their 8,192
-    winners), 25.9 whole at 32 warps (docs/history.md version 48); the same picks in the same order. B 8 at 512K's
-    rows (131,072) stay in segments: in segments of 32,768 they ran slower (35.4 against 29.4)."""
-    return (MAX_SELECT_COLS < cols <= WHOLE_SELECT_COLS and rows <= sms and digit_bits != 0
-            and select_digit_bits(target, True) > 0)
-CAPPED_LANES = {16: 8192, 8: 9216}  # the widest rows the cap takes at each warp count (the prefill chunk's 9,216 at 8)
+    """Whether ``rows`` rows of words (the score kernel's) of ``cols`` columns past :data:`MAX_SELECT_COLS` go whole,
+    one program a row, not in segments: rows of at most :data:`WHOLE_SELECT_COLS` columns, searched by the target's own
+    digits (:func:`digit_search`), no more than the SMs of ``sms`` (at 32 warps, 64 registers a thread, a program fills
+    an SM's registers: more rows would take a second wave, not measured) — where segments would only add programs the
+    SMs have room for, and a second launch. H200, Triton 3.9, V3.2 B 32's 64 rows of 32,768 words, the select alone:
+    34.1 µs in segments of 8,192 (then their 8,192 winners), 25.9 whole at 32 warps (docs/history.md version 48); the
+    same picks in the same order. B 8 at 512K's rows (131,072) stay in segments: in segments of 32,768 they ran slower
+    (35.4 against 29.4)."""
+    _, own_search = digit_search(target, True, False, digit_bits)
+    return own_search and MAX_SELECT_COLS < cols <= WHOLE_SELECT_COLS and rows <= sms
 
 
 def cap_takes(warps: int, lanes: int, keys: bool) -> bool:
@@ -997,13 +1007,11 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     target = targets.target_of(packed.device)
     words_in = packed.dtype == torch.int32  # the score kernel's words: the search's words themselves
     # (winners: the last pass over segments' winners, the one measured by digits; not a middle pass writing keys)
-    own_digits = select_digit_bits(target, words_in, winners=not column_entries and not keys)
-    digit_bits = own_digits if digit_bits is None else digit_bits
-    # the digit search's warps and register cap where it is the target's own (histograms by shared-memory atomics
-    # over words or the last winners); an explicit digit_bits elsewhere (a test, a probe) keeps the bit rounds' warps,
-    # the only ones measured there; both by the packed rows (the programs past them, a step's padding tokens, write
-    # empty rows)
-    own_search, sms = digit_bits > 0 and own_digits > 0, targets.num_sms(packed.device, target)
+    digit_bits, own_search = digit_search(target, words_in, not column_entries and not keys, digit_bits)
+    # the digit search's warps and register cap where it is the target's own; elsewhere the bit rounds' warps, the
+    # only ones measured there; both by the packed rows (the programs past them, a step's padding tokens, write empty
+    # rows)
+    sms = targets.num_sms(packed.device, target)
     warps = select_warps(rows, lanes, sms, own_search, keys)
     maxnreg = select_maxnreg(target, warps, lanes, rows, sms, keys=keys) if own_search else None
     # packed keys: (rows, 2 · cols) int32, each key's low, then high word (the kernel takes the int64 row stride)
