@@ -29,7 +29,7 @@ import argparse
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, ContextManager, Hashable, Iterator, NamedTuple, Sequence
 
 import torch
 from rich.console import Console
@@ -159,6 +159,22 @@ def select_rows(scored: ScoredLayer) -> tuple[torch.Tensor, torch.Tensor]:
     words = scored.layer.scores_as_words(scored.plan)
     (t0, t1, _), *_ = scored.plan.chunks_for(words)
     return scored.plan.scores(t1 - t0, words).clone(), scored.plan.picks[t0:t1]
+
+
+def select_variants(rows: torch.Tensor, k: int, picks: torch.Tensor,
+                    contexts: dict[Hashable, Callable[[], ContextManager]]) -> tuple[dict, dict]:
+    """The select over ``rows`` (top ``k`` into ``picks``) under each of ``contexts`` (a label -> a context factory:
+    the launch rules patched, say): each label's picks (cloned) and its launch's CUDA-graph replay, captured inside
+    the context (the select probes' variants)."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    got, fns = {}, {}
+    for label, context in contexts.items():
+        with context():
+            kernels.launch_topk_rows(rows, k, picks)
+            got[label] = picks.clone()
+            fns[label] = graphed(lambda: kernels.launch_topk_rows(rows, k, picks))
+    return got, fns
 
 
 def scored_cases(names: Sequence[str]) -> Iterator[tuple[Case, ScoredLayer]]:

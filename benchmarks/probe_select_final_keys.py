@@ -13,9 +13,9 @@ from unittest import mock
 
 from sparse_mla.ops.triton import indexer as kernels
 
-from bench_indexer import scored_cases, select_rows
+from bench_indexer import scored_cases, select_rows, select_variants
 from harness import probe_main
-from timing import graphed, timed_variants
+from timing import timed_variants
 
 NAMES = ("v4-flash-b8-512k", "v32-b32")
 _OWN_DIGITS = kernels.select_digit_bits
@@ -42,12 +42,8 @@ def run(names: list[str]) -> list[dict]:
     out = []
     for case, scored in scored_cases(names):
         rows, picks = select_rows(scored)
-        got, fns = {}, {}
-        for name, changes in VARIANTS.items():
-            with patched(changes):
-                kernels.launch_topk_rows(rows, case.topk, picks)
-                got[name] = picks.clone()
-                fns[name] = graphed(lambda: kernels.launch_topk_rows(rows, case.topk, picks))
+        contexts = {name: lambda changes=changes: patched(changes) for name, changes in VARIANTS.items()}
+        got, fns = select_variants(rows, case.topk, picks, contexts)
         row = dict(case=case.name, rows=rows.shape[0], cols=rows.shape[1],
                    same=all(bool((got["rule"] == g).all()) for g in got.values()), us=timed_variants(fns))
         out.append(row)

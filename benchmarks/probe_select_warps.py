@@ -17,7 +17,7 @@ import triton
 
 from sparse_mla.ops.triton import indexer as kernels
 
-from bench_indexer import STEP_LAYERS, layers_step, scored_cases, select_rows
+from bench_indexer import STEP_LAYERS, layers_step, scored_cases, select_rows, select_variants
 from harness import probe_main
 from timing import graphed, timed_variants
 
@@ -40,12 +40,10 @@ def run(names: list[str]) -> list[dict]:
     out = []
     for case, scored in scored_cases(names):
         rows, picks = select_rows(scored)
-        got, fns = {}, {}
-        for name, rule in VARIANTS.items():
-            with mock.patch.object(kernels, "select_warps", rule):
-                kernels.launch_topk_rows(rows, case.topk, picks)
-                got[name] = picks.clone()
-                fns["select", name] = graphed(lambda: kernels.launch_topk_rows(rows, case.topk, picks))
+        contexts = {name: lambda rule=rule: mock.patch.object(kernels, "select_warps", rule)
+                    for name, rule in VARIANTS.items()}
+        got, selects = select_variants(rows, case.topk, picks, contexts)
+        fns = {("select", name): fn for name, fn in selects.items()}
         # the layer under each rule: one call, and a step of STEP_LAYERS calls over their own keys and queries
         step, layer_picks = layers_step(case, scored, list(RULES))
         eager = {}
