@@ -291,9 +291,14 @@ def test_each_select_pass_searches_and_spreads_as_its_rule_says(monkeypatch):
 
     launches = []
 
+    floors = []  # the searches' floors (FLOOR), each launch's
+
     class Recorded:
         def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((args[0].shape, args[0].dtype, kw["DIGIT"], kw["num_warps"]))
+            def record(*args, **kw):
+                launches.append((args[0].shape, args[0].dtype, kw["DIGIT"], kw["num_warps"]))
+                floors.append(kw["FLOOR"])
+            return record
 
     monkeypatch.setattr(kernels, "HISTOGRAM_BY_ATOMICS", True)
     monkeypatch.setattr(kernels, "_topk_rows_kernel", Recorded())
@@ -304,10 +309,65 @@ def test_each_select_pass_searches_and_spreads_as_its_rule_says(monkeypatch):
     assert [(shape, dtype, digit) for shape, dtype, digit, _ in launches] == [
         ((16, 8192), words, bits), ((4, 8192), keys, 0), ((1, 8192), keys, bits)]
     assert launches[-1][3] == 16
+    floors.clear()
     for cols, warps in ((32768, 32), (16384, 32), (8192, 16)):
         launches.clear()
         kernels.topk_rows(torch.zeros(2, cols, dtype=words), 512, torch.zeros(2, 512, dtype=torch.int32))
         assert launches == [((2, cols), words, bits, warps)], cols
+        assert floors == [kernels.select_floor(warps * 32, cols, 512)] and floors[0], cols
+        floors.clear()
+
+
+@pytest.mark.parametrize("runs,main,k,floor", [
+    (512, 8192, 512, 512),      # V4-Flash's decode rows at 16 warps: a thread's 16 words a group
+    (512, 8192, 1024, 1024),    # V4-Pro's top 1,024: two groups of 8 words a thread
+    (1024, 32768, 2048, 2048),  # V3.2's rows whole at 32 warps: two groups of 16 a thread
+    (256, 8192, 512, 512),      # 8 warps (rows past two an SM)
+    (512, 8192, 2048, 0),       # groups of 4 words: the least valid word's start
+    (0, 8192, 512, 0),          # no runs (packed keys): the lanes in column order
+])
+def test_the_digit_search_starts_from_a_floor_of_groups_a_thread_owns(runs, main, k, floor):
+    """``select_floor``: at least k groups, a multiple of the threads (each thread's runs its own groups), of two
+    vectors or more."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    assert kernels.select_floor(runs, main, k) == floor
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", ["scores of both signs", "a short request", "k + 1 candidates", "ties at the floor",
+                                  "a short request's K-th at -inf"])
+def test_the_search_from_a_floor_picks_what_the_search_from_the_least_word_picks(rows, monkeypatch):
+    """Rows of words whose digit search starts from the least of its groups' largest words (``FLOOR``) and from the
+    least valid word (``FLOOR`` 0): torch.topk's picks in the same order either way; rows whose scores take both
+    signs, a request whose entries fill a quarter of the row (the other groups' largest 0: no candidate), k + 1
+    candidates, every group's largest tied with the K-th, and a short request whose K-th is -inf (the first pass's
+    lowest digit, where the zeros in play must not count)."""
+    from sparse_mla.ops.triton import indexer as kernels
+
+    gen = torch.Generator().manual_seed(len(rows))
+    cols, k = 8192, 512
+    scores = torch.randn(3, cols, generator=gen) * 5.0
+    if rows == "a short request":
+        scores[:, cols // 4:] = float("nan")  # (no candidate)
+    elif rows == "k + 1 candidates":
+        scores[:, torch.randperm(cols, generator=gen)[k + 1:]] = float("nan")
+    elif rows == "a short request's K-th at -inf":
+        scores[:, cols // 4:] = float("nan")
+        scores[:, : cols // 4][torch.rand(3, cols // 4, generator=gen) < 0.75] = -float("inf")
+    elif rows == "ties at the floor":
+        scores = torch.where(torch.rand(3, cols, generator=gen) < 0.5, 1.0, -scores.abs())
+    packed = packed_rows(scores).to(DEVICE)
+    want = kernels.topk_from_packed(packed, k).cpu()
+    got = {}
+    for floor in (True, False):
+        if not floor:
+            monkeypatch.setattr(kernels, "select_floor", lambda runs, main, k: 0)
+        out = torch.full((3, k), 7, dtype=torch.int32, device=DEVICE)
+        kernels.topk_rows(words_of(packed), k, out, digit_bits=kernels.SELECT_DIGIT_BITS)
+        got[floor] = out.cpu()
+    assert torch.equal(got[True], got[False])
+    assert torch.equal(got[True].sort(1).values, want.sort(1).values)
 
 
 @needs_gpu  # the register cap and the warps change the compiled code alone: the interpreter runs none

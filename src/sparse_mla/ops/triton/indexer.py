@@ -556,33 +556,47 @@ def _bit_search(words, tail, thr, count, bit, k, HAS_TAIL: tl.constexpr):
 
 
 @triton.jit
-def _digit_search(words, tail, thr, count, bit, k, zeros, HAS_TAIL: tl.constexpr, DIGIT: tl.constexpr):
-    """:func:`_bit_search`'s result, ``DIGIT`` bits a pass: the words whose bits above ``bit`` are ``thr``'s (the
-    others are above ``thr`` or below it whatever its lower bits) counted by their next ``DIGIT`` bits in one
-    histogram, the highest digit at or above which ``k`` or more lie taken. ``zeros``: how many words are 0 (no
-    candidate; in play, in digit 0, while ``thr`` is 0)."""
+def _digit_pass(words, tail, thr, count, bit, k, zeros, HAS_TAIL: tl.constexpr, DIGIT: tl.constexpr,
+                FROM_TOP: tl.constexpr):
+    """One pass of :func:`_digit_search`: the words whose bits above ``bit`` are ``thr``'s (the others are above
+    ``thr`` or below it whatever its lower bits) counted by their next ``DIGIT`` bits in one histogram, the highest
+    digit at or above which ``k`` or more lie taken. ``count``: how many lie at or above ``thr``; ``FROM_TOP``: none
+    lies above the words in play (``thr`` the row's largest word's bits), so the counts are summed from the highest
+    digit down and ``count`` is not read. Returns ``(thr, count, bit)`` for the next pass."""
     BINS: tl.constexpr = 1 << DIGIT
     COUNT_BITS: tl.constexpr = 31 - DIGIT  # >= 20: a count is at most the row's lanes (<= 2^15: WHOLE_SELECT_COLS)
     bins = tl.arange(0, BINS)
-    while (bit >= 0) & (count != k):
-        shift = tl.maximum(bit + 1 - DIGIT, 0)  # this pass's digit: bits [shift, bit]
-        settled = (tl.full((), 4294967295, tl.uint64) << (bit + 1)).to(tl.uint32)  # the bits above it
-        digits = (1 << (bit + 1 - shift)) - 1  # the digit's values: fewer than BINS on the last pass
-        hist = tl.histogram(((words >> shift) & digits).to(tl.int32), BINS, mask=(words & settled) == thr)
-        if HAS_TAIL:
-            hist += tl.histogram(((tail >> shift) & digits).to(tl.int32), BINS, mask=(tail & settled) == thr)
-        # at or above digit b: every word counted in count but those in play with a lower digit (no bin past the
-        # pass's digits qualifies: fewer than k words lie above the words in play, or the last pass would have
-        # taken a higher digit)
+    shift = tl.maximum(bit + 1 - DIGIT, 0)  # this pass's digit: bits [shift, bit]
+    settled = (tl.full((), 4294967295, tl.uint64) << (bit + 1)).to(tl.uint32)  # the bits above it
+    digits = (1 << (bit + 1 - shift)) - 1  # the digit's values: fewer than BINS on the last pass
+    hist = tl.histogram(((words >> shift) & digits).to(tl.int32), BINS, mask=(words & settled) == thr)
+    if HAS_TAIL:
+        hist += tl.histogram(((tail >> shift) & digits).to(tl.int32), BINS, mask=(tail & settled) == thr)
+    # the zeros (no candidate) are in play while thr is 0, in digit 0, and never count
+    if FROM_TOP:  # at or above digit b: the words in play with a digit at or above it
+        at_or_above = tl.cumsum(hist, 0, reverse=True) - tl.where((bins == 0) & (thr == 0), zeros, 0)
+    else:  # every word counted in count but those in play with a lower digit (no bin past the pass's digits
+        # qualifies: fewer than k words lie above the words in play, or the last pass would have taken a higher digit)
         at_or_above = count - (tl.cumsum(hist, 0) - hist) + tl.where((bins > 0) & (thr == 0), zeros, 0)
-        # the highest digit at or above which k or more lie, and how many: one maximum of (digit, count) packed in an
-        # int32 (a digit below 2^MAX_DIGIT_BITS, a count below 2^COUNT_BITS), not a maximum then a sum (each a
-        # cross-warp reduction: two barriers). Digit 0 always qualifies: count, at least k, lie at or above thr.
-        packed = tl.max(tl.where(at_or_above >= k, (bins << COUNT_BITS) | at_or_above, 0), 0)
-        best = packed >> COUNT_BITS
-        thr = thr | (best.to(tl.uint32) << shift)
-        count = packed & ((1 << COUNT_BITS) - 1)
-        bit = shift - 1
+    # the highest digit at or above which k or more lie, and how many: one maximum of (digit, count) packed in an
+    # int32 (a digit below 2^MAX_DIGIT_BITS, a count below 2^COUNT_BITS), not a maximum then a sum (each a cross-warp
+    # reduction: two barriers). Digit 0 always qualifies: k or more lie at or above thr.
+    packed = tl.max(tl.where(at_or_above >= k, (bins << COUNT_BITS) | at_or_above, 0), 0)
+    best = packed >> COUNT_BITS
+    return thr | (best.to(tl.uint32) << shift), packed & ((1 << COUNT_BITS) - 1), shift - 1
+
+
+@triton.jit
+def _digit_search(words, tail, thr, bit, k, zeros, HAS_TAIL: tl.constexpr, DIGIT: tl.constexpr):
+    """:func:`_bit_search`'s result, ``DIGIT`` bits a pass (:func:`_digit_pass`), from ``thr``: the bits above ``bit``
+    of the row's largest word, which ``k`` or more words share or exceed. ``zeros``: how many words are 0 (no
+    candidate). Returns ``(thr, count)``, how many lie at or above it."""
+    if bit >= 0:  # the first pass counts from the largest word: how many share thr's bits is not asked beforehand
+        thr, count, bit = _digit_pass(words, tail, thr, 0, bit, k, zeros, HAS_TAIL, DIGIT, True)
+    else:  # every bit common to the largest word and the floor: those at or above it
+        count = _count_at_or_above(words, tail, tl.maximum(thr, 1), HAS_TAIL)
+    while (bit >= 0) & (count != k):
+        thr, count, bit = _digit_pass(words, tail, thr, count, bit, k, zeros, HAS_TAIL, DIGIT, False)
     return thr, count
 
 
@@ -703,7 +717,7 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
                       KEYS: tl.constexpr, COLUMN_ENTRIES: tl.constexpr, CONVERT: tl.constexpr, BS: tl.constexpr,
                       ENTRY_BITS: tl.constexpr, WORDS: tl.constexpr = False, DEPENDENT: tl.constexpr = False,
                       DIGIT: tl.constexpr = 0, RUNS: tl.constexpr = 0, V: tl.constexpr = 1,
-                      PTX_STORE: tl.constexpr = False):
+                      PTX_STORE: tl.constexpr = False, FLOOR: tl.constexpr = 0):
     """One row: the ``K`` largest packed keys' entries (``KEYS``: the keys themselves), in ascending entry order,
     ``-1`` fill (``KEYS``: ``INT64_MIN``). ``words_ptr``: the same rows as int32 (the keys' low and high words);
     ``WORDS``: the rows are the score kernel's words (``stride`` of them a row; ``COLUMN_ENTRIES``), with no packed
@@ -721,7 +735,10 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
     The threshold is searched on the keys' high words (the scores' order bits, 32-bit compares: half the work of the
     64-bit keys') bit by bit from the highest bit where the row's valid words differ (the bits above it are common to
     every candidate), stopping as soon as exactly K words are at or above it; ``DIGIT`` > 0: ``DIGIT`` bits a pass,
-    one histogram of the words still in play (:func:`select_digit_bits`). Where several keys share the
+    one histogram of the words still in play (:func:`select_digit_bits`). ``FLOOR`` > 0 (:func:`select_floor`): the
+    search starts instead from the highest bit where the row's largest word and a floor of its K-th largest differ,
+    the least of ``FLOOR`` (at least K) groups' largest words: the lanes of the same ``(p // V) % FLOOR``, a thread's
+    own (``FLOOR`` a multiple of ``RUNS``), so its groups' maxima need no exchange. Where several keys share the
     threshold's score, their entries are searched bit by bit among them, from bit ``ENTRY_BITS - 1`` (every entry
     the rows hold is below ``2^ENTRY_BITS``). The search loads the high words alone;
     the keys (or their low words) are read again only where the output or a tie needs them.
@@ -733,6 +750,7 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
     picks themselves; the programs past the ``num_rows`` packed rows, and tokens of position ``-1``, write empty
     rows (the padding tokens')."""
     tl.static_assert(not WORDS or COLUMN_ENTRIES, "words rows: the entries are their columns")
+    tl.static_assert(FLOOR == 0 or DIGIT > 0, "a floor for the digit search (the bit rounds count from the least)")
     HAS_TAIL: tl.constexpr = TAIL > 1
     wait_for_previous(DEPENDENT)  # before any early return: the kernel completes after the one before it
     row = tl.program_id(0).to(tl.int64)
@@ -764,20 +782,25 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
         one = tl.full((), 1, tl.uint32)
         most = tl.full((), 4294967295, tl.uint32)
         top = tl.max(hi, 0)
-        bottom = tl.min(tl.where(hi != 0, hi, most), 0)
         if HAS_TAIL:
             top = tl.maximum(top, tl.max(hi_tail, 0))
-            bottom = tl.minimum(bottom, tl.min(tl.where(hi_tail != 0, hi_tail, most), 0))
+        if FLOOR > 0:  # FLOOR >= K words, each group's largest, lie at or above the least of them, so the K-th
+            # largest does too (a group of non-candidates' 0 taken as 1: every candidate); the tail's words only add
+            bottom = tl.maximum(tl.min(tl.max(tl.max(tl.reshape(hi, (C // (FLOOR * V), FLOOR, V)), 2), 0), 0), 1)
+        else:  # the least valid word
+            bottom = tl.min(tl.where(hi != 0, hi, most), 0)
+            if HAS_TAIL:
+                bottom = tl.minimum(bottom, tl.min(tl.where(hi_tail != 0, hi_tail, most), 0))
         common = top ^ bottom
         bit = 31
-        while (bit >= 0) & (((common >> bit) & one) == 0):  # the highest bit where the valid words differ
+        while (bit >= 0) & (((common >> bit) & one) == 0):  # the highest bit where the two differ
             bit -= 1
         below = (tl.full((), 1, tl.uint64) << (bit + 1)) - 1
-        thr = (top.to(tl.uint64) & ~below).to(tl.uint32)  # every valid word is at or above it: count of them
+        thr = (top.to(tl.uint64) & ~below).to(tl.uint32)  # at most bottom: K or more valid words at or above it
         if DIGIT > 0:
             lanes: tl.constexpr = C + TAIL if HAS_TAIL else C
-            thr, count = _digit_search(hi, hi_tail, thr, candidates, bit, K, lanes - candidates, HAS_TAIL, DIGIT)
-        else:
+            thr, count = _digit_search(hi, hi_tail, thr, bit, K, lanes - candidates, HAS_TAIL, DIGIT)
+        else:  # (no floor: every valid word lies at or above the least's bits)
             thr, count = _bit_search(hi, hi_tail, thr, candidates, bit, K, HAS_TAIL)
         chosen, chosen_tail = hi >= thr, hi_tail >= thr
         if count != K:  # keys tie at the threshold's score: the lowest entries among them
@@ -868,6 +891,25 @@ def select_runs(target: targets.Target, warps: int, main: int, words: bool) -> i
     V4.1 B 128 40.8 -> 37.3, the prefill chunk equal (docs/history.md version 38)."""
     threads = target.warp_size * warps
     return threads if words and main % (SELECT_VECTOR * threads) == 0 else 0
+
+
+def select_floor(runs: int, main: int, k: int) -> int:
+    """The select's ``FLOOR`` where its digit search starts from a floor of the K-th largest word (the least of
+    ``FLOOR`` groups' largest; :func:`_topk_rows_kernel`): the fewest threads' multiple (``runs`` threads of
+    :data:`SELECT_VECTOR`-word runs, :func:`select_runs`) at least ``k``, whose groups hold two vectors or more of the
+    main tile's ``main`` words; else 0, the least valid word's. Over the scores of a row the least of its groups'
+    largest lies far closer to the K-th largest than the least score does (often of the other sign, so the search
+    started at the sign bit): over 200 simulated rows of V4-Flash's decode shape a row's digit passes went from 2-4
+    (mostly 3) to 1-3 (mostly 2), and a launch waits for its slowest row. H200, Triton 3.9, graphs, the select alone
+    on the layer's words, the least valid word -> the floor: V4-Flash B 32 10.9 -> 10.7 µs, B 128 15.7 -> 15.0,
+    V4.1-Flash B 128 27.0 -> 25.0, V3.2 26.3 -> 23.2, the 4K prefill chunk 166.5 -> 153.6 (docs/history.md version
+    49)."""
+    if not runs:
+        return 0
+    groups = runs
+    while groups < k:
+        groups *= 2
+    return groups if main >= 2 * SELECT_VECTOR * groups else 0
 
 
 def select_warps(rows: int, lanes: int, sms: int, digits: bool = False, keys: bool = False) -> int:
@@ -1014,6 +1056,7 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     sms = targets.num_sms(packed.device, target)
     warps = select_warps(rows, lanes, sms, own_search, keys)
     maxnreg = select_maxnreg(target, warps, lanes, rows, sms, keys=keys) if own_search else None
+    runs = select_runs(target, warps, main, words_in)
     # packed keys: (rows, 2 · cols) int32, each key's low, then high word (the kernel takes the int64 row stride)
     words = packed if words_in else packed.view(torch.int32)
     if into is None:  # the conversion's arguments unread (CONVERT off): out stands in for its tensors
@@ -1027,7 +1070,7 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
             packed, words, out, packed.stride(0), out.stride(0), cols, rows, segments, *conv, K=k,
             KP=triton.next_power_of_2(k), C=main, TAIL=tail, KEYS=keys, COLUMN_ENTRIES=column_entries,
             CONVERT=into is not None, BS=bs, WORDS=words_in, ENTRY_BITS=max(1, (entries - 1).bit_length()),
-            DIGIT=digit_bits, RUNS=select_runs(target, warps, main, words_in), V=SELECT_VECTOR,
+            DIGIT=digit_bits, RUNS=runs, V=SELECT_VECTOR, FLOOR=select_floor(runs, main, k) if digit_bits else 0,
             PTX_STORE=PTX_STORE and target.backend == "cuda" and not interpreting(), num_warps=warps,
             **register_cap(maxnreg), **fp_fusion(), **launch_options(packed.device))
 
