@@ -336,17 +336,18 @@ def test_the_digit_search_starts_from_a_floor_of_groups_a_thread_owns(runs, main
 
 @needs_kernels
 @pytest.mark.parametrize("rows", ["scores of both signs", "a short request", "k + 1 candidates", "ties at the floor",
-                                  "a short request's K-th at -inf"])
+                                  "a short request's K-th at -inf", "a long row's segments"])
 def test_the_search_from_a_floor_picks_what_the_search_from_the_least_word_picks(rows, monkeypatch):
-    """Rows of words whose digit search starts from the least of its groups' largest words (``FLOOR``) and from the
-    least valid word (``FLOOR`` 0): torch.topk's picks in the same order either way; rows whose scores take both
-    signs, a request whose entries fill a quarter of the row (the other groups' largest 0: no candidate), k + 1
-    candidates, every group's largest tied with the K-th, and a short request whose K-th is -inf (the first pass's
-    lowest digit, where the zeros in play must not count)."""
+    """Rows of words whose digit search starts from the least of its groups' largest words (``FLOOR``, checked to
+    reach the launch) and from the least valid word (``FLOOR`` 0): torch.topk's picks in the same order either way;
+    rows whose scores take both signs, a request whose entries fill a quarter of the row (the other groups' largest
+    0: no candidate), k + 1 candidates, every group's largest tied with the K-th, a short request whose K-th is -inf
+    (the first pass's lowest digit, where the zeros in play must not count), and a row of 65,536 words (its segments'
+    pass, packing their winners' keys, from a floor)."""
     from sparse_mla.ops.triton import indexer as kernels
 
     gen = torch.Generator().manual_seed(len(rows))
-    cols, k = 8192, 512
+    cols, k = 65536 if rows == "a long row's segments" else 8192, 512
     scores = torch.randn(3, cols, generator=gen) * 5.0
     if rows == "a short request":
         scores[:, cols // 4:] = float("nan")  # (no candidate)
@@ -354,18 +355,22 @@ def test_the_search_from_a_floor_picks_what_the_search_from_the_least_word_picks
         scores[:, torch.randperm(cols, generator=gen)[k + 1:]] = float("nan")
     elif rows == "a short request's K-th at -inf":
         scores[:, cols // 4:] = float("nan")
-        scores[:, : cols // 4][torch.rand(3, cols // 4, generator=gen) < 0.75] = -float("inf")
+        finite = scores[:, : k - 50].clone()  # k - 50 finite scores a row among -inf: the K-th is -inf
+        scores[:, : cols // 4] = -float("inf")
+        scores[:, torch.randperm(cols // 4, generator=gen)[: k - 50]] = finite
     elif rows == "ties at the floor":
         scores = torch.where(torch.rand(3, cols, generator=gen) < 0.5, 1.0, -scores.abs())
     packed = packed_rows(scores).to(DEVICE)
     want = kernels.topk_from_packed(packed, k).cpu()
-    got = {}
+    rule, floors, got = kernels.select_floor, [], {}
     for floor in (True, False):
-        if not floor:
-            monkeypatch.setattr(kernels, "select_floor", lambda runs, main, k: 0)
+        monkeypatch.setattr(kernels, "select_floor", lambda runs, main, k, floor=floor: floors.append(
+            rule(runs, main, k) if floor else 0) or floors[-1])
         out = torch.full((3, k), 7, dtype=torch.int32, device=DEVICE)
         kernels.topk_rows(words_of(packed), k, out, digit_bits=kernels.SELECT_DIGIT_BITS)
         got[floor] = out.cpu()
+        if floor:
+            assert floors[0] >= k, floors  # the first launch, over the words, from a floor
     assert torch.equal(got[True], got[False])
     assert torch.equal(got[True].sort(1).values, want.sort(1).values)
 

@@ -750,7 +750,8 @@ def _topk_rows_kernel(packed_ptr, words_ptr, out_ptr, stride, out_stride, num_co
     picks themselves; the programs past the ``num_rows`` packed rows, and tokens of position ``-1``, write empty
     rows (the padding tokens')."""
     tl.static_assert(not WORDS or COLUMN_ENTRIES, "words rows: the entries are their columns")
-    tl.static_assert(FLOOR == 0 or DIGIT > 0, "a floor for the digit search (the bit rounds count from the least)")
+    # a floor for the digit search (the bit rounds count from the least), of K or more groups that tile the lanes
+    tl.static_assert(FLOOR == 0 or (DIGIT > 0 and FLOOR >= K and C % (FLOOR * V) == 0), "FLOOR: select_floor's")
     HAS_TAIL: tl.constexpr = TAIL > 1
     wait_for_previous(DEPENDENT)  # before any early return: the kernel completes after the one before it
     row = tl.program_id(0).to(tl.int64)
@@ -895,15 +896,15 @@ def select_runs(target: targets.Target, warps: int, main: int, words: bool) -> i
 
 def select_floor(runs: int, main: int, k: int) -> int:
     """The select's ``FLOOR`` where its digit search starts from a floor of the K-th largest word (the least of
-    ``FLOOR`` groups' largest; :func:`_topk_rows_kernel`): the fewest threads' multiple (``runs`` threads of
-    :data:`SELECT_VECTOR`-word runs, :func:`select_runs`) at least ``k``, whose groups hold two vectors or more of the
-    main tile's ``main`` words; else 0, the least valid word's. Over the scores of a row the least of its groups'
-    largest lies far closer to the K-th largest than the least score does (often of the other sign, so the search
-    started at the sign bit): over 200 simulated rows of V4-Flash's decode shape a row's digit passes went from 2-4
-    (mostly 3) to 1-3 (mostly 2), and a launch waits for its slowest row. H200, Triton 3.9, graphs, the select alone
-    on the layer's words, the least valid word -> the floor: V4-Flash B 32 10.9 -> 10.7 µs, B 128 15.7 -> 15.0,
-    V4.1-Flash B 128 27.0 -> 25.0, V3.2 26.3 -> 23.2, the 4K prefill chunk 166.5 -> 153.6 (docs/history.md version
-    49)."""
+    ``FLOOR`` groups' largest; :func:`_topk_rows_kernel`): the fewest of ``runs · 2^j`` (``runs`` threads of
+    :data:`SELECT_VECTOR`-word runs, :func:`select_runs`: each thread ``2^j`` groups of its own) at least ``k``, whose
+    groups hold two vectors or more of the main tile's ``main`` words; else 0, the least valid word's. Over the
+    scores of a row the least of its groups' largest lies far closer to the K-th largest than the least score does
+    (often of the other sign, so the search started at the sign bit): over 200 simulated rows of V4-Flash's decode
+    shape a row's digit passes went from 2-4 (mostly 3) to 1-3 (mostly 2), and a launch waits for its slowest row.
+    H200, Triton 3.9, graphs, the select alone on the layer's words, the least valid word -> the floor: V4-Flash B 32
+    10.9 -> 10.7 µs, B 128 15.7 -> 15.0, V4.1-Flash B 128 27.0 -> 25.0, V3.2 26.3 -> 23.2, the 4K prefill chunk 166.5
+    -> 153.6 (docs/history.md version 49)."""
     if not runs:
         return 0
     groups = runs
