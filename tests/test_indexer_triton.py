@@ -314,7 +314,7 @@ def test_each_select_pass_searches_and_spreads_as_its_rule_says(monkeypatch):
         launches.clear()
         kernels.topk_rows(torch.zeros(2, cols, dtype=words), 512, torch.zeros(2, 512, dtype=torch.int32))
         assert launches == [((2, cols), words, bits, warps)], cols
-        assert floors == [kernels.select_floor(warps * 32, cols, 512)] and floors[0], cols
+        assert floors == [kernels.select_floor(warps * 32, cols, 512, True)] and floors[0], cols
         floors.clear()
 
 
@@ -327,11 +327,12 @@ def test_each_select_pass_searches_and_spreads_as_its_rule_says(monkeypatch):
     (0, 8192, 512, 0),          # no runs (packed keys): the lanes in column order
 ])
 def test_the_digit_search_starts_from_a_floor_of_groups_a_thread_owns(runs, main, k, floor):
-    """``select_floor``: at least k groups, a multiple of the threads (each thread's runs its own groups), of two
-    vectors or more."""
+    """``select_floor``: for the digit search, at least k groups, a multiple of the threads (each thread's runs its
+    own groups), of two vectors or more; none for the bit rounds."""
     from sparse_mla.ops.triton import indexer as kernels
 
-    assert kernels.select_floor(runs, main, k) == floor
+    assert kernels.select_floor(runs, main, k, True) == floor
+    assert kernels.select_floor(runs, main, k, False) == 0  # the bit rounds: from the least word
 
 
 @needs_kernels
@@ -364,8 +365,8 @@ def test_the_search_from_a_floor_picks_what_the_search_from_the_least_word_picks
     want = kernels.topk_from_packed(packed, k).cpu()
     rule, floors, got = kernels.select_floor, [], {}
     for floor in (True, False):
-        monkeypatch.setattr(kernels, "select_floor", lambda runs, main, k, floor=floor: floors.append(
-            rule(runs, main, k) if floor else 0) or floors[-1])
+        monkeypatch.setattr(kernels, "select_floor", lambda runs, main, k, digits, floor=floor: floors.append(
+            rule(runs, main, k, digits) if floor else 0) or floors[-1])
         out = torch.full((3, k), 7, dtype=torch.int32, device=DEVICE)
         kernels.topk_rows(words_of(packed), k, out, digit_bits=kernels.SELECT_DIGIT_BITS)
         got[floor] = out.cpu()

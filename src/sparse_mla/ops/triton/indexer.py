@@ -863,7 +863,8 @@ def select_digit_bits(target: targets.Target, words: bool, winners: bool = False
     return SELECT_DIGIT_BITS if (words or winners) and target.backend == "cuda" and HISTOGRAM_BY_ATOMICS else 0
 
 
-def digit_search(target: targets.Target, words: bool, winners: bool, digit_bits: int | None) -> tuple[int, bool]:
+def select_search(target: targets.Target, words: bool, winners: bool, digit_bits: int | None
+                  ) -> tuple[int, bool]:
     """A select launch's threshold search: ``(bits, own)``, the bits a pass (``digit_bits`` where given, else the
     target's, :func:`select_digit_bits`) and whether they are the target's own digit search (digits where the target
     searches by them; an explicit ``digit_bits`` elsewhere, a test's or a probe's, is not), the one the launch rules
@@ -894,9 +895,10 @@ def select_runs(target: targets.Target, warps: int, main: int, words: bool) -> i
     return threads if words and main % (SELECT_VECTOR * threads) == 0 else 0
 
 
-def select_floor(runs: int, main: int, k: int) -> int:
-    """The select's ``FLOOR`` where its digit search starts from a floor of the K-th largest word (the least of
-    ``FLOOR`` groups' largest; :func:`_topk_rows_kernel`): the fewest of ``runs · 2^j`` (``runs`` threads of
+def select_floor(runs: int, main: int, k: int, digits: bool) -> int:
+    """The select's ``FLOOR`` where its search is by digits (``digits``; the bit rounds count from the least word) and
+    starts from a floor of the K-th largest word (the least of ``FLOOR`` groups' largest; :func:`_topk_rows_kernel`):
+    the fewest of ``runs · 2^j`` (``runs`` threads of
     :data:`SELECT_VECTOR`-word runs, :func:`select_runs`: each thread ``2^j`` groups of its own) at least ``k``, whose
     groups hold two vectors or more of the main tile's ``main`` words; else 0, the least valid word's. Over the
     scores of a row the least of its groups' largest lies far closer to the K-th largest than the least score does
@@ -905,7 +907,7 @@ def select_floor(runs: int, main: int, k: int) -> int:
     H200, Triton 3.9, graphs, the select alone on the layer's words, the least valid word -> the floor: V4-Flash B 32
     10.9 -> 10.7 µs, B 128 15.7 -> 15.0, V4.1-Flash B 128 27.0 -> 25.0, V3.2 26.3 -> 23.2, the 4K prefill chunk 166.5
     -> 153.6 (docs/history.md version 49)."""
-    if not runs:
+    if not (runs and digits):
         return 0
     groups = runs
     while groups < k:
@@ -957,13 +959,13 @@ CAPPED_LANES = {16: 8192, 8: 9216}  # the widest rows the cap takes at each warp
 def select_takes_whole(target: targets.Target, rows: int, cols: int, sms: int, digit_bits: int | None) -> bool:
     """Whether ``rows`` rows of words (the score kernel's) of ``cols`` columns past :data:`MAX_SELECT_COLS` go whole,
     one program a row, not in segments: rows of at most :data:`WHOLE_SELECT_COLS` columns, searched by the target's own
-    digits (:func:`digit_search`), no more than the SMs of ``sms`` (at 32 warps, 64 registers a thread, a program fills
+    digits (:func:`select_search`), no more than the SMs of ``sms`` (at 32 warps, 64 registers a thread, a program fills
     an SM's registers: more rows would take a second wave, not measured) — where segments would only add programs the
     SMs have room for, and a second launch. H200, Triton 3.9, V3.2 B 32's 64 rows of 32,768 words, the select alone:
     34.1 µs in segments of 8,192 (then their 8,192 winners), 25.9 whole at 32 warps (docs/history.md version 48); the
     same picks in the same order. B 8 at 512K's rows (131,072) stay in segments: in segments of 32,768 they ran slower
     (35.4 against 29.4)."""
-    _, own_search = digit_search(target, True, False, digit_bits)
+    _, own_search = select_search(target, True, False, digit_bits)
     return own_search and MAX_SELECT_COLS < cols <= WHOLE_SELECT_COLS and rows <= sms
 
 
@@ -1050,7 +1052,7 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
     target = targets.target_of(packed.device)
     words_in = packed.dtype == torch.int32  # the score kernel's words: the search's words themselves
     # (winners: the last pass over segments' winners, the one measured by digits; not a middle pass writing keys)
-    digit_bits, own_search = digit_search(target, words_in, not column_entries and not keys, digit_bits)
+    digit_bits, own_search = select_search(target, words_in, not column_entries and not keys, digit_bits)
     # the digit search's warps and register cap where it is the target's own; elsewhere the bit rounds' warps, the
     # only ones measured there; both by the packed rows (the programs past them, a step's padding tokens, write empty
     # rows)
@@ -1071,7 +1073,7 @@ def _launch_select(packed: torch.Tensor, k: int, out: torch.Tensor, keys: bool, 
             packed, words, out, packed.stride(0), out.stride(0), cols, rows, segments, *conv, K=k,
             KP=triton.next_power_of_2(k), C=main, TAIL=tail, KEYS=keys, COLUMN_ENTRIES=column_entries,
             CONVERT=into is not None, BS=bs, WORDS=words_in, ENTRY_BITS=max(1, (entries - 1).bit_length()),
-            DIGIT=digit_bits, RUNS=runs, V=SELECT_VECTOR, FLOOR=select_floor(runs, main, k) if digit_bits else 0,
+            DIGIT=digit_bits, RUNS=runs, V=SELECT_VECTOR, FLOOR=select_floor(runs, main, k, digit_bits > 0),
             PTX_STORE=PTX_STORE and target.backend == "cuda" and not interpreting(), num_warps=warps,
             **register_cap(maxnreg), **fp_fusion(), **launch_options(packed.device))
 
