@@ -308,16 +308,13 @@ def parts_in_step_us(case: Case, env: Env, parts: dict[str, Callable[[int], obje
     return out
 
 
-def layer_parts_in_step_us(case: Case, env: Env, layer: SparseMLAIndexer, meta: StepMetadata, plan: IndexerPlan,
-                           q: torch.Tensor, w: torch.Tensor, caches: Sequence[IndexerKeyCache]
-                           ) -> dict[str, float | None]:
-    """What each part adds to a layer in a step: graphs of :data:`STEP_LAYERS` layers' query preps, of their preps
-    and score launches, and of their whole calls (``layer`` over each of ``caches``: the layers of one configuration
-    share the step's plan, as :func:`in_step_us`'s do), each launched as the layer launches them (the
-    score kernel a programmatic dependent of the prep, the select of the scores, reading the words the scores just
-    wrote to L2, converting its picks): the prep's share, then the scores' and the top-k's as the differences
-    (``scores_added_us``, ``topk_added_us``), which count what overlaps the part before it as the layer does. For a
-    call of one token chunk of words; ``{}`` otherwise."""
+def layer_parts(case: Case, layer: SparseMLAIndexer, meta: StepMetadata, plan: IndexerPlan, q: torch.Tensor,
+                w: torch.Tensor, caches: Sequence[IndexerKeyCache]) -> dict[str, Callable[[int], None]]:
+    """Layer ``i``'s parts as the layer launches them, over ``caches[i]``: its query prep (``prep``), its prep and
+    score launch (``prep_scores``: the score kernel a programmatic dependent of the prep) and its whole call
+    (``whole``: the select a dependent of the scores, reading the words they just wrote to L2, converting its
+    picks); ``layer``'s calls of one configuration share the step's ``plan``. For a call of one token chunk of
+    words; ``{}`` otherwise."""
     from sparse_mla.ops.triton import indexer as kernels
 
     words = layer.scores_as_words(plan)
@@ -326,7 +323,7 @@ def layer_parts_in_step_us(case: Case, env: Env, layer: SparseMLAIndexer, meta: 
         return {}
     (t0, t1, longest), = chunks
     scores = plan.scores(t1 - t0, words)
-    native = targets.target_of(env.device).native_fp8
+    native = targets.target_of(q.device).native_fp8
 
     def prep(i: int) -> None:
         kernels.launch_prepare_queries(q, w, plan.cos, plan.sin, case.kind == "dsa", layer.spec.q_format == "fp8",
@@ -340,8 +337,21 @@ def layer_parts_in_step_us(case: Case, env: Env, layer: SparseMLAIndexer, meta: 
     def whole(i: int) -> None:
         layer(meta, q, w, caches[i])
 
-    out = parts_in_step_us(case, env, {"prep_in_step_us": prep, "prep_scores_in_step_us": prep_scores,
-                                       "whole_in_step_us": whole})
+    return {"prep": prep, "prep_scores": prep_scores, "whole": whole}
+
+
+def layer_parts_in_step_us(case: Case, env: Env, layer: SparseMLAIndexer, meta: StepMetadata, plan: IndexerPlan,
+                           q: torch.Tensor, w: torch.Tensor, caches: Sequence[IndexerKeyCache]
+                           ) -> dict[str, float | None]:
+    """What each part adds to a layer in a step: graphs of :data:`STEP_LAYERS` layers' query preps, of their preps
+    and score launches, and of their whole calls (:func:`layer_parts`), each launched as the layer launches them:
+    the prep's share, then the scores' and the top-k's as the differences (``scores_added_us``,
+    ``topk_added_us``), which count what overlaps the part before it as the layer does. For a call of one token
+    chunk of words; ``{}`` otherwise."""
+    parts = layer_parts(case, layer, meta, plan, q, w, caches)
+    if not parts:
+        return {}
+    out = parts_in_step_us(case, env, {f"{name}_in_step_us": part for name, part in parts.items()})
     if None in out.values():
         return out
     out["scores_added_us"] = out["prep_scores_in_step_us"] - out["prep_in_step_us"]
