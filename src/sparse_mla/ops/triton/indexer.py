@@ -593,8 +593,8 @@ def _digit_search(words, tail, thr, bit, k, zeros, HAS_TAIL: tl.constexpr, DIGIT
     candidate). Returns ``(thr, count)``, how many lie at or above it."""
     if bit >= 0:  # the first pass counts from the largest word: how many share thr's bits is not asked beforehand
         thr, count, bit = _digit_pass(words, tail, thr, 0, bit, k, zeros, HAS_TAIL, DIGIT, True)
-    else:  # every bit common to the largest word and the floor: those at or above it
-        count = _count_at_or_above(words, tail, tl.maximum(thr, 1), HAS_TAIL)
+    else:  # every bit common to the largest word and the floor (at least 1: no zero counts): those at or above it
+        count = _count_at_or_above(words, tail, thr, HAS_TAIL)
     while (bit >= 0) & (count != k):
         thr, count, bit = _digit_pass(words, tail, thr, count, bit, k, zeros, HAS_TAIL, DIGIT, False)
     return thr, count
