@@ -18,7 +18,6 @@ import numpy as np
 from sparse_mla.ops.triton.indexer import SELECT_DIGIT_BITS, SELECT_VECTOR, select_floor
 
 DIM = 128  # an indexer head's q·k length
-WORD_BITS = 32
 
 
 def score_words(scores: np.ndarray) -> np.ndarray:
